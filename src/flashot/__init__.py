@@ -1,0 +1,21 @@
+"""flashot: IO-aware entropic optimal transport that never materialises the cost matrix.
+
+Public API:
+    SamplesLoss   drop-in for ``geomloss.SamplesLoss(loss="sinkhorn")``
+    solve_sample  POT/GeomLoss-style solver returning an :class:`OTResult` with a lazy plan
+    ops           the two streamed primitives (softmin, plan product) and the engine registry
+"""
+
+from .costs import Cost, get_cost
+from .samples_loss import SamplesLoss
+
+__version__ = "0.1.0"
+
+__all__ = ["SamplesLoss", "Cost", "get_cost", "__version__"]
+
+try:  # front ends added as they land
+    from .solve import OTResult, solve_sample  # noqa: F401
+
+    __all__ += ["solve_sample", "OTResult"]
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,112 @@
+"""A pair of weighted point clouds, ready for the solver.
+
+Holds batched (B, N, D) / (B, M, D) points centred on a common point (the
+costs are translation invariant; centring avoids float32 cancellation in the
+GEMM expansion), the weights, their logs (``-inf`` for zero weights) and the
+engine.  The solver only calls :meth:`softmin_x` / :meth:`softmin_y` and the
+differentiable variants used in the final step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._checks import check_pair, check_points, check_weights, compute_dtype
+from .costs import Cost, get_cost
+from .ops import common_center, get_engine
+from .ops.autograd import softmin_fn
+from .ops.base import Engine
+
+
+def log_weights(a: Tensor) -> Tensor:
+    with torch.no_grad():
+        out = a.log()
+        return out.masked_fill_(a <= 0, float("-inf"))
+
+
+@dataclass
+class Measures:
+    x: Tensor  # (B, N, D), centred, compute dtype (keeps autograd history)
+    y: Tensor  # (B, M, D)
+    a: Tensor  # (B, N) compute dtype (may require grad)
+    b: Tensor  # (B, M)
+    a_log: Tensor  # (B, N), detached
+    b_log: Tensor  # (B, M), detached
+    cost: Cost
+    engine: Engine
+    batched: bool
+    out_dtype: torch.dtype
+    center: Tensor  # (B, 1, D), subtracted from both clouds
+
+    @classmethod
+    def build(
+        cls,
+        x: Tensor,
+        y: Tensor,
+        a: Tensor | None,
+        b: Tensor | None,
+        *,
+        cost: str | Cost,
+        backend: str,
+        allow_dense: bool = True,
+        names: tuple[str, str, str, str] = ("a", "x", "b", "y"),
+    ) -> "Measures":
+        an, xn, bn, yn = names
+        check_points(xn, x)
+        check_points(yn, y)
+        check_pair(x, y, xn, yn)
+        a = check_weights(an, a, x, xn)
+        b = check_weights(bn, b, y, yn)
+        cost = get_cost(cost)
+        batched = x.dim() == 3
+        if not batched:
+            x, y, a, b = x.unsqueeze(0), y.unsqueeze(0), a.unsqueeze(0), b.unsqueeze(0)
+        out_dtype = x.dtype
+        cdt = compute_dtype(x.dtype)
+        x, y, a, b = x.to(cdt), y.to(cdt), a.to(cdt), b.to(cdt)
+        c = common_center(x, y)
+        x, y = (x - c).contiguous(), (y - c).contiguous()
+        B, N, D = x.shape
+        eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D), allow_dense=allow_dense)
+        return cls(x, y, a, b, log_weights(a), log_weights(b), cost, eng, batched, out_dtype, c)
+
+    # -- shapes -------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        B, N, D = self.x.shape
+        return B, N, self.y.shape[1], D
+
+    # -- primitives used by the solver (no autograd) -----------------------------------
+    def softmin_x(self, h: Tensor, eps: float) -> Tensor:
+        """``f_i = -eps log sum_j exp(h_j - C(x_i, y_j)/eps)``, h: (B, M)."""
+        return self.engine.softmin(self.x.detach(), self.y.detach(), h, eps, self.cost)
+
+    def softmin_y(self, h: Tensor, eps: float) -> Tensor:
+        """``g_j = -eps log sum_i exp(h_i - C(x_i, y_j)/eps)``, h: (B, N)."""
+        return self.engine.softmin(self.y.detach(), self.x.detach(), h, eps, self.cost)
+
+    def softmin_xx(self, h: Tensor, eps: float) -> Tensor:
+        xd = self.x.detach()
+        return self.engine.softmin(xd, xd, h, eps, self.cost)
+
+    def softmin_yy(self, h: Tensor, eps: float) -> Tensor:
+        yd = self.y.detach()
+        return self.engine.softmin(yd, yd, h, eps, self.cost)
+
+    # -- differentiable variants (final step) -------------------------------------------
+    def softmin_grad(self, side: str, h: Tensor, eps: float) -> Tensor:
+        """Softmin differentiable w.r.t. the *output* side's points only (GeomLoss' rule).
+
+        ``side`` is ``"xy"`` (f on x from y), ``"yx"``, ``"xx"`` or ``"yy"``.
+        """
+        pts = {"x": self.x, "y": self.y}
+        out, src = pts[side[0]], pts[side[1]].detach()
+        return softmin_fn(out, src, h.detach(), eps, self.cost, self.engine)
+
+    def restore(self, t: Tensor) -> Tensor:
+        """Drop the batch axis if the input had none and cast to the input dtype."""
+        t = t if self.batched else t[0]
+        return t.to(self.out_dtype)

@@ -1,0 +1,130 @@
+"""The two streamed primitives and the engines behind them.
+
+``softmin``:       out_i = -eps * log sum_j exp(h_j - C(x_i, y_j) / eps)
+``plan_product``:  out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j
+
+Both accept (N, D) or (B, N, D) points, pick an engine with ``backend=``
+(``"auto"``, ``"dense"``, ``"tiled"``, and the optional ``"triton"`` / ``"cpu"``),
+centre both clouds on a common point (C is translation invariant; this avoids
+float32 cancellation in |x|^2 + |y|^2 - 2<x, y>), and compute float16/bfloat16
+inputs in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._checks import check_pair, check_points, check_positive, compute_dtype
+from ..costs import Cost, get_cost
+from .autograd import softmin_fn
+from .base import WEIGHTS, Engine, Weight
+from .registry import EngineUnavailable, engine_names, get_engine, register_engine
+
+__all__ = [
+    "softmin",
+    "plan_product",
+    "get_engine",
+    "register_engine",
+    "engine_names",
+    "EngineUnavailable",
+    "Engine",
+    "common_center",
+]
+
+
+def common_center(x: Tensor, y: Tensor) -> Tensor:
+    """Midpoint of the joint bounding box of both clouds, (B, 1, D), detached."""
+    with torch.no_grad():
+        lo = torch.minimum(x.amin(-2), y.amin(-2))
+        hi = torch.maximum(x.amax(-2), y.amax(-2))
+        return ((lo + hi) / 2).unsqueeze(-2)
+
+
+def _prepare(x: Tensor, y: Tensor, backend: str, cost: str | Cost):
+    check_points("x", x)
+    check_points("y", y)
+    check_pair(x, y)
+    cost = get_cost(cost)
+    batched = x.dim() == 3
+    if not batched:
+        x, y = x.unsqueeze(0), y.unsqueeze(0)
+    out_dtype = x.dtype
+    cdt = compute_dtype(x.dtype)
+    x, y = x.to(cdt), y.to(cdt)
+    c = common_center(x, y)
+    x, y = (x - c).contiguous(), (y - c).contiguous()
+    B, N, D = x.shape
+    eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D))
+    return x, y, cost, eng, batched, out_dtype, cdt
+
+
+def _vec(name: str, v: Tensor, shape, cdt, device) -> Tensor:
+    if not isinstance(v, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
+    if v.device != device:
+        raise ValueError(f"{name}: is on {v.device}, expected {device}")
+    if tuple(v.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(v.shape)}")
+    if bool(torch.isnan(v.detach()).any()) or bool(torch.isposinf(v.detach()).any()):
+        raise ValueError(f"{name}: contains NaN or +Inf (-Inf is allowed and means zero weight)")
+    return v.to(cdt)
+
+
+def softmin(
+    x: Tensor, y: Tensor, h: Tensor, eps: float, *, cost: str | Cost = "sqeuclidean", backend: str = "auto"
+) -> Tensor:
+    """``out_i = -eps * log sum_j exp(h_j - C(x_i, y_j) / eps)``, streamed.
+
+    Args:
+        x: (N, D) or (B, N, D) points.  y: (M, D) or (B, M, D) points.
+        h: (M,) or (B, M) log-weights (``-inf`` = zero weight).
+        eps: temperature > 0.
+    Returns:
+        (N,) or (B, N), differentiable w.r.t. ``x``, ``y`` and ``h``.
+    """
+    eps = check_positive("eps", eps)
+    x_, y_, cost, eng, batched, out_dtype, cdt = _prepare(x, y, backend, cost)
+    h_ = _vec("h", h, y.shape[:-1], cdt, x.device)
+    if not batched:
+        h_ = h_.unsqueeze(0)
+    out = softmin_fn(x_, y_, h_, eps, cost, eng)
+    out = out if batched else out[0]
+    return out.to(out_dtype)
+
+
+def plan_product(
+    x: Tensor,
+    y: Tensor,
+    alpha: Tensor,
+    beta: Tensor,
+    eps: float,
+    V: Tensor,
+    *,
+    cost: str | Cost = "sqeuclidean",
+    weight: Weight = "plan",
+    backend: str = "auto",
+) -> Tensor:
+    """``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``, streamed (no autograd).
+
+    ``V`` is (M,), (M, K) or (B, M, K); ``weight`` selects ``W`` (``"plan"``: 1,
+    ``"cost"``: C_ij, ``"dcost"``: w with grad_x C = w (x - y)).
+    """
+    eps = check_positive("eps", eps)
+    if weight not in WEIGHTS:
+        raise ValueError(f"weight: expected one of {WEIGHTS}, got {weight!r}")
+    x_, y_, cost, eng, batched, out_dtype, cdt = _prepare(x, y, backend, cost)
+    a_ = _vec("alpha", alpha, x.shape[:-1], cdt, x.device)
+    b_ = _vec("beta", beta, y.shape[:-1], cdt, x.device)
+    vec = V.dim() == (1 if not batched else 2)
+    V_ = V.unsqueeze(-1) if vec else V
+    if V_.shape[:-1] != y.shape[:-1]:
+        raise ValueError(f"V: expected leading shape {tuple(y.shape[:-1])}, got {tuple(V.shape)}")
+    V_ = V_.to(x.device, cdt)
+    if not batched:
+        a_, b_, V_ = a_.unsqueeze(0), b_.unsqueeze(0), V_.unsqueeze(0)
+    with torch.no_grad():
+        out = eng.plan_product(x_, y_, a_, b_, eps, V_.contiguous(), cost, weight)
+    out = out if batched else out[0]
+    out = out[..., 0] if vec else out
+    return out.to(out_dtype)

@@ -1,0 +1,126 @@
+"""``SamplesLoss``: a drop-in for ``geomloss.SamplesLoss(loss="sinkhorn", ...)``.
+
+Cost ``C(x, y) = |x - y|^p / p`` for ``p = 2`` (i.e. ``|x - y|^2 / 2``) and
+``|x - y|`` for ``p = 1``; temperature ``eps = blur^p``; epsilon-scaling from
+``diameter^p`` by ratio ``scaling^p``; symmetric updates; the debiased Sinkhorn
+divergence ``S(a, b) = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` by default.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import check_positive
+from .measures import Measures
+from .schedules import epsilon_scaling, max_diameter
+from .sinkhorn import balanced_value, final_step, sinkhorn_loop
+
+_GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto"}
+_P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
+
+
+class SamplesLoss(torch.nn.Module):
+    """Sinkhorn divergence between sampled measures (GeomLoss' arguments and defaults).
+
+    Args:
+        loss: only ``"sinkhorn"`` for now.
+        p: 1 (``C = |x - y|``) or 2 (``C = |x - y|^2 / 2``).
+        blur: final temperature ``eps = blur^p`` (> 0).
+        reach: unbalanced OT (not yet supported: raises NotImplementedError).
+        diameter: start of the epsilon-scaling; computed from the data if None.
+        scaling: ratio of the epsilon-scaling, in (0, 1).
+        debias: return ``S(a, b)`` (True) or ``OT_eps(a, b)`` (False).
+        potentials: return the dual potentials ``(F, G)`` instead of the value.
+        backend: ``"auto"``, GeomLoss' ``"tensorized"`` (= our ``dense``) or
+            ``"online"`` (our best streaming engine), or one of our engine names.
+
+    Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
+    (B, N, D) points and (N,) / (B, N) weights.
+    """
+
+    def __init__(
+        self,
+        loss: str = "sinkhorn",
+        p: int = 2,
+        blur: float = 0.05,
+        reach: float | None = None,
+        diameter: float | None = None,
+        scaling: float = 0.5,
+        truncate: float | None = 5,
+        cost=None,
+        kernel=None,
+        cluster_scale: float | None = None,
+        debias: bool = True,
+        potentials: bool = False,
+        verbose: bool = False,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if loss != "sinkhorn":
+            raise NotImplementedError(
+                f"loss={loss!r} is not supported yet; flashot implements loss='sinkhorn'"
+            )
+        if p not in (1, 2) or isinstance(p, bool):
+            raise ValueError(f"p: expected 1 or 2, got {p!r}")
+        if reach is not None:
+            raise NotImplementedError("reach (unbalanced OT) is not supported yet; use reach=None")
+        if cost is not None:
+            raise NotImplementedError("cost: custom cost functions are not supported; use p=1 or p=2")
+        if kernel is not None:
+            raise NotImplementedError("kernel: only loss='sinkhorn' is supported, which takes no kernel")
+        if cluster_scale is not None or backend == "multiscale":
+            raise NotImplementedError(
+                "the 'multiscale' backend (cluster_scale) is not supported yet; use backend='online'"
+            )
+        self.blur = check_positive("blur", blur)
+        if diameter is not None:
+            diameter = check_positive("diameter", diameter)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < 1:
+            raise ValueError(f"scaling: expected a number in (0, 1), got {scaling!r}")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+        self.loss, self.p, self.reach, self.diameter = loss, int(p), reach, diameter
+        self.scaling, self.truncate, self.debias = float(scaling), truncate, bool(debias)
+        self.potentials, self.verbose, self.backend = bool(potentials), bool(verbose), backend
+
+    def _split_args(self, args):
+        if len(args) == 2:
+            return None, args[0], None, args[1]
+        if len(args) == 4:
+            return args
+        if len(args) == 6:
+            raise NotImplementedError(
+                "cluster labels (six-argument call) belong to the 'multiscale' backend, "
+                "which is not supported yet; call L(a, x, b, y)"
+            )
+        raise ValueError(
+            f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments"
+        )
+
+    def forward(self, *args: Tensor):
+        a_in, x, b_in, y = self._split_args(args)
+        backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
+        cost = _P_COSTS[self.p]
+        if self.p == 1 and self.backend == "tensorized":
+            cost = "euclidean_geomloss"  # reproduce GeomLoss' clamp of |x-y|^2 at 1e-8
+        m = Measures.build(
+            x, y, a_in, b_in,
+            cost=cost,
+            backend=backend,
+            allow_dense=self.backend != "online",
+            names=("α", "x", "β", "y"),
+        )
+        diameter = self.diameter if self.diameter is not None else max_diameter(m.x, m.y)
+        diameter = max(diameter, self.blur)
+        eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
+        st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias)
+        f, g, f_aa, g_bb = final_step(m, st)
+        if self.debias:
+            f, g = f - f_aa, g - g_bb
+        if self.potentials:
+            F, G = m.restore(f), m.restore(g)
+            if a_in is not None and a_in.dim() > F.dim():
+                F, G = F.view_as(a_in), G.view_as(b_in)
+            return F, G
+        return m.restore(balanced_value(m.a, m.b, f, g))
