@@ -8,14 +8,8 @@ Public API:
 
 from .costs import Cost, get_cost
 from .samples_loss import SamplesLoss
+from .solve import OTResult, solve_sample
 
 __version__ = "0.1.0"
 
-__all__ = ["SamplesLoss", "Cost", "get_cost", "__version__"]
-
-try:  # front ends added as they land
-    from .solve import OTResult, solve_sample  # noqa: F401
-
-    __all__ += ["solve_sample", "OTResult"]
-except ImportError:  # pragma: no cover
-    pass
+__all__ = ["SamplesLoss", "solve_sample", "OTResult", "Cost", "get_cost", "__version__"]

@@ -1,0 +1,126 @@
+r"""The entropic transport plan as a lazy linear operator.
+
+:math:`P_{ij} = a_i b_j \exp((f_i + g_j - C(x_i, y_j)) / \varepsilon)` is never
+stored: ``P @ V`` and ``P.T @ U`` are streamed plan products (memory O(n + m)).
+Plan operations are not differentiable (they act on detached potentials).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .measures import Measures
+from .ops.base import Weight
+
+# ``to_dense`` refuses above this many entries (B * N * M): 2**26 = 256 MiB of float32.
+DENSE_PLAN_LIMIT = 2**26
+
+
+class LazyPlan:
+    """``P = diag(a) exp((f + g^T - C) / eps) diag(b)``, applied on the fly.
+
+    Shapes are (N, M), or (B, N, M) for batched problems.  ``P @ V`` takes V of
+    shape (M,), (M, K) or (B, M, K); numpy arrays in give numpy arrays out.
+    """
+
+    def __init__(
+        self, m: Measures, f: Tensor, g: Tensor, eps: float, *, transposed: bool = False, numpy: bool = False
+    ):
+        self._m, self._f, self._g, self.eps = m, f.detach(), g.detach(), float(eps)
+        self._t, self._numpy = transposed, numpy
+
+    # -- structure -----------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        B, N, M, _ = self._m.shape
+        nm = (M, N) if self._t else (N, M)
+        return nm if not self._m.batched else (B, *nm)
+
+    @property
+    def T(self) -> "LazyPlan":
+        return LazyPlan(self._m, self._f, self._g, self.eps, transposed=not self._t, numpy=self._numpy)
+
+    def __repr__(self) -> str:
+        return f"LazyPlan(shape={self.shape}, eps={self.eps:g}, engine={self._m.engine.name!r})"
+
+    # -- the one streamed operation ----------------------------------------------------
+    def _sides(self):
+        m = self._m
+        alpha = self._f / self.eps + m.a_log
+        beta = self._g / self.eps + m.b_log
+        if self._t:
+            return m.y.detach(), m.x.detach(), beta, alpha
+        return m.x.detach(), m.y.detach(), alpha, beta
+
+    def apply(self, V, weight: Weight = "plan"):
+        """``(P ⊙ W) @ V`` (``weight`` as in :func:`flashot.ops.plan_product`)."""
+        is_np = isinstance(V, np.ndarray)
+        Vt = torch.from_numpy(np.ascontiguousarray(V)) if is_np else V
+        if not isinstance(Vt, Tensor):
+            raise TypeError(f"V: expected a torch.Tensor or numpy.ndarray, got {type(V).__name__}")
+        if not Vt.is_floating_point():
+            Vt = Vt.to(torch.float64 if is_np else self._m.x.dtype)
+        x, y, alpha, beta = self._sides()
+        cols = y.shape[1]
+        batched = self._m.batched
+        vec = Vt.dim() == (2 if batched else 1)
+        V3 = Vt.unsqueeze(-1) if vec else Vt
+        if not batched:
+            V3 = V3.unsqueeze(0)
+        if V3.dim() != 3 or V3.shape[:2] != (x.shape[0], cols):
+            raise ValueError(
+                f"V: expected shape ({cols},) or ({cols}, K)" + (" with a leading batch axis" if batched else "")
+                + f" for a plan of shape {self.shape}, got {tuple(Vt.shape)}"
+            )
+        if not bool(torch.isfinite(V3).all()):
+            raise ValueError("V: contains NaN or Inf values")
+        out_dtype = Vt.dtype
+        V3 = V3.to(device=x.device, dtype=x.dtype).contiguous()
+        with torch.no_grad():
+            out = self._m.engine.plan_product(x, y, alpha, beta, self.eps, V3, self._m.cost, weight)
+        out = out if batched else out[0]
+        out = out[..., 0] if vec else out
+        out = out.to(out_dtype)
+        return out.cpu().numpy() if is_np else out
+
+    def __matmul__(self, V):
+        return self.apply(V)
+
+    # -- derived quantities ------------------------------------------------------------------
+    def _ones(self):
+        x, y, _, _ = self._sides()
+        return torch.ones(y.shape[0], y.shape[1], 1, dtype=x.dtype, device=x.device)
+
+    def row_sums(self):
+        """``P 1`` (streamed)."""
+        out = self._apply_raw(self._ones())
+        return self._finish(out[..., 0])
+
+    def _apply_raw(self, V3, weight: Weight = "plan"):
+        x, y, alpha, beta = self._sides()
+        with torch.no_grad():
+            return self._m.engine.plan_product(x, y, alpha, beta, self.eps, V3, self._m.cost, weight)
+
+    def _finish(self, t: Tensor):
+        t = self._m.restore(t)
+        return t.cpu().numpy() if self._numpy else t
+
+    def cost_sum(self) -> Tensor:
+        """``<C, P>`` per problem, (B,) (streamed)."""
+        return self._apply_raw(self._ones(), "cost")[..., 0].sum(-1)
+
+    def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT):
+        """Materialise ``P``; refuses above ``max_elems`` entries."""
+        n = int(np.prod(self.shape))
+        if n > max_elems:
+            raise MemoryError(
+                f"to_dense: the plan has {n:,} entries (shape {self.shape}), above max_elems={max_elems:,}; "
+                "use plan @ V, plan.T @ U or raise max_elems explicitly"
+            )
+        x, y, alpha, beta = self._sides()
+        with torch.no_grad():
+            C = self._m.cost.matrix(x, y)
+            P = torch.exp(alpha.unsqueeze(-1) + beta.unsqueeze(-2) - C / self.eps)
+        return self._finish(P)

@@ -1,0 +1,176 @@
+r"""``solve_sample``: entropic OT between point clouds, POT / GeomLoss style.
+
+Solves :math:`\min_P \langle C, P\rangle + \varepsilon\, \mathrm{KL}(P \,|\, a \otimes b)`
+over couplings of ``a`` and ``b``, with ``C(x, y) = |x - y|^2`` by default and
+``reg`` :math:`= \varepsilon`.  The value is returned in POT's convention; at
+convergence it equals :math:`\langle f, a\rangle + \langle g, b\rangle`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ._checks import check_int, check_positive, to_tensor
+from .measures import Measures
+from .plan import LazyPlan
+from .sinkhorn import IterationRecord, SinkhornState, balanced_value, final_step, sinkhorn_loop
+
+METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
+
+
+@dataclass
+class OTResult:
+    """Result of :func:`solve_sample` (POT's ``OTResult`` names).
+
+    Attributes:
+        value: entropic OT value ``<C, P> + reg KL(P | a x b)`` (= ``<f, a> + <g, b>``
+            at convergence); differentiable w.r.t. torch inputs that require grad.
+        potentials: ``(f, g)`` dual potentials, (N,), (M,) (or batched).
+        plan: the lazy transport plan (:class:`~flashot.plan.LazyPlan`).
+        n_iter, converged, error: iterations run, whether ``tol`` was met, final marginal error.
+    """
+
+    value: Any
+    potentials: tuple[Any, Any]
+    plan: LazyPlan
+    n_iter: int
+    converged: bool
+    error: float | None
+    reg: float
+    backend: str
+    _numpy: bool = field(default=False, repr=False)
+
+    def _out(self, t: Tensor):
+        if not self._numpy:
+            return t
+        t = t.detach().cpu()
+        return float(t) if t.dim() == 0 else t.numpy()
+
+    @cached_property
+    def value_linear(self):
+        """``<C, P>``, streamed (one plan-product pass)."""
+        v = self.plan.cost_sum()
+        return self._out(v if self.plan._m.batched else v[0])
+
+    @cached_property
+    def marginals(self):
+        """``(P 1, P^T 1)``, streamed."""
+        return self.plan.row_sums(), self.plan.T.row_sums()
+
+    @property
+    def marginal_a(self):
+        return self.marginals[0]
+
+    @property
+    def marginal_b(self):
+        return self.marginals[1]
+
+    @property
+    def status(self) -> str:
+        return "converged" if self.converged else "max_iter reached"
+
+
+def solve_sample(
+    X_a,
+    X_b,
+    a=None,
+    b=None,
+    *,
+    cost: str = "sqeuclidean",
+    metric: str | None = None,
+    reg: float | None = None,
+    max_iter: int | None = None,
+    tol: float | None = 1e-6,
+    method: str = "auto",
+    backend: str = "auto",
+    potentials_init: tuple | None = None,
+    unbalanced=None,
+    callback: Callable[[IterationRecord], None] | None = None,
+) -> OTResult:
+    """Entropic OT between weighted point clouds, streamed (no n x m matrix).
+
+    Args:
+        X_a, X_b: (N, D) and (M, D) points, or (B, N, D) / (B, M, D); torch or numpy.
+        a, b: weights (N,), (M,) (or batched); uniform when None.
+        cost: ``"sqeuclidean"`` (|x-y|^2), ``"half_sqeuclidean"`` or ``"euclidean"``.
+            ``metric`` is POT's name for the same argument.
+        reg: the entropic regularisation epsilon (> 0, required).
+        max_iter: iterations (default 1000).  With ``tol=None`` exactly ``max_iter`` run.
+        tol: stop when the L1 marginal violation drops below it (default 1e-6).
+        method: ``"auto"`` / ``"sinkhorn"`` / ``"sinkhorn_log"`` (alternating, log-domain)
+            or ``"symmetric"`` (GeomLoss' averaged updates).
+        backend: engine name or ``"auto"``.
+        potentials_init: ``(f, g)`` warm start (same shapes as the returned potentials).
+        callback: called with an :class:`~flashot.sinkhorn.IterationRecord` after each iteration.
+
+    Returns:
+        :class:`OTResult` (numpy outputs when the points were numpy arrays).
+    """
+    if metric is not None:
+        if cost != "sqeuclidean" and metric != cost:
+            raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
+        cost = metric
+    if reg is None:
+        raise ValueError("reg: flashot solves entropic OT and needs reg > 0 (the epsilon); "
+                         "for exact (unregularised) OT use POT's ot.solve_sample")
+    reg = check_positive("reg", reg)
+    max_iter = check_int("max_iter", 1000 if max_iter is None else max_iter)
+    tol = check_positive("tol", tol, allow_none=True)
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method: expected one of {sorted(METHODS)}, got {method!r}")
+    if unbalanced is not None:
+        raise NotImplementedError("unbalanced OT is not supported yet; use unbalanced=None")
+    is_np = isinstance(X_a, np.ndarray)
+    if is_np != isinstance(X_b, np.ndarray):
+        raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
+    X_a, X_b = to_tensor("X_a", X_a), to_tensor("X_b", X_b)
+    if a is not None:
+        a = to_tensor("a", a, like=X_a)
+    if b is not None:
+        b = to_tensor("b", b, like=X_b)
+
+    m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+    init = None
+    if potentials_init is not None:
+        init = _check_init(potentials_init, m)
+    st: SinkhornState = sinkhorn_loop(
+        m, [reg] * max_iter, symmetric=METHODS[method], tol=tol, init=init, callback=callback
+    )
+    f, g, _, _ = final_step(m, st)
+    value = balanced_value(m.a, m.b, f, g)
+    res = OTResult(
+        value=None,
+        potentials=(None, None),
+        plan=LazyPlan(m, f, g, reg, numpy=is_np),
+        n_iter=st.n_iter,
+        converged=st.converged,
+        error=st.error,
+        reg=reg,
+        backend=m.engine.name,
+        _numpy=is_np,
+    )
+    res.value = res._out(m.restore(value))
+    res.potentials = (res._out(m.restore(f)), res._out(m.restore(g)))
+    return res
+
+
+def _check_init(init, m: Measures) -> tuple[Tensor, Tensor]:
+    if not isinstance(init, (tuple, list)) or len(init) != 2:
+        raise TypeError("potentials_init: expected a pair (f, g)")
+    out = []
+    for name, v, ref in (("potentials_init[0]", init[0], m.a_log), ("potentials_init[1]", init[1], m.b_log)):
+        t = to_tensor(name, v)
+        t = t.unsqueeze(0) if not m.batched else t
+        if t.shape != ref.shape:
+            shape = tuple(ref.shape) if m.batched else tuple(ref.shape[1:])
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(v.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: contains NaN or Inf values")
+        out.append(t.detach().to(ref.device, ref.dtype))
+    return out[0], out[1]
