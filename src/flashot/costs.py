@@ -52,7 +52,9 @@ class Cost:
         """``w`` such that ``grad_x C(x, y) = w * (x - y)``, from the cost values ``c``."""
         if self.scale is not None:
             return torch.full_like(c, 2.0 * self.scale)
-        return torch.where(c > 0, 1.0 / c, torch.zeros_like(c))
+        # zero where the distance is 0, or clamped (the clamp kills the gradient); the 1.001
+        # margin absorbs the rounding of sqrt(min_sqdist) in float32.
+        return torch.where(c > 1.001 * self.min_sqdist**0.5, 1.0 / c, torch.zeros_like(c))
 
     @property
     def direct(self) -> bool:
@@ -62,18 +64,19 @@ class Cost:
         a square root turns into errors of ~3e-4 |x| near x = y: ``euclidean``
         computes differences directly (exact zero on the diagonal).
         """
-        return self.scale is None and self.min_sqdist == 0.0
+        return self.scale is None
 
     def tile(self, x: Tensor, y: Tensor) -> Tensor:
         """Cost values between batched blocks (B, n, D) and (B, m, D) -> (B, n, m)."""
         if self.direct:
-            return torch.cdist(x, y, compute_mode="donot_use_mm_for_euclid_dist")
+            c = torch.cdist(x, y, compute_mode="donot_use_mm_for_euclid_dist")
+            return c.clamp_min_(self.min_sqdist**0.5) if self.min_sqdist > 0 else c
         return self.from_sqdist(sqdist(x, y))
 
     def matrix(self, x: Tensor, y: Tensor) -> Tensor:
         """Dense cost matrix, (..., N, M).  Only for the ``dense`` engine and tests."""
         if self.direct:
-            return ((x.unsqueeze(-2) - y.unsqueeze(-3)) ** 2).sum(-1).sqrt()
+            return self.from_sqdist(((x.unsqueeze(-2) - y.unsqueeze(-3)) ** 2).sum(-1))
         return self.from_sqdist(sqdist(x, y))
 
 
@@ -91,7 +94,8 @@ COSTS: dict[str, Cost] = {
     "sqeuclidean": Cost("sqeuclidean", 1.0, 2),
     "half_sqeuclidean": Cost("half_sqeuclidean", 0.5, 2),
     "euclidean": Cost("euclidean", None, 1),
-    # GeomLoss' ``backend="tensorized", p=1`` convention: sqrt(max(|x - y|^2, 1e-8)).
+    # GeomLoss' ``backend="tensorized", p=1`` convention: sqrt(max(|x - y|^2, 1e-8))
+    # (we compute |x - y|^2 from differences, GeomLoss by the GEMM expansion).
     "euclidean_geomloss": Cost("euclidean_geomloss", None, 1, 1e-8),
 }
 

@@ -111,7 +111,8 @@ class SamplesLoss(torch.nn.Module):
             allow_dense=self.backend != "online",
             names=("α", "x", "β", "y"),
         )
-        diameter = self.diameter if self.diameter is not None else max_diameter(m.x, m.y)
+        # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
+        diameter = self.diameter if self.diameter is not None else max_diameter(m.x + m.center, m.y + m.center)
         diameter = max(diameter, self.blur)
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
         st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias)

@@ -60,9 +60,10 @@ class SoftminFn(torch.autograd.Function):
 
 def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine) -> Tensor:
     """Softmin that is differentiable w.r.t. ``x``, ``y`` and ``h`` (batched tensors)."""
-    if engine.name == "dense" and torch.is_grad_enabled() and (
+    if engine.name == "dense" and cost.is_dot and torch.is_grad_enabled() and (
         x.requires_grad or y.requires_grad or h.requires_grad
     ):
         # The dense engine is plain torch: let autograd see it (double backward works).
+        # Not for |x - y|, whose autograd derivative at x = y is NaN.
         return engine.softmin(x, y, h, eps, cost)
     return SoftminFn.apply(x, y, h, eps, cost, engine)

@@ -25,8 +25,11 @@ class DenseEngine:
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
         C = cost.matrix(x, y)
-        S = alpha.unsqueeze(-1) + beta.unsqueeze(-2) - C / eps
-        P = torch.exp(S)
+        # row max taken out before exp (and put back after): exp(alpha + beta - C/eps)
+        # directly loses ~1e-7 |alpha| in the exponent, which debiased p=1 gradients amplify.
+        S = beta.unsqueeze(-2) - C / eps
+        m = S.amax(-1, keepdim=True).clamp_min(torch.finfo(S.dtype).min)
+        P = torch.exp(S - m) * torch.exp(alpha.unsqueeze(-1) + m)
         if weight == "cost":
             P = P * C
         elif weight == "dcost":

@@ -1,0 +1,102 @@
+"""SamplesLoss against geomloss.SamplesLoss: values, potentials and gradients.
+
+Tolerances (issue 2): 1e-4 relative in float32 and 1e-6 in float64, measured as
+max |ours - theirs| / max |theirs| over each output.  GeomLoss' "online" (KeOps)
+and "tensorized" backends themselves differ by up to ~1e-4 (float32) and ~5e-7
+(float64) on these problems, so the tolerance leaves no room for a real bug.
+"""
+
+import pytest
+import torch
+
+geomloss = pytest.importorskip("geomloss")  # installed by the test extra
+
+import flashot
+from conftest import rel_err
+
+TOL = {torch.float32: 1e-4, torch.float64: 1e-6}
+
+
+def _data(dtype, batched=False, N=120, M=90, D=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lead = (2,) if batched else ()
+    x = torch.randn(*lead, N, D, generator=g, dtype=torch.float64)
+    y = torch.randn(*lead, M, D, generator=g, dtype=torch.float64) * 0.8 + 0.5
+    a = torch.rand(*lead, N, generator=g, dtype=torch.float64) + 0.1
+    b = torch.rand(*lead, M, generator=g, dtype=torch.float64) + 0.1
+    a, b = a / a.sum(-1, keepdim=True), b / b.sum(-1, keepdim=True)
+    return [t.to(dtype) for t in (a, x, b, y)]
+
+
+def _run(L, a, x, b, y):
+    a, x, b, y = [t.clone().requires_grad_() for t in (a, x, b, y)]
+    v = L(a, x, b, y)
+    grads = torch.autograd.grad(v.sum(), [a, x, b, y])
+    return v.detach(), grads
+
+
+def _compare(kw, dtype, batched, backend, tol=None, ref64=False, ref_backend=None):
+    """``ref64``: take GeomLoss' float64 result on the same (rounded) data as the reference;
+    ``ref_backend``: GeomLoss backend giving the reference (default: the same as ours)."""
+    tol = tol or TOL[dtype]
+    data = _data(dtype, batched)
+    ref_data = [t.double() for t in data] if ref64 else data
+    ref_backend = ref_backend or backend
+    vg, gg = _run(geomloss.SamplesLoss("sinkhorn", backend=ref_backend, **kw), *ref_data)
+    vf, gf = _run(flashot.SamplesLoss("sinkhorn", backend=backend, **kw), *data)
+    assert vf.shape == vg.shape and vf.dtype == dtype
+    assert rel_err(vf, vg) < tol
+    for name, o, r in zip("axby", gf, gg):
+        # gradients w.r.t. weights are potentials, defined up to an additive constant
+        # shared by GeomLoss' and our conventions, so compare them directly
+        assert rel_err(o, r) < tol, name
+    Fg, Gg = geomloss.SamplesLoss("sinkhorn", backend=ref_backend, potentials=True, **kw)(*ref_data)
+    Ff, Gf = flashot.SamplesLoss("sinkhorn", backend=backend, potentials=True, **kw)(*data)
+    # potentials have the weights' shape (GeomLoss' online backend returns (1, N) for (N,)
+    # weights, an artefact of its internal batching; we return (N,))
+    assert Ff.shape == data[0].shape and Gf.shape == data[2].shape
+    Fg, Gg = Fg.reshape(Ff.shape), Gg.reshape(Gf.shape)
+    assert rel_err(Ff, Fg) < tol and rel_err(Gf, Gg) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kw", [dict(p=2, blur=0.05), dict(p=2, blur=0.3, scaling=0.8, debias=False),
+                                dict(p=1, blur=0.1)])
+def test_tensorized(kw, dtype):
+    # GeomLoss' tensorized p=1 cost is sqrt(max(|x|^2 + |y|^2 - 2<x,y>, 1e-8)): in float32 the
+    # expansion makes its own gradients 2.8e-4 away from its float64 ones (measured).  We compute
+    # |x - y|^2 from differences, so in float32 we compare against GeomLoss in float64.
+    ref64 = kw["p"] == 1 and dtype == torch.float32
+    _compare(kw, dtype, batched=True, backend="tensorized", ref64=ref64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kw", [dict(p=2, blur=0.05), dict(p=1, blur=0.1, debias=False)])
+def test_online(kw, dtype):
+    _compare(kw, dtype, batched=False, backend="online", tol=1e-4 if dtype == torch.float32 else 1e-5)
+    if dtype == torch.float64:
+        # KeOps' float64 results differ from GeomLoss' own tensorized float64 ones by up to
+        # 1.7e-6 (measured on this problem), so the 1e-6 float64 check is made against the
+        # tensorized reference, which our streaming engine matches to ~1e-13.
+        _compare(kw, dtype, batched=False, backend="online", ref_backend="tensorized")
+
+
+def test_call_forms_and_defaults():
+    a, x, b, y = _data(torch.float64)
+    ref = geomloss.SamplesLoss()(x, y)
+    assert rel_err(flashot.SamplesLoss()(x, y), ref) < 1e-6
+    ua = torch.full_like(a, 1 / a.shape[0])
+    ub = torch.full_like(b, 1 / b.shape[0])
+    assert rel_err(flashot.SamplesLoss()(ua, x, ub, y), ref) < 1e-6
+    # (N, 1) weights give (N, 1) potentials, as in GeomLoss
+    F, G = flashot.SamplesLoss(potentials=True)(ua[:, None], x, ub[:, None], y)
+    assert F.shape == (x.shape[0], 1) and G.shape == (y.shape[0], 1)
+
+
+def test_unsupported_arguments_are_named():
+    with pytest.raises(NotImplementedError, match="loss"):
+        flashot.SamplesLoss("energy")
+    with pytest.raises(NotImplementedError, match="multiscale"):
+        flashot.SamplesLoss(backend="multiscale")
+    with pytest.raises(NotImplementedError, match="cost"):
+        flashot.SamplesLoss(cost=lambda x, y: x)
