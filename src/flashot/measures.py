@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._checks import check_pair, check_points, check_weights, compute_dtype
-from .costs import Cost, get_cost
-from .ops import common_center, get_engine
+from ._checks import check_weights
+from .costs import Cost
+from .ops import prepare_pair
 from .ops.autograd import softmin_fn
 from .ops.base import Engine
 
@@ -55,23 +55,13 @@ class Measures:
         names: tuple[str, str, str, str] = ("a", "x", "b", "y"),
     ) -> "Measures":
         an, xn, bn, yn = names
-        check_points(xn, x)
-        check_points(yn, y)
-        check_pair(x, y, xn, yn)
+        p = prepare_pair(x, y, cost=cost, backend=backend, allow_dense=allow_dense, names=(xn, yn))
         a = check_weights(an, a, x, xn)
         b = check_weights(bn, b, y, yn)
-        cost = get_cost(cost)
-        batched = x.dim() == 3
-        if not batched:
-            x, y, a, b = x.unsqueeze(0), y.unsqueeze(0), a.unsqueeze(0), b.unsqueeze(0)
-        out_dtype = x.dtype
-        cdt = compute_dtype(x.dtype)
-        x, y, a, b = x.to(cdt), y.to(cdt), a.to(cdt), b.to(cdt)
-        c = common_center(x, y)
-        x, y = (x - c).contiguous(), (y - c).contiguous()
-        B, N, D = x.shape
-        eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D), allow_dense=allow_dense)
-        return cls(x, y, a, b, log_weights(a), log_weights(b), cost, eng, batched, out_dtype, c)
+        if not p.batched:
+            a, b = a.unsqueeze(0), b.unsqueeze(0)
+        a, b = a.to(p.x.dtype), b.to(p.x.dtype)
+        return cls(p.x, p.y, a, b, log_weights(a), log_weights(b), p.cost, p.engine, p.batched, p.out_dtype, p.center)
 
     # -- shapes -------------------------------------------------------------------
     @property

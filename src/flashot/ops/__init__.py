@@ -12,6 +12,8 @@ inputs in float32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,8 @@ __all__ = [
     "EngineUnavailable",
     "Engine",
     "common_center",
+    "prepare_pair",
+    "PreparedPair",
 ]
 
 
@@ -41,10 +45,30 @@ def common_center(x: Tensor, y: Tensor) -> Tensor:
         return ((lo + hi) / 2).unsqueeze(-2)
 
 
-def _prepare(x: Tensor, y: Tensor, backend: str, cost: str | Cost):
-    check_points("x", x)
-    check_points("y", y)
-    check_pair(x, y)
+class PreparedPair(NamedTuple):
+    x: Tensor  # (B, N, D) centred, compute dtype, keeps autograd history
+    y: Tensor  # (B, M, D)
+    cost: Cost
+    engine: Engine
+    batched: bool
+    out_dtype: torch.dtype
+    center: Tensor  # (B, 1, D), subtracted from both clouds
+
+
+def prepare_pair(
+    x: Tensor,
+    y: Tensor,
+    *,
+    cost: str | Cost,
+    backend: str,
+    allow_dense: bool = True,
+    names: tuple[str, str] = ("x", "y"),
+) -> PreparedPair:
+    """Validate two clouds, batch them, cast to the compute dtype, centre them, pick the engine."""
+    xn, yn = names
+    check_points(xn, x)
+    check_points(yn, y)
+    check_pair(x, y, xn, yn)
     cost = get_cost(cost)
     batched = x.dim() == 3
     if not batched:
@@ -55,8 +79,9 @@ def _prepare(x: Tensor, y: Tensor, backend: str, cost: str | Cost):
     c = common_center(x, y)
     x, y = (x - c).contiguous(), (y - c).contiguous()
     B, N, D = x.shape
-    eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D))
-    return x, y, cost, eng, batched, out_dtype, cdt
+    eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D),
+                     allow_dense=allow_dense)
+    return PreparedPair(x, y, cost, eng, batched, out_dtype, c)
 
 
 def _vec(name: str, v: Tensor, shape, cdt, device) -> Tensor:
@@ -84,7 +109,8 @@ def softmin(
         (N,) or (B, N), differentiable w.r.t. ``x``, ``y`` and ``h``.
     """
     eps = check_positive("eps", eps)
-    x_, y_, cost, eng, batched, out_dtype, cdt = _prepare(x, y, backend, cost)
+    x_, y_, cost, eng, batched, out_dtype, _ = prepare_pair(x, y, cost=cost, backend=backend)
+    cdt = x_.dtype
     h_ = _vec("h", h, y.shape[:-1], cdt, x.device)
     if not batched:
         h_ = h_.unsqueeze(0)
@@ -113,7 +139,8 @@ def plan_product(
     eps = check_positive("eps", eps)
     if weight not in WEIGHTS:
         raise ValueError(f"weight: expected one of {WEIGHTS}, got {weight!r}")
-    x_, y_, cost, eng, batched, out_dtype, cdt = _prepare(x, y, backend, cost)
+    x_, y_, cost, eng, batched, out_dtype, _ = prepare_pair(x, y, cost=cost, backend=backend)
+    cdt = x_.dtype
     a_ = _vec("alpha", alpha, x.shape[:-1], cdt, x.device)
     b_ = _vec("beta", beta, y.shape[:-1], cdt, x.device)
     vec = V.dim() == (1 if not batched else 2)
