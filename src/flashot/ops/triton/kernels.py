@@ -1,0 +1,257 @@
+"""Fused Triton kernels for the two streamed primitives (FlashAttention style).
+
+One program owns a tile of ``BLOCK_N`` rows of ``x`` and streams tiles of
+``BLOCK_M`` points of ``y`` through it, keeping an online max / sum in base 2::
+
+    t_ij = log2(e) * (beta_j - C_ij / eps)          (scores, log2 units)
+    softmin_i = -eps * ln2 * (m_i + log2 sum_j exp2(t_ij - m_i))
+    plan_i    = exp2(log2(e) alpha_i + m_i) * sum_j exp2(t_ij - m_i) W_ij V_j
+
+All scalars (``log2(e)/eps``, the cost scale, ...) come from a small tensor in
+the accumulation dtype (float32, or float64 for float64 inputs) so float64 runs
+never round them to float32.  Column tiles past ``M`` get bias ``-inf``; a row
+whose scores are all ``-inf`` keeps ``m = -inf`` and is guarded so that no
+``-inf - -inf`` (NaN) is ever formed.
+
+Score paths (constexpr):
+* ``DIRECT``: ``|x_i - y_j|^2`` from coordinate differences (exact at x = y;
+  ``2 d`` flops per pair).  Used for tiny ``d`` and for the euclidean costs.
+* dot path: ``|x_i|^2 + |y_j|^2 - 2 <x_i, y_j>`` with ``<x_i, y_j>`` from
+  ``tl.dot`` on ``(BLOCK_N, BLOCK_D) x (BLOCK_D, BLOCK_M)`` tiles; the x tile
+  stays on chip when ``d <= BLOCK_D`` (``ONE_CHUNK``), else the feature axis is
+  looped over in chunks of ``BLOCK_D``.
+* ``FOLD`` (dot costs only): the FlashSinkhorn form
+  ``t_ij = (2 s log2(e) / eps) <x_i, y_j> + v_j`` with one bias vector per side
+  (``v_j = log2(e) (beta_j - s |y_j|^2 / eps)``; the row term is added back after
+  the reduction).  One FMA per score instead of four ops, less accurate in float32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Slots of the per-launch scalar tensor (accumulation dtype).
+P_K2, P_SCALE, P_EPS_LN2, P_MIN_SQ, P_DCOST = 0, 1, 2, 3, 4
+N_PARAMS = 5
+
+# Cost codes (constexpr).
+COST_DOT, COST_EUCLID = 0, 1
+# Weight codes (constexpr): W_ij = 1, C_ij, w(C_ij) with grad_x C = w (x - y).
+W_PLAN, W_COST, W_DCOST = 0, 1, 2
+
+
+@triton.jit
+def _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D,
+              ACC_ZERO, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+              ONE_CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """<x_i, y_j> for a (BLOCK_N, BLOCK_M) tile via tl.dot, in the accumulation dtype."""
+    kk = tl.arange(0, BLOCK_D)
+    if ONE_CHUNK:
+        yt = tl.load(y_ptr + cols[None, :] * D + kk[:, None],
+                     mask=col_ok[None, :] & (kk[:, None] < D), other=0.0)
+        dot = tl.dot(xt, yt, input_precision=PREC).to(ACC_ZERO.dtype)
+    else:
+        dot = tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC_ZERO.dtype)
+        for k0 in range(0, D, BLOCK_D):
+            k = k0 + kk
+            xc = tl.load(x_ptr + rows[:, None] * D + k[None, :],
+                         mask=row_ok[:, None] & (k[None, :] < D), other=0.0)
+            yc = tl.load(y_ptr + cols[None, :] * D + k[:, None],
+                         mask=col_ok[None, :] & (k[:, None] < D), other=0.0)
+            dot += tl.dot(xc, yc, input_precision=PREC).to(ACC_ZERO.dtype)
+    return dot
+
+
+@triton.jit
+def _scores(x_ptr, y_ptr, xt, xsq, ysq, bias, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+            D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+            FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr):
+    """(t, C): scores t_ij = bias_j - k2 C_ij (log2 units) and the cost tile C_ij.
+
+    With ``FOLD`` the returned ``C`` is a dummy and ``t`` lacks the row term.
+    """
+    if FOLD:
+        dot = _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, xsq,
+                        BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC)
+        t = dot * (2.0 * s * k2) + bias[None, :]
+        c = t
+    else:
+        if DIRECT:
+            d2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=xsq.dtype)
+            if D_STATIC > 0:
+                for k in tl.static_range(D_STATIC):
+                    xk = tl.load(x_ptr + rows * D + k, mask=row_ok, other=0.0).to(xsq.dtype)
+                    yk = tl.load(y_ptr + cols * D + k, mask=col_ok, other=0.0).to(xsq.dtype)
+                    diff = xk[:, None] - yk[None, :]
+                    d2 += diff * diff
+            else:
+                for k in range(D):
+                    xk = tl.load(x_ptr + rows * D + k, mask=row_ok, other=0.0).to(xsq.dtype)
+                    yk = tl.load(y_ptr + cols * D + k, mask=col_ok, other=0.0).to(xsq.dtype)
+                    diff = xk[:, None] - yk[None, :]
+                    d2 += diff * diff
+        else:
+            dot = _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, xsq,
+                            BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC)
+            d2 = tl.maximum(xsq[:, None] + ysq[None, :] - 2.0 * dot, 0.0)
+        if COST == 0:
+            c = d2 * s
+        else:
+            c = tl.sqrt(tl.maximum(d2, min_sq))
+        t = bias[None, :] - c * k2
+    return t, c
+
+
+@triton.jit
+def _load_x_tile(x_ptr, rows, row_ok, D, BLOCK_D: tl.constexpr):
+    kk = tl.arange(0, BLOCK_D)
+    return tl.load(x_ptr + rows[:, None] * D + kk[None, :],
+                   mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _softmin_rows(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, out_ptr, prm_ptr,
+                  N, M, D, pid_n, pid_b,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                  FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr):
+    """out_i = -eps ln2 (m_i + log2 sum_j exp2(t_ij - m_i)) for one tile of rows."""
+    b = pid_b.to(tl.int64)
+    x_ptr += b * N * D
+    y_ptr += b * M * D
+    xsq_ptr += b * N
+    ysq_ptr += b * M
+    bias_ptr += b * M
+    out_ptr += b * N
+    k2 = tl.load(prm_ptr + 0)
+    s = tl.load(prm_ptr + 1)
+    eps_ln2 = tl.load(prm_ptr + 2)
+    min_sq = tl.load(prm_ptr + 3)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    xsq = tl.load(xsq_ptr + rows, mask=row_ok, other=0.0)
+    if ONE_CHUNK:
+        xt = _load_x_tile(x_ptr, rows, row_ok, D, BLOCK_D)
+    else:
+        xt = xsq
+    m_i = tl.full((BLOCK_N,), float("-inf"), dtype=xsq.dtype)
+    l_i = tl.zeros((BLOCK_N,), dtype=xsq.dtype)
+    for j0 in range(0, M, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M)
+        col_ok = cols < M
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=float("-inf"))
+        ysq = tl.load(ysq_ptr + cols, mask=col_ok, other=0.0)
+        t, c = _scores(x_ptr, y_ptr, xt, xsq, ysq, bias, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
+                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+        m_new = tl.maximum(m_i, tl.max(t, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(t - m_safe[:, None])
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(p, axis=1)
+        m_i = m_new
+    out = -eps_ln2 * (m_i + tl.log2(l_i))
+    if FOLD:
+        out += s * xsq
+    tl.store(out_ptr + rows, out, mask=row_ok)
+
+
+@triton.jit
+def softmin_kernel(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, out_ptr, prm_ptr, N, M, D,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                   D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                   FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), B): out[b, i] = softmin_j over y[b] of bias[b, j] - C_ij / eps."""
+    _softmin_rows(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, out_ptr, prm_ptr, N, M, D,
+                  tl.program_id(0), tl.program_id(1),
+                  BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+
+
+@triton.jit
+def softmin_pair_kernel(x_ptr, y_ptr, xsq_ptr, ysq_ptr, hy_ptr, hx_ptr, f_ptr, g_ptr, prm_ptr,
+                        N, M, D, TILES_X,
+                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                        D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                        FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr):
+    """Both halves of a symmetric Sinkhorn step in one launch.
+
+    Grid (cdiv(N, BLOCK_N) + cdiv(M, BLOCK_N), B): programs below ``TILES_X``
+    compute f = softmin_x(hy) on rows of x, the others g = softmin_y(hx) on rows of y.
+    """
+    pid = tl.program_id(0)
+    if pid < TILES_X:
+        _softmin_rows(x_ptr, y_ptr, xsq_ptr, ysq_ptr, hy_ptr, f_ptr, prm_ptr, N, M, D,
+                      pid, tl.program_id(1),
+                      BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+    else:
+        _softmin_rows(y_ptr, x_ptr, ysq_ptr, xsq_ptr, hx_ptr, g_ptr, prm_ptr, M, N, D,
+                      pid - TILES_X, tl.program_id(1),
+                      BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+
+
+@triton.jit
+def plan_kernel(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, alpha_ptr, v_ptr, out_ptr, prm_ptr,
+                N, M, D, K,
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_K: tl.constexpr, D_STATIC: tl.constexpr, DIRECT: tl.constexpr,
+                ONE_CHUNK: tl.constexpr, FOLD: tl.constexpr, COST: tl.constexpr,
+                WEIGHT: tl.constexpr, PREC: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K), B): out_i = sum_j exp(alpha_i + beta_j - C_ij/eps) W_ij V_j.
+
+    ``bias`` holds log2(e) beta_j (FOLD: minus log2(e) s |y_j|^2 / eps), ``alpha``
+    holds log2(e) alpha_i; the online max rescales the (BLOCK_N, BLOCK_K) accumulator.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    x_ptr += b * N * D
+    y_ptr += b * M * D
+    xsq_ptr += b * N
+    ysq_ptr += b * M
+    bias_ptr += b * M
+    alpha_ptr += b * N
+    v_ptr += b * M * K
+    out_ptr += b * N * K
+    k2 = tl.load(prm_ptr + 0)
+    s = tl.load(prm_ptr + 1)
+    min_sq = tl.load(prm_ptr + 3)
+    dcost = tl.load(prm_ptr + 4)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    kc = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = kc < K
+    xsq = tl.load(xsq_ptr + rows, mask=row_ok, other=0.0)
+    if ONE_CHUNK:
+        xt = _load_x_tile(x_ptr, rows, row_ok, D, BLOCK_D)
+    else:
+        xt = xsq
+    m_i = tl.full((BLOCK_N,), float("-inf"), dtype=xsq.dtype)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=xsq.dtype)
+    for j0 in range(0, M, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M)
+        col_ok = cols < M
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=float("-inf"))
+        ysq = tl.load(ysq_ptr + cols, mask=col_ok, other=0.0)
+        t, c = _scores(x_ptr, y_ptr, xt, xsq, ysq, bias, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
+                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+        m_new = tl.maximum(m_i, tl.max(t, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(t - m_safe[:, None])
+        if WEIGHT == 1:
+            p = p * c
+        if WEIGHT == 2:
+            if COST == 1:
+                p = tl.where(c > 0.0, p / tl.where(c > 0.0, c, 1.0), 0.0)
+        v = tl.load(v_ptr + cols[:, None] * K + kc[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = acc * tl.exp2(m_i - m_safe)[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
+        m_i = m_new
+    alpha = tl.load(alpha_ptr + rows, mask=row_ok, other=float("-inf"))
+    row = m_i + alpha
+    if FOLD:
+        row -= s * k2 * xsq
+    out = acc * tl.exp2(row)[:, None]
+    if WEIGHT == 2:
+        if COST == 0:
+            out = out * dcost
+    tl.store(out_ptr + rows[:, None] * K + kc[None, :], out, mask=row_ok[:, None] & k_ok[None, :])
