@@ -24,6 +24,9 @@ Score paths (constexpr):
   ``t_ij = (2 s log2(e) / eps) <x_i, y_j> + v_j`` with one bias vector per side
   (``v_j = log2(e) (beta_j - s |y_j|^2 / eps)``; the row term is added back after
   the reduction).  One FMA per score instead of four ops, less accurate in float32.
+* ``UPCAST``: half-precision tiles are converted to float32 before ``tl.dot``.
+  Only used for bfloat16 under ``TRITON_INTERPRET=1``, whose bfloat16 ``tl.dot``
+  returns garbage (Triton 3.9); compiled kernels feed bf16 to the tensor cores.
 """
 
 from __future__ import annotations
@@ -44,12 +47,15 @@ W_PLAN, W_COST, W_DCOST = 0, 1, 2
 @triton.jit
 def _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D,
               ACC_ZERO, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-              ONE_CHUNK: tl.constexpr, PREC: tl.constexpr):
+              ONE_CHUNK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """<x_i, y_j> for a (BLOCK_N, BLOCK_M) tile via tl.dot, in the accumulation dtype."""
     kk = tl.arange(0, BLOCK_D)
     if ONE_CHUNK:
         yt = tl.load(y_ptr + cols[None, :] * D + kk[:, None],
                      mask=col_ok[None, :] & (kk[:, None] < D), other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            yt = yt.to(tl.float32)
         dot = tl.dot(xt, yt, input_precision=PREC).to(ACC_ZERO.dtype)
     else:
         dot = tl.zeros((BLOCK_N, BLOCK_M), dtype=ACC_ZERO.dtype)
@@ -59,6 +65,9 @@ def _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D,
                          mask=row_ok[:, None] & (k[None, :] < D), other=0.0)
             yc = tl.load(y_ptr + cols[None, :] * D + k[:, None],
                          mask=col_ok[None, :] & (k[:, None] < D), other=0.0)
+            if UPCAST:
+                xc = xc.to(tl.float32)
+                yc = yc.to(tl.float32)
             dot += tl.dot(xc, yc, input_precision=PREC).to(ACC_ZERO.dtype)
     return dot
 
@@ -67,14 +76,14 @@ def _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D,
 def _scores(x_ptr, y_ptr, xt, xsq, ysq, bias, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
             D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-            FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr):
+            FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """(t, C): scores t_ij = bias_j - k2 C_ij (log2 units) and the cost tile C_ij.
 
     With ``FOLD`` the returned ``C`` is a dummy and ``t`` lacks the row term.
     """
     if FOLD:
         dot = _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, xsq,
-                        BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC)
+                        BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC, UPCAST)
         t = dot * (2.0 * s * k2) + bias[None, :]
         c = t
     else:
@@ -94,7 +103,7 @@ def _scores(x_ptr, y_ptr, xt, xsq, ysq, bias, rows, cols, row_ok, col_ok, D, k2,
                     d2 += diff * diff
         else:
             dot = _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, xsq,
-                            BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC)
+                            BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC, UPCAST)
             d2 = tl.maximum(xsq[:, None] + ysq[None, :] - 2.0 * dot, 0.0)
         if COST == 0:
             c = d2 * s
@@ -116,7 +125,7 @@ def _softmin_rows(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, out_ptr, prm_ptr,
                   N, M, D, pid_n, pid_b,
                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                   D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                  FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr):
+                  FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """out_i = -eps ln2 (m_i + log2 sum_j exp2(t_ij - m_i)) for one tile of rows."""
     b = pid_b.to(tl.int64)
     x_ptr += b * N * D
@@ -144,7 +153,7 @@ def _softmin_rows(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, out_ptr, prm_ptr,
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=float("-inf"))
         ysq = tl.load(ysq_ptr + cols, mask=col_ok, other=0.0)
         t, c = _scores(x_ptr, y_ptr, xt, xsq, ysq, bias, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
-                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
         m_new = tl.maximum(m_i, tl.max(t, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(t - m_safe[:, None])
@@ -160,11 +169,11 @@ def _softmin_rows(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, out_ptr, prm_ptr,
 def softmin_kernel(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, out_ptr, prm_ptr, N, M, D,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                    D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                   FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr):
+                   FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), B): out[b, i] = softmin_j over y[b] of bias[b, j] - C_ij / eps."""
     _softmin_rows(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, out_ptr, prm_ptr, N, M, D,
                   tl.program_id(0), tl.program_id(1),
-                  BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+                  BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
 
 
 @triton.jit
@@ -172,7 +181,7 @@ def softmin_pair_kernel(x_ptr, y_ptr, xsq_ptr, ysq_ptr, hy_ptr, hx_ptr, f_ptr, g
                         N, M, D, TILES_X,
                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                         D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                        FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr):
+                        FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Both halves of a symmetric Sinkhorn step in one launch.
 
     Grid (cdiv(N, BLOCK_N) + cdiv(M, BLOCK_N), B): programs below ``TILES_X``
@@ -182,11 +191,11 @@ def softmin_pair_kernel(x_ptr, y_ptr, xsq_ptr, ysq_ptr, hy_ptr, hx_ptr, f_ptr, g
     if pid < TILES_X:
         _softmin_rows(x_ptr, y_ptr, xsq_ptr, ysq_ptr, hy_ptr, f_ptr, prm_ptr, N, M, D,
                       pid, tl.program_id(1),
-                      BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+                      BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
     else:
         _softmin_rows(y_ptr, x_ptr, ysq_ptr, xsq_ptr, hx_ptr, g_ptr, prm_ptr, M, N, D,
                       pid - TILES_X, tl.program_id(1),
-                      BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+                      BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
 
 
 @triton.jit
@@ -195,7 +204,7 @@ def plan_kernel(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, alpha_ptr, v_ptr, out_
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_K: tl.constexpr, D_STATIC: tl.constexpr, DIRECT: tl.constexpr,
                 ONE_CHUNK: tl.constexpr, FOLD: tl.constexpr, COST: tl.constexpr,
-                WEIGHT: tl.constexpr, PREC: tl.constexpr):
+                WEIGHT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K), B): out_i = sum_j exp(alpha_i + beta_j - C_ij/eps) W_ij V_j.
 
     ``bias`` holds log2(e) beta_j (FOLD: minus log2(e) s |y_j|^2 / eps), ``alpha``
@@ -233,7 +242,7 @@ def plan_kernel(x_ptr, y_ptr, xsq_ptr, ysq_ptr, bias_ptr, alpha_ptr, v_ptr, out_
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=float("-inf"))
         ysq = tl.load(ysq_ptr + cols, mask=col_ok, other=0.0)
         t, c = _scores(x_ptr, y_ptr, xt, xsq, ysq, bias, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
-                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC)
+                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
         m_new = tl.maximum(m_i, tl.max(t, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(t - m_safe[:, None])
