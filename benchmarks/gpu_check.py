@@ -396,7 +396,7 @@ def main() -> int:
     if not args.skip_correctness:
         # One pinned config: correctness does not need autotuning (4x fewer compiles).
         old = os.environ.get("FLASHOT_TRITON_CONFIG")
-        os.environ["FLASHOT_TRITON_CONFIG"] = "BLOCK_N=64,BLOCK_M=64,num_warps=4,num_stages=2"
+        os.environ["FLASHOT_TRITON_CONFIG"] = "BLOCK_N=64,BLOCK_M=64,num_warps=8,num_stages=2"
         try:
             ok = check_correctness(device, args.quick)
         except Exception:

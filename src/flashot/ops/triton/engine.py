@@ -11,8 +11,10 @@ Design (see :mod:`.kernels`):
   flops per pair, exact at ``x = y``.  Padding d = 3 to the 16-wide MMA tile
   would do >5x the work, and strict-fp32 ``tl.dot`` runs on FMA units anyway.
 * Larger ``d`` uses ``tl.dot``; the feature axis is padded to a power of two
-  >= 16 and kept on chip up to 128, and looped over in chunks of 64 beyond
-  (any ``d``, tested up to 130 on the interpreter; 1024+ only bounded by time).
+  >= 16 and the x tile kept on chip up to 64, and looped over in chunks of 32
+  beyond (any ``d``; tested up to 130 on the interpreter, 1024 in
+  ``benchmarks/gpu_check.py``).  The chunk sizes come from an offline sm_90
+  compile: wider chunks spill registers in strict fp32.
 * Explicit vs folded scores: by default the cost tile ``s (|x|^2 + |y|^2 -
   2 <x, y>)`` is formed first, then ``h - C / eps`` (as the ``tiled`` engine).
   ``fold=True`` (or ``FLASHOT_TRITON_FOLD=1``) uses the FlashSinkhorn form
@@ -58,8 +60,8 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _WEIGHT_CODES = {"plan": 0, "cost": 1, "dcost": 2}
-ONE_CHUNK_MAX_D = 128  # x tile kept on chip up to this padded dimension
-D_CHUNK = 64  # feature chunk beyond it
+ONE_CHUNK_MAX_D = 64  # x tile kept on chip up to this padded dimension
+D_CHUNK = 32  # feature chunk beyond it (64 spills registers in fp32 on sm_90)
 
 _CPU_REASON = "backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1; use backend='tiled'"
 
@@ -136,7 +138,7 @@ class TritonEngine:
         Vc = V.to(acc).contiguous()
         a2 = (alpha.to(acc) * LOG2E).contiguous()
         out = torch.empty(B, N, K, dtype=acc, device=x.device)
-        block_k = min(64, max(16, _pow2(K)))
+        block_k = min(32, max(16, _pow2(K)))  # 64 spills registers in strict fp32
         cx = self._constexprs(x, D, cost, fold)
 
         def launch(cfg: KernelConfig) -> None:
