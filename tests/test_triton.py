@@ -324,3 +324,15 @@ def test_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compiled 20" in r.stdout, r.stdout
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+def test_degenerate_shapes():
+    x, y, h = clouds(3)
+    c = get_cost("sqeuclidean")
+    eng = engine()
+    assert engine().plan_product(x, y, h[:, :N], h, 0.1, torch.zeros(B, M, 0, dtype=x.dtype), c).shape == (B, N, 0)
+    out = eng.softmin(x, y[:, :0], h[:, :0], 0.1, c)  # empty sum: +inf, like the dense engine
+    assert torch.isposinf(out).all()
+    p = eng.plan_product(x, y[:, :0], h[:, :N], h[:, :0], 0.1, torch.ones(B, 0, 2, dtype=x.dtype), c)
+    assert p.shape == (B, N, 2) and (p == 0).all()

@@ -61,6 +61,7 @@ LN2 = 0.6931471805599453
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _WEIGHT_CODES = {"plan": 0, "cost": 1, "dcost": 2}
 ONE_CHUNK_MAX_D = 64  # x tile kept on chip up to this padded dimension
+MAX_BATCH = 65535  # CUDA grid y / z limit
 D_CHUNK = 32  # feature chunk beyond it (64 spills registers in fp32 on sm_90)
 
 _CPU_REASON = "backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1; use backend='tiled'"
@@ -138,6 +139,10 @@ class TritonEngine:
         Vc = V.to(acc).contiguous()
         a2 = (alpha.to(acc) * LOG2E).contiguous()
         out = torch.empty(B, N, K, dtype=acc, device=x.device)
+        if N == 0 or K == 0:
+            return out
+        if M == 0:
+            return out.zero_()
         block_k = min(32, max(16, _pow2(K)))  # 64 spills registers in strict fp32
         cx = self._constexprs(x, D, cost, fold)
 
@@ -160,6 +165,8 @@ class TritonEngine:
         acc, xsq, ysq, bias, prm = self._prep(x, y, h, eps, cost, fold)
         cx = self._constexprs(x, D, cost, fold)
         f = torch.empty(B, N, dtype=acc, device=x.device)
+        if hx is None and N == 0:
+            return f
         if hx is None:
             def launch(cfg: KernelConfig) -> None:
                 grid = (triton_cdiv(N, cfg.block_n), B)
@@ -192,6 +199,9 @@ class TritonEngine:
         why = self.unsupported(x.device, x.dtype, _ANY_COST)
         if why:
             raise ValueError(why)
+        if x.shape[0] > MAX_BATCH:
+            raise ValueError(f"x: backend='triton' launches the batch on a grid axis limited to {MAX_BATCH}, "
+                             f"got B = {x.shape[0]}; split the batch or use backend='tiled'")
         from . import kernels_for_device
 
         return x.contiguous(), y.contiguous(), kernels_for_device(x.device)

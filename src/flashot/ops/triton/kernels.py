@@ -106,10 +106,11 @@ def _scores(x_ptr, y_ptr, xt, xsq, ysq, bias, rows, cols, row_ok, col_ok, D, k2,
                             BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC, UPCAST)
             d2 = tl.maximum(xsq[:, None] + ysq[None, :] - 2.0 * dot, 0.0)
         if COST == 0:
-            c = d2 * s
+            c = d2 * s  # dead code (removed by the compiler) unless W_ij = C_ij
+            t = bias[None, :] - d2 * (s * k2)
         else:
             c = tl.sqrt(tl.maximum(d2, min_sq))
-        t = bias[None, :] - c * k2
+            t = bias[None, :] - c * k2
     return t, c
 
 
