@@ -91,6 +91,7 @@ def check_correctness(device: torch.device, quick: bool) -> bool:
     eng = get_engine("triton", device=device, dtype=torch.float64, cost=get_cost("sqeuclidean"))
     ok = True
     g = torch.Generator(device="cpu").manual_seed(0)
+    # Each (d-class, dtype, weight, flag) is a separate compile (~1-3 s): keep the list short.
     dims = (1, 3, 17, 64) if quick else (1, 3, 9, 17, 64, 130, 1024)
     log("| check | d | cost | max rel. err | tol | ok |")
     log("|---|---|---|---|---|---|")
@@ -119,7 +120,7 @@ def check_correctness(device: torch.device, quick: bool) -> bool:
             for w in ("plan", "cost", "dcost"):
                 row(f"plan[{w}] f64", d, cname, rel(eng.plan_product(x, y, alpha, h, eps, V, c, w),
                                                  dense.plan_product(x, y, alpha, h, eps, V, c, w)), 1e-10)
-            if cname == "sqeuclidean":
+            if cname == "sqeuclidean" and d in (3, 64):  # precision variants: few compiles
                 hx = torch.randn(B, N, generator=g, dtype=torch.float64).to(device)
                 f, gg = eng.softmin_pair(x, y, hx, h, eps, c)
                 row("softmin_pair f64", d, cname, max(rel(f, ref), rel(gg, dense.softmin(y, x, hx, eps, c))), 1e-10)
