@@ -289,17 +289,17 @@ for dt, var, kerns in CASES:
     bd, dst, direct, one, fold, cost = VARIANTS[var]
     cx = dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=bd, D_STATIC=dst, DIRECT=direct, ONE_CHUNK=one, FOLD=fold,
               COST=cost, PREC="ieee", UPCAST=False)
-    io = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "xsq_ptr": f"*{acc}", "ysq_ptr": f"*{acc}"}
+    io = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
     for k in kerns:
         if k == "softmin":
-            comp(K.softmin_kernel, {**io, **{p: f"*{acc}" for p in ("bias_ptr", "out_ptr", "prm_ptr")}},
+            comp(K.softmin_kernel, {**io, **{p: f"*{acc}" for p in ("h_ptr", "out_ptr", "prm_ptr")}},
                  ("N", "M", "D"), cx)
         elif k == "pair":
             comp(K.softmin_pair_kernel, {**io, **{p: f"*{acc}" for p in ("hy_ptr", "hx_ptr", "f_ptr", "g_ptr", "prm_ptr")}},
                  ("N", "M", "D", "TILES_X"), cx)
         else:
             w = {"plan": 0, "plan_cost": 1, "plan_dcost": 2}[k]
-            comp(K.plan_kernel, {**io, **{p: f"*{acc}" for p in ("bias_ptr", "alpha_ptr", "v_ptr", "out_ptr", "prm_ptr")}},
+            comp(K.plan_kernel, {**io, **{p: f"*{acc}" for p in ("beta_ptr", "alpha_ptr", "v_ptr", "out_ptr", "prm_ptr")}},
                  ("N", "M", "D", "K"), {**cx, "BLOCK_K": 32, "WEIGHT": w})
         n += 1
 print("compiled", n)

@@ -101,6 +101,7 @@ class TritonEngine:
         self.fold = fold
         self.direct_max_d = int(direct_max_d)
         self._tuned: dict[tuple, KernelConfig] = {}
+        self._prm_cache: dict[tuple, Tensor] = {}
 
     # -- contract -----------------------------------------------------------------
     def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
@@ -134,10 +135,12 @@ class TritonEngine:
         if V.dim() != 3 or V.shape[:2] != (B, M):
             raise ValueError(f"V: expected shape ({B}, {M}, K), got {tuple(V.shape)}")
         fold = self._fold(cost, D) and weight != "cost"
-        acc, xsq, ysq, bias, prm = self._prep(x, y, beta, eps, cost, fold)
+        acc = _acc_dtype(x.dtype)
+        prm = self._params(eps, cost, acc, x.device)
+        hb = beta.to(acc).contiguous()
+        ha = alpha.to(acc).contiguous()
         K = V.shape[2]
         Vc = V.to(acc).contiguous()
-        a2 = (alpha.to(acc) * LOG2E).contiguous()
         out = torch.empty(B, N, K, dtype=acc, device=x.device)
         if N == 0 or K == 0:
             return out
@@ -148,7 +151,7 @@ class TritonEngine:
 
         def launch(cfg: KernelConfig) -> None:
             grid = (triton_cdiv(N, cfg.block_n), triton_cdiv(K, block_k), B)
-            kern.plan_kernel[grid](x, y, xsq, ysq, bias, a2, Vc, out, prm, N, M, D, K,
+            kern.plan_kernel[grid](x, y, hb, ha, Vc, out, prm, N, M, D, K,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=block_k,
                                    WEIGHT=_WEIGHT_CODES[weight], num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, **cx)
@@ -162,27 +165,32 @@ class TritonEngine:
         B, N, D = x.shape
         M = y.shape[1]
         fold = self._fold(cost, D)
-        acc, xsq, ysq, bias, prm = self._prep(x, y, h, eps, cost, fold)
+        acc = _acc_dtype(x.dtype)
+        prm = self._params(eps, cost, acc, x.device)
+        hy = h.to(acc).contiguous()
         cx = self._constexprs(x, D, cost, fold)
         f = torch.empty(B, N, dtype=acc, device=x.device)
-        if hx is None and N == 0:
-            return f
         if hx is None:
+            if N == 0:
+                return f
+
             def launch(cfg: KernelConfig) -> None:
                 grid = (triton_cdiv(N, cfg.block_n), B)
-                kern.softmin_kernel[grid](x, y, xsq, ysq, bias, f, prm, N, M, D,
+                kern.softmin_kernel[grid](x, y, hy, f, prm, N, M, D,
                                           BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cx)
 
             self._run(("softmin",), x, N, M, D, cx, launch)
             return f
-        bias_x = self._bias(hx, xsq, eps, cost, fold, acc)
+        hxc = hx.to(acc).contiguous()
         g = torch.empty(B, M, dtype=acc, device=x.device)
+        if N == 0 or M == 0:
+            return self._softmin(x, y, h, eps, cost), self._softmin(y, x, hx, eps, cost)
 
         def launch_pair(cfg: KernelConfig) -> None:
             tiles_x = triton_cdiv(N, cfg.block_n)
             grid = (tiles_x + triton_cdiv(M, cfg.block_n), B)
-            kern.softmin_pair_kernel[grid](x, y, xsq, ysq, bias, bias_x, f, g, prm, N, M, D, tiles_x,
+            kern.softmin_pair_kernel[grid](x, y, hy, hxc, f, g, prm, N, M, D, tiles_x,
                                            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
                                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cx)
 
@@ -226,21 +234,18 @@ class TritonEngine:
         return dict(BLOCK_D=block_d, D_STATIC=D if (direct and D <= 16) else 0, DIRECT=direct,
                     ONE_CHUNK=one_chunk, FOLD=fold, COST=0 if cost.is_dot else 1, PREC=prec, UPCAST=upcast)
 
-    @staticmethod
-    def _bias(h: Tensor, ysq: Tensor, eps: float, cost: Cost, fold: bool, acc: torch.dtype) -> Tensor:
-        b = h.to(acc) * LOG2E
-        if fold:
-            b = b - (cost.scale * LOG2E / eps) * ysq
-        return b.contiguous()
-
-    def _prep(self, x, y, h, eps, cost, fold):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xsq = x.to(acc).square().sum(-1).contiguous()
-        ysq = xsq if y is x else y.to(acc).square().sum(-1).contiguous()
-        bias = self._bias(h, ysq, eps, cost, fold, acc)
+    def _params(self, eps: float, cost: Cost, acc: torch.dtype, device: torch.device) -> Tensor:
+        """Per-launch scalars on the device, cached so a Sinkhorn loop does no host-to-device copy."""
         s = cost.scale if cost.is_dot else 1.0
-        prm = torch.tensor([LOG2E / eps, s, eps * LN2, cost.min_sqdist, 2.0 * s], dtype=acc, device=x.device)
-        return acc, xsq, ysq, bias, prm
+        key = (float(eps), s, cost.min_sqdist, acc, device)
+        prm = self._prm_cache.get(key)
+        if prm is None:
+            if len(self._prm_cache) >= 256:
+                self._prm_cache.clear()
+            prm = torch.tensor([LOG2E / eps, s, eps * LN2, cost.min_sqdist, 2.0 * s, LOG2E],
+                               dtype=acc, device=device)
+            self._prm_cache[key] = prm
+        return prm
 
     def _run(self, kind: tuple, x: Tensor, N: int, M: int, D: int, cx: dict,
              launch: Callable[[KernelConfig], None]) -> None:
@@ -290,6 +295,10 @@ class _AnyCost:
 
 
 _ANY_COST = _AnyCost()
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def triton_cdiv(a: int, b: int) -> int:
