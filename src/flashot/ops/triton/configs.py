@@ -80,19 +80,24 @@ INTERPRET_CONFIG = KernelConfig(32, 32, 4, 1)
 
 # Candidates chosen from an offline sm_90 compile (ptxas register / spill report,
 # no GPU run): every entry compiles without register spills for its path in
-# float32 strict mode, except (128, 64, 8) on the d = 64 dot path (32 B stack),
-# kept because it may still win on wide rows.  Larger tiles (128 x 128, or
-# 64 x 64 with 4 warps on the dot path) spill hundreds of bytes and are left out.
+# float32 strict mode for the softmin kernel, except (128, 64, 8) on the d = 64
+# dot path (152 B stack), kept because it may still win.  Larger tiles (128 x 128,
+# or 64 x 64 with 4 warps on the dot path) spill hundreds of bytes: left out.
 _DIRECT = [KernelConfig(64, 64, 8, 2), KernelConfig(128, 64, 8, 2),
            KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)]
 _DOT_SMALL = [KernelConfig(64, 64, 8, 2), KernelConfig(64, 32, 4, 2),
               KernelConfig(32, 64, 4, 2), KernelConfig(128, 64, 8, 2)]
+# The plan-product kernel also holds a (BLOCK_N, 32) accumulator: on the one-chunk
+# dot path only these two stay spill-free.
+_DOT_SMALL_PLAN = [KernelConfig(64, 64, 8, 2), KernelConfig(64, 32, 4, 2)]
 _DOT_LARGE = [KernelConfig(64, 64, 8, 2), KernelConfig(128, 64, 8, 2),
               KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)]
 
 
-def candidates(d: int, direct: bool) -> list[KernelConfig]:
-    """The fixed candidate list for a problem of dimension ``d`` on the given score path."""
+def candidates(d: int, direct: bool, plan: bool = False) -> list[KernelConfig]:
+    """The fixed candidate list for dimension ``d`` on the given score path and kernel."""
     if direct:
         return list(_DIRECT)
-    return list(_DOT_SMALL if d <= 64 else _DOT_LARGE)
+    if d <= 64:
+        return list(_DOT_SMALL_PLAN if plan else _DOT_SMALL)
+    return list(_DOT_LARGE)

@@ -256,7 +256,7 @@ class TritonEngine:
             key = (kind, _pow2(N), _pow2(M), D, x.dtype, tuple(sorted(cx.items())))
             cfg = self._tuned.get(key)
             if cfg is None:
-                cfg = self._tune(candidates(D, cx["DIRECT"]), launch)
+                cfg = self._tune(candidates(D, cx["DIRECT"], plan=kind[0] == "plan"), launch)
                 self._tuned[key] = cfg
         launch(cfg)
 
