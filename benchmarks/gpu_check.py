@@ -143,6 +143,31 @@ def check_correctness(device: torch.device, quick: bool) -> bool:
             err = max(rel(a, b) for a, b in zip(grads["triton"], grads["dense"]))
             row("grad x,y,h f64", d, cname, err, 1e-9)
 
+    # float32 gradient accuracy, explicit (default) vs FlashSinkhorn-folded scores, small eps
+    from flashot.ops.autograd import softmin_fn
+
+    for d in (3, 64):
+        x = (torch.rand(1, 256, d, generator=g, dtype=torch.float64) - 0.5).to(device)
+        y = (torch.rand(1, 300, d, generator=g, dtype=torch.float64) - 0.4).to(device)
+        h = torch.randn(1, 300, generator=g, dtype=torch.float64).to(device)
+        c, eps = get_cost("sqeuclidean"), 0.0025
+        wts = torch.linspace(-1, 1, 256, device=device, dtype=torch.float64)
+
+        def grads(e, dt):
+            xx, yy, hh = (t.to(dt).detach().requires_grad_() for t in (x, y, h))
+            out = softmin_fn(xx, yy, hh, eps, c, e)
+            (out * wts.to(dt)).sum().backward()
+            return out, xx.grad, yy.grad, hh.grad
+
+        ref = grads(dense, torch.float64)
+        for name, e in (("explicit", TritonEngine(direct_max_d=0)), ("fold", TritonEngine(fold=True)),
+                        ("direct", TritonEngine())):
+            if name == "direct" and d > 8:
+                continue
+            got = grads(e, torch.float32)
+            row(f"grad f32 {name} eps={eps} (value, gx, gy, gh max)", d, "sqeuclidean",
+                max(rel(a, b) for a, b in zip(got, ref)), 1e-2)
+
     # SamplesLoss end to end
     for p in (1, 2):
         for dt, tol in ((torch.float64, 1e-9), (torch.float32, 1e-4)):
