@@ -33,7 +33,7 @@
     small Triton kernel of dependent exp2 chains in registers (not memory
     bound); GEMM rates with ``torch.matmul`` on 8192^2 matrices.
 
-A time budget (``--budget`` seconds, default 300) skips the remaining runs of a
+A time budget (``--budget`` seconds, default 270) skips the remaining runs of a
 measurement when they would not fit; skipped cells say so.  Peers that cannot
 be imported are reported as missing; nothing is installed.  The last thing
 printed is the timing table, also written as markdown to ``--out``.
@@ -203,7 +203,7 @@ def hardware_limits(device: torch.device, quick: bool) -> dict[str, float]:
         tl.store(ptr + offs, v)
 
     out: dict[str, float] = {}
-    block, iters = (128, 4) if quick else (1024, 2048)
+    block, iters = (128, 4) if quick else (1024, 8192)
     progs = 4 if quick else 132 * 64
     buf = torch.rand(progs * block, device=device)
     exp_chain[(progs,)](buf, ITERS=iters, BLOCK=block)
@@ -401,7 +401,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (needs TRITON_INTERPRET=1)")
     ap.add_argument("--out", default=str(Path(__file__).with_name("gpu_check.md")))
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--budget", type=float, default=300.0, help="seconds allowed for part (b)")
+    ap.add_argument("--budget", type=float, default=270.0, help="seconds allowed for part (b)")
     ap.add_argument("--tf32", action="store_true", help="time with TF32 dot products (ours and flash-sinkhorn)")
     ap.add_argument("--skip-correctness", action="store_true")
     args = ap.parse_args()
