@@ -336,3 +336,15 @@ def test_degenerate_shapes():
     assert torch.isposinf(out).all()
     p = eng.plan_product(x, y[:, :0], h[:, :N], h[:, :0], 0.1, torch.ones(B, 0, 2, dtype=x.dtype), c)
     assert p.shape == (B, N, 2) and (p == 0).all()
+
+
+def test_large_d_1024():
+    """d = 1024: the feature axis is looped over in 32-wide chunks (x tile not kept on chip)."""
+    x, y, h = clouds(1024, n=20, m=24)
+    c, eps = get_cost("sqeuclidean"), 20.0
+    ref = DENSE.softmin(x, y, h, eps, c)
+    assert rel_err(engine().softmin(x, y, h, eps, c), ref) < 1e-10
+    V = torch.randn(B, 24, 5, dtype=torch.float64)
+    for w in ("plan", "cost"):
+        out = engine().plan_product(x, y, ref / eps, h, eps, V, c, w)
+        assert rel_err(out, DENSE.plan_product(x, y, ref / eps, h, eps, V, c, w)) < 1e-10
