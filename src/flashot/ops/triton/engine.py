@@ -47,6 +47,7 @@ Design (see :mod:`.kernels`):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Callable
@@ -256,13 +257,15 @@ class TritonEngine:
         cfg = self.config or pinned_config()
         if cfg is None and (x.device.type != "cuda" or interpret_enabled()):
             cfg = INTERPRET_CONFIG
-        if cfg is None:
-            key = (kind, _pow2(N), _pow2(M), D, x.dtype, tuple(sorted(cx.items())))
-            cfg = self._tuned.get(key)
+        # Triton launches on the current CUDA device: make it the tensors' device.
+        with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
             if cfg is None:
-                cfg = self._tune(candidates(D, cx["DIRECT"], plan=kind[0] == "plan"), launch)
-                self._tuned[key] = cfg
-        launch(cfg)
+                key = (kind, _pow2(N), _pow2(M), D, x.dtype, x.device, tuple(sorted(cx.items())))
+                cfg = self._tuned.get(key)
+                if cfg is None:
+                    cfg = self._tune(candidates(D, cx["DIRECT"], plan=kind[0] == "plan"), launch)
+                    self._tuned[key] = cfg
+            launch(cfg)
 
     @staticmethod
     def _tune(cands: list[KernelConfig], launch: Callable[[KernelConfig], None]) -> KernelConfig:
