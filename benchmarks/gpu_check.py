@@ -359,6 +359,9 @@ def bench(device: torch.device, quick: bool, runs: int, budget: float, tf32: boo
                     missing.update({p: "skipped (time budget)" for p in peers})
             rows.append(row)
             log(f"  n={n} d={d}: " + ", ".join(f"{p}={_fmt(row.get(p))}" for p in peers))
+    log("\nautotuned configs (kernel, n bucket, m bucket, d, dtype, ...) -> config:")
+    for key, cfg in eng.tuned_configs().items():
+        log(f"  {key[0][0]} n<={key[1]} m<={key[2]} d={key[3]} -> {cfg}")
     return rows
 
 
