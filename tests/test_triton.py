@@ -6,12 +6,14 @@ when the whole suite runs in one pytest process.
 
 Tolerances (max |error| relative to max |reference|):
 * float64: 1e-10 (observed ~1e-14);
-* float32 points vs the float64 oracle on the same points: 2e-5 for values,
-  plan products and gradients at eps >= 0.05 (observed <= 3e-6);
+* float32 points vs the float64 oracle on the same points: 2e-5 for values and
+  plan products, 5e-5 for gradients, at eps ~ d / 50 (observed <= 3e-6);
 * float16 / bfloat16 points vs the float64 oracle on the *same rounded points*
   (so only the float32 accumulation is measured): 2e-5;
 * TF32 (opt-in): 2e-2.
 Shapes are small and ragged (N = 37, M = 45 against 32 x 32 tiles), B = 2.
+The last tests compile every kernel variant for sm_90 without a GPU (Triton's
+NVIDIA backend + ptxas, in a subprocess without the interpreter).
 """
 
 from __future__ import annotations
