@@ -105,3 +105,14 @@ def _tiled():
 
 register_engine("dense", _dense)
 register_engine("tiled", _tiled)
+
+
+def _triton():
+    try:
+        from .triton import TritonEngine
+    except ImportError as e:  # triton missing or broken
+        raise EngineUnavailable(f"backend='triton' needs the triton package ({e}); use backend='tiled'") from e
+    return TritonEngine()
+
+
+register_engine("triton", _triton)
