@@ -15,6 +15,7 @@ from ._checks import check_positive
 from .measures import Measures
 from .schedules import epsilon_scaling, max_diameter
 from .sinkhorn import balanced_value, final_step, sinkhorn_loop
+from .unbalanced import geomloss_debiased, geomloss_value, parse_reach
 
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
@@ -27,13 +28,21 @@ class SamplesLoss(torch.nn.Module):
         loss: only ``"sinkhorn"`` for now.
         p: 1 (``C = |x - y|``) or 2 (``C = |x - y|^2 / 2``).
         blur: final temperature ``eps = blur^p`` (> 0).
-        reach: unbalanced OT (not yet supported: raises NotImplementedError).
+        reach: unbalanced OT: KL marginal penalties of strength ``rho = reach^p`` on both
+            sides (None: balanced).  Values, potentials and gradients follow GeomLoss.
+        reach_x, reach_y (keyword-only): semi-unbalanced OT, a penalty ``reach_x^p`` on the
+            ``x`` marginal and ``reach_y^p`` on the ``y`` one, None meaning a strict
+            constraint on that side (not with ``reach``).  Same formulas, extended with
+            ``<a, f>`` for a strict side; the debiasing terms ``OT(a, a)`` / ``OT(b, b)``
+            use ``rho_x`` / ``rho_y`` on both of their sides.
         diameter: start of the epsilon-scaling; computed from the data if None.
         scaling: ratio of the epsilon-scaling, in (0, 1).
-        debias: return ``S(a, b)`` (True) or ``OT_eps(a, b)`` (False).
+        debias: return ``S(a, b)`` (True) or ``OT_eps(a, b)`` (False).  Unbalanced:
+            GeomLoss' ``sinkhorn_cost`` formulas.
         potentials: return the dual potentials ``(F, G)`` instead of the value.
         backend: ``"auto"``, GeomLoss' ``"tensorized"`` (= our ``dense``) or
             ``"online"`` (our best streaming engine), or one of our engine names.
+        verbose: show a progress bar (tqdm if installed) over the epsilon-scaling steps.
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.
@@ -55,6 +64,9 @@ class SamplesLoss(torch.nn.Module):
         potentials: bool = False,
         verbose: bool = False,
         backend: str = "auto",
+        *,
+        reach_x: float | None = None,
+        reach_y: float | None = None,
     ):
         super().__init__()
         if loss != "sinkhorn":
@@ -63,8 +75,7 @@ class SamplesLoss(torch.nn.Module):
             )
         if p not in (1, 2) or isinstance(p, bool):
             raise ValueError(f"p: expected 1 or 2, got {p!r}")
-        if reach is not None:
-            raise NotImplementedError("reach (unbalanced OT) is not supported yet; use reach=None")
+        self.rho_x, self.rho_y = parse_reach(reach, reach_x, reach_y, int(p))
         if cost is not None:
             raise NotImplementedError("cost: custom cost functions are not supported; use p=1 or p=2")
         if kernel is not None:
@@ -81,6 +92,7 @@ class SamplesLoss(torch.nn.Module):
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
         self.loss, self.p, self.reach, self.diameter = loss, int(p), reach, diameter
+        self.reach_x, self.reach_y = reach_x, reach_y
         self.scaling, self.truncate, self.debias = float(scaling), truncate, bool(debias)
         self.potentials, self.verbose, self.backend = bool(potentials), bool(verbose), backend
 
@@ -115,13 +127,22 @@ class SamplesLoss(torch.nn.Module):
         diameter = self.diameter if self.diameter is not None else max_diameter(m.x + m.center, m.y + m.center)
         diameter = max(diameter, self.blur)
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
-        st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias)
-        f, g, f_aa, g_bb = final_step(m, st)
-        if self.debias:
-            f, g = f - f_aa, g - g_bb
+        rx, ry = self.rho_x, self.rho_y
+        st = sinkhorn_loop(
+            m, eps_list, symmetric=True, debias=self.debias, rho_x=rx, rho_y=ry, verbose=self.verbose
+        )
+        f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
         if self.potentials:
+            if self.debias:
+                f, g = f - f_aa, g - g_bb
             F, G = m.restore(f), m.restore(g)
             if a_in is not None and a_in.dim() > F.dim():
                 F, G = F.view_as(a_in), G.view_as(b_in)
             return F, G
-        return m.restore(balanced_value(m.a, m.b, f, g))
+        if rx is None and ry is None:
+            if self.debias:
+                f, g = f - f_aa, g - g_bb
+            return m.restore(balanced_value(m.a, m.b, f, g))
+        if self.debias:
+            return m.restore(geomloss_debiased(m.a, m.b, f, g, f_aa, g_bb, st.eps, rx, ry))
+        return m.restore(geomloss_value(m.a, m.b, f, g, st.eps, rx, ry))

@@ -39,6 +39,7 @@ class IterationRecord:
     iteration: int  # 1-based
     eps: float
     error: float | None  # marginal error (balanced) or potential change (unbalanced); None if not computed
+    # (computed every ``inner_iterations`` steps and at the last one)
     elapsed: float  # seconds since the loop started
 
 
@@ -52,6 +53,7 @@ class SinkhornState:
     n_iter: int
     error: float | None
     converged: bool
+    stopped: bool = False  # the callback returned True
 
 
 def damping(eps: float, rho: float | None) -> float:
@@ -71,6 +73,14 @@ def _marginal_error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side:
     return (w * (r - 1.0)).abs().nansum(-1)
 
 
+def _error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str, balanced: bool) -> Tensor:
+    """(B,) error of one side, read off an update ``f_new`` computed from the current ``f_old``:
+    the L1 marginal violation (balanced) or ``max |f_new - f_old| / eps`` (unbalanced)."""
+    if balanced:
+        return _marginal_error(m, f_old, f_new, eps, side)
+    return (f_new - f_old).abs().amax(-1) / eps
+
+
 def sinkhorn_loop(
     m: Measures,
     eps_list: Sequence[float],
@@ -81,79 +91,134 @@ def sinkhorn_loop(
     rho_y: float | None = None,
     tol: float | None = None,
     init: tuple[Tensor, Tensor] | None = None,
-    callback: Callable[[IterationRecord], None] | None = None,
+    callback: Callable[[IterationRecord], bool | None] | None = None,
     warn: bool = True,
+    inner_iterations: int = 10,
+    acceleration=None,
+    verbose: bool = False,
 ) -> SinkhornState:
     """Run Sinkhorn iterations, one per entry of ``eps_list``.
 
-    Stops early when ``tol`` is given and the error drops below it (the error is
-    the L1 marginal violation for balanced problems, the sup-norm change of the
-    potentials divided by eps otherwise).  ``init = (f, g)`` warm-starts the cross
-    potentials.  Runs without autograd.
+    Error: the L1 marginal violation of the current plan for balanced problems, the
+    sup-norm change of the potentials divided by eps otherwise; both are read off the
+    update (no extra pass over the data).  It is brought to the host (one sync) only every
+    ``inner_iterations`` steps and at the last one; the loop stops early there when
+    ``tol`` is given and the error is below it.  ``init = (f, g)`` warm-starts the cross
+    potentials.  ``callback(record)`` runs after every iteration (``record.error`` is None
+    between checks); returning ``True`` stops the solve (``stopped=True``, no warning).
+    ``acceleration``: None, :class:`~flashot.acceleration.Momentum` or
+    :class:`~flashot.acceleration.Anderson` (cross potentials only).  ``verbose`` shows a
+    progress bar updated at the checks.  Runs without autograd.
     """
+    from ._checks import check_int
+    from .acceleration import Accelerator, Anderson, Momentum, check_acceleration
+    from .progress import make_progress
+
+    inner = check_int("inner_iterations", inner_iterations)
+    acceleration = check_acceleration(acceleration)
     balanced = rho_x is None and rho_y is None
     a_log, b_log = m.a_log, m.b_log
     n_total = len(eps_list)
-    track = tol is not None or callback is not None
+    progress = make_progress(verbose, n_total)
+    want_err = tol is not None or callback is not None or progress.active
+    B = a_log.shape[0]
+    acc = None if acceleration is None else Accelerator(acceleration, B, a_log.device, a_log.dtype)
+    momentum = isinstance(acceleration, Momentum)
+    anderson = isinstance(acceleration, Anderson)
     t0 = time.perf_counter()
     err_t: Tensor | None = None
-    converged = False
+    err: float | None = None
+    converged = stopped = False
     it = 0
-    with torch.no_grad():
-        eps = eps_list[0]
-        lx, ly = damping(eps, rho_x), damping(eps, rho_y)
-        if init is not None:
-            f, g = init
-        elif symmetric:
-            f, g = lx * m.softmin_x(b_log, eps), ly * m.softmin_y(a_log, eps)
-        else:
-            f, g = torch.zeros_like(a_log), torch.zeros_like(b_log)
-        f_aa = g_bb = None
-        if debias:
-            f_aa, g_bb = lx * m.softmin_xx(a_log, eps), ly * m.softmin_yy(b_log, eps)
-
-        for it, eps in enumerate(eps_list, start=1):
+    try:
+        with torch.no_grad():
+            eps = eps_list[0]
             lx, ly = damping(eps, rho_x), damping(eps, rho_y)
-            if symmetric:
-                ft = lx * m.softmin_x(b_log + g / eps, eps)
-                gt = ly * m.softmin_y(a_log + f / eps, eps)
-                if track:
-                    if balanced:
-                        err_t = torch.maximum(
-                            _marginal_error(m, f, ft, eps, "x"), _marginal_error(m, g, gt, eps, "y")
-                        )
-                    else:
-                        err_t = torch.maximum((ft - f).abs().amax(-1), (gt - g).abs().amax(-1)) / eps
-                if debias:
-                    ft_aa = lx * m.softmin_xx(a_log + f_aa / eps, eps)
-                    gt_bb = ly * m.softmin_yy(b_log + g_bb / eps, eps)
-                    f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
-                f, g = 0.5 * (f + ft), 0.5 * (g + gt)
+            if init is not None:
+                f, g = init
+            elif symmetric:
+                f, g = lx * m.softmin_x(b_log, eps), ly * m.softmin_y(a_log, eps)
             else:
-                fn = lx * m.softmin_x(b_log + g / eps, eps)
-                if track and it > 1:
-                    err_t = (
-                        _marginal_error(m, f, fn, eps, "x")
-                        if balanced
-                        else (fn - f).abs().amax(-1) / eps
-                    )
-                f = fn
-                g = ly * m.softmin_y(a_log + f / eps, eps)
-            err = None if err_t is None else float(err_t.max())
-            if callback is not None:
-                callback(IterationRecord(it, eps, err, time.perf_counter() - t0))
-            if tol is not None and err is not None and err < tol:
-                converged = True
-                break
-    err = None if err_t is None else float(err_t.max())
-    if tol is not None and not converged and warn:
+                f, g = torch.zeros_like(a_log), torch.zeros_like(b_log)
+            f_aa = g_bb = None
+            if debias:
+                f_aa, g_bb = lx * m.softmin_xx(a_log, eps), ly * m.softmin_yy(b_log, eps)
+            N = f.shape[-1]
+
+            for it, eps in enumerate(eps_list, start=1):
+                lx, ly = damping(eps, rho_x), damping(eps, rho_y)
+                check = it % inner == 0 or it == n_total
+                need_err = acc is not None or (want_err and check)
+                if symmetric:
+                    ft = lx * m.softmin_x(b_log + g / eps, eps)
+                    gt = ly * m.softmin_y(a_log + f / eps, eps)
+                    if need_err:
+                        err_t = torch.maximum(
+                            _error(m, f, ft, eps, "x", balanced), _error(m, g, gt, eps, "y", balanced)
+                        )
+                    if debias:
+                        ft_aa = lx * m.softmin_xx(a_log + f_aa / eps, eps)
+                        gt_bb = ly * m.softmin_yy(b_log + g_bb / eps, eps)
+                        f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
+                    fp, gp = 0.5 * (f + ft), 0.5 * (g + gt)
+                    if acc is None:
+                        f, g = fp, gp
+                    elif momentum:
+                        w = acc.omega(err_t, eps)
+                        f = acc.momentum_guard(f + w * (fp - f), fp)
+                        g = acc.momentum_guard(g + w * (gp - g), gp)
+                    else:
+                        z = acc.extrapolate(torch.cat([f, g], -1), torch.cat([fp, gp], -1), err_t, eps)
+                        f, g = z[..., :N], z[..., N:]
+                else:
+                    fs = lx * m.softmin_x(b_log + g / eps, eps)
+                    if need_err:
+                        err_x = _error(m, f, fs, eps, "x", balanced)
+                    if momentum and it > 1:
+                        # the safeguard compares the row errors of (f, g) before each relaxed step
+                        # (at it == 1 the initial f is not a potential yet: plain step)
+                        w = acc.omega(err_x, eps)
+                        fn = acc.momentum_guard(f + w * (fs - f), fs)
+                    else:
+                        fn = fs
+                    gs = ly * m.softmin_y(a_log + fn / eps, eps)
+                    if need_err:
+                        err_y = _error(m, g, gs, eps, "y", balanced)
+                        # at it == 1 the initial f (zeros) is not a potential: use the g-side error only
+                        err_t = err_y if it == 1 else torch.maximum(err_x, err_y)
+                    if momentum and it > 1:
+                        gn = acc.momentum_guard(g + w * (gs - g), gs)
+                    elif anderson:
+                        gn = acc.extrapolate(g, gs, err_y, eps)
+                    else:
+                        gn = gs
+                    f, g = fn, gn
+                if check and want_err:
+                    err = float(err_t.max())
+                    progress.update(it, eps, err)
+                else:
+                    err = None
+                if callback is not None:
+                    if callback(IterationRecord(it, eps, err, time.perf_counter() - t0)) is True:
+                        stopped = True
+                if tol is not None and err is not None and err < tol:
+                    converged = True
+                    break
+                if stopped:
+                    break
+        if err_t is not None and err is None:
+            err = float(err_t.max())
+    finally:
+        status = "converged" if converged else ("stopped by callback" if stopped else "")
+        progress.close(it, eps, err, status)
+    if tol is not None and not converged and not stopped and warn:
         warnings.warn(
             f"Sinkhorn did not reach tol={tol:g} in {it} iterations (error {err:.3g}); "
             "raise max_iter, or use a larger epsilon.",
             RuntimeWarning,
             stacklevel=3,
         )
-    return SinkhornState(f, g, f_aa, g_bb, eps, it, err, converged)
+    return SinkhornState(f, g, f_aa, g_bb, eps, it, err, converged, stopped)
 
 
 def final_step(

@@ -1,0 +1,174 @@
+r"""Unbalanced (and semi-unbalanced) entropic OT: argument parsing and dual values.
+
+The problem, with KL marginal penalties of strengths :math:`\rho_x, \rho_y`
+(``None`` = a strict marginal constraint on that side):
+
+.. math::
+    \mathrm{OT}(a, b) = \min_{P \ge 0} \langle C, P\rangle + \varepsilon\,\mathrm{KL}(P | a\otimes b)
+        + \rho_x \mathrm{KL}(P 1 | a) + \rho_y \mathrm{KL}(P^\top 1 | b),
+
+with the generalised KL, :math:`\mathrm{KL}(p|q) = \langle p, \log(p/q)\rangle - m(p) + m(q)`.
+Its dual is
+
+.. math::
+    \max_{f, g}\ \varphi_x(f) + \varphi_y(g)
+        - \varepsilon \langle a \otimes b, e^{(f \oplus g - C)/\varepsilon}\rangle
+        + \varepsilon\, m(a) m(b),
+
+with :math:`\varphi_x(f) = \rho_x \langle a, 1 - e^{-f/\rho_x}\rangle` (or :math:`\langle a, f\rangle`
+for a strict side).  The Sinkhorn fixed point is
+:math:`f = -\lambda_x \varepsilon \log \sum_j b_j e^{(g_j - C_{ij})/\varepsilon}`,
+:math:`\lambda = \rho / (\rho + \varepsilon)`, and there the marginals of the plan are
+:math:`P 1 = a e^{-f/\rho_x}` (or :math:`a` for a strict side), so the mass of the
+plan is :math:`m_x = \langle a, e^{-f/\rho_x}\rangle = m_y`.
+
+Two value conventions:
+
+* :func:`geomloss_value` (``SamplesLoss``): GeomLoss' ``sinkhorn_cost``,
+  :math:`\sum_{\text{sides}} (\rho + \varepsilon/2) \langle a, 1 - e^{-f/\rho}\rangle`, extended
+  to a strict side by :math:`\langle a, f\rangle`.  For probability measures this is the
+  dual value at the fixed point (the term :math:`\varepsilon(1 - m(P))` is split in halves,
+  and vanishes when one side is strict).  Gradients are plain autograd through it,
+  as in GeomLoss (whose ``UnbalancedWeight.backward`` is never called by torch), i.e.
+  :math:`(\rho + \varepsilon/2)/(\rho + \varepsilon)` times the envelope gradient on
+  the unbalanced sides.
+* :func:`dual_value` (``solve_sample``, POT semantics): the exact dual value for any
+  masses, with exact envelope-theorem gradients (see its docstring).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["parse_unbalanced", "parse_reach", "geomloss_value", "geomloss_debiased", "dual_value"]
+
+
+def _rho(name: str, v) -> float | None:
+    """A penalty strength: positive number, or None / inf for a strict constraint."""
+    if v is None:
+        return None
+    if isinstance(v, Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"{name}: expected a number, got a tensor of shape {tuple(v.shape)}")
+        v = v.item()
+    if isinstance(v, np.ndarray) and v.size == 1:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a positive number (or None / inf), got {type(v).__name__}")
+    v = float(v)
+    if math.isnan(v) or v <= 0:
+        raise ValueError(f"{name}: the marginal penalty must be a positive number (or None / inf for a "
+                         f"strict constraint), got {v}")
+    return None if math.isinf(v) else v
+
+
+def parse_unbalanced(unbalanced, unbalanced_type: str = "KL") -> tuple[float | None, float | None]:
+    """POT's ``unbalanced=`` (``rho`` or ``(rho_a, rho_b)``; None / inf = strict) -> (rho_a, rho_b)."""
+    if not isinstance(unbalanced_type, str):
+        raise TypeError(f"unbalanced_type: expected a string, got {type(unbalanced_type).__name__}")
+    if unbalanced_type.lower() != "kl":
+        raise ValueError(
+            f"unbalanced_type: only 'KL' (Kullback-Leibler marginal penalties) is supported, "
+            f"got {unbalanced_type!r}"
+        )
+    if unbalanced is None:
+        return None, None
+    if isinstance(unbalanced, Tensor):
+        unbalanced = unbalanced.detach().cpu().numpy()
+    if isinstance(unbalanced, np.ndarray):
+        unbalanced = unbalanced.reshape(-1).tolist() if unbalanced.ndim > 0 else unbalanced.item()
+    if isinstance(unbalanced, (tuple, list)):
+        vals = list(unbalanced)
+        if len(vals) == 1:
+            r = _rho("unbalanced", vals[0])
+            return r, r
+        if len(vals) != 2:
+            raise ValueError(f"unbalanced: expected a number or a pair (rho_a, rho_b), got {len(vals)} values")
+        return _rho("unbalanced[0]", vals[0]), _rho("unbalanced[1]", vals[1])
+    r = _rho("unbalanced", unbalanced)
+    return r, r
+
+
+def parse_reach(reach, reach_x, reach_y, p: int) -> tuple[float | None, float | None]:
+    """GeomLoss' ``reach`` (both sides) or per-side ``reach_x`` / ``reach_y`` -> (rho_x, rho_y) = reach^p."""
+
+    def one(name, v):
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{name}: expected a positive number or None, got {type(v).__name__}")
+        v = float(v)
+        if not v > 0 or math.isnan(v):
+            raise ValueError(f"{name}: expected a positive number (or None for a strict marginal), got {v}")
+        return None if math.isinf(v) else v**p
+
+    if reach is not None and (reach_x is not None or reach_y is not None):
+        raise ValueError("reach: give either reach (both sides) or reach_x / reach_y (per side), not both")
+    if reach is not None:
+        r = one("reach", reach)
+        return r, r
+    return one("reach_x", reach_x), one("reach_y", reach_y)
+
+
+# -- GeomLoss' convention (SamplesLoss) ------------------------------------------------------
+def _gl_side(w: Tensor, f: Tensor, eps: float, rho: float | None) -> Tensor:
+    if rho is None:
+        return (w * f).sum(-1)
+    return (rho + eps / 2) * (w * (1.0 - torch.exp(-f / rho))).sum(-1)
+
+
+def geomloss_value(a, b, f, g, eps: float, rho_x: float | None, rho_y: float | None) -> Tensor:
+    """``OT_eps,rho(a, b)`` from the (final-step) potentials, GeomLoss' formula, (B,)."""
+    return _gl_side(a, f, eps, rho_x) + _gl_side(b, g, eps, rho_y)
+
+
+def _gl_debias_side(w, f_ab, f_aa, eps, rho):
+    if rho is None:
+        return (w * (f_ab - f_aa)).sum(-1)
+    return (rho + eps / 2) * (w * (torch.exp(-f_aa / rho) - torch.exp(-f_ab / rho))).sum(-1)
+
+
+def geomloss_debiased(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y) -> Tensor:
+    """``S(a, b) = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` (GeomLoss' ``sinkhorn_cost``), (B,).
+
+    ``OT(a, a)`` uses ``rho_x`` on both of its sides and ``OT(b, b)`` uses ``rho_y``.
+    """
+    return _gl_debias_side(a, f_ba, f_aa, eps, rho_x) + _gl_debias_side(b, g_ab, g_bb, eps, rho_y)
+
+
+# -- the exact dual (solve_sample) ---------------------------------------------------------
+def _side_parts(w: Tensor, f: Tensor, eps: float, rho: float | None) -> tuple[Tensor, Tensor]:
+    """(T, m): ``T = phi(f) - eps m`` (differentiable), ``m`` the plan mass seen from this side."""
+    if rho is None:
+        m = w.sum(-1)
+        return (w * f).sum(-1) - eps * m, m.detach()
+    e = torch.exp(-f / rho)
+    m = (w * e).sum(-1)
+    return rho * (w * (1.0 - e)).sum(-1) - eps * m, m.detach()
+
+
+def dual_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
+               rho_x: float | None, rho_y: float | None) -> Tensor:
+    r"""Dual value of (semi-)unbalanced entropic OT at the Sinkhorn fixed point, (B,).
+
+    With :math:`m_x = \langle a, e^{-f/\rho_x}\rangle` (or :math:`m(a)`) and :math:`m_y`
+    likewise, both equal to the plan mass :math:`m(P)` at the fixed point,
+
+    .. math::
+        D = \varphi_x(f) + \varphi_y(g) - \varepsilon\, \tfrac{m_x + m_y}{2} + \varepsilon\, m(a) m(b).
+
+    Gradients: ``f`` and ``g`` come from the final step (each differentiable w.r.t. its
+    own side's points only).  Autograd runs through
+    :math:`\varphi_x(f) - \varepsilon m_x + \varphi_y(g) - \varepsilon m_y + \varepsilon m(a)m(b)`
+    (same value at the fixed point up to the detached :math:`\varepsilon m(P)`), whose
+    derivative is exactly the envelope gradient: ``sum_j P_ij grad_x C(x_i, y_j)`` in the
+    points and :math:`\partial D / \partial a_i = \rho_x (1 - e^{-f_i/\rho_x}) - \varepsilon e^{-f_i/\rho_x} + \varepsilon m(b)`
+    in the weights (:math:`f_i - \varepsilon + \varepsilon m(b)` for a strict side).
+    """
+    tx, mx = _side_parts(a, f, eps, rho_x)
+    ty, my = _side_parts(b, g, eps, rho_y)
+    return tx + ty + eps * a.sum(-1) * b.sum(-1) + eps * 0.5 * (mx + my)
