@@ -6,10 +6,11 @@ Public API:
     ops           the two streamed primitives (softmin, plan product) and the engine registry
 """
 
+from .acceleration import Anderson, Momentum
 from .costs import Cost, get_cost
 from .samples_loss import SamplesLoss
 from .solve import OTResult, solve_sample
 
 __version__ = "0.1.0"
 
-__all__ = ["SamplesLoss", "solve_sample", "OTResult", "Cost", "get_cost", "__version__"]
+__all__ = ["SamplesLoss", "solve_sample", "OTResult", "Cost", "get_cost", "Momentum", "Anderson", "__version__"]

@@ -19,7 +19,9 @@ from torch import Tensor
 from ._checks import check_int, check_positive, to_tensor
 from .measures import Measures
 from .plan import LazyPlan
+from .acceleration import check_acceleration
 from .sinkhorn import IterationRecord, SinkhornState, balanced_value, final_step, sinkhorn_loop
+from .unbalanced import dual_value, parse_unbalanced, pot_value
 
 METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
 
@@ -33,7 +35,15 @@ class OTResult:
             at convergence); differentiable w.r.t. torch inputs that require grad.
         potentials: ``(f, g)`` dual potentials, (N,), (M,) (or batched).
         plan: the lazy transport plan (:class:`~flashot.plan.LazyPlan`).
-        n_iter, converged, error: iterations run, whether ``tol`` was met, final marginal error.
+        n_iter, converged, error: iterations run, whether ``tol`` was met, and the last
+            error read (L1 marginal violation when balanced, ``max |change of f, g| / reg``
+            for (semi-)unbalanced problems).
+        stopped: the ``callback`` returned True.
+        value_dual: the optimal value with generalised KL divergences (mass terms included),
+            ``min <C, P> + reg KL(P|a x b) + rho_a KL(P 1|a) + rho_b KL(P^T 1|b)``, from the dual;
+            exact envelope gradients.  Equals ``value`` for balanced problems.  For unbalanced
+            ones ``value`` follows POT (mass-less KL terms, see :func:`flashot.unbalanced.pot_value`).
+        unbalanced: ``(rho_a, rho_b)`` (None = strict side), or None when balanced.
     """
 
     value: Any
@@ -45,6 +55,9 @@ class OTResult:
     reg: float
     backend: str
     _numpy: bool = field(default=False, repr=False)
+    stopped: bool = False
+    unbalanced: tuple | None = None
+    value_dual: Any = None
 
     def _out(self, t: Tensor):
         if not self._numpy:
@@ -73,7 +86,9 @@ class OTResult:
 
     @property
     def status(self) -> str:
-        return "converged" if self.converged else "max_iter reached"
+        if self.converged:
+            return "converged"
+        return "stopped by callback" if self.stopped else "max_iter reached"
 
 
 def solve_sample(
@@ -91,7 +106,11 @@ def solve_sample(
     backend: str = "auto",
     potentials_init: tuple | None = None,
     unbalanced=None,
-    callback: Callable[[IterationRecord], None] | None = None,
+    unbalanced_type: str = "KL",
+    callback: Callable[[IterationRecord], bool | None] | None = None,
+    inner_iterations: int = 10,
+    acceleration=None,
+    verbose: bool = False,
 ) -> OTResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
@@ -102,12 +121,29 @@ def solve_sample(
             ``metric`` is POT's name for the same argument.
         reg: the entropic regularisation epsilon (> 0, required).
         max_iter: iterations (default 1000).  With ``tol=None`` exactly ``max_iter`` run.
-        tol: stop when the L1 marginal violation drops below it (default 1e-6).
+        tol: stop when the error drops below it (default 1e-6): the L1 marginal violation
+            (balanced) or the sup-norm change of the potentials divided by ``reg`` in one
+            iteration (unbalanced).  Not met after ``max_iter``: RuntimeWarning and
+            ``converged=False``.  ``tol=None``: exactly ``max_iter`` iterations, no warning.
         method: ``"auto"`` / ``"sinkhorn"`` / ``"sinkhorn_log"`` (alternating, log-domain)
             or ``"symmetric"`` (GeomLoss' averaged updates).
         backend: engine name or ``"auto"``.
         potentials_init: ``(f, g)`` warm start (same shapes as the returned potentials).
-        callback: called with an :class:`~flashot.sinkhorn.IterationRecord` after each iteration.
+        unbalanced: KL marginal penalties (POT's ``unbalanced`` / ``reg_m``): a number ``rho``
+            for both sides, or a pair ``(rho_a, rho_b)`` where None (or inf) keeps that
+            marginal strict (semi-unbalanced).  ``value`` follows POT's convention (the primal
+            at the plan with mass-less KL terms); ``value_dual`` is the optimum with generalised
+            KL terms (exact envelope gradients).  ``potentials`` are ``(f, g)`` = ``reg`` times
+            POT's ``(log u, log v)``; the plan is POT's ``u_i a_i K_ij b_j v_j``.
+        unbalanced_type: only ``"KL"``.
+        callback: called with an :class:`~flashot.sinkhorn.IterationRecord` after each
+            iteration (``error`` is None between checks); returning ``True`` stops the
+            solve (``converged=False``, ``stopped=True``, no warning).
+        inner_iterations: read the error (one device sync) every this many iterations (>= 1,
+            default 10) and at the last one; ``tol`` is checked there.
+        acceleration: None, :class:`flashot.Momentum` ``(omega)`` or :class:`flashot.Anderson` ``(m)``
+            (log-domain, safeguarded; see :mod:`flashot.acceleration`).
+        verbose: progress bar (tqdm if installed, else stderr lines) with iteration, eps, error.
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
@@ -124,8 +160,10 @@ def solve_sample(
     tol = check_positive("tol", tol, allow_none=True)
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method: expected one of {sorted(METHODS)}, got {method!r}")
-    if unbalanced is not None:
-        raise NotImplementedError("unbalanced OT is not supported yet; use unbalanced=None")
+    rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type)
+    is_unbalanced = rho_a is not None or rho_b is not None
+    inner_iterations = check_int("inner_iterations", inner_iterations)
+    acceleration = check_acceleration(acceleration)
     is_np = isinstance(X_a, np.ndarray)
     if is_np != isinstance(X_b, np.ndarray):
         raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
@@ -140,10 +178,16 @@ def solve_sample(
     if potentials_init is not None:
         init = _check_init(potentials_init, m)
     st: SinkhornState = sinkhorn_loop(
-        m, [reg] * max_iter, symmetric=METHODS[method], tol=tol, init=init, callback=callback
+        m, [reg] * max_iter, symmetric=METHODS[method], tol=tol, init=init, callback=callback,
+        rho_x=rho_a, rho_y=rho_b, inner_iterations=inner_iterations, acceleration=acceleration,
+        verbose=verbose,
     )
-    f, g, _, _ = final_step(m, st)
-    value = balanced_value(m.a, m.b, f, g)
+    f, g, _, _ = final_step(m, st, rho_x=rho_a, rho_y=rho_b)
+    if is_unbalanced:
+        value = pot_value(m.a, m.b, f, g, reg, rho_a, rho_b)
+        value_dual = dual_value(m.a, m.b, f, g, reg, rho_a, rho_b)
+    else:
+        value = value_dual = balanced_value(m.a, m.b, f, g)
     res = OTResult(
         value=None,
         potentials=(None, None),
@@ -154,8 +198,11 @@ def solve_sample(
         reg=reg,
         backend=m.engine.name,
         _numpy=is_np,
+        stopped=st.stopped,
+        unbalanced=(rho_a, rho_b) if is_unbalanced else None,
     )
     res.value = res._out(m.restore(value))
+    res.value_dual = res._out(m.restore(value_dual))
     res.potentials = (res._out(m.restore(f)), res._out(m.restore(g)))
     return res
 

@@ -172,3 +172,26 @@ def dual_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
     tx, mx = _side_parts(a, f, eps, rho_x)
     ty, my = _side_parts(b, g, eps, rho_y)
     return tx + ty + eps * a.sum(-1) * b.sum(-1) + eps * 0.5 * (mx + my)
+
+
+def pot_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
+              rho_x: float | None, rho_y: float | None) -> Tensor:
+    r"""POT's ``value`` for unbalanced entropic OT (``ot.solve(..., unbalanced=...)``), (B,).
+
+    POT evaluates the primal at its plan with *mass-less* KL terms,
+    ``<C, P> + eps <P, log(P / a x b)> + rho_x <P 1, log(P 1 / a)> + rho_y <P^T 1, log(P^T 1 / b)>``
+    (a strict side adds nothing).  For a Gibbs plan ``P = a b exp((f + g - C)/eps)`` the first
+    two terms add up to ``<P 1, f> + <P^T 1, g>``; at the fixed point an unbalanced side has
+    ``P 1 = a exp(-f/rho_x)``, so its penalty is ``-<P 1, f>`` and cancels, while a strict side
+    has ``P 1 = a``.  Hence POT's value is ``sum over strict sides of <a, f>``: ``<b, g>`` when
+    only ``a`` is relaxed, and identically 0 when both are (POT returns ~1e-15 there).
+    Gradients go through the final step only (POT's value is not a min over plans, so the
+    envelope theorem does not apply); ``OTResult.value_dual`` has exact gradients.
+    """
+    zero = 0.0 * (f.sum(-1) + g.sum(-1))  # keeps the autograd graph: d value = 0 when both sides relax
+    v = zero
+    if rho_x is None:
+        v = v + (a * f).sum(-1)
+    if rho_y is None:
+        v = v + (b * g).sum(-1)
+    return v
