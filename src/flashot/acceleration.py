@@ -33,13 +33,26 @@ from torch import Tensor
 __all__ = ["Momentum", "Anderson", "check_acceleration"]
 
 
+def _check_safeguard(cls: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= float(v) < float("inf"):
+        raise ValueError(f"{cls}.safeguard: expected a finite number >= 1, got {v!r}")
+
+
 @dataclass(frozen=True)
 class Momentum:
-    """Over-relaxation with factor ``omega`` in (0, 2) (1 = plain Sinkhorn)."""
+    """Over-relaxation with factor ``omega`` in (0, 2) (1 = plain Sinkhorn).
+
+    ``safeguard`` (>= 1): an over-relaxed step after which the error exceeds ``safeguard``
+    times the smallest error seen so far is followed by a plain step, and ``omega - 1`` is
+    halved for that problem.  Over-relaxed Sinkhorn is not monotone in the marginal error,
+    so the default (5) tolerates its oscillations and only stops divergence.
+    """
 
     omega: float = 1.5
+    safeguard: float = 5.0
 
     def __post_init__(self):
+        _check_safeguard("Momentum", self.safeguard)
         w = self.omega
         if isinstance(w, bool) or not isinstance(w, (int, float)):
             raise TypeError(f"Momentum.omega: expected a number in (0, 2), got {type(w).__name__}")
@@ -50,12 +63,19 @@ class Momentum:
 @dataclass(frozen=True)
 class Anderson:
     """Anderson acceleration with memory ``m`` >= 1 and Tikhonov regularisation ``reg`` >= 0
-    (relative to the scale of the residual Gram matrix)."""
+    (relative to the scale of the residual Gram matrix).
+
+    ``safeguard`` (>= 1): when the error after an extrapolated step exceeds ``safeguard``
+    times the smallest error seen so far, the history is cleared and a plain step is taken
+    (default 1: any increase).
+    """
 
     m: int = 5
     reg: float = 1e-10
+    safeguard: float = 1.0
 
     def __post_init__(self):
+        _check_safeguard("Anderson", self.safeguard)
         if isinstance(self.m, bool) or not isinstance(self.m, int):
             raise TypeError(f"Anderson.m: expected an integer >= 1, got {type(self.m).__name__}")
         if self.m < 1:
@@ -96,7 +116,7 @@ class Accelerator:
 
     def __init__(self, cfg, batch: int, device, dtype):
         self.cfg = cfg
-        self.prev_err: Tensor | None = None
+        self.ref: Tensor | None = None  # smallest error seen since the last change of eps
         self.prev_acc = torch.zeros(batch, dtype=torch.bool, device=device)  # was the last step accelerated?
         self.eps: float | None = None
         self.n_rejected = torch.zeros((), dtype=torch.long, device=device)
@@ -104,29 +124,33 @@ class Accelerator:
             self.w = torch.full((batch, 1), float(cfg.omega), dtype=dtype, device=device)
         self.X: list[Tensor] = []  # Anderson history: iterates
         self.T: list[Tensor] = []  # and their images
+        self.count = 0  # iterates appended so far (global index of the next one)
+        self.start: Tensor | None = None  # (B,) first global index of each problem's valid history
 
     # -- safeguard ----------------------------------------------------------------
-    def _accept(self, err: Tensor, eps: float) -> Tensor:
-        """(B,) mask: may this step be accelerated?  Updates the safeguard state."""
+    def _accept(self, err: Tensor, eps: float):
+        """(B,) masks ``(ok, worse)``: may this step be accelerated, and did the last
+        accelerated step overshoot?  Updates the safeguard state (no host sync)."""
         if self.eps is not None and eps != self.eps:
             self.X.clear()
             self.T.clear()
+            self.ref = None
+            self.start = None
         self.eps = eps
-        ok = torch.isfinite(err)
-        if self.prev_err is not None:
-            worse = self.prev_acc & ~(err <= self.prev_err)
-            self.n_rejected += worse.sum()
-            ok = ok & ~worse
+        finite = torch.isfinite(err)
+        if self.ref is None:
+            worse = torch.zeros_like(finite)
+            self.ref = torch.where(finite, err, torch.full_like(err, float("inf")))
         else:
-            worse = None
-        self.prev_err = err
-        return ok, worse
+            worse = self.prev_acc & ~(err <= self.cfg.safeguard * self.ref)
+            self.ref = torch.where(finite, torch.minimum(self.ref, err), self.ref)
+        self.n_rejected += worse.sum()
+        return finite & ~worse, worse
 
     def omega(self, err: Tensor, eps: float) -> Tensor:
         ok, worse = self._accept(err, eps)
-        if worse is not None:
-            # shrink the over-relaxation of the problems that got worse
-            self.w = torch.where(worse.unsqueeze(-1), 1.0 + 0.5 * (self.w - 1.0), self.w)
+        # shrink the over-relaxation of the problems that overshot
+        self.w = torch.where(worse.unsqueeze(-1), 1.0 + 0.5 * (self.w - 1.0), self.w)
         w = torch.where(ok.unsqueeze(-1), self.w, torch.ones_like(self.w))
         self.prev_acc = ok & (self.w[:, 0] != 1.0)
         return w
@@ -137,31 +161,38 @@ class Accelerator:
 
     def extrapolate(self, z: Tensor, tz: Tensor, err: Tensor, eps: float) -> Tensor:
         ok, worse = self._accept(err, eps)
-        if worse is not None and bool(worse.any()):  # one sync, only after an accelerated step
-            self.X.clear()
-            self.T.clear()
+        if self.start is None or not self.X:
+            self.start = torch.full_like(err, self.count, dtype=torch.long)
+        # problems that overshot (or whose error is not finite) restart their history here,
+        # per problem and without a host sync: older columns are masked out below
+        self.start = torch.where(ok, self.start, torch.full_like(self.start, self.count))
+        idx = self.count
         self.X.append(z)
         self.T.append(tz)
-        m = self.cfg.m
-        if len(self.X) > m + 1:
+        self.count += 1
+        if len(self.X) > self.cfg.m + 1:
             self.X.pop(0)
             self.T.pop(0)
-        if len(self.X) < 2:
+        k = len(self.X)
+        if k < 2:
             self.prev_acc = torch.zeros_like(ok)
             return tz
         X = torch.stack(self.X, -1)  # (B, n, k)
         T = torch.stack(self.T, -1)
-        R = T - X  # residuals
-        dR = R[..., 1:] - R[..., :-1]  # (B, n, k-1)
-        dT = T[..., 1:] - T[..., :-1]
+        R = T - X  # residuals of the fixed-point map
+        # column i of the differences pairs the entries with global indices (j - 1, j)
+        first = torch.arange(idx - k + 1, idx, device=z.device)  # (k-1,) index j - 1
+        valid = (first.unsqueeze(0) >= self.start.unsqueeze(-1)).to(z.dtype)  # (B, k-1)
+        dR = (R[..., 1:] - R[..., :-1]) * valid.unsqueeze(1)
+        dT = (T[..., 1:] - T[..., :-1]) * valid.unsqueeze(1)
         r = R[..., -1:]
         G = dR.transpose(-1, -2) @ dR  # (B, k-1, k-1)
         scale = G.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(G.dtype).tiny)
         lam = (self.cfg.reg + 1e-14) * scale
-        eye = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
+        G = G + torch.diag_embed(lam.unsqueeze(-1) + (1.0 - valid))  # masked columns: gamma = 0
         rhs = dR.transpose(-1, -2) @ r
-        gamma, _ = torch.linalg.solve_ex(G + lam[:, None, None] * eye, rhs)  # (B, k-1, 1); no raise
+        gamma, _ = torch.linalg.solve_ex(G, rhs)  # (B, k-1, 1); never raises
         cand = tz - (dT @ gamma)[..., 0]
-        good = ok & _finite_rows(cand) & torch.isfinite(gamma).all(-1).all(-1)
+        good = ok & (valid.sum(-1) > 0) & _finite_rows(cand) & torch.isfinite(gamma).all(-1).all(-1)
         self.prev_acc = good
         return torch.where(good.unsqueeze(-1), cand, tz)
