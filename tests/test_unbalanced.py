@@ -249,26 +249,34 @@ def test_semi_unbalanced_value_dual_gradients_are_envelope():
 def test_semi_unbalanced_samples_loss_against_dense_reference():
     """SamplesLoss(reach_x=..., reach_y=None): value and potentials = dense optimum;
     gradients follow GeomLoss' rule ((rho + eps/2) / (rho + eps) times the envelope
-    gradient on a relaxed side, the envelope gradient on a strict side)."""
-    reach, blur = 0.6, 0.3
+    gradient on a relaxed side, the envelope gradient on a strict side).
+
+    Loose tolerances (2e-3 / 2e-2): like GeomLoss, SamplesLoss runs one iteration per
+    epsilon of the annealing schedule and stops at the final epsilon without iterating to
+    convergence, so it lags the exact optimum (scaling=0.99 here: ~1e-3 relative).  The
+    same formulas are checked tightly against GeomLoss for reach on both sides, and the
+    semi-unbalanced solver itself tightly in test_semi_unbalanced_against_dense_dual.
+    """
+    reach, blur = 0.2, 0.6
     rho, eps = reach**2, blur**2
     x, y, a, b = _clouds(n=12, m=14, seed=9)
-    L = SamplesLoss("sinkhorn", p=2, blur=blur, reach_x=reach, reach_y=None, debias=False,
-                    scaling=0.95, backend="tensorized")
+    kw = dict(p=2, blur=blur, reach_x=reach, reach_y=None, debias=False, scaling=0.99, backend="tensorized")
     xx, yy = x.clone().requires_grad_(), y.clone().requires_grad_()
-    v = L(a, xx, b, yy)
+    v = SamplesLoss("sinkhorn", **kw)(a, xx, b, yy)
     gx, gy = torch.autograd.grad(v, [xx, yy])
-    F, G = SamplesLoss("sinkhorn", p=2, blur=blur, reach_x=reach, debias=False, potentials=True,
-                       scaling=0.95, backend="tensorized")(a, x, b, y)
+    F, G = SamplesLoss("sinkhorn", potentials=True, **kw)(a, x, b, y)
     C = 0.5 * ((x[:, None] - y[None]) ** 2).sum(-1)
     f_ref, g_ref, D_ref, P_ref = _dense_reference(C.numpy(), a.numpy(), b.numpy(), eps, rho, None)
-    assert abs(float(v) - D_ref) < 1e-6 * abs(D_ref)
-    assert np.abs(F.numpy() - f_ref).max() < 1e-6 and np.abs(G.numpy() - g_ref).max() < 1e-6
+    assert abs(float(v.detach()) - D_ref) < 2e-3 * abs(D_ref)
+    scale = np.abs(g_ref).max()
+    assert np.abs(F.numpy() - f_ref).max() < 2e-3 * scale and np.abs(G.numpy() - g_ref).max() < 2e-3 * scale
     P = torch.from_numpy(P_ref)
     gx_env = P.sum(1, keepdim=True) * x - P @ y
     gy_env = P.sum(0)[:, None] * y - P.T @ x
-    assert _rel(gx, (rho + eps / 2) / (rho + eps) * gx_env) < 1e-5
-    assert _rel(gy, gy_env) < 1e-5
+    assert _rel(gx, (rho + eps / 2) / (rho + eps) * gx_env) < 2e-2
+    assert _rel(gy, gy_env) < 2e-2
+    # the relaxed side's factor is really there (not the plain envelope gradient)
+    assert _rel(gx, gx_env) > 0.1
 
 
 def test_reach_xy_equal_is_reach():
