@@ -1,6 +1,6 @@
 """Iterations (and time) to tolerance with and without acceleration.
 
-    python benchmarks/acceleration.py                 # n=2000, d=2/3, eps 0.05 / 0.01 / 0.003
+    python benchmarks/acceleration.py                 # n=2000, d=2/3, eps 0.05 / 0.01 / 0.003, max_iter 1500
     python benchmarks/acceleration.py --n 500 --eps 0.01
 
 For each (d, eps) solves balanced entropic OT with ``solve_sample`` (cost |x-y|^2,
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--dims", type=int, nargs="+", default=[2, 3])
     p.add_argument("--eps", type=float, nargs="+", default=[0.05, 0.01, 0.003])
     p.add_argument("--tol", type=float, default=1e-5)
-    p.add_argument("--max-iter", type=int, default=3000)
+    p.add_argument("--max-iter", type=int, default=1500)
     p.add_argument("--unbalanced", type=float, default=None)
     p.add_argument("--backend", default="auto")
     p.add_argument("--threads", type=int, default=None)

@@ -318,3 +318,31 @@ def test_bad_unbalanced_arguments():
         solve_sample(x, y, reg=0.1, unbalanced=1.0, unbalanced_type="TV")
     with pytest.raises(TypeError, match="unbalanced"):
         solve_sample(x, y, reg=0.1, unbalanced="KL")
+
+
+def test_semi_unbalanced_debiased_continuous_in_reach():
+    """Two-sided self problems (rho_x != rho_y) agree with GeomLoss' symmetric ones as rho_y -> rho_x."""
+    x, y, a, b = _clouds(seed=13)
+    ref = geomloss.SamplesLoss("sinkhorn", p=2, blur=0.05, reach=0.5, backend="tensorized")(a, x, b, y)
+    v = SamplesLoss(p=2, blur=0.05, reach_x=0.5, reach_y=0.5 * (1 + 1e-9))(a, x, b, y)
+    assert _rel(v, ref) < 1e-6
+    F, G = SamplesLoss(p=2, blur=0.05, reach_x=0.5, reach_y=0.5 * (1 + 1e-9), potentials=True)(a, x, b, y)
+    Fr, Gr = geomloss.SamplesLoss("sinkhorn", p=2, blur=0.05, reach=0.5, potentials=True,
+                                  backend="tensorized")(a, x, b, y)
+    assert _rel(F, Fr) < 1e-6 and _rel(G, Gr) < 1e-6
+
+
+def test_semi_unbalanced_debiased_against_dense_reference():
+    """S = OT(a, b) - OT(a, a)/2 - OT(b, b)/2, each term the dense optimum of OT_{rho_x, rho_y}
+    (loose tolerance: eps-scaling lag, see test_semi_unbalanced_samples_loss_against_dense_reference)."""
+    reach, blur = 0.2, 0.6
+    rho, eps = reach**2, blur**2
+    x, y, a, b = _clouds(n=12, m=14, seed=14)
+    v = SamplesLoss("sinkhorn", p=2, blur=blur, reach_x=reach, scaling=0.99, backend="tensorized")(a, x, b, y)
+
+    def D(p, u, q, w):
+        C = 0.5 * ((u[:, None] - w[None]) ** 2).sum(-1)
+        return _dense_reference(C.numpy(), p.numpy(), q.numpy(), eps, rho, None)[2]
+
+    S_ref = D(a, x, b, y) - 0.5 * D(a, x, a, x) - 0.5 * D(b, y, b, y)
+    assert abs(float(v) - S_ref) < 5e-3 * abs(D(a, x, b, y))

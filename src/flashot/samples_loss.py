@@ -8,6 +8,8 @@ divergence ``S(a, b) = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` by default.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -15,7 +17,13 @@ from ._checks import check_positive
 from .measures import Measures
 from .schedules import epsilon_scaling, max_diameter
 from .sinkhorn import balanced_value, final_step, sinkhorn_loop
-from .unbalanced import geomloss_debiased, geomloss_value, parse_reach
+from .unbalanced import (
+    geomloss_debiased,
+    geomloss_debiased_two_sided,
+    geomloss_value,
+    parse_reach,
+    self_terms_final,
+)
 
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
@@ -33,8 +41,10 @@ class SamplesLoss(torch.nn.Module):
         reach_x, reach_y (keyword-only): semi-unbalanced OT, a penalty ``reach_x^p`` on the
             ``x`` marginal and ``reach_y^p`` on the ``y`` one, None meaning a strict
             constraint on that side (not with ``reach``).  Same formulas, extended with
-            ``<a, f>`` for a strict side; the debiasing terms ``OT(a, a)`` / ``OT(b, b)``
-            use ``rho_x`` / ``rho_y`` on both of their sides.
+            ``<a, f>`` for a strict side.  With ``debias``, ``OT(a, a)`` and ``OT(b, b)`` are
+            solved with the same ``(rho_x, rho_y)`` (two potentials each, two more softmins
+            per iteration), so ``S(a, a) = 0``; ``potentials=True`` then returns
+            ``f_ab - (f_aa + g_aa)/2`` and ``g_ab - (f_bb + g_bb)/2``.
         diameter: start of the epsilon-scaling; computed from the data if None.
         scaling: ratio of the epsilon-scaling, in (0, 1).
         debias: return ``S(a, b)`` (True) or ``OT_eps(a, b)`` (False).  Unbalanced:
@@ -131,9 +141,18 @@ class SamplesLoss(torch.nn.Module):
         st = sinkhorn_loop(
             m, eps_list, symmetric=True, debias=self.debias, rho_x=rx, rho_y=ry, verbose=self.verbose
         )
-        f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
+        if st.g_aa is not None:  # debiasing with rho_x != rho_y: two-sided self problems
+            f, g, _, _ = final_step(m, replace(st, f_aa=None, g_bb=None), rho_x=rx, rho_y=ry)
+            f_aa, g_aa, f_bb, g_bb = self_terms_final(m, st, rx, ry)
+            if self.potentials:
+                f, g = f - 0.5 * (f_aa + g_aa), g - 0.5 * (f_bb + g_bb)
+            else:
+                val = geomloss_debiased_two_sided(m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb, st.eps, rx, ry)
+                return m.restore(val)
+        else:
+            f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
         if self.potentials:
-            if self.debias:
+            if self.debias and st.g_aa is None:
                 f, g = f - f_aa, g - g_bb
             F, G = m.restore(f), m.restore(g)
             if a_in is not None and a_in.dim() > F.dim():

@@ -54,6 +54,10 @@ class SinkhornState:
     error: float | None
     converged: bool
     stopped: bool = False  # the callback returned True
+    # debiasing with rho_x != rho_y: OT(a, a) and OT(b, b) are not symmetric problems and
+    # need a second potential each (f_aa / g_aa on the two copies of x, f_bb / g_bb on y)
+    g_aa: Tensor | None = None
+    f_bb: Tensor | None = None
 
 
 def damping(eps: float, rho: float | None) -> float:
@@ -140,9 +144,12 @@ def sinkhorn_loop(
                 f, g = lx * m.softmin_x(b_log, eps), ly * m.softmin_y(a_log, eps)
             else:
                 f, g = torch.zeros_like(a_log), torch.zeros_like(b_log)
-            f_aa = g_bb = None
+            f_aa = g_bb = g_aa = f_bb = None
+            two_sided = debias and rho_x != rho_y
             if debias:
                 f_aa, g_bb = lx * m.softmin_xx(a_log, eps), ly * m.softmin_yy(b_log, eps)
+            if two_sided:
+                g_aa, f_bb = ly * m.softmin_xx(a_log, eps), lx * m.softmin_yy(b_log, eps)
             N = f.shape[-1]
 
             for it, eps in enumerate(eps_list, start=1):
@@ -156,7 +163,14 @@ def sinkhorn_loop(
                         err_t = torch.maximum(
                             _error(m, f, ft, eps, "x", balanced), _error(m, g, gt, eps, "y", balanced)
                         )
-                    if debias:
+                    if two_sided:
+                        ft_aa = lx * m.softmin_xx(a_log + g_aa / eps, eps)
+                        gt_aa = ly * m.softmin_xx(a_log + f_aa / eps, eps)
+                        ft_bb = lx * m.softmin_yy(b_log + g_bb / eps, eps)
+                        gt_bb = ly * m.softmin_yy(b_log + f_bb / eps, eps)
+                        f_aa, g_aa = 0.5 * (f_aa + ft_aa), 0.5 * (g_aa + gt_aa)
+                        f_bb, g_bb = 0.5 * (f_bb + ft_bb), 0.5 * (g_bb + gt_bb)
+                    elif debias:
                         ft_aa = lx * m.softmin_xx(a_log + f_aa / eps, eps)
                         gt_bb = ly * m.softmin_yy(b_log + g_bb / eps, eps)
                         f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
@@ -218,7 +232,7 @@ def sinkhorn_loop(
             RuntimeWarning,
             stacklevel=3,
         )
-    return SinkhornState(f, g, f_aa, g_bb, eps, it, err, converged, stopped)
+    return SinkhornState(f, g, f_aa, g_bb, eps, it, err, converged, stopped, g_aa, f_bb)
 
 
 def final_step(

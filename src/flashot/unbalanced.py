@@ -133,11 +133,35 @@ def _gl_debias_side(w, f_ab, f_aa, eps, rho):
 
 
 def geomloss_debiased(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y) -> Tensor:
-    """``S(a, b) = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` (GeomLoss' ``sinkhorn_cost``), (B,).
-
-    ``OT(a, a)`` uses ``rho_x`` on both of its sides and ``OT(b, b)`` uses ``rho_y``.
+    """``S(a, b) = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` (GeomLoss' ``sinkhorn_cost``), (B,),
+    for ``rho_x == rho_y`` (symmetric self problems, one potential each); see
+    :func:`geomloss_debiased_two_sided` otherwise.
     """
     return _gl_debias_side(a, f_ba, f_aa, eps, rho_x) + _gl_debias_side(b, g_ab, g_bb, eps, rho_y)
+
+
+def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
+    """Final (differentiable) step of the two-sided self problems ``OT(a, a)``, ``OT(b, b)``
+    used for debiasing when ``rho_x != rho_y``: returns ``(f_aa, g_aa, f_bb, g_bb)``, the
+    potentials on the first copy (penalty ``rho_x``) and second copy (``rho_y``) of each cloud."""
+    from .sinkhorn import damping
+
+    eps = st.eps
+    lx, ly = damping(eps, rho_x), damping(eps, rho_y)
+    f_aa = lx * m.softmin_grad("xx", m.a_log + st.g_aa / eps, eps)
+    g_aa = ly * m.softmin_grad("xx", m.a_log + st.f_aa / eps, eps)
+    f_bb = lx * m.softmin_grad("yy", m.b_log + st.g_bb / eps, eps)
+    g_bb = ly * m.softmin_grad("yy", m.b_log + st.f_bb / eps, eps)
+    return f_aa, g_aa, f_bb, g_bb
+
+
+def geomloss_debiased_two_sided(a, b, f, g, f_aa, g_aa, f_bb, g_bb, eps, rho_x, rho_y) -> Tensor:
+    """``S = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` with every term an ``OT_{rho_x, rho_y}``
+    (GeomLoss' value formula for each), so ``S(a, a) = 0``.  Equals :func:`geomloss_debiased`
+    when ``rho_x == rho_y`` (then ``f_aa = g_aa`` and ``f_bb = g_bb``)."""
+    return (geomloss_value(a, b, f, g, eps, rho_x, rho_y)
+            - 0.5 * geomloss_value(a, a, f_aa, g_aa, eps, rho_x, rho_y)
+            - 0.5 * geomloss_value(b, b, f_bb, g_bb, eps, rho_x, rho_y))
 
 
 # -- the exact dual (solve_sample) ---------------------------------------------------------
