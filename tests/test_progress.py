@@ -5,10 +5,20 @@ from __future__ import annotations
 import io
 import sys
 
+import pytest
 import torch
 
 from flashot import SamplesLoss, solve_sample
 from flashot.progress import make_progress
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny problems: one intra-op thread is much faster (and robust to a loaded machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _data(n=20):

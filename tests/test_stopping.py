@@ -14,6 +14,15 @@ from flashot import solve_sample
 ot = pytest.importorskip("ot")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny problems: one intra-op thread is much faster (and robust to a loaded machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _data(n=30, m=35, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(n, 2, generator=g, dtype=torch.float64)

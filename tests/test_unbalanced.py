@@ -20,6 +20,15 @@ ot = pytest.importorskip("ot")
 scipy_optimize = pytest.importorskip("scipy.optimize")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny problems: one intra-op thread is much faster (and robust to a loaded machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _rel(u, v):
     u, v = torch.as_tensor(u), torch.as_tensor(v)
     return float((u - v).abs().max() / v.abs().max().clamp_min(1e-300))
