@@ -15,6 +15,11 @@ penalty of strength :math:`\rho` (:math:`\lambda = 1`, balanced, when ``rho`` is
   (GeomLoss); the debiasing potentials ``f_aa``, ``g_bb`` are updated alongside.
 * ``symmetric=False``: alternating updates (POT / OTT).
 
+Stopping: the error (L1 marginal violation when balanced, sup-norm change of the
+potentials / eps when unbalanced) is read off the updates and brought to the host only
+every ``inner_iterations`` steps.  Optional acceleration (:mod:`flashot.acceleration`)
+and progress display (:mod:`flashot.progress`).
+
 The loop never touches tiles or engines: it only calls :class:`~flashot.measures.Measures`.
 """
 
@@ -29,12 +34,20 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ._checks import check_int
+from .acceleration import Accelerator, Anderson, Momentum, check_acceleration
 from .measures import Measures
+from .progress import make_progress
 
 
 @dataclass(frozen=True)
 class IterationRecord:
-    """What a ``callback`` receives after each iteration."""
+    """What a ``callback`` receives after each iteration.
+
+    The callback may return ``True`` to stop the solve early (the result then has
+    ``converged=False`` and ``stopped=True``, and no RuntimeWarning is issued).
+    ``error`` is only filled in every ``inner_iterations`` steps (and at the last one).
+    """
 
     iteration: int  # 1-based
     eps: float
@@ -114,10 +127,6 @@ def sinkhorn_loop(
     :class:`~flashot.acceleration.Anderson` (cross potentials only).  ``verbose`` shows a
     progress bar updated at the checks.  Runs without autograd.
     """
-    from ._checks import check_int
-    from .acceleration import Accelerator, Anderson, Momentum, check_acceleration
-    from .progress import make_progress
-
     inner = check_int("inner_iterations", inner_iterations)
     acceleration = check_acceleration(acceleration)
     balanced = rho_x is None and rho_y is None
