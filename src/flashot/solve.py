@@ -4,6 +4,8 @@ Solves :math:`\min_P \langle C, P\rangle + \varepsilon\, \mathrm{KL}(P \,|\, a \
 over couplings of ``a`` and ``b``, with ``C(x, y) = |x - y|^2`` by default and
 ``reg`` :math:`= \varepsilon`.  The value is returned in POT's convention; at
 convergence it equals :math:`\langle f, a\rangle + \langle g, b\rangle`.
+With ``unbalanced=`` the marginal constraints become KL penalties
+(:mod:`flashot.unbalanced`), on one side only for ``unbalanced=(rho, None)``.
 """
 
 from __future__ import annotations
