@@ -1,0 +1,552 @@
+"""C++ source of the fused CPU kernels (compiled at first use by :mod:`.build`)."""
+
+SOURCE = r'''// flashot CPU kernels: fused streamed softmin / plan product for point clouds.
+//
+// Plain C++17 with GCC/Clang vector extensions (512-bit vectors, lowered to
+// AVX-512 / AVX2 / SSE by -march=native), OpenMP over row blocks, exported
+// with a C ABI and called through ctypes (no torch headers: builds in seconds).
+//
+// Streaming kernels never hold more than an (R rows x 16*NV columns) block of
+// scores, in registers: dot products (register-blocked over R rows and NV
+// vectors of columns), cost, bias, exp and the running LogSumExp are fused.
+//
+// Online LogSumExp with a lazy maximum: each row keeps a scalar m and a vector
+// of partial sums of exp(s - m).  A new vector of scores s is checked once
+// (one compare + mask test) against m + TH; only when some score exceeds it
+// (O(log M) times per row for random order) is m raised and the sums
+// rescaled.  Terms are therefore at most e^TH, never overflow, and exp never
+// sees an argument above TH.
+//
+// exp: Cody-Waite range reduction, x = n ln2 + r, |r| <= ln2/2, Taylor
+// polynomial (degree 7 for float: truncation 5e-9; degree 12 for double:
+// 1.7e-16), 2^n built in the exponent bits.  Arguments are clamped at
+// LO (-86 / -700) so that no denormal is ever produced (no slow path), and
+// results below LO are set to exactly 0 (so -inf log-weights give 0, no NaN).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T> struct VT;
+template <> struct VT<float> {
+  typedef float v __attribute__((vector_size(64)));
+  typedef int32_t vi __attribute__((vector_size(64)));
+  static constexpr int L = 16;
+};
+template <> struct VT<double> {
+  typedef double v __attribute__((vector_size(64)));
+  typedef int64_t vi __attribute__((vector_size(64)));
+  static constexpr int L = 8;
+};
+
+template <typename V> static inline V vload(const void* p) { V r; std::memcpy(&r, p, sizeof(V)); return r; }
+template <typename V> static inline void vstore(void* p, V x) { std::memcpy(p, &x, sizeof(V)); }
+template <typename V, typename S> static inline V vset(S s) { V r = {}; return r + s; }
+
+static inline VT<float>::v vexp(VT<float>::v a) {
+  typedef VT<float>::v v; typedef VT<float>::vi vi;
+  const v lo = vset<v>(-86.0f), hi = vset<v>(88.0f), zero = {};
+  v x = a < lo ? lo : a;
+  x = x > hi ? hi : x;
+  v t = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to nearest
+  v n = t - 12582912.0f;
+  v r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v p = r * (1.0f / 5040.0f) + (1.0f / 720.0f);
+  p = p * r + (1.0f / 120.0f);
+  p = p * r + (1.0f / 24.0f);
+  p = p * r + (1.0f / 6.0f);
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  vi bits = ((vi)t + 127) << 23;
+  v res = p * (v)bits;
+  return a < lo ? zero : res;
+}
+
+static inline VT<double>::v vexp(VT<double>::v a) {
+  typedef VT<double>::v v; typedef VT<double>::vi vi;
+  const v lo = vset<v>(-700.0), hi = vset<v>(700.0), zero = {};
+  v x = a < lo ? lo : a;
+  x = x > hi ? hi : x;
+  v t = x * 1.4426950408889634 + 6755399441055744.0;  // 1.5 * 2^52
+  v n = t - 6755399441055744.0;
+  v r = x - n * 6.93147180369123816490e-01;
+  r = r - n * 1.90821492927058770002e-10;
+  v p = r * (1.0 / 479001600.0) + (1.0 / 39916800.0);
+  p = p * r + (1.0 / 3628800.0);
+  p = p * r + (1.0 / 362880.0);
+  p = p * r + (1.0 / 40320.0);
+  p = p * r + (1.0 / 5040.0);
+  p = p * r + (1.0 / 720.0);
+  p = p * r + (1.0 / 120.0);
+  p = p * r + (1.0 / 24.0);
+  p = p * r + (1.0 / 6.0);
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  vi bits = ((vi)t + 1023) << 52;
+  v res = p * (v)bits;
+  return a < lo ? zero : res;
+}
+
+static inline VT<float>::v vsqrt(VT<float>::v a) {
+#if defined(__AVX512F__)
+  return (VT<float>::v)_mm512_sqrt_ps((__m512)a);
+#else
+  VT<float>::v r; for (int l = 0; l < 16; ++l) r[l] = std::sqrt(a[l]); return r;
+#endif
+}
+static inline VT<double>::v vsqrt(VT<double>::v a) {
+#if defined(__AVX512F__)
+  return (VT<double>::v)_mm512_sqrt_pd((__m512d)a);
+#else
+  VT<double>::v r; for (int l = 0; l < 8; ++l) r[l] = std::sqrt(a[l]); return r;
+#endif
+}
+
+static inline bool any_gt(VT<float>::v a, VT<float>::v b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0;
+#else
+  bool r = false; for (int l = 0; l < 16; ++l) r |= a[l] > b[l]; return r;
+#endif
+}
+static inline bool any_gt(VT<double>::v a, VT<double>::v b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_pd_mask((__m512d)a, (__m512d)b, _CMP_GT_OQ) != 0;
+#else
+  bool r = false; for (int l = 0; l < 8; ++l) r |= a[l] > b[l]; return r;
+#endif
+}
+
+template <typename V> static inline auto hmax(V a) {
+  auto m = a[0];
+  for (int l = 1; l < (int)(sizeof(V) / sizeof(m)); ++l) m = a[l] > m ? a[l] : m;
+  return m;
+}
+template <typename V> static inline auto hsum(V a) {
+  auto s = a[0];
+  for (int l = 1; l < (int)(sizeof(V) / sizeof(s)); ++l) s += a[l];
+  return s;
+}
+
+template <typename T> struct Consts;
+template <> struct Consts<float> { static constexpr float TH = 20.0f, SENT = -1e30f; };
+template <> struct Consts<double> { static constexpr double TH = 60.0, SENT = -1e300; };
+
+// Raise the running max of one row to cover scores s (rare path).
+template <typename T, typename V>
+__attribute__((noinline)) static void rescale(T& m, V& sum, V s) {
+  T nm = hmax(s);
+  if (nm > m) { sum *= (T)std::exp(m - nm); m = nm; }
+}
+
+enum { KIND_DOT = 0, KIND_DIRECT = 1 };
+enum { MODE_LSE = 0, MODE_P = 1 };
+enum { W_ONE = 0, W_COST = 1, W_INV = 2 };
+
+struct Args {
+  int D;
+  int64_t Mp;        // padded column stride of yT / VT / yy / hs
+  double kcoef;      // scale/eps (dot) or 1/eps (direct)
+  double minsq;      // direct: clamp of squared distance before sqrt
+};
+
+// One panel of R rows (x: R consecutive rows, row stride D) over columns [j0, j1).
+// MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
+// exp(s - m[r]) * W  (m[r] = normalising LSE of the row, given).
+template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
+static inline void panel(const T* __restrict x, const T* __restrict yT, const T* __restrict yy,
+                         const T* __restrict hs, int64_t j0, int64_t j1, const Args& a,
+                         T* __restrict m, typename VT<T>::v* __restrict sum, T* __restrict P, int64_t ldp) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  const int D = DS > 0 ? DS : a.D;
+  const int64_t Mp = a.Mp;
+  const T k = (T)a.kcoef;
+  const v minsq = vset<v>((T)a.minsq);
+  const v zero = {};
+  T xx[R];
+  v sm[R];
+  T mr[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    T s = 0;
+    if (KIND == KIND_DOT) for (int d = 0; d < D; ++d) s += x[r * D + d] * x[r * D + d];
+    xx[r] = s;
+    mr[r] = m[r];
+    if (MODE == MODE_LSE) sm[r] = sum[r];
+  }
+  for (int64_t j = j0; j < j1; j += L * NV) {
+    v acc[R][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) acc[r][q] = zero;
+    const T* yp = yT + j;
+#pragma GCC unroll 4
+    for (int d = 0; d < D; ++d) {
+      v yv[NV];
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) yv[q] = vload<v>(yp + (int64_t)d * Mp + q * L);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const T xs = x[r * D + d];
+#pragma GCC unroll 8
+        for (int q = 0; q < NV; ++q) {
+          if (KIND == KIND_DOT) {
+            acc[r][q] += xs * yv[q];
+          } else {
+            v df = yv[q] - xs;
+            acc[r][q] += df * df;
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < NV; ++q) {
+      const v hq = vload<v>(hs + j + q * L);
+      v yyq = zero;
+      if (KIND == KIND_DOT) yyq = vload<v>(yy + j + q * L);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        v c;
+        if (KIND == KIND_DOT) {
+          c = (xx[r] + yyq) - 2 * acc[r][q];
+          c = c < zero ? zero : c;
+        } else {
+          c = acc[r][q];
+          c = c < minsq ? minsq : c;
+          c = vsqrt(c);
+        }
+        v s = hq - c * k;
+        if (MODE == MODE_LSE) {
+          if (__builtin_expect(any_gt(s, vset<v>(mr[r] + Consts<T>::TH)), 0)) rescale(mr[r], sm[r], s);
+          sm[r] += vexp(s - mr[r]);
+        } else {
+          v p = vexp(s - mr[r]);
+          if (WK == W_COST) p *= c;
+          if (WK == W_INV) p = c > zero ? p / c : zero;
+          vstore(P + r * ldp + (j - j0) + q * L, p);
+        }
+      }
+    }
+  }
+  if (MODE == MODE_LSE) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) { m[r] = mr[r]; sum[r] = sm[r]; }
+  }
+}
+
+template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
+static void panel_rows(int nrows, const T* x, const T* yT, const T* yy, const T* hs, int64_t j0, int64_t j1,
+                       const Args& a, T* m, typename VT<T>::v* sum, T* P, int64_t ldp) {
+  int r = 0;
+  for (; r + R <= nrows; r += R)
+    panel<T, R, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r,
+                                        P ? P + r * ldp : nullptr, ldp);
+  for (; r < nrows; ++r)
+    panel<T, 1, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r,
+                                        P ? P + r * ldp : nullptr, ldp);
+}
+
+static int64_t col_chunk(int D, int extra, int64_t Mp, int64_t step, int64_t l2, size_t esz) {
+  int64_t bm = l2 / ((int64_t)(D + extra) * (int64_t)esz);
+  bm = (bm / step) * step;
+  if (bm < step) bm = step;
+  if (bm > Mp) bm = Mp;
+  return bm;
+}
+
+// out[b, i] = oscale * LSE_j (hs_j - C_ij / eps) (+inf/-inf handled), x (B,N,D), yT (B,D,Mp)
+template <typename T, int R, int NV, int KIND, int DS>
+static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N,
+                         int64_t Mp, const Args& a, T oscale, int64_t l2, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  const int D = a.D;
+  const int RB = R * 16;
+  const int64_t nb = (N + RB - 1) / RB;
+  const int64_t bm = col_chunk(D, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+  for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    const int64_t b = t / nb, i0 = (t % nb) * RB;
+    const int nr = (int)std::min<int64_t>(RB, N - i0);
+    T m[RB];
+    v sum[RB];
+    for (int r = 0; r < nr; ++r) { m[r] = Consts<T>::SENT; sum[r] = v{}; }
+    const T* xb = x + (b * N + i0) * D;
+    const T* yTb = yT + b * (int64_t)D * Mp;
+    const T* yyb = yy + b * Mp;
+    const T* hb = hs + b * Mp;
+    for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
+      const int64_t j1 = std::min(Mp, j0 + bm);
+      panel_rows<T, R, NV, KIND, DS, MODE_LSE, W_ONE>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum, nullptr, 0);
+    }
+    for (int r = 0; r < nr; ++r) {
+      T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log(hsum(sum[r]));
+      out[b * N + i0 + r] = oscale * lse;
+    }
+  }
+}
+
+// out[b,i,:] = exp(alpha_i + lse_i) * wconst * sum_j exp(hs_j - C_ij/eps - lse_i) W_ij VT[:, j]
+template <typename T, int NV, int KIND, int WK>
+static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
+                      const T* VTm, int K, T* out, int B, int64_t N, int64_t Mp, const Args& a, T wconst,
+                      int64_t l2, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  constexpr int R = 4;
+  const int D = a.D;
+  const int RB = 32;
+  const int64_t nb = (N + RB - 1) / RB;
+  const int64_t bm = col_chunk(D + K, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
+#pragma omp parallel num_threads(nth)
+  {
+    std::vector<T> Pbuf((size_t)RB * bm), acc((size_t)RB * K);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+      const int64_t b = t / nb, i0 = (t % nb) * RB;
+      const int nr = (int)std::min<int64_t>(RB, N - i0);
+      T m[RB];
+      for (int r = 0; r < nr; ++r) {
+        T l = lse[b * N + i0 + r];
+        m[r] = std::isfinite(l) ? l : (T)0;
+      }
+      std::fill(acc.begin(), acc.end(), (T)0);
+      const T* xb = x + (b * N + i0) * D;
+      const T* yTb = yT + b * (int64_t)D * Mp;
+      const T* yyb = yy + b * Mp;
+      const T* hb = hs + b * Mp;
+      const T* Vb = VTm + b * (int64_t)K * Mp;
+      for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
+        const int64_t j1 = std::min(Mp, j0 + bm), w = j1 - j0;
+        panel_rows<T, R, NV, KIND, 0, MODE_P, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, nullptr, Pbuf.data(), bm);
+        for (int r = 0; r < nr; ++r) {
+          const T* pr = Pbuf.data() + (int64_t)r * bm;
+          for (int kk = 0; kk < K; ++kk) {
+            const T* vr = Vb + (int64_t)kk * Mp + j0;
+            v s0 = {}, s1 = {};
+            int64_t j = 0;
+            for (; j + 2 * L <= w; j += 2 * L) {
+              s0 += vload<v>(pr + j) * vload<v>(vr + j);
+              s1 += vload<v>(pr + j + L) * vload<v>(vr + j + L);
+            }
+            for (; j < w; j += L) s0 += vload<v>(pr + j) * vload<v>(vr + j);
+            acc[(size_t)r * K + kk] += hsum(s0 + s1);
+          }
+        }
+      }
+      for (int r = 0; r < nr; ++r) {
+        const T l = lse[b * N + i0 + r];
+        const T f = std::isfinite(l) ? (T)std::exp(alpha[b * N + i0 + r] + l) * wconst : (T)0;
+        T* o = out + (b * N + i0 + r) * K;
+        for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : acc[(size_t)r * K + kk] * f;
+      }
+    }
+  }
+}
+
+// ---- cached-cost passes: C (B, N, M) row-major --------------------------------
+// Row-wise: out[b,i] = oscale * LSE_j (h_j - C_ij / eps)
+template <typename T>
+static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+#pragma omp parallel for schedule(static) num_threads(nth)
+  for (int64_t t = 0; t < (int64_t)B * N; ++t) {
+    const int64_t b = t / N;
+    const T* c = C + t * M;
+    const T* hb = h + b * M;
+    T m = Consts<T>::SENT;
+    v s0 = {}, s1 = {};
+    int64_t j = 0;
+    for (; j + 2 * L <= M; j += 2 * L) {
+      v a0 = vload<v>(hb + j) - vload<v>(c + j) * inv_eps;
+      v a1 = vload<v>(hb + j + L) - vload<v>(c + j + L) * inv_eps;
+      v thr = vset<v>(m + Consts<T>::TH);
+      if (__builtin_expect(any_gt(a0, thr) || any_gt(a1, thr), 0)) {
+        T nm = std::max(hmax(a0), hmax(a1));
+        if (nm > m) { T f = std::exp(m - nm); s0 *= f; s1 *= f; m = nm; }
+      }
+      s0 += vexp(a0 - m);
+      s1 += vexp(a1 - m);
+    }
+    T s = hsum(s0 + s1);
+    for (; j < M; ++j) {
+      T a = hb[j] - c[j] * inv_eps;
+      if (a > m + Consts<T>::TH) { s *= std::exp(m - a); m = a; }
+      if (a - m > (T)-700) s += std::exp(a - m);
+    }
+    out[t] = oscale * ((m == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m + std::log(s));
+  }
+}
+
+// Column-wise (the transposed problem): out[b,j] = oscale * LSE_i (h_i - C_ij / eps)
+template <typename T>
+static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  const int64_t CB = 512;  // columns per task (multiple of L)
+  const int64_t nb = (M + CB - 1) / CB;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+  for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    const int64_t b = t / nb, j0 = (t % nb) * CB, w = std::min(CB, M - j0);
+    const int64_t nv = w / L;
+    v mv[CB / L], sv[CB / L];
+    T ms[16], ss[16];
+    for (int64_t q = 0; q < nv; ++q) { mv[q] = vset<v>(Consts<T>::SENT); sv[q] = v{}; }
+    for (int64_t q = nv * L; q < w; ++q) { ms[q - nv * L] = Consts<T>::SENT; ss[q - nv * L] = 0; }
+    const T* hb = h + b * N;
+    for (int64_t i = 0; i < N; ++i) {
+      const T* c = C + (b * N + i) * M + j0;
+      const T hi = hb[i];
+      for (int64_t q = 0; q < nv; ++q) {
+        v a = hi - vload<v>(c + q * L) * inv_eps;
+        v thr = mv[q] + Consts<T>::TH;
+        if (__builtin_expect(any_gt(a, thr), 0)) {
+          v nm = a > mv[q] ? a : mv[q];
+          sv[q] *= vexp(mv[q] - nm);
+          mv[q] = nm;
+        }
+        sv[q] += vexp(a - mv[q]);
+      }
+      for (int64_t q = nv * L; q < w; ++q) {
+        const int64_t u = q - nv * L;
+        T a = hi - c[q] * inv_eps;
+        if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp(ms[u] - a); ms[u] = a; }
+        if (a - ms[u] > (T)-700) ss[u] += std::exp(a - ms[u]);
+      }
+    }
+    const T ninf = -std::numeric_limits<T>::infinity();
+    for (int64_t q = 0; q < nv; ++q)
+      for (int l = 0; l < L; ++l) {
+        T mm = mv[q][l];
+        out[b * M + j0 + q * L + l] = oscale * (mm == Consts<T>::SENT ? ninf : mm + std::log(sv[q][l]));
+      }
+    for (int64_t q = nv * L; q < w; ++q) {
+      const int64_t u = q - nv * L;
+      out[b * M + j0 + q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log(ss[u]));
+    }
+  }
+}
+
+template <typename T, int KIND>
+static int softmin_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N,
+                            int64_t Mp, const Args& a, T oscale, int cfg, int64_t l2, int nth) {
+  const int D = a.D;
+  if (cfg == 0) {  // small-d configuration: 4 rows x 2 vectors, static D for d <= 4
+    switch (D) {
+      case 1: softmin_impl<T, 4, 2, KIND, 1>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 2: softmin_impl<T, 4, 2, KIND, 2>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 3: softmin_impl<T, 4, 2, KIND, 3>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 4: softmin_impl<T, 4, 2, KIND, 4>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      default: softmin_impl<T, 4, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+    }
+  }
+  switch (cfg) {
+    case 1: softmin_impl<T, 6, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+    case 2: softmin_impl<T, 8, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+    case 3: softmin_impl<T, 4, 4, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+    case 4: softmin_impl<T, 8, 3, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+    default: return -1;
+  }
+}
+
+template <typename T>
+static int softmin_entry(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N, int64_t Mp,
+                         int D, double kcoef, double minsq, int kind, double oscale, int cfg, int64_t l2, int nth) {
+  Args a{D, Mp, kcoef, minsq};
+  if (kind == KIND_DOT) return softmin_dispatch<T, KIND_DOT>(x, yT, yy, hs, out, B, N, Mp, a, (T)oscale, cfg, l2, nth);
+  if (kind == KIND_DIRECT) return softmin_dispatch<T, KIND_DIRECT>(x, yT, yy, hs, out, B, N, Mp, a, (T)oscale, cfg, l2, nth);
+  return -2;
+}
+
+template <typename T>
+static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha, const T* VTm,
+                      int K, T* out, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
+                      int wk, double wconst, int64_t l2, int nth) {
+  Args a{D, Mp, kcoef, minsq};
+#define FL_PLAN(KD, W) plan_impl<T, 2, KD, W>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, a, (T)wconst, l2, nth)
+  if (kind == KIND_DOT) {
+    if (wk == W_ONE) { FL_PLAN(KIND_DOT, W_ONE); return 0; }
+    if (wk == W_COST) { FL_PLAN(KIND_DOT, W_COST); return 0; }
+  } else if (kind == KIND_DIRECT) {
+    if (wk == W_ONE) { FL_PLAN(KIND_DIRECT, W_ONE); return 0; }
+    if (wk == W_COST) { FL_PLAN(KIND_DIRECT, W_COST); return 0; }
+    if (wk == W_INV) { FL_PLAN(KIND_DIRECT, W_INV); return 0; }
+  }
+#undef FL_PLAN
+  return -2;
+}
+
+}  // namespace
+
+extern "C" {
+
+int flashot_abi_version() { return 1; }
+
+int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
+                        int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
+                        int64_t l2, int nth) {
+  return softmin_entry<float>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
+}
+int flashot_softmin_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out, int B,
+                        int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
+                        int64_t l2, int nth) {
+  return softmin_entry<double>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
+}
+int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
+                     const float* alpha, const float* VTm, int K, float* out, int B, int64_t N, int64_t Mp, int D,
+                     double kcoef, double minsq, int kind, int wk, double wconst, int64_t l2, int nth) {
+  return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, l2, nth);
+}
+int flashot_plan_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
+                     const double* alpha, const double* VTm, int K, double* out, int B, int64_t N, int64_t Mp, int D,
+                     double kcoef, double minsq, int kind, int wk, double wconst, int64_t l2, int nth) {
+  return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, l2, nth);
+}
+int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth) {
+  rows_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
+}
+int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth) {
+  rows_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
+}
+int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth) {
+  cols_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
+}
+int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth) {
+  cols_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
+}
+// Raw vectorised exp throughput helper (benchmarks): out[i] = exp(a[i]).
+int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
+  typedef VT<float>::v v;
+#pragma omp parallel for schedule(static) num_threads(nth)
+  for (int64_t i = 0; i < n / 16; ++i) vstore(out + i * 16, vexp(vload<v>(a + i * 16)));
+  for (int64_t i = (n / 16) * 16; i < n; ++i) out[i] = std::exp(a[i]);
+  return 0;
+}
+int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
+  typedef VT<double>::v v;
+#pragma omp parallel for schedule(static) num_threads(nth)
+  for (int64_t i = 0; i < n / 8; ++i) vstore(out + i * 8, vexp(vload<v>(a + i * 8)));
+  for (int64_t i = (n / 8) * 8; i < n; ++i) out[i] = std::exp(a[i]);
+  return 0;
+}
+
+}  // extern "C"
+'''
