@@ -40,8 +40,8 @@ DEFAULT_CACHE_BYTES = 1 << 30
 # (measured crossover, see benchmarks/CPU_ENGINE.md) and it fits the budget.
 CACHE_MIN_D = 16
 # auto: micro-kernel configuration for D above SMALL_D (see CPU_ENGINE.md).
-SMALL_D = 16
-LARGE_D_CFG = 2
+SMALL_D = 32
+LARGE_D_CFG = 3
 L2_BYTES = 512 * 1024
 MODES = ("auto", "stream", "cache")
 
