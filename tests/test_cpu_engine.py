@@ -214,7 +214,9 @@ def test_bad_inputs(engines):
 
 
 def test_exp_accuracy(lib):
-    for dt, fn, tol, floor in ((torch.float32, lib.flashot_vexp_f32, 2e-7, -86.0),
+    # float32: degree-5 polynomial (1.8e-7) + single-constant range reduction
+    # (|n| * 1.9e-9, n <= 115 here); float64: ~3e-16.
+    for dt, fn, tol, floor in ((torch.float32, lib.flashot_vexp_f32, 5e-7, -86.0),
                                (torch.float64, lib.flashot_vexp_f64, 1e-15, -700.0)):
         # length a multiple of 16: every element goes through the vector code
         a = torch.cat([torch.tensor([-math.inf, floor - 1, -1e30], dtype=dt),
