@@ -418,18 +418,49 @@ template <typename T>
 static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
   typedef typename VT<T>::v v;
   constexpr int L = VT<T>::L;
-  const int64_t CB = 512;  // columns per task (multiple of L)
+  // Each task owns a wide stripe of columns (long contiguous reads of every
+  // row, friendly to the prefetchers); per-column state lives in L1/L2.
+  int64_t CB = (M + nth - 1) / nth;
+  CB = std::max<int64_t>(4 * L, ((CB + L - 1) / L) * L);
   const int64_t nb = (M + CB - 1) / CB;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
   for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
     const int64_t b = t / nb, j0 = (t % nb) * CB, w = std::min(CB, M - j0);
     const int64_t nv = w / L;
-    v mv[CB / L], sv[CB / L];
+    std::vector<v> mvec(nv + 1), svec(nv + 1);
+    v* __restrict mv = mvec.data();
+    v* __restrict sv = svec.data();
     T ms[16], ss[16];
     for (int64_t q = 0; q < nv; ++q) { mv[q] = vset<v>(Consts<T>::SENT); sv[q] = v{}; }
     for (int64_t q = nv * L; q < w; ++q) { ms[q - nv * L] = Consts<T>::SENT; ss[q - nv * L] = 0; }
     const T* hb = h + b * N;
-    for (int64_t i = 0; i < N; ++i) {
+    int64_t i = 0;
+    for (; i + 2 <= N; i += 2) {  // two rows per sweep: half the state traffic
+      const T* c0 = C + (b * N + i) * M + j0;
+      const T* c1 = c0 + M;
+      const T h0 = hb[i], h1 = hb[i + 1];
+      for (int64_t q = 0; q < nv; ++q) {
+        v a0 = h0 - vload<v>(c0 + q * L) * inv_eps;
+        v a1 = h1 - vload<v>(c1 + q * L) * inv_eps;
+        v mq = mv[q];
+        v amax = a0 > a1 ? a0 : a1;
+        if (__builtin_expect(any_gt(amax, mq + Consts<T>::TH), 0)) {
+          v nm = amax > mq ? amax : mq;
+          sv[q] *= vexp(mq - nm);
+          mv[q] = mq = nm;
+        }
+        sv[q] += vexp(a0 - mq) + vexp(a1 - mq);
+      }
+      for (int64_t q = nv * L; q < w; ++q) {
+        const int64_t u = q - nv * L;
+        for (int k = 0; k < 2; ++k) {
+          T a = (k ? h1 : h0) - (k ? c1 : c0)[q] * inv_eps;
+          if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp(ms[u] - a); ms[u] = a; }
+          if (a - ms[u] > (T)-700) ss[u] += std::exp(a - ms[u]);
+        }
+      }
+    }
+    for (; i < N; ++i) {
       const T* c = C + (b * N + i) * M + j0;
       const T hi = hb[i];
       for (int64_t q = 0; q < nv; ++q) {
