@@ -497,22 +497,18 @@ template <typename T, int KIND>
 static int softmin_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N,
                             int64_t Mp, const Args& a, T oscale, int cfg, int64_t l2, int nth) {
   const int D = a.D;
-  if (cfg == 0) {  // small-d configuration: 4 rows x 2 vectors, static D for d <= 4
+  // cfg 0 (d <= 32): 4 rows x 2 vectors, static D for d <= 3;
+  // cfg 3 (larger d): 4 rows x 4 vectors (best of 4x2, 6x2, 8x2, 4x4, 8x3 at d = 64)
+  if (cfg == 0) {
     switch (D) {
       case 1: softmin_impl<T, 4, 2, KIND, 1>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
       case 2: softmin_impl<T, 4, 2, KIND, 2>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
       case 3: softmin_impl<T, 4, 2, KIND, 3>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      case 4: softmin_impl<T, 4, 2, KIND, 4>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
       default: softmin_impl<T, 4, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
     }
   }
-  switch (cfg) {
-    case 1: softmin_impl<T, 6, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-    case 2: softmin_impl<T, 8, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-    case 3: softmin_impl<T, 4, 4, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-    case 4: softmin_impl<T, 8, 3, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-    default: return -1;
-  }
+  if (cfg == 3) { softmin_impl<T, 4, 4, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0; }
+  return -1;
 }
 
 template <typename T>

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import OrderedDict
 
 import torch
@@ -39,7 +40,7 @@ DEFAULT_CACHE_BYTES = 1 << 30
 # auto: use the cached cost matrix from the second call on a pair when D >= this
 # (measured crossover, see benchmarks/CPU_ENGINE.md) and it fits the budget.
 CACHE_MIN_D = 16
-# auto: micro-kernel configuration for D above SMALL_D (see CPU_ENGINE.md).
+# micro-kernel configuration for D above SMALL_D: 4 rows x 64 columns (see CPU_ENGINE.md).
 SMALL_D = 32
 LARGE_D_CFG = 3
 L2_BYTES = 512 * 1024
@@ -83,11 +84,14 @@ class CpuEngine:
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes: expected >= 0, got {self.cache_bytes}")
         self.threads = threads
+        if cfg not in (None, 0, 3):
+            raise ValueError(f"cfg: expected None (by d), 0 (4x32 micro-kernel) or 3 (4x64), got {cfg!r}")
         self.cfg = cfg
         self.max_entries = int(max_entries)
         self._cache: OrderedDict = OrderedDict()  # key -> (C, x, y)
         self._seen: OrderedDict = OrderedDict()  # pair keys seen once (auto builds on the 2nd call)
         self.stats = {"stream": 0, "cache_hit": 0, "cache_build": 0}
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ contract
     def unsupported(self, device, dtype, cost):
@@ -100,8 +104,10 @@ class CpuEngine:
         return None
 
     def clear_cache(self) -> None:
-        self._cache.clear()
-        self._seen.clear()
+        """Drop every cached cost matrix (and the references to their x, y)."""
+        with self._lock:
+            self._cache.clear()
+            self._seen.clear()
 
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
         x, y, eps = self._check_xy(x, y, eps, cost)
@@ -234,6 +240,10 @@ class CpuEngine:
         """(C, transposed) when the cached path applies, else (None, False)."""
         if self.mode == "stream":
             return None, False
+        with self._lock:
+            return self._cached_locked(x, y, cost)
+
+    def _cached_locked(self, x: Tensor, y: Tensor, cost: Cost):
         kx, ky = _tkey(x), _tkey(y)
         for key, tr in (((kx, ky, cost.name), False), ((ky, kx, cost.name), True)):
             ent = self._cache.get(key)
