@@ -155,13 +155,6 @@ template <typename T> struct Consts;
 template <> struct Consts<float> { static constexpr float TH = 20.0f, SENT = -1e30f; };
 template <> struct Consts<double> { static constexpr double TH = 60.0, SENT = -1e300; };
 
-// Raise the running max of one row to cover scores s (rare path).
-template <typename T, typename V>
-__attribute__((noinline)) static void rescale(T& m, V& sum, V s) {
-  T nm = hmax(s);
-  if (nm > m) { sum *= (T)std::exp(m - nm); m = nm; }
-}
-
 enum { KIND_DOT = 0, KIND_DIRECT = 1 };
 enum { MODE_LSE = 0, MODE_P = 1 };
 enum { W_ONE = 0, W_COST = 1, W_INV = 2 };
@@ -248,7 +241,13 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
         if (MODE == MODE_LSE) {
           v am = hq - (c * k + mr[r]);  // s - m
           if (__builtin_expect(any_gt(am, vset<v>(Consts<T>::TH)), 0)) {
-            rescale(mr[r], sm[r], hq - c * k);
+            // rare: raise the running max (values, not references: keeps the
+            // accumulators in registers)
+            const T nm = hmax(hq - c * k);
+            if (nm > mr[r]) {
+              sm[r] *= (T)std::exp(mr[r] - nm);
+              mr[r] = nm;
+            }
             am = hq - (c * k + mr[r]);
           }
           sm[r] += vexp(am);
