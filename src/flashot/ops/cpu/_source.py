@@ -239,7 +239,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
           c = vsqrt(c);
         }
         if (MODE == MODE_LSE) {
-          v am = hq - (c * k + mr[r]);  // s - m
+          v am = (hq - mr[r]) - c * k;  // s - m: one sub + one fnmadd
           if (__builtin_expect(any_gt(am, vset<v>(Consts<T>::TH)), 0)) {
             // rare: raise the running max (values, not references: keeps the
             // accumulators in registers)
@@ -248,7 +248,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
               sm[r] *= (T)std::exp(mr[r] - nm);
               mr[r] = nm;
             }
-            am = hq - (c * k + mr[r]);
+            am = (hq - mr[r]) - c * k;
           }
           sm[r] += vexp(am);
         } else {
