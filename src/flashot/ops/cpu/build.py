@@ -84,7 +84,13 @@ def build() -> tuple[str, float, bool, str]:
     """
     cxx = _compiler()
     d = cache_dir()
-    os.makedirs(d, exist_ok=True)
+    try:
+        os.makedirs(d, exist_ok=True)
+        if not os.access(d, os.W_OK):
+            raise OSError(f"{d} is not writable")
+    except OSError:  # read-only home (CI, containers): a per-user temp dir
+        d = os.path.join(tempfile.gettempdir(), f"flashot-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+        os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"flashot_cpu_{_key(cxx)}.so")
     if os.path.exists(path):
         return path, 0.0, True, cxx
