@@ -319,7 +319,52 @@ static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* o
   }
 }
 
-// out[b,i,:] = exp(alpha_i + lse_i) * wconst * sum_j exp(hs_j - C_ij/eps - lse_i) W_ij VT[:, j]
+// acc[r, :] += sum_j P[r, j] V[j, :] for RR rows; V (w, K) row-major, K a multiple of L.
+template <typename T, int RR>
+static inline void mgemm_rows(const T* __restrict P, int64_t ldp, const T* __restrict V, int K, int64_t w,
+                              T* __restrict acc) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  constexpr int KV = 4;
+  int k0 = 0;
+  for (; k0 + KV * L <= K; k0 += KV * L) {
+    v a[RR][KV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 4
+      for (int q = 0; q < KV; ++q) a[r][q] = vload<v>(acc + (int64_t)r * K + k0 + q * L);
+    for (int64_t j = 0; j < w; ++j) {
+      v vv[KV];
+#pragma GCC unroll 4
+      for (int q = 0; q < KV; ++q) vv[q] = vload<v>(V + j * K + k0 + q * L);
+#pragma GCC unroll 4
+      for (int r = 0; r < RR; ++r) {
+        const T pj = P[r * ldp + j];
+#pragma GCC unroll 4
+        for (int q = 0; q < KV; ++q) a[r][q] += pj * vv[q];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 4
+      for (int q = 0; q < KV; ++q) vstore(acc + (int64_t)r * K + k0 + q * L, a[r][q]);
+  }
+  for (; k0 < K; k0 += L) {
+    v a[RR];
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r) a[r] = vload<v>(acc + (int64_t)r * K + k0);
+    for (int64_t j = 0; j < w; ++j) {
+      const v vv = vload<v>(V + j * K + k0);
+#pragma GCC unroll 4
+      for (int r = 0; r < RR; ++r) a[r] += P[r * ldp + j] * vv;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r) vstore(acc + (int64_t)r * K + k0, a[r]);
+  }
+}
+
+// out[b,i,:] = exp(alpha_i + lse_i) * wconst * sum_j exp(hs_j - C_ij/eps - lse_i) W_ij V[j, :]
+// (V: (B, Mp, K) row-major with K padded to a multiple of the vector width; out (B, N, K))
 template <typename T, int NV, int KIND, int WK>
 static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
                       const T* VTm, int K, T* out, int B, int64_t N, int64_t Mp, const Args& a, T wconst,
@@ -348,24 +393,14 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
       const T* yTb = yT + b * (int64_t)D * Mp;
       const T* yyb = yy + b * Mp;
       const T* hb = hs + b * Mp;
-      const T* Vb = VTm + b * (int64_t)K * Mp;
+      const T* Vb = VTm + b * (int64_t)K * Mp;  // (Mp, K) row-major, K = padded width
       for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
         const int64_t j1 = std::min(Mp, j0 + bm), w = j1 - j0;
         panel_rows<T, R, NV, KIND, 0, MODE_P, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, nullptr, Pbuf.data(), bm);
-        for (int r = 0; r < nr; ++r) {
-          const T* pr = Pbuf.data() + (int64_t)r * bm;
-          for (int kk = 0; kk < K; ++kk) {
-            const T* vr = Vb + (int64_t)kk * Mp + j0;
-            v s0 = {}, s1 = {};
-            int64_t j = 0;
-            for (; j + 2 * L <= w; j += 2 * L) {
-              s0 += vload<v>(pr + j) * vload<v>(vr + j);
-              s1 += vload<v>(pr + j + L) * vload<v>(vr + j + L);
-            }
-            for (; j < w; j += L) s0 += vload<v>(pr + j) * vload<v>(vr + j);
-            acc[(size_t)r * K + kk] += hsum(s0 + s1);
-          }
-        }
+        // acc (nr x Kp) += P (nr x w) @ V[j0:j1] (w x Kp): register-blocked, 4 rows x 4 vectors
+        int r = 0;
+        for (; r + 4 <= nr; r += 4) mgemm_rows<T, 4>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
+        for (; r < nr; ++r) mgemm_rows<T, 1>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
       }
       for (int r = 0; r < nr; ++r) {
         const T l = lse[b * N + i0 + r];
@@ -541,7 +576,7 @@ static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
 
 extern "C" {
 
-int flashot_abi_version() { return 1; }
+int flashot_abi_version() { return 2; }
 
 int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,

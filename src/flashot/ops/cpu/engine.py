@@ -142,8 +142,10 @@ class CpuEngine:
         kind, kcoef, minsq = self._cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, beta, kind)
         lse = self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, 1.0)
-        VT = torch.zeros(B, K, Mp, dtype=x.dtype)
-        VT[:, :, :M] = V.transpose(1, 2)
+        lanes = 16 if x.dtype == torch.float32 else 8
+        Kp = -(-K // lanes) * lanes
+        Vp = torch.zeros(B, Mp, Kp, dtype=x.dtype)  # (Mp, Kp) row-major, zero padding
+        Vp[:, :M, :K] = V
         wk, wconst = W_ONE, 1.0
         if weight == "cost":
             wk = W_COST
@@ -154,13 +156,13 @@ class CpuEngine:
                 wconst = 2.0 * cost.scale
             else:
                 wk = W_INV
-        out = torch.empty(B, N, K, dtype=x.dtype)
+        out = torch.empty(B, N, Kp, dtype=x.dtype)
         fn = self.lib.flashot_plan_f32 if x.dtype == torch.float32 else self.lib.flashot_plan_f64
-        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(lse), _ptr(alpha), _ptr(VT), K, _ptr(out),
+        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(lse), _ptr(alpha), _ptr(Vp), Kp, _ptr(out),
                 B, N, Mp, D, kcoef, minsq, kind, wk, wconst, L2_BYTES, self._nthreads())
         if rc != 0:
             raise RuntimeError(f"cpu engine: plan kernel returned {rc}")
-        return out
+        return out if Kp == K else out[..., :K].contiguous()
 
     # ------------------------------------------------------------------ helpers
     def _nthreads(self) -> int:
