@@ -110,6 +110,10 @@ def main():
                     help="bytes for the cached-cost row at d = 64 (0: skip)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch and engine threads (default: torch's); 1 measures thread CPU time")
+    ap.add_argument("--clock", choices=["wall", "thread", "cpu"], default=None,
+                    help="wall: perf_counter (default for >1 thread); thread: thread_time (default for "
+                         "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
+                         "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)")
     ap.add_argument("--sections", default="hw,iter,cache,scaling",
                     help="comma-separated subset of hw,iter,cache,scaling")
     args = ap.parse_args()
@@ -118,13 +122,25 @@ def main():
         torch.set_num_threads(args.threads)
     if args.threads == 1:
         CLOCK = time.thread_time
+    if args.clock == "wall":
+        CLOCK = time.perf_counter
+    elif args.clock == "thread":
+        CLOCK = time.thread_time
+    elif args.clock == "cpu":
+        _nt = torch.get_num_threads()
+
+        def cpu_per_thread():
+            return time.process_time() / _nt
+
+        CLOCK = cpu_per_thread
     sections = set(args.sections.split(","))
     runs = max(3, args.runs)
     n = 4000 if args.quick else args.n
     lib = load()
     nth = torch.get_num_threads()
     print(f"# flashot cpu engine benchmark\n\ntorch {torch.__version__}, {nth} threads, clock {CLOCK.__name__}, "
-          f"load average {os.getloadavg()[0]:.2f} at start, build {BUILD_INFO}\n")
+          f"load average {os.getloadavg()[0]:.2f} at start, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"build {BUILD_INFO}\n")
 
     hw = hw_throughput(lib, runs) if sections & {"hw", "iter"} else None
     if "hw" in sections:
