@@ -179,6 +179,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
   const int64_t Mp = a.Mp;
   const T k = (T)a.kcoef;
   const v minsq = vset<v>((T)a.minsq);
+  const v wthr = vset<v>((T)(a.minsq > 0 ? 1.001 * std::sqrt(a.minsq) : 0.0));
   const v zero = {};
   T xx[R];
   v sm[R];
@@ -255,7 +256,9 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
           v s = hq - c * k;
           v p = vexp(s - mr[r]);
           if (WK == W_COST) p *= c;
-          if (WK == W_INV) p = c > zero ? p / c : zero;
+          // dcost of |x - y|: 1/C, zero where C = 0 or where the clamp sqrt(minsq)
+          // is active (the clamp kills the gradient; 1.001 absorbs float rounding)
+          if (WK == W_INV) p = c > wthr ? p / c : zero;
           vstore(P + r * ldp + (j - j0) + q * L, p);
         }
       }
