@@ -116,3 +116,14 @@ def _triton():
 
 
 register_engine("triton", _triton)
+
+
+def _cpu():
+    # Compiles the fused kernels at first use (cached on disk); degrades to the
+    # ``tiled`` engine with a warning when no compiler is available.
+    from .cpu import load_engine
+
+    return load_engine()
+
+
+register_engine("cpu", _cpu)

@@ -1,0 +1,257 @@
+"""Focused measurements of the compiled ``cpu`` engine (issue 6, engine part).
+
+Prints markdown tables: hardware throughput (exp, GEMM), time per fixed-eps
+Sinkhorn iteration (two softmins) for ``cpu`` vs ``tiled`` in the same run,
+the cached-cost pass vs streaming and their crossover in d, the n*m scaling
+exponent, the n = m = 1e6 run (peak RSS, in a subprocess) and the first-call
+compile time (fresh cache dir, in a subprocess).
+
+    python benchmarks/cpu_engine_bench.py                 # everything but the 1e6 run
+    python benchmarks/cpu_engine_bench.py --million 10    # + 10 iterations at n = m = 1e6
+    python benchmarks/cpu_engine_bench.py --quick         # small sizes, smoke test
+
+Times are medians of ``--runs`` (>= 3) runs, wall clock.  The load average is
+printed: on a shared machine other processes inflate every number (ratios
+measured in the same run are more robust than absolute times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import torch
+
+from flashot.costs import get_cost
+from flashot.ops.cpu.build import BUILD_INFO, load
+from flashot.ops.cpu.engine import CpuEngine
+from flashot.ops.tiled import TiledEngine
+
+COST = get_cost("sqeuclidean")
+
+
+# Wall clock; with --threads 1 the CPU time of the calling thread instead, which
+# is what the code costs even when other processes share the cores.
+CLOCK = time.perf_counter
+
+
+def med(fn, runs):
+    fn()  # warm-up
+    ts = []
+    for _ in range(runs):
+        t = CLOCK()
+        fn()
+        ts.append(CLOCK() - t)
+    return statistics.median(ts)
+
+
+def problem(n, m, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, n, d, generator=g, dtype=dtype)
+    y = torch.randn(1, m, d, generator=g, dtype=dtype) + 0.5
+    return x, y
+
+
+def sinkhorn_iter(eng, x, y, eps, state):
+    """One fixed-eps symmetric-update iteration: two softmins (x->y and y->x)."""
+    f, g, la, lb = state
+    f = eng.softmin(x, y, lb + g / eps, eps, COST)
+    g = eng.softmin(y, x, la + f / eps, eps, COST)
+    state[0], state[1] = f, g
+
+
+def time_iter(eng, n, d, runs, eps=None):
+    x, y = problem(n, n, d)
+    eps = eps or 0.05 * d
+    la = torch.full((1, n), -math.log(n))
+    state = [torch.zeros(1, n), torch.zeros(1, n), la, la.clone()]
+    return med(lambda: sinkhorn_iter(eng, x, y, eps, state), runs)
+
+
+def hw_throughput(lib, runs):
+    nth = torch.get_num_threads()
+    n = 1 << 18  # 1 MiB of float32: L2-resident
+    a = -torch.rand(n) * 80.0
+    o = torch.empty_like(a)
+    reps = 200
+    t = med(lambda: [lib.flashot_vexp_f32(a.data_ptr(), o.data_ptr(), n, nth) for _ in range(reps)], runs)
+    ours = n * reps / t
+    a_big = -torch.rand(n) * 200.0
+    t = med(lambda: [torch.exp(a, out=o) for _ in range(reps // 10)], runs)
+    texp = n * (reps // 10) / t
+    t = med(lambda: [torch.exp(a_big, out=o) for _ in range(2)], runs)
+    texp_uf = n * 2 / t
+    gemm = {}
+    for d in (3, 64):
+        A = torch.randn(4096, d)
+        Bm = torch.randn(d, 4096)
+        C = torch.empty(4096, 4096)
+        t = med(lambda: torch.mm(A, Bm, out=C), runs)
+        gemm[d] = 2 * 4096 * 4096 * d / t
+    return {"vexp": ours, "torch_exp": texp, "torch_exp_underflow": texp_uf, "gemm": gemm}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--n", type=int, default=20000)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--million", type=int, default=0, help="iterations at n = m = 1e6 (0: skip)")
+    ap.add_argument("--skip-tiled", action="store_true")
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--cache-budget", type=float, default=2 * 2**30,
+                    help="bytes for the cached-cost row at d = 64 (0: skip)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch and engine threads (default: torch's); 1 measures thread CPU time")
+    ap.add_argument("--clock", choices=["wall", "thread", "cpu"], default=None,
+                    help="wall: perf_counter (default for >1 thread); thread: thread_time (default for "
+                         "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
+                         "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)")
+    ap.add_argument("--sections", default="hw,iter,cache,scaling",
+                    help="comma-separated subset of hw,iter,cache,scaling")
+    args = ap.parse_args()
+    global CLOCK
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.threads == 1:
+        CLOCK = time.thread_time
+    if args.clock == "wall":
+        CLOCK = time.perf_counter
+    elif args.clock == "thread":
+        CLOCK = time.thread_time
+    elif args.clock == "cpu":
+        _nt = torch.get_num_threads()
+
+        def cpu_per_thread():
+            return time.process_time() / _nt
+
+        CLOCK = cpu_per_thread
+    sections = set(args.sections.split(","))
+    runs = max(3, args.runs)
+    n = 4000 if args.quick else args.n
+    lib = load()
+    nth = torch.get_num_threads()
+    print(f"# flashot cpu engine benchmark\n\ntorch {torch.__version__}, {nth} threads, clock {CLOCK.__name__}, "
+          f"load average {os.getloadavg()[0]:.2f} at start, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"build {BUILD_INFO}\n")
+
+    hw = hw_throughput(lib, runs) if sections & {"hw", "iter"} else None
+    if "hw" in sections:
+        print("## Hardware throughput (float32)\n")
+        print("| quantity | value |\n|---|---|")
+        print(f"| flashot vector exp (L2-resident, {nth} threads) | {hw['vexp'] / 1e9:.2f} G exp/s |")
+        print(f"| torch.exp, arguments in [-80, 0] | {hw['torch_exp'] / 1e9:.2f} G exp/s |")
+        print(f"| torch.exp, arguments in [-200, 0] (underflow path) | {hw['torch_exp_underflow'] / 1e9:.3f} G exp/s |")
+        for d, g in hw["gemm"].items():
+            print(f"| torch.mm 4096x{d} @ {d}x4096 | {g / 1e9:.1f} GFLOP/s ({g / (2 * d) / 1e9:.2f} G pairs/s) |")
+        print()
+
+    cpu = CpuEngine(lib, mode="stream", threads=nth)
+    tiled = TiledEngine()
+    if "iter" in sections:
+        print(f"## Fixed-eps iterations (two softmins), n = m = {n}, float32\n")
+        print("| d | cpu s/iter | tiled s/iter | speed-up | G pairs/s | limit s/iter | % of limit |")
+        print("|---|---|---|---|---|---|---|")
+        for d in (3, 64):
+            tc = time_iter(cpu, n, d, runs)
+            tt = float("nan") if args.skip_tiled else time_iter(tiled, n, d, runs)
+            pairs = 2 * n * n
+            # limit: GEMM (2 d flops per pair, at the measured GEMM rate) + one exp per pair
+            gflops = hw["gemm"][64] if d >= 64 else hw["gemm"][3]
+            lim = pairs * (2 * d / gflops + 1 / hw["vexp"]) if d >= 64 else pairs / hw["vexp"]
+            print(f"| {d} | {tc:.3f} | {tt:.3f} | {tt / tc:.1f}x | {pairs / tc / 1e9:.2f} | {lim:.3f} | {100 * lim / tc:.0f}% |")
+            tt64 = tt
+        # the cached-cost pass at the same size (needs B*N*M*4 bytes of budget)
+        need = n * n * 4
+        if need <= args.cache_budget:
+            x, y = problem(n, n, 64)
+            cached = CpuEngine(lib, mode="cache", cache_bytes=args.cache_budget, threads=nth)
+            t0 = CLOCK()
+            cached.softmin(x, y, torch.zeros(1, n), 0.05 * 64, COST)
+            tb = CLOCK() - t0
+            cached.clear_cache()
+            tcache = time_iter(cached, n, 64, runs)
+            print(f"| 64, cached cost (budget {args.cache_budget / 2**30:.1f} GiB, build {tb:.2f} s once) | "
+                  f"{tcache:.3f} | {tt64:.3f} | {tt64 / tcache:.1f}x | {2 * n * n / tcache / 1e9:.2f} | | |")
+        print("\nlimit: d = 3: one exp per pair at the measured vector-exp rate; "
+              "d = 64: GEMM at the measured torch.mm rate + one exp per pair.\n")
+
+    if "cache" in sections:
+        # cached cost vs streaming, crossover in d
+        nc = 2000 if args.quick else 5000
+        print(f"## Cached cost matrix vs streaming, n = m = {nc}, float32 (s/iter; build = one-off)\n")
+        print("| d | stream s/iter | cached s/iter | build s | faster |\n|---|---|---|---|---|")
+        for d in (3, 8, 16, 32, 64, 128):
+            x, y = problem(nc, nc, d)
+            ts = time_iter(cpu, nc, d, runs)
+            cached = CpuEngine(lib, mode="cache", threads=nth)
+            t0 = CLOCK()
+            cached.softmin(x, y, torch.zeros(1, nc), 0.05 * d, COST)
+            tb = CLOCK() - t0
+            cached.clear_cache()
+            tcache = time_iter(cached, nc, d, runs)
+            print(f"| {d} | {ts:.4f} | {tcache:.4f} | {tb:.3f} | {'cached' if tcache < ts else 'stream'} |")
+        print()
+
+    if "scaling" in sections:
+        # scaling
+        sizes = [1000, 2000, 4000, 8000] if args.quick else [5000, 10000, 20000, 40000, 80000]
+        print("## Scaling, d = 3, float32\n")
+        print("| n = m | s/iter | G pairs/s |\n|---|---|---|")
+        ts = []
+        for s in sizes:
+            t = time_iter(cpu, s, 3, runs)
+            ts.append(t)
+            print(f"| {s} | {t:.4f} | {2 * s * s / t / 1e9:.2f} |")
+        lx = [math.log(s) for s in sizes]
+        ly = [math.log(t) for t in ts]
+        mx, my = statistics.mean(lx), statistics.mean(ly)
+        slope = sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+        print(f"\nfitted exponent: time ~ n^{slope:.2f} (n*m = n^2 expects 2.00)\n")
+
+    if not args.skip_compile:
+        code = "import time; t=time.perf_counter(); from flashot.ops.cpu.build import load, BUILD_INFO; load(); print(BUILD_INFO['seconds'], time.perf_counter()-t, BUILD_INFO.get('cpu_seconds', 0.0))"
+        with tempfile.TemporaryDirectory() as d:
+            env = dict(os.environ, FLASHOT_CACHE_DIR=d)
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+            r2 = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        c1 = r.stdout.split()
+        c2 = r2.stdout.split()
+        print("## First-call compile\n")
+        print(f"| | seconds |\n|---|---|\n| compile (fresh cache), wall | {float(c1[0]):.1f} |\n"
+              f"| compile, compiler CPU time | {float(c1[2]):.1f} |\n"
+              f"| load, fresh cache (incl. compile) | {float(c1[1]):.1f} |\n| load, cached | {float(c2[1]):.2f} |\n")
+
+    if args.million:
+        code = textwrap.dedent(f"""
+            import math, resource, time, torch
+            from flashot.ops.cpu.engine import CpuEngine
+            from flashot.costs import get_cost
+            c = get_cost("sqeuclidean"); eng = CpuEngine()
+            n = 1_000_000; eps = 0.15
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(1, n, 3, generator=g); y = torch.randn(1, n, 3, generator=g) + 0.5
+            la = torch.full((1, n), -math.log(n)); f = torch.zeros(1, n); gg = torch.zeros(1, n)
+            t0 = time.perf_counter()
+            for it in range({args.million}):
+                t = time.perf_counter()
+                f = eng.softmin(x, y, la + gg / eps, eps, c)
+                gg = eng.softmin(y, x, la + f / eps, eps, c)
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                print(f"iter {{it}}: {{time.perf_counter() - t:.1f}} s, peak RSS {{rss:.3f}} GiB", flush=True)
+            print(f"TOTAL {{time.perf_counter() - t0:.1f}} s, finite {{bool(torch.isfinite(f).all() and torch.isfinite(gg).all())}}")
+        """)
+        print(f"## n = m = 1,000,000, d = 3, {args.million} iterations (subprocess)\n")
+        subprocess.run([sys.executable, "-c", code])
+    print(f"\nload average {os.getloadavg()[0]:.2f} at end")
+
+
+if __name__ == "__main__":
+    main()

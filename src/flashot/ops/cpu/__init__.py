@@ -1,0 +1,25 @@
+"""Compiled CPU engine (``backend="cpu"``): see :mod:`.engine` and :mod:`.build`."""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = ["load_engine"]
+
+
+def load_engine():
+    """The ``cpu`` engine, or the ``tiled`` engine with a warning when the kernels cannot be built."""
+    from .build import BuildError, load
+
+    try:
+        lib = load()
+    except (BuildError, OSError) as e:
+        from ..tiled import TiledEngine
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warnings.warn(f"flashot: compiled CPU engine unavailable ({first[:300]}); using the 'tiled' engine",
+                      RuntimeWarning, stacklevel=2)
+        return TiledEngine()
+    from .engine import CpuEngine
+
+    return CpuEngine(lib)

@@ -1,0 +1,637 @@
+"""C++ source of the fused CPU kernels (compiled at first use by :mod:`.build`)."""
+
+SOURCE = r'''// flashot CPU kernels: fused streamed softmin / plan product for point clouds.
+//
+// Plain C++17 with GCC/Clang vector extensions (512-bit vectors, lowered to
+// AVX-512 / AVX2 / SSE by -march=native), OpenMP over row blocks, exported
+// with a C ABI and called through ctypes (no torch headers: builds in seconds).
+//
+// Streaming kernels never hold more than an (R rows x 16*NV columns) block of
+// scores, in registers: dot products (register-blocked over R rows and NV
+// vectors of columns), cost, bias, exp and the running LogSumExp are fused.
+//
+// Online LogSumExp with a lazy maximum: each row keeps a scalar m and a vector
+// of partial sums of exp(s - m).  A new vector of scores s is checked once
+// (one compare + mask test) against m + TH; only when some score exceeds it
+// (O(log M) times per row for random order) is m raised and the sums
+// rescaled.  Terms are therefore at most e^TH, never overflow, and exp never
+// sees an argument above TH.
+//
+// exp: range reduction a = n ln2 + r, |r| <= ln2/2, polynomial for e^r
+// (float: degree-5 fit, 1.8e-7 relative; double: Taylor degree 12, ~3e-16),
+// times 2^n (vscalefps with AVX-512, exponent bits otherwise).  Arguments must
+// be <= 88 / 700 (every caller passes s - m <= TH).  Lanes below LO (-86 /
+// -700, including -inf) are set to exactly 0 by a mask, branch-free: no
+// denormal is ever produced (no slow path), -inf log-weights give 0, no NaN.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T> struct VT;
+template <> struct VT<float> {
+  typedef float v __attribute__((vector_size(64)));
+  typedef int32_t vi __attribute__((vector_size(64)));
+  static constexpr int L = 16;
+};
+template <> struct VT<double> {
+  typedef double v __attribute__((vector_size(64)));
+  typedef int64_t vi __attribute__((vector_size(64)));
+  static constexpr int L = 8;
+};
+
+template <typename V> static inline V vload(const void* p) { V r; std::memcpy(&r, p, sizeof(V)); return r; }
+template <typename V> static inline void vstore(void* p, V x) { std::memcpy(p, &x, sizeof(V)); }
+template <typename V, typename S> static inline V vset(S s) { V r = {}; return r + s; }
+
+// float: single-constant reduction r = a - n * fl(ln2) (error <= |n| * 1.9e-9
+// absolute in r, i.e. <= 5e-8 relative for the terms that matter, |a| <= 20),
+// degree-5 polynomial fitted by us (Lawson-weighted least squares on the
+// relative error, float32 Horner evaluation: max rel. error 1.8e-7).
+static inline VT<float>::v vexp(VT<float>::v a) {
+  typedef VT<float>::v v;
+  v t = a * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to nearest
+  v n = t - 12582912.0f;
+  v r = a - n * 0.693147182464599609f;
+  v p = r * 0.008312482386827469f + 0.04189033433794975f;
+  p = p * r + 0.16667115688323975f;
+  p = p * r + 0.499992311000824f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+#if defined(__AVX512F__)
+  // keep lanes with a >= -86 (or NaN): 2^n scaling by vscalefps, others exactly 0
+  __mmask16 keep = _mm512_cmp_ps_mask((__m512)a, _mm512_set1_ps(-86.0f), _CMP_NLT_UQ);
+  return (v)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)n);
+#else
+  typedef VT<float>::vi vi;
+  const v lo = vset<v>(-86.0f), zero = {};
+  vi bits = ((vi)t + 127) << 23;
+  v res = p * (v)bits;
+  return a < lo ? zero : res;
+#endif
+}
+
+// double: Cody-Waite two-constant reduction, Taylor degree 12 (truncation 1.7e-16).
+static inline VT<double>::v vexp(VT<double>::v a) {
+  typedef VT<double>::v v;
+  v t = a * 1.4426950408889634 + 6755399441055744.0;  // 1.5 * 2^52
+  v n = t - 6755399441055744.0;
+  v r = a - n * 6.93147180369123816490e-01;
+  r = r - n * 1.90821492927058770002e-10;
+  v p = r * (1.0 / 479001600.0) + (1.0 / 39916800.0);
+  p = p * r + (1.0 / 3628800.0);
+  p = p * r + (1.0 / 362880.0);
+  p = p * r + (1.0 / 40320.0);
+  p = p * r + (1.0 / 5040.0);
+  p = p * r + (1.0 / 720.0);
+  p = p * r + (1.0 / 120.0);
+  p = p * r + (1.0 / 24.0);
+  p = p * r + (1.0 / 6.0);
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+#if defined(__AVX512F__)
+  __mmask8 keep = _mm512_cmp_pd_mask((__m512d)a, _mm512_set1_pd(-700.0), _CMP_NLT_UQ);
+  return (v)_mm512_maskz_scalef_pd(keep, (__m512d)p, (__m512d)n);
+#else
+  typedef VT<double>::vi vi;
+  const v lo = vset<v>(-700.0), zero = {};
+  vi bits = ((vi)t + 1023) << 52;
+  v res = p * (v)bits;
+  return a < lo ? zero : res;
+#endif
+}
+
+static inline VT<float>::v vsqrt(VT<float>::v a) {
+#if defined(__AVX512F__)
+  return (VT<float>::v)_mm512_sqrt_ps((__m512)a);
+#else
+  VT<float>::v r; for (int l = 0; l < 16; ++l) r[l] = std::sqrt(a[l]); return r;
+#endif
+}
+static inline VT<double>::v vsqrt(VT<double>::v a) {
+#if defined(__AVX512F__)
+  return (VT<double>::v)_mm512_sqrt_pd((__m512d)a);
+#else
+  VT<double>::v r; for (int l = 0; l < 8; ++l) r[l] = std::sqrt(a[l]); return r;
+#endif
+}
+
+static inline bool any_gt(VT<float>::v a, VT<float>::v b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0;
+#else
+  bool r = false; for (int l = 0; l < 16; ++l) r |= a[l] > b[l]; return r;
+#endif
+}
+static inline bool any_gt(VT<double>::v a, VT<double>::v b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_pd_mask((__m512d)a, (__m512d)b, _CMP_GT_OQ) != 0;
+#else
+  bool r = false; for (int l = 0; l < 8; ++l) r |= a[l] > b[l]; return r;
+#endif
+}
+
+template <typename V> static inline auto hmax(V a) {
+  auto m = a[0];
+  for (int l = 1; l < (int)(sizeof(V) / sizeof(m)); ++l) m = a[l] > m ? a[l] : m;
+  return m;
+}
+template <typename V> static inline auto hsum(V a) {
+  auto s = a[0];
+  for (int l = 1; l < (int)(sizeof(V) / sizeof(s)); ++l) s += a[l];
+  return s;
+}
+
+template <typename T> struct Consts;
+template <> struct Consts<float> { static constexpr float TH = 20.0f, SENT = -1e30f; };
+template <> struct Consts<double> { static constexpr double TH = 60.0, SENT = -1e300; };
+
+enum { KIND_DOT = 0, KIND_DIRECT = 1 };
+enum { MODE_LSE = 0, MODE_P = 1 };
+enum { W_ONE = 0, W_COST = 1, W_INV = 2 };
+
+struct Args {
+  int D;
+  int64_t Mp;        // padded column stride of yT / VT / yy / hs
+  double kcoef;      // scale/eps (dot) or 1/eps (direct)
+  double minsq;      // direct: clamp of squared distance before sqrt
+};
+
+// One panel of R rows (x: R consecutive rows, row stride D) over columns [j0, j1).
+// MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
+// exp(s - m[r]) * W  (m[r] = normalising LSE of the row, given).
+template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
+static inline void panel(const T* __restrict x, const T* __restrict yT, const T* __restrict yy,
+                         const T* __restrict hs, int64_t j0, int64_t j1, const Args& a,
+                         T* __restrict m, typename VT<T>::v* __restrict sum, T* __restrict P, int64_t ldp) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  const int D = DS > 0 ? DS : a.D;
+  const int64_t Mp = a.Mp;
+  const T k = (T)a.kcoef;
+  const v minsq = vset<v>((T)a.minsq);
+  const v wthr = vset<v>((T)(a.minsq > 0 ? 1.001 * std::sqrt(a.minsq) : 0.0));
+  const v zero = {};
+  T xx[R];
+  v sm[R];
+  T mr[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    T s = 0;
+    if (KIND == KIND_DOT) for (int d = 0; d < D; ++d) s += x[r * D + d] * x[r * D + d];
+    xx[r] = s;
+    mr[r] = m[r];
+    if (MODE == MODE_LSE) sm[r] = sum[r];
+  }
+  for (int64_t j = j0; j < j1; j += L * NV) {
+    // dot costs: acc starts at |x_r|^2 + |y_j|^2 and accumulates -2 x_rd y_jd, so
+    // acc ends as |x|^2 + |y|^2 - 2<x, y> (the explicit cost, formed before 1/eps)
+    v acc[R][NV];
+#pragma GCC unroll 8
+    for (int q = 0; q < NV; ++q) {
+      v init = zero;
+      if (KIND == KIND_DOT) init = vload<v>(yy + j + q * L);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r][q] = KIND == KIND_DOT ? init + xx[r] : zero;
+    }
+    const T* yp = yT + j;
+#pragma GCC unroll 4
+    for (int d = 0; d < D; ++d) {
+      v yv[NV];
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) yv[q] = vload<v>(yp + (int64_t)d * Mp + q * L);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const T xs = KIND == KIND_DOT ? (T)-2 * x[r * D + d] : x[r * D + d];
+#pragma GCC unroll 8
+        for (int q = 0; q < NV; ++q) {
+          if (KIND == KIND_DOT) {
+            acc[r][q] += xs * yv[q];
+          } else {
+            v df = yv[q] - xs;
+            acc[r][q] += df * df;
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < NV; ++q) {
+      const v hq = vload<v>(hs + j + q * L);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        v c;
+        if (KIND == KIND_DOT) {
+          c = acc[r][q];
+          // clamp at 0 only where c is a weight; in the exponent a rounding-level
+          // negative c changes s by k * O(ulp(|x|^2)), like the rounding itself
+          if (MODE == MODE_P) c = c < zero ? zero : c;
+        } else {
+          c = acc[r][q];
+          c = c < minsq ? minsq : c;
+          c = vsqrt(c);
+        }
+        if (MODE == MODE_LSE) {
+          v am = (hq - mr[r]) - c * k;  // s - m: one sub + one fnmadd
+          if (__builtin_expect(any_gt(am, vset<v>(Consts<T>::TH)), 0)) {
+            // rare: raise the running max (values, not references: keeps the
+            // accumulators in registers)
+            const T nm = hmax(hq - c * k);
+            if (nm > mr[r]) {
+              sm[r] *= (T)std::exp(mr[r] - nm);
+              mr[r] = nm;
+            }
+            am = (hq - mr[r]) - c * k;
+          }
+          sm[r] += vexp(am);
+        } else {
+          v s = hq - c * k;
+          v p = vexp(s - mr[r]);
+          if (WK == W_COST) p *= c;
+          // dcost of |x - y|: 1/C, zero where C = 0 or where the clamp sqrt(minsq)
+          // is active (the clamp kills the gradient; 1.001 absorbs float rounding)
+          if (WK == W_INV) p = c > wthr ? p / c : zero;
+          vstore(P + r * ldp + (j - j0) + q * L, p);
+        }
+      }
+    }
+  }
+  if (MODE == MODE_LSE) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) { m[r] = mr[r]; sum[r] = sm[r]; }
+  }
+}
+
+template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
+static void panel_rows(int nrows, const T* x, const T* yT, const T* yy, const T* hs, int64_t j0, int64_t j1,
+                       const Args& a, T* m, typename VT<T>::v* sum, T* P, int64_t ldp) {
+  int r = 0;
+  for (; r + R <= nrows; r += R)
+    panel<T, R, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r,
+                                        P ? P + r * ldp : nullptr, ldp);
+  for (; r < nrows; ++r)
+    panel<T, 1, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r,
+                                        P ? P + r * ldp : nullptr, ldp);
+}
+
+static int64_t col_chunk(int D, int extra, int64_t Mp, int64_t step, int64_t l2, size_t esz) {
+  int64_t bm = l2 / ((int64_t)(D + extra) * (int64_t)esz);
+  bm = (bm / step) * step;
+  if (bm < step) bm = step;
+  if (bm > Mp) bm = Mp;
+  return bm;
+}
+
+// out[b, i] = oscale * LSE_j (hs_j - C_ij / eps) (+inf/-inf handled), x (B,N,D), yT (B,D,Mp)
+template <typename T, int R, int NV, int KIND, int DS>
+static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N,
+                         int64_t Mp, const Args& a, T oscale, int64_t l2, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  const int D = a.D;
+  const int RB = R * 16;
+  const int64_t nb = (N + RB - 1) / RB;
+  const int64_t bm = col_chunk(D, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+  for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    const int64_t b = t / nb, i0 = (t % nb) * RB;
+    const int nr = (int)std::min<int64_t>(RB, N - i0);
+    T m[RB];
+    v sum[RB];
+    for (int r = 0; r < nr; ++r) { m[r] = Consts<T>::SENT; sum[r] = v{}; }
+    const T* xb = x + (b * N + i0) * D;
+    const T* yTb = yT + b * (int64_t)D * Mp;
+    const T* yyb = yy + b * Mp;
+    const T* hb = hs + b * Mp;
+    for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
+      const int64_t j1 = std::min(Mp, j0 + bm);
+      panel_rows<T, R, NV, KIND, DS, MODE_LSE, W_ONE>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum, nullptr, 0);
+    }
+    for (int r = 0; r < nr; ++r) {
+      T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log(hsum(sum[r]));
+      out[b * N + i0 + r] = oscale * lse;
+    }
+  }
+}
+
+// acc[r, :] += sum_j P[r, j] V[j, :] for RR rows; V (w, K) row-major, K a multiple of L.
+template <typename T, int RR>
+static inline void mgemm_rows(const T* __restrict P, int64_t ldp, const T* __restrict V, int K, int64_t w,
+                              T* __restrict acc) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  constexpr int KV = 4;
+  int k0 = 0;
+  for (; k0 + KV * L <= K; k0 += KV * L) {
+    v a[RR][KV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 4
+      for (int q = 0; q < KV; ++q) a[r][q] = vload<v>(acc + (int64_t)r * K + k0 + q * L);
+    for (int64_t j = 0; j < w; ++j) {
+      v vv[KV];
+#pragma GCC unroll 4
+      for (int q = 0; q < KV; ++q) vv[q] = vload<v>(V + j * K + k0 + q * L);
+#pragma GCC unroll 4
+      for (int r = 0; r < RR; ++r) {
+        const T pj = P[r * ldp + j];
+#pragma GCC unroll 4
+        for (int q = 0; q < KV; ++q) a[r][q] += pj * vv[q];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 4
+      for (int q = 0; q < KV; ++q) vstore(acc + (int64_t)r * K + k0 + q * L, a[r][q]);
+  }
+  for (; k0 < K; k0 += L) {
+    v a[RR];
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r) a[r] = vload<v>(acc + (int64_t)r * K + k0);
+    for (int64_t j = 0; j < w; ++j) {
+      const v vv = vload<v>(V + j * K + k0);
+#pragma GCC unroll 4
+      for (int r = 0; r < RR; ++r) a[r] += P[r * ldp + j] * vv;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r) vstore(acc + (int64_t)r * K + k0, a[r]);
+  }
+}
+
+// out[b,i,:] = exp(alpha_i + lse_i) * wconst * sum_j exp(hs_j - C_ij/eps - lse_i) W_ij V[j, :]
+// (V: (B, Mp, K) row-major with K padded to a multiple of the vector width; out (B, N, K))
+template <typename T, int NV, int KIND, int WK>
+static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
+                      const T* VTm, int K, T* out, int B, int64_t N, int64_t Mp, const Args& a, T wconst,
+                      int64_t l2, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  constexpr int R = 4;
+  const int D = a.D;
+  const int RB = 32;
+  const int64_t nb = (N + RB - 1) / RB;
+  const int64_t bm = col_chunk(D + K, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
+#pragma omp parallel num_threads(nth)
+  {
+    std::vector<T> Pbuf((size_t)RB * bm), acc((size_t)RB * K);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+      const int64_t b = t / nb, i0 = (t % nb) * RB;
+      const int nr = (int)std::min<int64_t>(RB, N - i0);
+      T m[RB];
+      for (int r = 0; r < nr; ++r) {
+        T l = lse[b * N + i0 + r];
+        m[r] = std::isfinite(l) ? l : (T)0;
+      }
+      std::fill(acc.begin(), acc.end(), (T)0);
+      const T* xb = x + (b * N + i0) * D;
+      const T* yTb = yT + b * (int64_t)D * Mp;
+      const T* yyb = yy + b * Mp;
+      const T* hb = hs + b * Mp;
+      const T* Vb = VTm + b * (int64_t)K * Mp;  // (Mp, K) row-major, K = padded width
+      for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
+        const int64_t j1 = std::min(Mp, j0 + bm), w = j1 - j0;
+        panel_rows<T, R, NV, KIND, 0, MODE_P, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, nullptr, Pbuf.data(), bm);
+        // acc (nr x Kp) += P (nr x w) @ V[j0:j1] (w x Kp): register-blocked, 4 rows x 4 vectors
+        int r = 0;
+        for (; r + 4 <= nr; r += 4) mgemm_rows<T, 4>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
+        for (; r < nr; ++r) mgemm_rows<T, 1>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
+      }
+      for (int r = 0; r < nr; ++r) {
+        const T l = lse[b * N + i0 + r];
+        const T f = std::isfinite(l) ? (T)std::exp(alpha[b * N + i0 + r] + l) * wconst : (T)0;
+        T* o = out + (b * N + i0 + r) * K;
+        for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : acc[(size_t)r * K + kk] * f;
+      }
+    }
+  }
+}
+
+// ---- cached-cost passes: C (B, N, M) row-major --------------------------------
+// Row-wise: out[b,i] = oscale * LSE_j (h_j - C_ij / eps)
+template <typename T>
+static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+#pragma omp parallel for schedule(static) num_threads(nth)
+  for (int64_t t = 0; t < (int64_t)B * N; ++t) {
+    const int64_t b = t / N;
+    const T* c = C + t * M;
+    const T* hb = h + b * M;
+    T m = Consts<T>::SENT;
+    v s0 = {}, s1 = {};
+    int64_t j = 0;
+    for (; j + 2 * L <= M; j += 2 * L) {
+      v a0 = vload<v>(hb + j) - vload<v>(c + j) * inv_eps;
+      v a1 = vload<v>(hb + j + L) - vload<v>(c + j + L) * inv_eps;
+      v thr = vset<v>(m + Consts<T>::TH);
+      if (__builtin_expect(any_gt(a0, thr) || any_gt(a1, thr), 0)) {
+        T nm = std::max(hmax(a0), hmax(a1));
+        if (nm > m) { T f = std::exp(m - nm); s0 *= f; s1 *= f; m = nm; }
+      }
+      s0 += vexp(a0 - m);
+      s1 += vexp(a1 - m);
+    }
+    T s = hsum(s0 + s1);
+    for (; j < M; ++j) {
+      T a = hb[j] - c[j] * inv_eps;
+      if (a > m + Consts<T>::TH) { s *= std::exp(m - a); m = a; }
+      if (a - m > (T)-700) s += std::exp(a - m);
+    }
+    out[t] = oscale * ((m == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m + std::log(s));
+  }
+}
+
+// Column-wise (the transposed problem): out[b,j] = oscale * LSE_i (h_i - C_ij / eps)
+template <typename T>
+static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  // Each task owns a wide stripe of columns (long contiguous reads of every
+  // row, friendly to the prefetchers); per-column state lives in L1/L2.
+  int64_t CB = (M + nth - 1) / nth;
+  CB = std::max<int64_t>(4 * L, ((CB + L - 1) / L) * L);
+  const int64_t nb = (M + CB - 1) / CB;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+  for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    const int64_t b = t / nb, j0 = (t % nb) * CB, w = std::min(CB, M - j0);
+    const int64_t nv = w / L;
+    std::vector<v> mvec(nv + 1), svec(nv + 1);
+    v* __restrict mv = mvec.data();
+    v* __restrict sv = svec.data();
+    T ms[16], ss[16];
+    for (int64_t q = 0; q < nv; ++q) { mv[q] = vset<v>(Consts<T>::SENT); sv[q] = v{}; }
+    for (int64_t q = nv * L; q < w; ++q) { ms[q - nv * L] = Consts<T>::SENT; ss[q - nv * L] = 0; }
+    const T* hb = h + b * N;
+    int64_t i = 0;
+    for (; i + 2 <= N; i += 2) {  // two rows per sweep: half the state traffic
+      const T* c0 = C + (b * N + i) * M + j0;
+      const T* c1 = c0 + M;
+      const T h0 = hb[i], h1 = hb[i + 1];
+      for (int64_t q = 0; q < nv; ++q) {
+        v a0 = h0 - vload<v>(c0 + q * L) * inv_eps;
+        v a1 = h1 - vload<v>(c1 + q * L) * inv_eps;
+        v mq = mv[q];
+        v amax = a0 > a1 ? a0 : a1;
+        if (__builtin_expect(any_gt(amax, mq + Consts<T>::TH), 0)) {
+          v nm = amax > mq ? amax : mq;
+          sv[q] *= vexp(mq - nm);
+          mv[q] = mq = nm;
+        }
+        sv[q] += vexp(a0 - mq) + vexp(a1 - mq);
+      }
+      for (int64_t q = nv * L; q < w; ++q) {
+        const int64_t u = q - nv * L;
+        for (int k = 0; k < 2; ++k) {
+          T a = (k ? h1 : h0) - (k ? c1 : c0)[q] * inv_eps;
+          if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp(ms[u] - a); ms[u] = a; }
+          if (a - ms[u] > (T)-700) ss[u] += std::exp(a - ms[u]);
+        }
+      }
+    }
+    for (; i < N; ++i) {
+      const T* c = C + (b * N + i) * M + j0;
+      const T hi = hb[i];
+      for (int64_t q = 0; q < nv; ++q) {
+        v a = hi - vload<v>(c + q * L) * inv_eps;
+        v thr = mv[q] + Consts<T>::TH;
+        if (__builtin_expect(any_gt(a, thr), 0)) {
+          v nm = a > mv[q] ? a : mv[q];
+          sv[q] *= vexp(mv[q] - nm);
+          mv[q] = nm;
+        }
+        sv[q] += vexp(a - mv[q]);
+      }
+      for (int64_t q = nv * L; q < w; ++q) {
+        const int64_t u = q - nv * L;
+        T a = hi - c[q] * inv_eps;
+        if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp(ms[u] - a); ms[u] = a; }
+        if (a - ms[u] > (T)-700) ss[u] += std::exp(a - ms[u]);
+      }
+    }
+    const T ninf = -std::numeric_limits<T>::infinity();
+    for (int64_t q = 0; q < nv; ++q)
+      for (int l = 0; l < L; ++l) {
+        T mm = mv[q][l];
+        out[b * M + j0 + q * L + l] = oscale * (mm == Consts<T>::SENT ? ninf : mm + std::log(sv[q][l]));
+      }
+    for (int64_t q = nv * L; q < w; ++q) {
+      const int64_t u = q - nv * L;
+      out[b * M + j0 + q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log(ss[u]));
+    }
+  }
+}
+
+template <typename T, int KIND>
+static int softmin_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N,
+                            int64_t Mp, const Args& a, T oscale, int cfg, int64_t l2, int nth) {
+  const int D = a.D;
+  // cfg 0 (d <= 32): 4 rows x 2 vectors, static D for d <= 3;
+  // cfg 3 (larger d): 4 rows x 4 vectors (best of 4x2, 6x2, 8x2, 4x4, 8x3 at d = 64)
+  if (cfg == 0) {
+    switch (D) {
+      case 1: softmin_impl<T, 4, 2, KIND, 1>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 2: softmin_impl<T, 4, 2, KIND, 2>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 3: softmin_impl<T, 4, 2, KIND, 3>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      default: softmin_impl<T, 4, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+    }
+  }
+  if (cfg == 3) { softmin_impl<T, 4, 4, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0; }
+  return -1;
+}
+
+template <typename T>
+static int softmin_entry(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N, int64_t Mp,
+                         int D, double kcoef, double minsq, int kind, double oscale, int cfg, int64_t l2, int nth) {
+  Args a{D, Mp, kcoef, minsq};
+  if (kind == KIND_DOT) return softmin_dispatch<T, KIND_DOT>(x, yT, yy, hs, out, B, N, Mp, a, (T)oscale, cfg, l2, nth);
+  if (kind == KIND_DIRECT) return softmin_dispatch<T, KIND_DIRECT>(x, yT, yy, hs, out, B, N, Mp, a, (T)oscale, cfg, l2, nth);
+  return -2;
+}
+
+template <typename T>
+static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha, const T* VTm,
+                      int K, T* out, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
+                      int wk, double wconst, int64_t l2, int nth) {
+  Args a{D, Mp, kcoef, minsq};
+#define FL_PLAN(KD, W) plan_impl<T, 2, KD, W>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, a, (T)wconst, l2, nth)
+  if (kind == KIND_DOT) {
+    if (wk == W_ONE) { FL_PLAN(KIND_DOT, W_ONE); return 0; }
+    if (wk == W_COST) { FL_PLAN(KIND_DOT, W_COST); return 0; }
+  } else if (kind == KIND_DIRECT) {
+    if (wk == W_ONE) { FL_PLAN(KIND_DIRECT, W_ONE); return 0; }
+    if (wk == W_COST) { FL_PLAN(KIND_DIRECT, W_COST); return 0; }
+    if (wk == W_INV) { FL_PLAN(KIND_DIRECT, W_INV); return 0; }
+  }
+#undef FL_PLAN
+  return -2;
+}
+
+}  // namespace
+
+extern "C" {
+
+int flashot_abi_version() { return 2; }
+
+int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
+                        int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
+                        int64_t l2, int nth) {
+  return softmin_entry<float>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
+}
+int flashot_softmin_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out, int B,
+                        int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
+                        int64_t l2, int nth) {
+  return softmin_entry<double>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
+}
+int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
+                     const float* alpha, const float* VTm, int K, float* out, int B, int64_t N, int64_t Mp, int D,
+                     double kcoef, double minsq, int kind, int wk, double wconst, int64_t l2, int nth) {
+  return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, l2, nth);
+}
+int flashot_plan_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
+                     const double* alpha, const double* VTm, int K, double* out, int B, int64_t N, int64_t Mp, int D,
+                     double kcoef, double minsq, int kind, int wk, double wconst, int64_t l2, int nth) {
+  return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, l2, nth);
+}
+int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth) {
+  rows_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
+}
+int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth) {
+  rows_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
+}
+int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth) {
+  cols_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
+}
+int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth) {
+  cols_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
+}
+// Raw vectorised exp throughput helper (benchmarks): out[i] = exp(a[i]).
+int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
+  typedef VT<float>::v v;
+#pragma omp parallel for schedule(static) num_threads(nth)
+  for (int64_t i = 0; i < n / 16; ++i) vstore(out + i * 16, vexp(vload<v>(a + i * 16)));
+  for (int64_t i = (n / 16) * 16; i < n; ++i) out[i] = std::exp(a[i]);
+  return 0;
+}
+int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
+  typedef VT<double>::v v;
+#pragma omp parallel for schedule(static) num_threads(nth)
+  for (int64_t i = 0; i < n / 8; ++i) vstore(out + i * 8, vexp(vload<v>(a + i * 8)));
+  for (int64_t i = (n / 8) * 8; i < n; ++i) out[i] = std::exp(a[i]);
+  return 0;
+}
+
+}  // extern "C"
+'''

@@ -1,0 +1,322 @@
+"""``cpu`` engine: fused, vectorised, multi-threaded streaming kernels (+ a cached-cost pass).
+
+Streaming (default): one compiled kernel computes dot products (register-blocked
+micro-kernel), the cost ``s (|x|^2 + |y|^2 - 2<x, y>)`` (explicit form, as in the
+``tiled`` engine, for float32 accuracy), the bias, a polynomial ``exp`` and the
+running LogSumExp, with nothing but O((N + M) D) memory.
+
+Cached cost: for moderate N M and large D, the cost matrix of an (x, y) pair is
+computed once (one MKL GEMM through torch) and kept in a small LRU keyed on the
+tensors' data pointers, shapes, strides and version counters; each later softmin
+(either direction: ``softmin(y, x)`` streams the transpose) is a memory-bound
+exp pass over it.  The cache holds a reference to ``x`` and ``y``, so their
+memory cannot be reused while an entry is alive (no stale hits after a free);
+in-place changes through autograd-visible ops bump the version and invalidate.
+Budget: ``FLASHOT_CPU_CACHE_BYTES`` (default 1 GiB).
+
+Options (constructor or environment): ``mode`` = ``"auto"`` | ``"stream"`` |
+``"cache"`` (``FLASHOT_CPU_MODE``); ``cache_bytes``; ``threads`` (default
+``torch.get_num_threads()``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from ...costs import Cost
+from ..base import WEIGHTS, Weight
+
+KIND_DOT, KIND_DIRECT = 0, 1
+W_ONE, W_COST, W_INV = 0, 1, 2
+PAD = 64  # columns are padded to a multiple of this (>= 16 * max vectors per micro-kernel)
+
+DEFAULT_CACHE_BYTES = 1 << 30
+# auto: use the cached cost matrix from the second call on a pair when D >= this
+# (measured crossover, see benchmarks/CPU_ENGINE.md) and it fits the budget.
+CACHE_MIN_D = 16
+# micro-kernel configuration for D above SMALL_D: 4 rows x 64 columns (see CPU_ENGINE.md).
+SMALL_D = 32
+LARGE_D_CFG = 3
+L2_BYTES = 512 * 1024
+MODES = ("auto", "stream", "cache")
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(float(v))
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer number of bytes, got {v!r}") from None
+
+
+def _ptr(t: Tensor) -> int:
+    return t.data_ptr()
+
+
+def _tkey(t: Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+
+
+class CpuEngine:
+    name = "cpu"
+
+    def __init__(self, lib=None, *, mode: str | None = None, cache_bytes: int | None = None,
+                 threads: int | None = None, cfg: int | None = None, max_entries: int = 3):
+        if lib is None:
+            from .build import load
+
+            lib = load()
+        self.lib = lib
+        mode = mode if mode is not None else (os.environ.get("FLASHOT_CPU_MODE") or "auto")
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.cache_bytes = int(cache_bytes) if cache_bytes is not None else _env_int(
+            "FLASHOT_CPU_CACHE_BYTES", DEFAULT_CACHE_BYTES)
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes: expected >= 0, got {self.cache_bytes}")
+        self.threads = threads
+        if cfg not in (None, 0, 3):
+            raise ValueError(f"cfg: expected None (by d), 0 (4x32 micro-kernel) or 3 (4x64), got {cfg!r}")
+        self.cfg = cfg
+        self.max_entries = int(max_entries)
+        self._cache: OrderedDict = OrderedDict()  # key -> (C, x, y)
+        self._seen: OrderedDict = OrderedDict()  # pair keys seen once (auto builds on the 2nd call)
+        self.stats = {"stream": 0, "cache_hit": 0, "cache_build": 0}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ contract
+    def unsupported(self, device, dtype, cost):
+        if torch.device(device).type != "cpu":
+            return f"the cpu engine needs CPU tensors, got device {device}; use backend='auto' or 'tiled'"
+        if dtype not in (torch.float32, torch.float64):
+            return f"the cpu engine supports float32 and float64, got {dtype}; use backend='tiled'"
+        if not (cost.is_dot or (cost.scale is None and cost.power == 1)):
+            return f"the cpu engine does not support cost {cost.name!r}; use backend='tiled'"
+        return None
+
+    def clear_cache(self) -> None:
+        """Drop every cached cost matrix (and the references to their x, y)."""
+        with self._lock:
+            self._cache.clear()
+            self._seen.clear()
+
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+        x, y, eps = self._check_xy(x, y, eps, cost)
+        B, N, D = x.shape
+        M = y.shape[1]
+        h = self._check_vec(h, "h", (B, M), x)
+        if N == 0 or M == 0:
+            return torch.full((B, N), math.inf, dtype=x.dtype)
+        C, transposed = self._cached(x, y, cost)
+        if C is not None:
+            return self._softmin_cached(C, transposed, h, eps)
+        self.stats["stream"] += 1
+        return self._stream_lse(x, y, h, eps, cost, -eps)
+
+    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
+        if weight not in WEIGHTS:
+            raise ValueError(f"weight: expected one of {WEIGHTS}, got {weight!r}")
+        x, y, eps = self._check_xy(x, y, eps, cost)
+        B, N, D = x.shape
+        M = y.shape[1]
+        alpha = self._check_vec(alpha, "alpha", (B, N), x)
+        beta = self._check_vec(beta, "beta", (B, M), x)
+        if not isinstance(V, Tensor) or V.dim() != 3 or V.shape[:2] != (B, M):
+            raise ValueError(f"V: expected a tensor of shape ({B}, {M}, K), got "
+                             f"{tuple(V.shape) if isinstance(V, Tensor) else type(V).__name__}")
+        if V.dtype != x.dtype or V.device != x.device:
+            raise ValueError(f"V: expected {x.dtype} on {x.device}, got {V.dtype} on {V.device}")
+        K = V.shape[2]
+        if N == 0 or M == 0 or K == 0:
+            return torch.zeros(B, N, K, dtype=x.dtype)
+        self.stats["stream"] += 1
+        kind, kcoef, minsq = self._cost_args(cost, eps)
+        yT, yy, hs, Mp = self._prep_y(y, beta, kind)
+        lse = self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, 1.0)
+        lanes = 16 if x.dtype == torch.float32 else 8
+        Kp = -(-K // lanes) * lanes
+        Vp = torch.zeros(B, Mp, Kp, dtype=x.dtype)  # (Mp, Kp) row-major, zero padding
+        Vp[:, :M, :K] = V
+        wk, wconst = W_ONE, 1.0
+        if weight == "cost":
+            wk = W_COST
+            if kind == KIND_DOT:
+                wconst = cost.scale  # the kernel's c is |x - y|^2
+        elif weight == "dcost":
+            if kind == KIND_DOT:
+                wconst = 2.0 * cost.scale
+            else:
+                wk = W_INV
+        out = torch.empty(B, N, Kp, dtype=x.dtype)
+        fn = self.lib.flashot_plan_f32 if x.dtype == torch.float32 else self.lib.flashot_plan_f64
+        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(lse), _ptr(alpha), _ptr(Vp), Kp, _ptr(out),
+                B, N, Mp, D, kcoef, minsq, kind, wk, wconst, L2_BYTES, self._nthreads())
+        if rc != 0:
+            raise RuntimeError(f"cpu engine: plan kernel returned {rc}")
+        return out if Kp == K else out[..., :K].contiguous()
+
+    # ------------------------------------------------------------------ helpers
+    def _nthreads(self) -> int:
+        return int(self.threads or torch.get_num_threads())
+
+    def _check_xy(self, x, y, eps, cost):
+        for nm, t in (("x", x), ("y", y)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{nm}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3:
+                raise ValueError(f"{nm}: expected shape (B, N, D), got {tuple(t.shape)}")
+        why = self.unsupported(x.device, x.dtype, cost)
+        if why:
+            raise ValueError(why)
+        if y.dtype != x.dtype or y.device != x.device:
+            raise ValueError(f"y: expected {x.dtype} on {x.device} like x, got {y.dtype} on {y.device}")
+        if y.shape[0] != x.shape[0] or y.shape[2] != x.shape[2]:
+            raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)}: batch and feature sizes differ")
+        if isinstance(eps, Tensor):
+            eps = float(eps)
+        if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
+        if x.requires_grad or y.requires_grad:
+            x, y = x.detach(), y.detach()
+        return x.contiguous(), y.contiguous(), float(eps)
+
+    @staticmethod
+    def _check_vec(t, nm, shape, x):
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"{nm}: expected a tensor of shape {shape}, got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"{nm}: expected {x.dtype} on {x.device}, got {t.dtype} on {t.device}")
+        return t.detach().contiguous()
+
+    @staticmethod
+    def _cost_args(cost: Cost, eps: float):
+        if cost.is_dot:
+            return KIND_DOT, cost.scale / eps, 0.0
+        return KIND_DIRECT, 1.0 / eps, float(cost.min_sqdist)
+
+    @staticmethod
+    def _prep_y(y: Tensor, h: Tensor, kind: int):
+        B, M, D = y.shape
+        Mp = -(-M // PAD) * PAD
+        yT = torch.zeros(B, D, Mp, dtype=y.dtype)
+        yT[:, :, :M] = y.transpose(1, 2)
+        yy = torch.zeros(B, Mp, dtype=y.dtype)
+        if kind == KIND_DOT:
+            yy[:, :M] = (y * y).sum(-1)
+        hs = torch.full((B, Mp), -math.inf, dtype=y.dtype)
+        hs[:, :M] = h
+        return yT, yy, hs, Mp
+
+    def _kernel_cfg(self, D: int) -> int:
+        if self.cfg is not None:
+            return int(self.cfg)
+        return 0 if D <= SMALL_D else LARGE_D_CFG
+
+    def _run_softmin(self, x, yT, yy, hs, Mp, kind, kcoef, minsq, oscale):
+        B, N, D = x.shape
+        out = torch.empty(B, N, dtype=x.dtype)
+        fn = self.lib.flashot_softmin_f32 if x.dtype == torch.float32 else self.lib.flashot_softmin_f64
+        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(out), B, N, Mp, D, kcoef, minsq, kind, oscale,
+                self._kernel_cfg(D), L2_BYTES, self._nthreads())
+        if rc != 0:
+            raise RuntimeError(f"cpu engine: softmin kernel returned {rc}")
+        return out
+
+    def _stream_lse(self, x, y, h, eps, cost, oscale):
+        kind, kcoef, minsq = self._cost_args(cost, eps)
+        yT, yy, hs, Mp = self._prep_y(y, h, kind)
+        return self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, oscale)
+
+    # ------------------------------------------------------------------ cached cost
+    def _cached(self, x: Tensor, y: Tensor, cost: Cost):
+        """(C, transposed) when the cached path applies, else (None, False)."""
+        if self.mode == "stream":
+            return None, False
+        with self._lock:
+            return self._cached_locked(x, y, cost)
+
+    def _cached_locked(self, x: Tensor, y: Tensor, cost: Cost):
+        kx, ky = _tkey(x), _tkey(y)
+        for key, tr in (((kx, ky, cost.name), False), ((ky, kx, cost.name), True)):
+            ent = self._cache.get(key)
+            if ent is not None:
+                self._cache.move_to_end(key)
+                self.stats["cache_hit"] += 1
+                return ent[0], tr
+        B, N, D = x.shape
+        M = y.shape[1]
+        nbytes = B * N * M * x.element_size()
+        if nbytes > self.cache_bytes:
+            if self.mode == "cache":
+                raise ValueError(
+                    f"mode='cache': the cost matrix needs {nbytes} bytes, over the budget of {self.cache_bytes} "
+                    f"(FLASHOT_CPU_CACHE_BYTES / cache_bytes); raise it or use mode='auto' or 'stream'")
+            return None, False
+        if self.mode == "auto":
+            if D < CACHE_MIN_D:
+                return None, False
+            pk = (kx, ky, cost.name)
+            pkt = (ky, kx, cost.name)
+            if pk not in self._seen and pkt not in self._seen:
+                self._seen[pk] = True
+                while len(self._seen) > 16:
+                    self._seen.popitem(last=False)
+                return None, False
+        # build, evicting least-recently used entries to stay in budget
+        used = sum(e[0].numel() * e[0].element_size() for e in self._cache.values())
+        while self._cache and (used + nbytes > self.cache_bytes or len(self._cache) >= self.max_entries):
+            _, ev = self._cache.popitem(last=False)
+            used -= ev[0].numel() * ev[0].element_size()
+        C = cost_matrix(x, y, cost)
+        self._cache[(kx, ky, cost.name)] = (C, x, y)
+        self.stats["cache_build"] += 1
+        return C, False
+
+    def _softmin_cached(self, C: Tensor, transposed: bool, h: Tensor, eps: float) -> Tensor:
+        B, N, M = C.shape
+        lib = self.lib
+        f32 = C.dtype == torch.float32
+        if transposed:  # out over the columns of C
+            out = torch.empty(B, M, dtype=C.dtype)
+            fn = lib.flashot_cols_lse_f32 if f32 else lib.flashot_cols_lse_f64
+        else:
+            out = torch.empty(B, N, dtype=C.dtype)
+            fn = lib.flashot_rows_lse_f32 if f32 else lib.flashot_rows_lse_f64
+        rc = fn(_ptr(C), _ptr(h), _ptr(out), B, N, M, 1.0 / eps, -eps, self._nthreads())
+        if rc != 0:
+            raise RuntimeError(f"cpu engine: cached-cost kernel returned {rc}")
+        return out
+
+
+def cost_matrix(x: Tensor, y: Tensor, cost: Cost, rows: int = 2048) -> Tensor:
+    """(B, N, M) cost matrix built in row chunks (peak memory ~ the result)."""
+    B, N, D = x.shape
+    M = y.shape[1]
+    C = torch.empty(B, N, M, dtype=x.dtype)
+    if cost.is_dot:
+        xx = (x * x).sum(-1)
+        yy = (y * y).sum(-1)
+    for b in range(B):
+        for i0 in range(0, N, rows):
+            i1 = min(N, i0 + rows)
+            out = C[b, i0:i1]
+            if cost.is_dot:
+                torch.addmm(xx[b, i0:i1, None] + yy[b, None, :], x[b, i0:i1], y[b].T, beta=1.0, alpha=-2.0, out=out)
+                out.clamp_min_(0.0)
+                if cost.scale != 1.0:
+                    out.mul_(cost.scale)
+            else:
+                out.copy_(torch.cdist(x[b, i0:i1], y[b], compute_mode="donot_use_mm_for_euclid_dist"))
+                if cost.min_sqdist > 0:
+                    out.clamp_min_(math.sqrt(cost.min_sqdist))
+    return C

@@ -1,0 +1,343 @@
+"""The compiled ``cpu`` engine against the dense oracle (float64 reference).
+
+Tolerances (measured errors are ~10x smaller):
+
+* float64: softmin |out - ref| <= 1e-11 (|ref| + eps); plan products
+  max|out - ref| <= 1e-11 max|ref| (exp polynomial: 3e-16 relative).
+* float32 inputs, reference computed in float64 on the *same* (rounded) inputs:
+  softmin |out - ref| <= 2e-6 (max C + eps) (the cost |x|^2 + |y|^2 - 2<x, y>
+  is formed in float32); plan products 5e-5 max|ref| ("dcost" of the euclidean
+  cost is 1/C, ill-conditioned near C = 0: 5e-4).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from flashot.costs import get_cost
+from flashot.ops.dense import DenseEngine
+
+COSTS = ["sqeuclidean", "half_sqeuclidean", "euclidean"]
+DIMS = [1, 3, 17, 64, 130, 1030]
+DENSE = DenseEngine()
+
+
+def _toolchain_works(tmp_dir) -> bool:
+    """Can the compiler build *any* OpenMP shared library with our flags?"""
+    from flashot.ops.cpu import build
+
+    try:
+        cxx = build._compiler()
+    except build.BuildError:
+        return False
+    src = os.path.join(tmp_dir, "probe.cpp")
+    with open(src, "w") as f:
+        f.write('#include <omp.h>\nextern "C" int probe() { return omp_get_max_threads(); }\n')
+    r = subprocess.run([cxx, *build.CXXFLAGS, "-o", os.path.join(tmp_dir, "probe.so"), src],
+                       capture_output=True, timeout=300)
+    return r.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    """The compiled kernels.  Skipped only when the toolchain itself cannot build
+    a trivial OpenMP library (the engine then falls back to ``tiled``, tested
+    below); a failure to build *our* kernels with a working toolchain is an error."""
+    from flashot.ops.cpu import build
+
+    try:
+        return build.load()
+    except build.BuildError as e:
+        if not _toolchain_works(str(tmp_path_factory.mktemp("probe"))):
+            pytest.skip(f"no working C++/OpenMP toolchain: {str(e)[:200]}")
+        raise
+
+
+@pytest.fixture(scope="module")
+def engines(lib):
+    from flashot.ops.cpu.engine import CpuEngine
+
+    return {"stream": CpuEngine(lib, mode="stream"), "cache": CpuEngine(lib, mode="cache")}
+
+
+def _problem(B, N, M, D, dtype, seed=0, neg_inf=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, N, D, generator=g, dtype=torch.float64).to(dtype)
+    y = (0.7 * torch.randn(B, M, D, generator=g, dtype=torch.float64) + 0.1).to(dtype)
+    h = torch.randn(B, M, generator=g, dtype=torch.float64)
+    if neg_inf:
+        h[:, ::7] = -math.inf
+    return x, y, h.to(dtype)
+
+
+def _eps(cost, D):
+    return (0.1 if cost == "euclidean" else 0.05) * max(1.0, D ** (0.5 if cost == "euclidean" else 1.0))
+
+
+def _softmin_tol(dtype, x, y, cost, eps, ref):
+    if dtype == torch.float64:
+        return 1e-11 * (ref.abs() + eps)
+    cmax = get_cost(cost).matrix(x.double(), y.double()).max()
+    return 2e-6 * (cmax + eps)
+
+
+@pytest.mark.parametrize("mode", ["stream", "cache"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("D", DIMS)
+def test_softmin_matches_dense(engines, mode, dtype, cost, D):
+    eng = engines[mode]
+    c = get_cost(cost)
+    B, N, M = (2, 37, 53) if D <= 130 else (1, 19, 70)
+    x, y, h = _problem(B, N, M, D, dtype, seed=D)
+    eps = _eps(cost, D)
+    for a, b, hh in ((x, y, h), (y, x, _problem(B, M, N, D, dtype, seed=D + 1)[2][:, :N])):
+        out = eng.softmin(a, b, hh, eps, c)
+        ref = DENSE.softmin(a.double(), b.double(), hh.double(), eps, c)
+        assert out.dtype == dtype and out.shape == (B, a.shape[1])
+        err = (out.double() - ref).abs()
+        assert torch.all(err <= _softmin_tol(dtype, a, b, cost, eps, ref)), err.max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cost", COSTS + ["euclidean_geomloss"])
+@pytest.mark.parametrize("weight", ["plan", "cost", "dcost"])
+@pytest.mark.parametrize("D", [1, 3, 64, 1030])
+def test_plan_product_matches_dense(engines, dtype, cost, weight, D):
+    eng = engines["stream"]
+    c = get_cost(cost)
+    B, N, M = (2, 45, 71) if D <= 64 else (1, 21, 40)
+    x, y, beta = _problem(B, N, M, D, dtype, seed=3 * D)
+    g = torch.Generator().manual_seed(D)
+    alpha = torch.randn(B, N, generator=g, dtype=torch.float64)
+    alpha[:, ::5] = -math.inf
+    alpha = alpha.to(dtype)
+    V = torch.randn(B, M, 3, generator=g, dtype=torch.float64).to(dtype)
+    eps = _eps(cost, D)
+    out = eng.plan_product(x, y, alpha, beta, eps, V, c, weight)
+    ref = DENSE.plan_product(x.double(), y.double(), alpha.double(), beta.double(), eps, V.double(), c, weight)
+    assert out.shape == (B, N, 3) and not torch.isnan(out).any()
+    assert torch.all(out[:, ::5] == 0)
+    if dtype == torch.float64:
+        # euclidean_geomloss: the oracle forms |x - y|^2 by the GEMM expansion
+        # (cancellation ~1e-16 |x|^2 next to the 1e-8 clamp), this engine from
+        # differences: the oracle is the less accurate one for 1 / C.
+        tol = 1e-7 if cost == "euclidean_geomloss" else 1e-11
+    else:
+        tol = 5e-4 if (weight == "dcost" and not c.is_dot) else 5e-5
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_plan_product_transpose_and_wide_V(engines):
+    # Transposed plan product via argument swap, K larger than D.
+    eng = engines["stream"]
+    c = get_cost("sqeuclidean")
+    x, y, g = _problem(1, 80, 33, 5, torch.float64, seed=7)
+    f = torch.randn(1, 80, dtype=torch.float64)
+    V = torch.randn(1, 80, 40, dtype=torch.float64)
+    out = eng.plan_product(y, x, g, f, 0.3, V, c, "plan")
+    P = torch.exp(f[0, :, None] + g[0, None, :] - c.matrix(x[0], y[0]) / 0.3)  # (N, M)
+    ref = P.T @ V[0]
+    assert (out[0] - ref).abs().max() <= 1e-11 * ref.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["stream", "cache"])
+def test_neg_inf_rows_no_nan(engines, mode):
+    eng = engines[mode]
+    c = get_cost("sqeuclidean")
+    x, y, h = _problem(2, 30, 50, 3, torch.float32)
+    h[1] = -math.inf  # second problem: all weights zero
+    out = eng.softmin(x, y, h, 0.1, c)
+    ref = DENSE.softmin(x.double(), y.double(), h.double(), 0.1, c)
+    assert torch.isinf(out[1]).all() and (out[1] > 0).all() and torch.equal(torch.isinf(ref), torch.isinf(out.double()))
+    assert (out[0].double() - ref[0]).abs().max() < 1e-4
+    P = eng.plan_product(x, y, torch.zeros(2, 30), h, 0.1, torch.ones(2, 50, 2), c, "plan")
+    assert not torch.isnan(P).any() and torch.all(P[1] == 0)
+
+
+def test_large_eps_range_and_small_eps(engines):
+    # Very small eps: scores span thousands, exp arguments underflow massively.
+    c = get_cost("sqeuclidean")
+    x, y, h = _problem(1, 200, 300, 3, torch.float64, neg_inf=False)
+    for eps in (1e-4, 1e-2, 1.0, 1e3):
+        out = engines["stream"].softmin(x, y, h, eps, c)
+        ref = DENSE.softmin(x, y, h, eps, c)
+        assert (out - ref).abs().max() <= 1e-11 * (ref.abs().max() + eps)
+
+
+def test_cache_lifecycle(lib):
+    from flashot.ops.cpu.engine import CACHE_MIN_D, CpuEngine
+
+    c = get_cost("sqeuclidean")
+    D = max(CACHE_MIN_D, 20)
+    x, y, h = _problem(1, 64, 96, D, torch.float32, neg_inf=False)
+    hx = torch.randn(1, 64)
+    eng = CpuEngine(lib, mode="auto")
+    ref = DENSE.softmin(x.double(), y.double(), h.double(), 1.0, c)
+    for _ in range(3):
+        out = eng.softmin(x, y, h, 1.0, c)
+        assert (out.double() - ref).abs().max() < 1e-3
+    # first call streams, second builds, third hits
+    assert eng.stats == {"stream": 1, "cache_build": 1, "cache_hit": 1}
+    out_t = eng.softmin(y, x, hx, 1.0, c)  # transpose of the cached matrix
+    assert eng.stats["cache_hit"] == 2
+    ref_t = DENSE.softmin(y.double(), x.double(), hx.double(), 1.0, c)
+    assert (out_t.double() - ref_t).abs().max() < 1e-3
+    # in-place change of x invalidates (version counter)
+    x.mul_(2.0)
+    out2 = eng.softmin(x, y, h, 1.0, c)
+    ref2 = DENSE.softmin(x.double(), y.double(), h.double(), 1.0, c)
+    assert (out2.double() - ref2).abs().max() < 1e-3
+    # small d: auto never caches
+    eng3 = CpuEngine(lib, mode="auto")
+    xs, ys, hs = _problem(1, 64, 96, 3, torch.float32)
+    for _ in range(3):
+        eng3.softmin(xs, ys, hs, 1.0, c)
+    assert eng3.stats["cache_build"] == 0 and eng3.stats["stream"] == 3
+    # budget: auto streams, forced cache raises a clear error
+    small = CpuEngine(lib, mode="auto", cache_bytes=1000)
+    for _ in range(2):
+        small.softmin(x, y, h, 1.0, c)
+    assert small.stats["cache_build"] == 0
+    with pytest.raises(ValueError, match="FLASHOT_CPU_CACHE_BYTES"):
+        CpuEngine(lib, mode="cache", cache_bytes=1000).softmin(x, y, h, 1.0, c)
+
+
+def test_bad_inputs(engines):
+    eng = engines["stream"]
+    c = get_cost("sqeuclidean")
+    x, y, h = _problem(1, 10, 12, 3, torch.float32)
+    with pytest.raises(ValueError, match="tiled"):
+        eng.softmin(x.half(), y.half(), h.half(), 0.1, c)
+    with pytest.raises(ValueError, match="eps"):
+        eng.softmin(x, y, h, 0.0, c)
+    with pytest.raises(ValueError, match="h"):
+        eng.softmin(x, y, h[:, :5], 0.1, c)
+    with pytest.raises(ValueError, match="feature"):
+        eng.softmin(x, y[..., :2].contiguous(), h, 0.1, c)
+    with pytest.raises(ValueError, match="weight"):
+        eng.plan_product(x, y, h[:, :10], h, 0.1, torch.ones(1, 12, 1), c, "bogus")
+    with pytest.raises(ValueError, match="mode"):
+        type(eng)(eng.lib, mode="fast")
+    assert "tiled" in eng.unsupported(torch.device("meta"), torch.float32, c)
+    assert eng.unsupported(torch.device("cpu"), torch.float64, c) is None
+
+
+def test_exp_accuracy(lib):
+    # float32: degree-5 polynomial (1.8e-7) + single-constant range reduction
+    # (|n| * 1.9e-9, n <= 115 here); float64: ~3e-16.
+    for dt, fn, tol, floor in ((torch.float32, lib.flashot_vexp_f32, 5e-7, -86.0),
+                               (torch.float64, lib.flashot_vexp_f64, 1e-15, -700.0)):
+        # length a multiple of 16: every element goes through the vector code
+        a = torch.cat([torch.tensor([-math.inf, floor - 1, -1e30], dtype=dt),
+                       torch.linspace(floor + 1e-3, 80.0, 100_013, dtype=dt)])
+        o = torch.empty_like(a)
+        fn(a.data_ptr(), o.data_ptr(), a.numel(), 2)
+        ref = torch.exp(a[3:].double())
+        assert ((o[3:].double() - ref).abs() / ref).max() <= tol
+        assert torch.all(o[:3] == 0)
+
+
+def test_registry_auto_picks_cpu(lib):
+    from flashot.ops.registry import get_engine
+
+    eng = get_engine("auto", device=torch.device("cpu"), dtype=torch.float32, cost=get_cost("sqeuclidean"),
+                     size=(1, 5000, 5000, 3))
+    assert eng.name == "cpu"
+
+
+def test_fallback_to_tiled_when_build_fails(monkeypatch):
+    from flashot.ops import cpu as cpu_pkg
+    from flashot.ops.cpu import build
+
+    def boom():
+        raise build.BuildError("g++ failed: simulated")
+
+    monkeypatch.setattr(build, "load", boom)
+    with pytest.warns(RuntimeWarning, match="tiled"):
+        eng = cpu_pkg.load_engine()
+    assert eng.name == "tiled"
+    c = get_cost("sqeuclidean")
+    x, y, h = _problem(2, 40, 60, 3, torch.float64)
+    assert (eng.softmin(x, y, h, 0.1, c) - DENSE.softmin(x, y, h, 0.1, c)).abs().max() < 1e-10
+
+
+def test_fallback_real_compiler_failure(monkeypatch, tmp_path):
+    """A compiler that fails for real: the loader warns (one line) and returns ``tiled``."""
+    from flashot.ops import cpu as cpu_pkg
+    from flashot.ops import registry
+    from flashot.ops.cpu import build
+
+    monkeypatch.setattr(build, "_LIB", None)
+    monkeypatch.setenv("FLASHOT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eng = cpu_pkg.load_engine()
+    assert eng.name == "tiled"
+    msgs = [str(m.message) for m in w if issubclass(m.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "tiled" in msgs[0]
+    # through the registry too
+    monkeypatch.setattr(registry, "_CACHE", {})
+    with pytest.warns(RuntimeWarning):
+        e2 = registry.get_engine("cpu", device=torch.device("cpu"), dtype=torch.float32, cost=get_cost("euclidean"))
+    assert e2.name == "tiled"
+
+
+def test_memory_streaming_100k(lib, tmp_path):
+    """One softmin over n = m = 100,000, d = 3 grows peak RSS by < 300 MB."""
+    code = textwrap.dedent("""
+        import resource, torch
+        from flashot.ops.cpu.engine import CpuEngine
+        from flashot.costs import get_cost
+        c = get_cost("sqeuclidean")
+        eng = CpuEngine(mode="auto")
+        n = 100_000
+        x = torch.randn(1, n, 3); y = torch.randn(1, n, 3); h = torch.zeros(1, n)
+        eng.softmin(x[:, :1000].contiguous(), y[:, :1000].contiguous(), h[:, :1000].contiguous(), 0.05, c)
+        r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = eng.softmin(x, y, h, 0.05, c)
+        r1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert torch.isfinite(out).all()
+        i = torch.randint(0, n, (50,))
+        ref = -0.05 * torch.logsumexp(-((x[0, i, None].double() - y[0, None].double()) ** 2).sum(-1) / 0.05, -1)
+        assert (out[0, i].double() - ref).abs().max() < 1e-4, (out[0, i].double() - ref).abs().max()
+        print("GROWTH_MB", (r1 - r0) / 1024, eng.stats)
+    """)
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    growth = float(r.stdout.split("GROWTH_MB")[1].split()[0])
+    assert growth < 300, growth
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_samples_loss_end_to_end_with_gradient(lib, p):
+    """Sinkhorn divergence and its gradient through backend='cpu' match an independent engine.
+
+    p = 2: the dense engine (plain autograd).  p = 1: the tiled engine, because
+    plain autograd through |x - x| = 0 in the debiasing term gives NaN gradients
+    with the dense engine (reported separately)."""
+    import flashot
+
+    g = torch.Generator().manual_seed(p)
+    x = torch.randn(300, 3, generator=g, dtype=torch.float64)
+    y = 0.5 * torch.randn(250, 3, generator=g, dtype=torch.float64) + 0.3
+    vals, grads = [], []
+    for backend in ("cpu", "dense" if p == 2 else "tiled"):
+        xx = x.clone().requires_grad_(True)
+        L = flashot.SamplesLoss(p=p, blur=0.05, backend=backend)(xx, y)
+        (gx,) = torch.autograd.grad(L, xx)
+        vals.append(L.detach())
+        grads.append(gx)
+    assert torch.allclose(vals[0], vals[1], rtol=1e-9, atol=1e-12)
+    assert (grads[0] - grads[1]).abs().max() <= 1e-9 * grads[1].abs().max()
