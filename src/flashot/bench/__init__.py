@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="total seconds: skip remaining runs whose estimated time exceeds what is left")
     p.add_argument("--solver-budget", type=_pos_float("--solver-budget"), default=None,
                    help="seconds per solver and problem: fewer runs, then fewer iterations (reported)")
+    p.add_argument("--flashot-budget", type=_pos_float("--flashot-budget"), default=None,
+                   help="like --solver-budget, for the flashot engines (default: --solver-budget)")
     p.add_argument("--timeout", type=_pos_float("--timeout"), default=None, help="hard limit per worker process (s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated points (default 0)")
     p.add_argument("--in-process", action="store_true",
@@ -135,7 +137,7 @@ def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
             p.error(why)
     cfg = Config(sizes=args.sizes, dims=args.dims, dtypes=dtypes, engines=engines, peers=peers, iters=args.iters,
                  repeats=args.repeats, eps=args.eps, seed=args.seed, budget=args.budget,
-                 solver_budget=args.solver_budget, timeout=args.timeout, measure_limits=not args.no_limits,
+                 solver_budget=args.solver_budget, flashot_budget=args.flashot_budget, timeout=args.timeout, measure_limits=not args.no_limits,
                  in_process=args.in_process)
     return cfg, args
 

@@ -32,6 +32,7 @@ class Config:
     seed: int = 0
     budget: float | None = None  # total seconds; cells whose estimate exceeds what is left are skipped
     solver_budget: float | None = None  # seconds per solver and cell: fewer runs, then fewer iterations
+    flashot_budget: float | None = None  # the same for flashot engines (default: solver_budget)
     timeout: float | None = None  # hard limit per worker process
     measure_limits: bool = True
     in_process: bool = False  # run solvers in this process (fast, for tests): no memory isolation, no RSS
@@ -131,11 +132,16 @@ def run_worker(solver: str, prob: Problem, iters: int, repeats: int, *, record: 
 class Planner:
     """Estimates a solver's time on a problem from its earlier runs (or a small probe)."""
 
-    def __init__(self, cfg: Config, t_start: float):
+    def __init__(self, cfg: Config, t_start: float, rates: dict | None = None):
         self.cfg = cfg
         self.t_start = t_start
-        # solver -> list of (d, seconds per pair-iteration, worker overhead seconds)
-        self.rates: dict[str, list[tuple[int, float, float]]] = {}
+        # solver -> list of (d, seconds per pair-iteration, worker overhead seconds); may be shared between runs
+        self.rates: dict[str, list[tuple[int, float, float]]] = {} if rates is None else rates
+
+    def solver_budget(self, solver: str) -> float | None:
+        if solver.startswith("flashot:") and self.cfg.flashot_budget is not None:
+            return self.cfg.flashot_budget
+        return self.cfg.solver_budget
 
     def remaining(self) -> float | None:
         if self.cfg.budget is None:
@@ -147,8 +153,7 @@ class Planner:
             return
         t_iter = statistics.median(res["times"]) / res["iters"]
         rate = t_iter / prob.pairs
-        timed = sum(res["times"]) + t_iter  # the warm-up runs about one iteration
-        overhead = max(0.0, wall - timed)
+        overhead = max(0.0, wall - sum(res["times"]))  # start-up, imports, data, warm-up, compile
         self.rates.setdefault(solver, []).append((prob.d, rate, overhead))
 
     def _rate(self, solver: str, prob: Problem) -> tuple[float, float] | None:
@@ -157,8 +162,8 @@ class Planner:
             return None
         same_d = [r for r in known if r[0] == prob.d]
         d, rate, overhead = (same_d or known)[-1]
-        if not same_d and prob.d > d:  # GEMM work grows with d: be conservative
-            rate *= max(1.0, prob.d / max(d, 1)) ** 0.5
+        if not same_d and prob.d > d:  # work per pair grows with d (a guess; the worker timeout backs it up)
+            rate *= (prob.d / max(d, 1)) ** 0.5
         return rate, min(r[2] for r in known)
 
     def estimate(self, solver: str, prob: Problem, iters: int, repeats: int) -> float | None:
@@ -166,10 +171,10 @@ class Planner:
         if r is None:
             return None
         rate, overhead = r
-        return overhead + rate * prob.pairs * (1 + iters * repeats)
+        return overhead + rate * prob.pairs * iters * repeats
 
     def needs_probe(self, solver: str, prob: Problem) -> bool:
-        budgeted = self.cfg.budget is not None or self.cfg.solver_budget is not None
+        budgeted = self.cfg.budget is not None or self.solver_budget(solver) is not None
         return budgeted and self._rate(solver, prob) is None
 
     def probe(self, solver: str, prob: Problem) -> str | None:
@@ -186,7 +191,7 @@ class Planner:
     def plan(self, solver: str, prob: Problem, iters: int, repeats: int) -> tuple[int, int, str]:
         """(iters, repeats, skip reason or '')."""
         cfg = self.cfg
-        sb = cfg.solver_budget
+        sb = self.solver_budget(solver)
         if sb is not None:
             est = self.estimate(solver, prob, iters, repeats)
             if est is not None and est > sb and repeats > 1:
@@ -194,10 +199,10 @@ class Planner:
                 est = self.estimate(solver, prob, iters, repeats)
             if est is not None and est > sb:
                 rate, overhead = self._rate(solver, prob)
-                k = int((sb - overhead) / (rate * prob.pairs)) - 1
+                k = int((sb - overhead) / (rate * prob.pairs))
                 if k < 1:
                     return iters, repeats, (f"estimated {self.estimate(solver, prob, 1, 1):.0f} s for 1 iteration "
-                                            f"> per-solver budget {sb:.0f} s")
+                                            f"(+ start-up) > per-solver budget {sb:.0f} s")
                 iters = min(iters, k)
         rem = self.remaining()
         if rem is not None:
@@ -218,7 +223,7 @@ def _progress(total: int):
         return None
 
 
-def run_bench(cfg: Config, *, progress: bool = True, log=None) -> BenchResult:
+def run_bench(cfg: Config, *, progress: bool = True, log=None, rates: dict | None = None) -> BenchResult:
     t_start = time.perf_counter()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     solvers = [f"flashot:{e}" for e in cfg.engines] + list(cfg.peers)
@@ -235,14 +240,14 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None) -> BenchResult:
         for dt in cfg.dtypes:
             limits[dt] = measure(dt)
     problems = [Problem(n, n, d, dt, cfg.eps, cfg.seed) for dt in cfg.dtypes for d in cfg.dims for n in cfg.sizes]
-    planner = Planner(cfg, t_start)
+    planner = Planner(cfg, t_start, rates)
     rows: list[Row] = []
     total = len(problems) * len(active)
     bar = _progress(total) if progress else None
     done = 0
     for prob in problems:
         cell: list[Row] = []
-        ref_iters = cfg.iters
+        ref_iters = None  # iterations of the reference (first flashot) run, when it ran
         for s in active:
             done += 1
             msg = f"[{done}/{total}] {s} on {prob.label()}"
@@ -253,7 +258,7 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None) -> BenchResult:
             row = Row(prob, s, version=get_runner(s).version())
             cell.append(row)
             is_ref = s == active[0] and s.startswith("flashot:")
-            iters = cfg.iters if is_ref else min(cfg.iters, ref_iters)
+            iters = cfg.iters if is_ref or ref_iters is None else min(cfg.iters, ref_iters)
             runner = get_runner(s)
             mem = mem_available_bytes()
             if runner.bytes_per_pair and mem is not None and runner.bytes_per_pair * prob.pairs > 0.8 * mem:
@@ -270,8 +275,6 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None) -> BenchResult:
             k, r, skip = planner.plan(s, prob, iters, cfg.repeats)
             if skip:
                 row.status, row.reason = "skipped", skip
-                if is_ref:
-                    ref_iters = 0
                 _tick(bar)
                 continue
             notes = []
@@ -280,10 +283,11 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None) -> BenchResult:
             if k < iters or r < cfg.repeats:
                 notes.append(f"reduced from {iters}x{cfg.repeats} to fit the time budget")
             row.reduced = "; ".join(notes)
-            rem = planner.remaining()
-            timeout = cfg.timeout
-            if rem is not None:
-                timeout = max(1.0, rem) if timeout is None else min(timeout, max(1.0, rem))
+            limits_t = [t for t in (cfg.timeout, planner.remaining()) if t is not None]
+            sb = planner.solver_budget(s)
+            if sb is not None:  # estimates can be off: stop a worker well past its budget
+                limits_t.append(2 * sb + 60)
+            timeout = max(1.0, min(limits_t)) if limits_t else None
             res, wall = run_worker(s, prob, k, r, record=is_ref, timeout=timeout, in_process=cfg.in_process)
             row.wall_s = wall
             row.iters, row.repeats = k, r
@@ -291,8 +295,6 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None) -> BenchResult:
                 row.rss_peak_mib = res["rss_peak_kib"] / 1024
             if res.get("status") != "ok":
                 row.status, row.reason = "error", res.get("error", "unknown error")
-                if is_ref:
-                    ref_iters = 0
                 _tick(bar)
                 continue
             planner.learn(s, prob, res, wall)

@@ -32,8 +32,8 @@ array type to potentials ready in memory:
   with numpy/scipy; its marginal check every 10th iteration is timed too).
 * ``ott-dense`` / ``ott-online``: ``PointCloud(batch_size=None / B)`` +
   ``Sinkhorn(threshold=-1, min_iterations=K, max_iterations=K,
-  inner_iterations=K)``, jitted and compiled once ahead of time (compile not
-  timed), result blocked until ready.  OTT updates ``g`` first, so it is also
+  inner_iterations=K)``, jitted and compiled ahead of time for the full shape
+  and K (compile not timed), result blocked until ready.  OTT updates ``g`` first, so it is also
   called with the clouds swapped.  One marginal-error evaluation at the end of
   the K iterations is part of OTT's loop.
 * ``flash-sinkhorn``: needs CUDA + Triton; reported as missing here.
@@ -75,7 +75,8 @@ class Result:
 
 
 class Runner:
-    """Base class.  ``setup`` and ``warmup`` are untimed, ``solve`` is timed."""
+    """Base class.  ``setup``, ``warmup`` (given a small problem's state) and ``prepare`` are untimed,
+    ``solve`` is timed."""
 
     name: str = ""
     library: str = ""  # distribution name for the version column
@@ -320,7 +321,7 @@ class _Ott(Runner):
     def warmup(self, st):
         import jax
 
-        # Ahead-of-time compile for the iteration counts used, plus one call of the 1-iteration program.
+        # The small problem: compiles and runs the 1-iteration program once (JAX/XLA start-up costs).
         jax.block_until_ready(self._compiled(st, 1)(st["x"], st["y"], st["a"], st["b"]))
 
     def prepare(self, st, iters):
