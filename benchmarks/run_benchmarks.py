@@ -95,20 +95,20 @@ def main(argv=None) -> int:
 
     # ---- A: d = 3 ------------------------------------------------------------------------------
     cfg_a = Config(sizes=[20000], dims=[3], iters=10, repeats=3, eps=0.1, engines=engines, peers=list(PEERS),
-                   budget=0.45 * B, solver_budget=0.06 * B, flashot_budget=0.15 * B)
+                   budget=0.5 * B, solver_budget=0.06 * B, flashot_budget=0.15 * B)
     print(f"== stage A: {cli_command(cfg_a)}", file=sys.stderr, flush=True)
     res_a = run_bench(cfg_a, rates=rates)
     print(report.text_table(res_a), file=sys.stderr, flush=True)
     # ---- B: d = 64 -----------------------------------------------------------------------------
     cfg_b = Config(sizes=[20000], dims=[64], iters=3, repeats=1, eps=0.1, engines=engines, peers=list(PEERS),
-                   budget=max(1.0, min(0.27 * B, left() - 0.25 * B)), solver_budget=0.035 * B,
+                   budget=max(1.0, min(0.38 * B, left() - 0.12 * B)), solver_budget=0.035 * B,
                    flashot_budget=0.08 * B)
     print(f"== stage B: {cli_command(cfg_b)}", file=sys.stderr, flush=True)
     res_b = run_bench(cfg_b, rates=rates)
     print(report.text_table(res_b), file=sys.stderr, flush=True)
     # ---- C: scaling ----------------------------------------------------------------------------
     cfg_c = Config(sizes=[5000, 10000, 20000, 40000, 80000], dims=[3], iters=3, repeats=1, eps=0.1,
-                   engines=engines[:1], peers=[], budget=max(1.0, left() - 0.04 * B), flashot_budget=0.1 * B)
+                   engines=engines[:1], peers=[], budget=max(1.0, left() - 0.02 * B), flashot_budget=0.06 * B)
     print(f"== stage C: {cli_command(cfg_c)}", file=sys.stderr, flush=True)
     res_c = run_bench(cfg_c, rates=rates)
     print(report.text_table(res_c), file=sys.stderr, flush=True)
@@ -170,6 +170,9 @@ def main(argv=None) -> int:
               "- `vs flashot`: `s / iter` of the solver divided by that of the reference flashot engine, "
               "same run, same problem.  `% HW limit`: max(2nm / exp rate, 4nmd / GEMM rate) / `s / iter`, "
               "with the exp and GEMM rates measured at the start of the run.",
+              "- `cores used`: CPU time of the worker process (all threads) during the timed runs / their wall "
+              "time; below the core count it shows how much of the machine the solver actually got (other "
+              "processes, or its own serial parts).",
               "- `peak RSS MiB`: the worker process's VmHWM (includes the Python, torch, JAX, ... imports); "
               "`+RSS MiB`: peak minus the RSS just before the first solve (points already loaded).",
               "- `value`: <a, f> + <b, g> from the solver's potentials after its iterations (float64 sum); "
@@ -181,7 +184,9 @@ def main(argv=None) -> int:
               "10, 20, ... for the lazy solver), POT dense's returned plan and OTT's one error evaluation per "
               "`inner_iterations` are part of their calls and are timed.  Details: `src/flashot/bench/peers.py`.",
               "- `iters x runs` below the preset (10 x 3, resp. 3 x 1) means the solver did not fit its share "
-              "of the time budget (noted per row); peers never run more iterations than the flashot reference.",
+              "of the time budget (`--solver-budget` / `--flashot-budget`: fewer runs, then fewer iterations, "
+              "never below 1 x 1; noted per row); peers never run more iterations than the flashot reference; "
+              "`skipped` rows did not fit what was left of the stage's total `--budget`.",
               ""]
     lines += ["## n = m = 20,000, d = 3, float32, eps = 0.1 (preset: median of 3 runs of 10 iterations)", "",
               f"`{cli_command(cfg_a)}`", "", report.markdown_table(res_a), ""]

@@ -87,11 +87,20 @@ def test_worker_subprocess_reports_peak_memory():
     assert row.trajectory is not None and len(row.trajectory) == 2
 
 
-def test_budget_skips_with_reason():
+def test_total_budget_skips_with_reason():
     res = run_bench(Config(sizes=[300], dims=[3], iters=2, repeats=1, peers=["pot-dense"], in_process=True,
-                           measure_limits=False, solver_budget=1e-6), progress=False)
-    assert all(r.status == "skipped" for r in res.rows)
+                           measure_limits=False, budget=1e-6), progress=False)
+    assert [r.status for r in res.rows] == ["skipped", "skipped"]
     assert all("budget" in r.reason for r in res.rows)
+
+
+def test_solver_budget_trims_runs_and_iterations_and_says_so():
+    res = run_bench(Config(sizes=[300], dims=[3], iters=4, repeats=3, peers=["pot-dense"], in_process=True,
+                           measure_limits=False, solver_budget=1e-6), progress=False)
+    for r in res.rows:
+        assert r.status == "ok" and (r.iters, r.repeats) == (1, 1)
+        assert "reduced from" in r.reduced
+    assert res.rows[1].rel_diff < 1e-4  # agreement still uses flashot's value after 1 iteration
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_pos_float("--budget"), default=None,
                    help="total seconds: skip remaining runs whose estimated time exceeds what is left")
     p.add_argument("--solver-budget", type=_pos_float("--solver-budget"), default=None,
-                   help="seconds per solver and problem: fewer runs, then fewer iterations (reported)")
+                   help="seconds per solver and problem: fewer runs, then fewer iterations, never below 1 x 1 "
+                        "(reported in the notes column)")
     p.add_argument("--flashot-budget", type=_pos_float("--flashot-budget"), default=None,
                    help="like --solver-budget, for the flashot engines (default: --solver-budget)")
     p.add_argument("--timeout", type=_pos_float("--timeout"), default=None, help="hard limit per worker process (s)")

@@ -31,7 +31,7 @@ class Config:
     eps: float = 0.1
     seed: int = 0
     budget: float | None = None  # total seconds; cells whose estimate exceeds what is left are skipped
-    solver_budget: float | None = None  # seconds per solver and cell: fewer runs, then fewer iterations
+    solver_budget: float | None = None  # seconds per solver and cell: fewer runs, then fewer iterations (>= 1 x 1)
     flashot_budget: float | None = None  # the same for flashot engines (default: solver_budget)
     timeout: float | None = None  # hard limit per worker process
     measure_limits: bool = True
@@ -53,18 +53,26 @@ class Row:
     trajectory: list[float] | None = None
     rss_peak_mib: float | None = None
     rss_before_mib: float | None = None
+    cpu_s: float | None = None  # process CPU time (all threads) during the timed runs
     wall_s: float = 0.0
     # filled after the cell is complete
     ratio: float | None = None
     rel_diff: float | None = None
     hw_fraction: float | None = None
     reduced: str = ""
+    is_ref: bool = False  # the cell's reference flashot run
 
     @property
     def s_per_iter(self) -> float | None:
         if self.status != "ok" or not self.times:
             return None
         return statistics.median(self.times) / self.iters
+
+    @property
+    def cores_used(self) -> float | None:
+        if self.cpu_s is None or not self.times:
+            return None
+        return self.cpu_s / sum(self.times)
 
     @property
     def delta_mib(self) -> float | None:
@@ -199,11 +207,8 @@ class Planner:
                 est = self.estimate(solver, prob, iters, repeats)
             if est is not None and est > sb:
                 rate, overhead = self._rate(solver, prob)
-                k = int((sb - overhead) / (rate * prob.pairs))
-                if k < 1:
-                    return iters, repeats, (f"estimated {self.estimate(solver, prob, 1, 1):.0f} s for 1 iteration "
-                                            f"(+ start-up) > per-solver budget {sb:.0f} s")
-                iters = min(iters, k)
+                # Never below 1 iteration x 1 run: the per-solver budget trims, the total budget skips.
+                iters = max(1, min(iters, int((sb - overhead) / (rate * prob.pairs))))
         rem = self.remaining()
         if rem is not None:
             est = self.estimate(solver, prob, iters, repeats)
@@ -258,6 +263,7 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None, rates: dict | Non
             row = Row(prob, s, version=get_runner(s).version())
             cell.append(row)
             is_ref = s == active[0] and s.startswith("flashot:")
+            row.is_ref = is_ref
             iters = cfg.iters if is_ref or ref_iters is None else min(cfg.iters, ref_iters)
             runner = get_runner(s)
             mem = mem_available_bytes()
@@ -303,6 +309,7 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None, rates: dict | Non
             row.engine = res.get("engine")
             row.value = res["value"]
             row.trajectory = res.get("trajectory")
+            row.cpu_s = res.get("cpu_s")
             row.rss_before_mib = res["rss_before_kib"] / 1024 if res.get("rss_before_kib") else None
             if is_ref:
                 ref_iters = k
@@ -330,7 +337,7 @@ def _short(row: Row) -> str:
 
 def _finish_cell(cell: list[Row], lim: Limits | None) -> None:
     """Ratios, agreement and hardware fraction against the cell's first flashot row."""
-    ref = cell[0] if cell and cell[0].solver.startswith("flashot:") else None
+    ref = next((r for r in cell if r.is_ref), None)
     ref_ok = ref is not None and ref.status == "ok"
     for row in cell:
         if row.status != "ok":

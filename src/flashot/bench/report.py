@@ -10,7 +10,7 @@ import time
 
 from .core import BenchResult, Row
 
-COLUMNS = ["problem", "solver", "iters x runs", "s / iter", "vs flashot", "% HW limit",
+COLUMNS = ["problem", "solver", "iters x runs", "s / iter", "vs flashot", "% HW limit", "cores used",
            "peak RSS MiB", "+RSS MiB", "value <a,f>+<b,g>", "rel. diff", "notes"]
 
 
@@ -25,10 +25,9 @@ def row_cells(row: Row) -> list[str]:
                          and row.engine != row.solver.split(":", 1)[1] else "")
     if row.status != "ok":
         note = f"{row.status}: {row.reason}"
-        return [prob, name, "—", "—", "—", "—", _fmt(row.rss_peak_mib, ".0f") if row.status == "error" else "—",
+        return [prob, name, "—", "—", "—", "—", "—", _fmt(row.rss_peak_mib, ".0f") if row.status == "error" else "—",
                 "—", "—", "—", note]
-    ratio = "1 (ref)" if row.ratio is not None and row is not None and row.ratio == 1.0 and row.solver.startswith(
-        "flashot:") else _fmt(row.ratio, ".3g")
+    ratio = "1 (ref)" if row.is_ref else _fmt(row.ratio, ".3g")
     return [
         prob,
         name,
@@ -36,6 +35,7 @@ def row_cells(row: Row) -> list[str]:
         f"{row.s_per_iter:.4g}",
         ratio,
         _fmt(None if row.hw_fraction is None else 100 * row.hw_fraction, ".3g"),
+        _fmt(row.cores_used, ".2f"),
         _fmt(row.rss_peak_mib, ".0f"),
         _fmt(row.delta_mib, ".0f"),
         f"{row.value:.8g}",

@@ -59,10 +59,12 @@ def run(spec: dict) -> dict:
     out["warmup_s"] = time.perf_counter() - t0
     times = []
     res = None
+    cpu0 = time.process_time()  # all threads of this process
     for r in range(repeats):
         t0 = time.perf_counter()
         res = runner.solve(st, iters, record=record and r == repeats - 1)
         times.append(time.perf_counter() - t0)
+    out["cpu_s"] = time.process_time() - cpu0
     out["times"] = times
     out["iters"] = iters
     out["value"] = ot_value(a, b, res.f, res.g)
