@@ -155,7 +155,11 @@ def main(argv=None) -> int:
         lines.append("- **generated before the `cpu` engine landed**: `auto` resolves to the `tiled` reference "
                      "engine (blocked PyTorch) here; rerun the command after merging it")
     for l in report.limits_lines(res_a):
-        lines.append(f"- {l}")
+        lines.append(f"- {l} (measured at the start of stage A, under the same load as the solvers)")
+    used = sorted(r.cores_used for r in res_a.rows + res_b.rows + res_c.rows if r.cores_used is not None)
+    if used:
+        lines.append(f"- CPU actually used by the solvers during their timed runs (`cores used`): median "
+                     f"{used[len(used) // 2]:.2f}, range {used[0]:.2f} to {used[-1]:.2f}, of {os.cpu_count()} cores")
     for l in report.missing_lines(res_a):
         lines.append(f"- missing peer: {l}")
     lines += ["", "## How to read the tables", "",
