@@ -95,7 +95,7 @@ def main(argv=None) -> int:
 
     # ---- A: d = 3 ------------------------------------------------------------------------------
     cfg_a = Config(sizes=[20000], dims=[3], iters=10, repeats=3, eps=0.1, engines=engines, peers=list(PEERS),
-                   budget=0.5 * B, solver_budget=0.06 * B, flashot_budget=0.15 * B)
+                   budget=0.5 * B, solver_budget=0.05 * B, flashot_budget=0.1 * B)
     print(f"== stage A: {cli_command(cfg_a)}", file=sys.stderr, flush=True)
     res_a = run_bench(cfg_a, rates=rates)
     print(report.text_table(res_a), file=sys.stderr, flush=True)
