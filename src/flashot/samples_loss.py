@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_positive
+from .implicit import check_implicit, sinkhorn_value
 from .measures import Measures
 from .schedules import epsilon_scaling, max_diameter
 from .sinkhorn import balanced_value, final_step, sinkhorn_loop
@@ -35,6 +36,9 @@ class SamplesLoss(torch.nn.Module):
         backend: ``"auto"``, GeomLoss' ``"tensorized"`` (= our ``dense``) or
             ``"online"`` (our best streaming engine), or one of our engine names.
 
+        implicit: :class:`~flashot.ImplicitDiff` settings of the second derivatives
+            (``create_graph=True``: Hessian-vector products by implicit differentiation).
+
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.
     """
@@ -55,6 +59,7 @@ class SamplesLoss(torch.nn.Module):
         potentials: bool = False,
         verbose: bool = False,
         backend: str = "auto",
+        implicit=None,
     ):
         super().__init__()
         if loss != "sinkhorn":
@@ -83,6 +88,7 @@ class SamplesLoss(torch.nn.Module):
         self.loss, self.p, self.reach, self.diameter = loss, int(p), reach, diameter
         self.scaling, self.truncate, self.debias = float(scaling), truncate, bool(debias)
         self.potentials, self.verbose, self.backend = bool(potentials), bool(verbose), backend
+        self.implicit = check_implicit(implicit)
 
     def _split_args(self, args):
         if len(args) == 2:
@@ -116,6 +122,8 @@ class SamplesLoss(torch.nn.Module):
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
         st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias)
         f, g, f_aa, g_bb = final_step(m, st)
+        if not self.potentials:
+            return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
         if self.debias:
             f, g = f - f_aa, g - g_bb
         if self.potentials:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ._checks import check_int, check_positive, to_tensor
 from .measures import Measures
+from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
 from .plan import LazyPlan
 from .sinkhorn import IterationRecord, SinkhornState, balanced_value, final_step, sinkhorn_loop
 
@@ -92,6 +93,7 @@ def solve_sample(
     potentials_init: tuple | None = None,
     unbalanced=None,
     callback: Callable[[IterationRecord], None] | None = None,
+    implicit: ImplicitDiff | None = None,
 ) -> OTResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
@@ -108,6 +110,8 @@ def solve_sample(
         backend: engine name or ``"auto"``.
         potentials_init: ``(f, g)`` warm start (same shapes as the returned potentials).
         callback: called with an :class:`~flashot.sinkhorn.IterationRecord` after each iteration.
+        implicit: :class:`~flashot.ImplicitDiff` settings (CG tolerance, iterations, ridge) of the
+            second derivatives of ``value`` (``create_graph=True``, e.g. Hessian-vector products).
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
@@ -124,6 +128,7 @@ def solve_sample(
     tol = check_positive("tol", tol, allow_none=True)
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method: expected one of {sorted(METHODS)}, got {method!r}")
+    implicit = check_implicit(implicit)
     if unbalanced is not None:
         raise NotImplementedError("unbalanced OT is not supported yet; use unbalanced=None")
     is_np = isinstance(X_a, np.ndarray)
@@ -143,7 +148,7 @@ def solve_sample(
         m, [reg] * max_iter, symmetric=METHODS[method], tol=tol, init=init, callback=callback
     )
     f, g, _, _ = final_step(m, st)
-    value = balanced_value(m.a, m.b, f, g)
+    value = sinkhorn_value(m, st, f, g, implicit=implicit)
     res = OTResult(
         value=None,
         potentials=(None, None),
