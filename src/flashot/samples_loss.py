@@ -14,6 +14,7 @@ from torch import Tensor
 from ._checks import check_positive
 from .implicit import check_implicit, sinkhorn_value
 from .measures import Measures
+from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
 from .sinkhorn import balanced_value, final_step, sinkhorn_loop
 
@@ -38,6 +39,9 @@ class SamplesLoss(torch.nn.Module):
 
         implicit: :class:`~flashot.ImplicitDiff` settings of the second derivatives
             (``create_graph=True``: Hessian-vector products by implicit differentiation).
+        warm_start: reuse the previous call's potentials and run only the tail of the
+            epsilon-scaling (from ``(4 blur)^p``, or ``(warm_start * blur)^p`` for a
+            number); see :mod:`flashot.warmstart`.  ``L.last_n_iter`` counts the iterations.
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.
@@ -60,6 +64,7 @@ class SamplesLoss(torch.nn.Module):
         verbose: bool = False,
         backend: str = "auto",
         implicit=None,
+        warm_start: bool | float = False,
     ):
         super().__init__()
         if loss != "sinkhorn":
@@ -89,6 +94,13 @@ class SamplesLoss(torch.nn.Module):
         self.scaling, self.truncate, self.debias = float(scaling), truncate, bool(debias)
         self.potentials, self.verbose, self.backend = bool(potentials), bool(verbose), backend
         self.implicit = check_implicit(implicit)
+        self.warm_start = check_warm_start(warm_start)
+        self._warm_cache = None
+        self.last_n_iter = None
+
+    def reset_warm_start(self) -> None:
+        """Forget the cached potentials (the next call runs the full schedule)."""
+        self._warm_cache = None
 
     def _split_args(self, args):
         if len(args) == 2:
@@ -120,7 +132,11 @@ class SamplesLoss(torch.nn.Module):
         diameter = self.diameter if self.diameter is not None else max_diameter(m.x, m.y)
         diameter = max(diameter, self.blur)
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
-        st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias)
+        if self.warm_start is not None:
+            st = warm_loop(self, m, eps_list)
+        else:
+            st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias)
+            self.last_n_iter = st.n_iter
         f, g, f_aa, g_bb = final_step(m, st)
         if not self.potentials:
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
@@ -132,3 +148,37 @@ class SamplesLoss(torch.nn.Module):
                 F, G = F.view_as(a_in), G.view_as(b_in)
             return F, G
         return m.restore(balanced_value(m.a, m.b, f, g))
+
+    def plan(self, *args, tol: float | None = 1e-4, max_iter: int = 1000):
+        """The lazy entropic plan of ``OT_eps(a, b)``: a :class:`~flashot.plan.LazyPlan`.
+
+        Call like the loss (``L.plan(x, y)`` or ``L.plan(a, x, b, y)``).  The plan is
+        built from the *cross* potentials of the same schedule with ``debias=False``
+        (the debiased potentials returned by ``potentials=True, debias=True`` are
+        gradients of the divergence and do not define a plan).
+
+        GeomLoss' schedule visits the final temperature only once, so its potentials
+        give a plan whose marginals can be off by tens of percent (L1) at small
+        blur.  With ``tol`` (default 1e-4) they are refined by alternating Sinkhorn
+        iterations at ``eps = blur^p`` (warm-started, :func:`~flashot.solve_sample`)
+        until the L1 marginal error is below ``tol`` (at most ``max_iter``);
+        ``tol=None`` keeps the raw GeomLoss potentials.  Not differentiable.
+        """
+        from .plan import plan_from_potentials
+        from .solve import solve_sample
+
+        a_in, x, b_in, y = self._split_args(args)
+        L = SamplesLoss(p=self.p, blur=self.blur, diameter=self.diameter, scaling=self.scaling,
+                        debias=False, potentials=True, backend=self.backend)
+        with torch.no_grad():
+            F, G = L(*args)
+        F, G = F.reshape(x.shape[:-1]), G.reshape(y.shape[:-1])
+        if a_in is not None:
+            a_in, b_in = a_in.detach().reshape(x.shape[:-1]), b_in.detach().reshape(y.shape[:-1])
+        backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
+        x, y = x.detach(), y.detach()
+        if tol is None:
+            return plan_from_potentials(x, y, F, G, a_in, b_in, blur=self.blur, p=self.p, backend=backend)
+        res = solve_sample(x, y, a_in, b_in, cost=_P_COSTS[self.p], reg=self.blur**self.p, tol=tol,
+                           max_iter=max_iter, potentials_init=(F, G), backend=backend)
+        return res.plan
