@@ -7,9 +7,21 @@ Public API:
 """
 
 from .costs import Cost, get_cost
+from .implicit import ImplicitDiff
+from .plan import LazyPlan, plan_from_potentials
 from .samples_loss import SamplesLoss
 from .solve import OTResult, solve_sample
 
 __version__ = "0.1.0"
 
-__all__ = ["SamplesLoss", "solve_sample", "OTResult", "Cost", "get_cost", "__version__"]
+__all__ = [
+    "SamplesLoss",
+    "solve_sample",
+    "OTResult",
+    "Cost",
+    "get_cost",
+    "ImplicitDiff",
+    "LazyPlan",
+    "plan_from_potentials",
+    "__version__",
+]
