@@ -11,8 +11,11 @@ potentials of the loop (the cross pair ``(f, g)`` and, with ``debias=True``, the
 self potentials ``f_aa``, ``g_bb``), detached.  The next call on a problem of
 the same shape, dtype and device (and the same ``p``, ``blur``, ``debias``)
 starts from them and runs only the tail of the schedule, from
-``eps = (warm_scale * blur)^p`` down to ``blur^p`` (``warm_scale = 4`` for
-``warm_start=True``; pass a number ``>= 1`` to choose it).  Any other call runs
+``eps = max(warm_scale * blur, 2 * delta)^p`` down to ``blur^p``, where ``delta``
+is the largest displacement of a point since the cached call (the old
+potentials are only trusted at scales above it) and ``warm_scale = 4`` for
+``warm_start=True`` (pass a number ``>= 1`` to choose it).  Large moves thus
+fall back to (most of) the full schedule.  Any other call runs
 the full schedule cold (and refills the cache).  ``L.reset_warm_start()``
 empties the cache.  The cross problem and each self problem run as separate
 loops (the self problems as ``OT(a, a)`` with both potentials warm-started).
@@ -31,7 +34,7 @@ import torch
 
 from .sinkhorn import SinkhornState, sinkhorn_loop
 
-DEFAULT_WARM_SCALE = 4.0
+DEFAULT_WARM_SCALE = 8.0
 
 
 def check_warm_start(v) -> float | None:
@@ -57,7 +60,10 @@ def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
         st = sinkhorn_loop(m, eps_list, symmetric=True, debias=module.debias)
         n_iter = st.n_iter
     else:
-        start = (module.warm_start * module.blur) ** module.p
+        with torch.no_grad():  # how far did the points move since the cached call?
+            moved = max(float((m.x.detach() + m.center - cache["x"]).norm(dim=-1).max()),
+                        float((m.y.detach() + m.center - cache["y"]).norm(dim=-1).max()))
+        start = max(module.warm_start * module.blur, 4.0 * moved) ** module.p
         tail = [e for e in eps_list if e <= start * (1 + 1e-12)]
         if len(tail) < 2:  # always at least one step at the final eps plus the extrapolation
             tail = eps_list[-2:]
@@ -78,6 +84,8 @@ def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
     with torch.no_grad():
         module._warm_cache = {
             "key": key,
+            "x": (m.x.detach() + m.center).clone(),
+            "y": (m.y.detach() + m.center).clone(),
             "f": st.f.detach(),
             "g": st.g.detach(),
             "f_aa": None if st.f_aa is None else st.f_aa.detach(),
