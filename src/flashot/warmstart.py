@@ -20,6 +20,16 @@ the full schedule cold (and refills the cache).  ``L.reset_warm_start()``
 empties the cache.  The cross problem and each self problem run as separate
 loops (the self problems as ``OT(a, a)`` with both potentials warm-started).
 
+Limitation (measured): each warm call runs only a short tail from the previous
+call's state, and GeomLoss' schedule never converges at the final temperature,
+so over many calls with *large* displacements the error can accumulate (in a
+gradient flow with steps of ~blur, values drifted away from the cold ones after
+a few steps).  Warm starts here are for small changes between calls (the tests
+use displacements of ~0.002 and check the value against a converged
+reference).  For flows with large steps, use :func:`~flashot.solve_sample` with
+``potentials_init=`` and a ``tol``: every solve converges, and warm starts only
+save iterations (``examples/gradient_flow.py``).
+
 The potentials of a point are tied to its index: warm starts are meant for
 the *same* particles moving (``x`` at step ``t + 1`` is ``x`` at step ``t`` plus
 a small displacement), as in a gradient flow.  ``L.last_n_iter`` holds the
