@@ -49,9 +49,15 @@ def c_transform(
         ``(values, indices)``: (N,) / (B, N) in ``x``'s dtype (differentiable),
         and int64 indices into ``y``.  Ties go to one of the minimisers.
     """
-    from . import _prepare, _vec  # late import: flashot.ops imports this module
+    import flashot.ops as _ops  # late import: flashot.ops imports this module
 
-    x_, y_, cost_, eng, batched, out_dtype, cdt = _prepare(x, y, backend, cost)
+    _vec = _ops._vec
+    if hasattr(_ops, "prepare_pair"):  # newer flashot.ops (main after the unbalanced merge)
+        pp = _ops.prepare_pair(x, y, cost=cost, backend=backend)
+        x_, y_, cost_, eng, batched, out_dtype = pp.x, pp.y, pp.cost, pp.engine, pp.batched, pp.out_dtype
+        cdt = x_.dtype
+    else:
+        x_, y_, cost_, eng, batched, out_dtype, cdt = _ops._prepare(x, y, backend, cost)
     if g is None:
         g_ = torch.zeros(y_.shape[:-1], dtype=cdt, device=y_.device)
     else:
