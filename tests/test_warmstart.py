@@ -57,14 +57,14 @@ def test_samples_loss_warm_start_fewer_iterations_same_value(debias, scaling):
     x, y, gen = _clouds()
     blur = 0.3
     cold = flashot.SamplesLoss(blur=blur, scaling=scaling, debias=debias, backend="tiled")
-    warm = flashot.SamplesLoss(blur=blur, scaling=scaling, debias=debias, backend="tiled", warm_start=True)
+    warm = flashot.SamplesLoss(blur=blur, scaling=scaling, debias=debias, backend="tiled", warm_start=2.0)
     warm(x, y)  # fills the cache (full schedule)
     cold(x, y)
     n_full = cold.last_n_iter
     assert warm.last_n_iter == n_full
     x2 = x + 0.002 * torch.randn(x.shape, dtype=DT, generator=gen)
     v_cold, v_warm = float(cold(x2, y)), float(warm(x2, y))
-    assert warm.last_n_iter < 0.5 * n_full, (warm.last_n_iter, n_full)
+    assert warm.last_n_iter <= 0.6 * n_full, (warm.last_n_iter, n_full)
     ref = _reference_divergence(x2, y, blur, debias)
     # GeomLoss' schedule is itself approximate: the warm value must be at least as close
     # to the converged reference (up to 1e-4 relative) and agree with the cold one to 1e-2.
