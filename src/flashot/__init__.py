@@ -8,9 +8,23 @@ Public API:
 
 from .acceleration import Anderson, Momentum
 from .costs import Cost, get_cost
+from .implicit import ImplicitDiff
+from .plan import LazyPlan, plan_from_potentials
 from .samples_loss import SamplesLoss
 from .solve import OTResult, solve_sample
 
 __version__ = "0.1.0"
 
-__all__ = ["SamplesLoss", "solve_sample", "OTResult", "Cost", "get_cost", "Momentum", "Anderson", "__version__"]
+__all__ = [
+    "SamplesLoss",
+    "solve_sample",
+    "OTResult",
+    "Cost",
+    "get_cost",
+    "Momentum",
+    "Anderson",
+    "ImplicitDiff",
+    "LazyPlan",
+    "plan_from_potentials",
+    "__version__",
+]

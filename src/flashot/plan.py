@@ -124,3 +124,115 @@ class LazyPlan:
             C = self._m.cost.matrix(x, y)
             P = torch.exp(alpha.unsqueeze(-1) + beta.unsqueeze(-2) - C / self.eps)
         return self._finish(P)
+
+    # -- plan-derived maps (issue 4) -------------------------------------------------------
+    def barycentric_map(self):
+        r"""``T(x_i) = sum_j P_ij y_j / sum_j P_ij``: (N, D) (or (B, N, D)), streamed.
+
+        One plan product with ``V = [y, 1]`` (memory O(N + M)).  For ``plan.T``
+        the roles swap (a map from the ``y`` points to the ``x`` side).  Rows of
+        zero mass (``a_i = 0``) have no image and come back as NaN.
+        """
+        x, y, _, _ = self._sides()
+        D = y.shape[-1]
+        V = torch.cat([y, torch.ones_like(y[..., :1])], -1).contiguous()
+        S = self._apply_raw(V)
+        with torch.no_grad():
+            mass = S[..., D:]
+            T = torch.where(mass > 0, S[..., :D] / mass.clamp_min(torch.finfo(S.dtype).tiny), float("nan"))
+            T = T + self._m.center  # the measures are stored centred on a common point
+        return self._finish(T)
+
+    def topk(self, k: int):
+        r"""The ``k`` largest entries of each row of ``P`` and their column indices.
+
+        Returns ``(values, indices)`` of shape (N, k) (or (B, N, k)), values sorted
+        in decreasing order.  Streamed: a running top-k per row over column tiles
+        of the cost (:func:`~flashot.ops.rowtopk.row_topk`), memory O((N + M) D + N k)
+        on every engine; no N x M matrix.  ``plan.T.topk(k)`` gives the largest
+        entries of each column.
+        """
+        from ._checks import check_int
+        from .ops.rowtopk import row_topk
+
+        k = check_int("k", k, minimum=1)
+        x, y, alpha, beta = self._sides()
+        if k > y.shape[1]:
+            raise ValueError(f"k: expected at most {y.shape[1]} (the number of columns of the plan), got {k}")
+        vals, idx = row_topk(x, y, beta, 1.0 / self.eps, self._m.cost, k, dense=self._m.engine.name == "dense")
+        with torch.no_grad():
+            vals = torch.exp(vals + alpha.unsqueeze(-1))
+        idx = idx if self._m.batched else idx[0]
+        return self._finish(vals), (idx.cpu().numpy() if self._numpy else idx)
+
+
+_P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
+
+
+def plan_from_potentials(
+    x,
+    y,
+    f,
+    g,
+    a=None,
+    b=None,
+    *,
+    blur: float | None = None,
+    p: int = 2,
+    reg: float | None = None,
+    cost: str | None = None,
+    backend: str = "auto",
+) -> LazyPlan:
+    r"""The lazy plan ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / eps)`` of given potentials.
+
+    Two conventions:
+
+    * GeomLoss (default): ``blur`` and ``p`` as in :class:`~flashot.SamplesLoss`,
+      ``C = |x - y|^2 / 2`` (``p=2``) or ``|x - y|`` (``p=1``), ``eps = blur^p``.
+    * POT / :func:`~flashot.solve_sample`: ``reg`` (= eps) and ``cost``
+      (default ``"sqeuclidean"``).
+
+    The potentials must be the *cross* potentials of OT_eps(a, b).  GeomLoss'
+    ``SamplesLoss(..., potentials=True)`` returns them only with ``debias=False``;
+    with ``debias=True`` it returns ``f - f_aa`` and ``g - g_bb`` (the gradients
+    of the Sinkhorn divergence), which do **not** define a transport plan
+    (the result would not have marginals ``a``, ``b``).  Use
+    ``SamplesLoss(..., debias=False, potentials=True)`` or
+    :meth:`flashot.SamplesLoss.plan`, which does this for you.
+
+    Args:
+        x, y: (N, D) / (M, D) or batched (B, N, D) / (B, M, D) torch tensors.
+        f, g: (N,) / (M,) (or batched) potentials.  a, b: weights (uniform if None).
+    """
+    from ._checks import check_positive, to_tensor
+    from .measures import Measures
+
+    if reg is not None and blur is not None:
+        raise ValueError("blur and reg: give one of them (blur: GeomLoss convention, reg: POT convention)")
+    if reg is not None:
+        eps = check_positive("reg", reg)
+        cost = "sqeuclidean" if cost is None else cost
+    else:
+        if blur is None:
+            raise ValueError("blur: required (GeomLoss convention, eps = blur^p), or give reg= (POT convention)")
+        if p not in _P_COSTS or isinstance(p, bool):
+            raise ValueError(f"p: expected 1 or 2, got {p!r}")
+        if cost is not None:
+            raise ValueError("cost: use it with reg= (POT convention); with blur= the cost follows p")
+        eps = check_positive("blur", blur) ** p
+        cost = _P_COSTS[p]
+    is_np = isinstance(x, np.ndarray)
+    x, y = to_tensor("x", x), to_tensor("y", y)
+    m = Measures.build(x, y, None if a is None else to_tensor("a", a, like=x),
+                       None if b is None else to_tensor("b", b, like=y), cost=cost, backend=backend)
+    pots = []
+    for name, v, ref in (("f", f, m.a_log), ("g", g, m.b_log)):
+        t = to_tensor(name, v)
+        t = t.unsqueeze(0) if not m.batched else t
+        if tuple(t.shape) != tuple(ref.shape):
+            want = tuple(ref.shape) if m.batched else tuple(ref.shape[1:])
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(v.shape)}")
+        if not bool(torch.isfinite(t.detach()).all()):
+            raise ValueError(f"{name}: contains NaN or Inf values")
+        pots.append(t.detach().to(ref.device, ref.dtype))
+    return LazyPlan(m, pots[0], pots[1], eps, numpy=is_np)

@@ -14,9 +14,11 @@ import torch
 from torch import Tensor
 
 from ._checks import check_positive
+from .implicit import check_implicit, sinkhorn_value
 from .measures import Measures
+from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
-from .sinkhorn import balanced_value, final_step, sinkhorn_loop
+from .sinkhorn import final_step, sinkhorn_loop
 from .unbalanced import (
     geomloss_debiased,
     geomloss_debiased_two_sided,
@@ -54,6 +56,12 @@ class SamplesLoss(torch.nn.Module):
             ``"online"`` (our best streaming engine), or one of our engine names.
         verbose: show a progress bar (tqdm if installed) over the epsilon-scaling steps.
 
+        implicit: :class:`~flashot.ImplicitDiff` settings of the second derivatives
+            (``create_graph=True``: Hessian-vector products by implicit differentiation).
+        warm_start: reuse the previous call's potentials and run only the tail of the
+            epsilon-scaling (from ``(4 blur)^p``, or ``(warm_start * blur)^p`` for a
+            number); see :mod:`flashot.warmstart`.  ``L.last_n_iter`` counts the iterations.
+
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.
     """
@@ -77,6 +85,8 @@ class SamplesLoss(torch.nn.Module):
         *,
         reach_x: float | None = None,
         reach_y: float | None = None,
+        implicit=None,
+        warm_start: bool | float = False,
     ):
         super().__init__()
         if loss != "sinkhorn":
@@ -105,6 +115,19 @@ class SamplesLoss(torch.nn.Module):
         self.reach_x, self.reach_y = reach_x, reach_y
         self.scaling, self.truncate, self.debias = float(scaling), truncate, bool(debias)
         self.potentials, self.verbose, self.backend = bool(potentials), bool(verbose), backend
+        self.implicit = check_implicit(implicit)
+        self.warm_start = check_warm_start(warm_start)
+        if (self.rho_x is not None or self.rho_y is not None) and (implicit is not None or self.warm_start is not None):
+            raise NotImplementedError(
+                "implicit= and warm_start= support balanced OT only; use reach=None (reach_x/reach_y=None) "
+                "or drop implicit/warm_start"
+            )
+        self._warm_cache = None
+        self.last_n_iter = None
+
+    def reset_warm_start(self) -> None:
+        """Forget the cached potentials (the next call runs the full schedule)."""
+        self._warm_cache = None
 
     def _split_args(self, args):
         if len(args) == 2:
@@ -138,30 +161,80 @@ class SamplesLoss(torch.nn.Module):
         diameter = max(diameter, self.blur)
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
         rx, ry = self.rho_x, self.rho_y
+        if rx is not None or ry is not None:
+            return self._unbalanced(m, eps_list, rx, ry, a_in, b_in)
+        if self.warm_start is not None:
+            st = warm_loop(self, m, eps_list)
+        else:
+            st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias, verbose=self.verbose)
+            self.last_n_iter = st.n_iter
+        f, g, f_aa, g_bb = final_step(m, st)
+        if not self.potentials:
+            return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
+        if self.debias:
+            f, g = f - f_aa, g - g_bb
+        return self._potentials(m, f, g, a_in, b_in)
+
+    @staticmethod
+    def _potentials(m: Measures, f: Tensor, g: Tensor, a_in, b_in):
+        """(F, G) with the shapes of the given weights ((N,) / (N, 1) / batched)."""
+        F, G = m.restore(f), m.restore(g)
+        if a_in is not None and a_in.dim() > F.dim():
+            F, G = F.view_as(a_in), G.view_as(b_in)
+        return F, G
+
+    def plan(self, *args, tol: float | None = 1e-4, max_iter: int = 1000):
+        """The lazy entropic plan of ``OT_eps(a, b)``: a :class:`~flashot.plan.LazyPlan`.
+
+        Call like the loss (``L.plan(x, y)`` or ``L.plan(a, x, b, y)``).  The plan is
+        built from the *cross* potentials of the same schedule with ``debias=False``
+        (the debiased potentials returned by ``potentials=True, debias=True`` are
+        gradients of the divergence and do not define a plan).
+
+        GeomLoss' schedule visits the final temperature only once, so its potentials
+        give a plan whose marginals can be off by tens of percent (L1) at small
+        blur.  With ``tol`` (default 1e-4) they are refined by alternating Sinkhorn
+        iterations at ``eps = blur^p`` (warm-started, :func:`~flashot.solve_sample`)
+        until the L1 marginal error is below ``tol`` (at most ``max_iter``);
+        ``tol=None`` keeps the raw GeomLoss potentials.  Not differentiable.
+        """
+        from .plan import plan_from_potentials
+        from .solve import solve_sample
+
+        a_in, x, b_in, y = self._split_args(args)
+        L = SamplesLoss(p=self.p, blur=self.blur, diameter=self.diameter, scaling=self.scaling,
+                        debias=False, potentials=True, backend=self.backend)
+        with torch.no_grad():
+            F, G = L(*args)
+        F, G = F.reshape(x.shape[:-1]), G.reshape(y.shape[:-1])
+        if a_in is not None:
+            a_in, b_in = a_in.detach().reshape(x.shape[:-1]), b_in.detach().reshape(y.shape[:-1])
+        backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
+        x, y = x.detach(), y.detach()
+        if tol is None:
+            return plan_from_potentials(x, y, F, G, a_in, b_in, blur=self.blur, p=self.p, backend=backend)
+        res = solve_sample(x, y, a_in, b_in, cost=_P_COSTS[self.p], reg=self.blur**self.p, tol=tol,
+                           max_iter=max_iter, potentials_init=(F, G), backend=backend)
+        return res.plan
+
+    def _unbalanced(self, m: Measures, eps_list, rx, ry, a_in, b_in):
+        """KL-penalised marginals (GeomLoss' reach, or our semi-unbalanced reach_x / reach_y)."""
         st = sinkhorn_loop(
             m, eps_list, symmetric=True, debias=self.debias, rho_x=rx, rho_y=ry, verbose=self.verbose
         )
+        self.last_n_iter = st.n_iter
         if st.g_aa is not None:  # debiasing with rho_x != rho_y: two-sided self problems
             f, g, _, _ = final_step(m, replace(st, f_aa=None, g_bb=None), rho_x=rx, rho_y=ry)
             f_aa, g_aa, f_bb, g_bb = self_terms_final(m, st, rx, ry)
             if self.potentials:
-                f, g = f - 0.5 * (f_aa + g_aa), g - 0.5 * (f_bb + g_bb)
-            else:
-                val = geomloss_debiased_two_sided(m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb, st.eps, rx, ry)
-                return m.restore(val)
-        else:
-            f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
+                return self._potentials(m, f - 0.5 * (f_aa + g_aa), g - 0.5 * (f_bb + g_bb), a_in, b_in)
+            val = geomloss_debiased_two_sided(m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb, st.eps, rx, ry)
+            return m.restore(val)
+        f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
         if self.potentials:
-            if self.debias and st.g_aa is None:
-                f, g = f - f_aa, g - g_bb
-            F, G = m.restore(f), m.restore(g)
-            if a_in is not None and a_in.dim() > F.dim():
-                F, G = F.view_as(a_in), G.view_as(b_in)
-            return F, G
-        if rx is None and ry is None:
             if self.debias:
                 f, g = f - f_aa, g - g_bb
-            return m.restore(balanced_value(m.a, m.b, f, g))
+            return self._potentials(m, f, g, a_in, b_in)
         if self.debias:
             return m.restore(geomloss_debiased(m.a, m.b, f, g, f_aa, g_bb, st.eps, rx, ry))
         return m.restore(geomloss_value(m.a, m.b, f, g, st.eps, rx, ry))

@@ -20,9 +20,10 @@ from torch import Tensor
 
 from ._checks import check_int, check_positive, to_tensor
 from .measures import Measures
+from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
 from .plan import LazyPlan
 from .acceleration import check_acceleration
-from .sinkhorn import IterationRecord, SinkhornState, balanced_value, final_step, sinkhorn_loop
+from .sinkhorn import IterationRecord, SinkhornState, final_step, sinkhorn_loop
 from .unbalanced import dual_value, parse_unbalanced, pot_value
 
 METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
@@ -113,6 +114,7 @@ def solve_sample(
     inner_iterations: int = 10,
     acceleration=None,
     verbose: bool = False,
+    implicit: ImplicitDiff | None = None,
 ) -> OTResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
@@ -146,6 +148,9 @@ def solve_sample(
         acceleration: None, :class:`flashot.Momentum` ``(omega)`` or :class:`flashot.Anderson` ``(m)``
             (log-domain, safeguarded; see :mod:`flashot.acceleration`).
         verbose: progress bar (tqdm if installed, else stderr lines) with iteration, eps, error.
+        implicit: :class:`~flashot.ImplicitDiff` settings (CG tolerance, iterations, ridge) of the
+            second derivatives of ``value`` (``create_graph=True``, e.g. Hessian-vector products;
+            balanced problems).
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
@@ -166,6 +171,9 @@ def solve_sample(
     is_unbalanced = rho_a is not None or rho_b is not None
     inner_iterations = check_int("inner_iterations", inner_iterations)
     acceleration = check_acceleration(acceleration)
+    if is_unbalanced and implicit is not None:
+        raise NotImplementedError("implicit= (second derivatives) supports balanced OT only; use unbalanced=None")
+    implicit = check_implicit(implicit)
     is_np = isinstance(X_a, np.ndarray)
     if is_np != isinstance(X_b, np.ndarray):
         raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
@@ -189,7 +197,7 @@ def solve_sample(
         value = pot_value(m.a, m.b, f, g, reg, rho_a, rho_b)
         value_dual = dual_value(m.a, m.b, f, g, reg, rho_a, rho_b)
     else:
-        value = value_dual = balanced_value(m.a, m.b, f, g)
+        value = value_dual = sinkhorn_value(m, st, f, g, implicit=implicit)
     res = OTResult(
         value=None,
         potentials=(None, None),

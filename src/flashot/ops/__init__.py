@@ -155,3 +155,8 @@ def plan_product(
     out = out if batched else out[0]
     out = out[..., 0] if vec else out
     return out.to(out_dtype)
+
+
+from .ctransform import c_transform  # noqa: E402  (needs _prepare above)
+
+__all__ += ["c_transform"]

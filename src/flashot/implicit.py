@@ -1,0 +1,356 @@
+r"""Differentiable OT values: first-order gradients as now, second order by implicit differentiation.
+
+Balanced entropic OT between :math:`a = \sum_i a_i \delta_{x_i}` and
+:math:`b = \sum_j b_j \delta_{y_j}` with a dot-product cost
+:math:`C_{ij} = s |x_i - y_j|^2`.  At the Sinkhorn fixed point :math:`(f, g)`
+with plan :math:`P_{ij} = a_i b_j e^{(f_i + g_j - C_{ij})/\varepsilon}`, the value
+:math:`W = \langle a, f\rangle + \langle b, g\rangle` has the gradients (envelope theorem)
+
+.. math::
+    \nabla_{x_i} W = \textstyle\sum_j P_{ij} \nabla_x C(x_i, y_j) = 2s (r_i x_i - (P y)_i),
+    \quad \nabla_{y_j} W = 2s (c_j y_j - (P^\top x)_j),
+    \quad \nabla_a W = f, \quad \nabla_b W = g,
+
+with :math:`r = P 1`, :math:`c = P^\top 1`.  These are what :class:`OTValueFn`'s
+backward returns, computed exactly as the final extrapolation step always did
+(GeomLoss' rule; one or two plan products), whenever ``create_graph`` is False.
+
+**Second order** (``create_graph=True``): the backward instead calls
+:class:`ImplicitGradFn`, a differentiable function of ``(x, y, a, b)`` with the
+same outputs, whose own backward accounts for the dependence of the potentials
+on the inputs.  With the balance equations :math:`E(f, g, \theta) = (P 1 - a,
+P^\top 1 - b) = 0`, :math:`\partial E / \partial (f, g) = H / \varepsilon`,
+
+.. math::
+    H = \begin{pmatrix} \mathrm{diag}(r) & P \\ P^\top & \mathrm{diag}(c) \end{pmatrix},
+
+the implicit function theorem gives, for a scalar :math:`L(\theta, f, g)` (the
+cotangent-weighted gradient), :math:`dL/d\theta = \partial_\theta L -
+\partial_\theta \langle w, E\rangle` with :math:`H w = \varepsilon\, \partial_{(f, g)} L`.
+:math:`H` is symmetric positive semi-definite with the one null vector
+:math:`(1, -1)` (the gauge :math:`f + t, g - t`): the right-hand side is
+projected off it and the system solved by conjugate gradients, Jacobi
+(``diag(r, c)``) preconditioned, with a small ridge; every matrix-vector
+product is two plan products, so memory stays O(N + M).  The partial
+derivatives come from :class:`PlanProductFn`, a plan product whose backward is
+again plan products (with ``V ⊗ y``-shaped right-hand sides, O(K D) columns).
+
+The second derivatives w.r.t. the weights ``a``, ``b`` are defined up to that
+gauge (a constant); the ones w.r.t. the points are not affected.  Only balanced
+problems and dot-product costs (``p=2``, ``sqeuclidean``, ``half_sqeuclidean``)
+have second derivatives; the others raise :class:`NotImplementedError` on
+``create_graph=True``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .costs import Cost
+from .ops.base import Engine
+
+__all__ = ["ImplicitDiff", "PlanProductFn", "OTValueFn", "ImplicitGradFn", "sinkhorn_value"]
+
+
+@dataclass(frozen=True)
+class ImplicitDiff:
+    """Settings of the implicit differentiation behind second derivatives (Hessian-vector products).
+
+    Attributes:
+        tol: relative residual at which conjugate gradients stop (``|r| <= tol |b|``).
+        max_iter: most CG iterations (each costs two streamed plan products);
+            a :class:`RuntimeWarning` is raised when ``tol`` is not met.
+        ridge: Tikhonov term added to the (preconditioned, unit-diagonal) system;
+            keeps CG stable when the plan is close to degenerate.
+    """
+
+    tol: float = 1e-6
+    max_iter: int = 100
+    ridge: float = 1e-8
+
+    def __post_init__(self):
+        for name in ("tol", "ridge"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v != v:
+                raise ValueError(f"ImplicitDiff.{name}: expected a non-negative number, got {v!r}")
+        if not self.tol > 0:
+            raise ValueError(f"ImplicitDiff.tol: expected a positive number, got {self.tol!r}")
+        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int) or self.max_iter < 1:
+            raise ValueError(f"ImplicitDiff.max_iter: expected an integer >= 1, got {self.max_iter!r}")
+
+
+def check_implicit(implicit) -> ImplicitDiff:
+    if implicit is None:
+        return ImplicitDiff()
+    if not isinstance(implicit, ImplicitDiff):
+        raise TypeError(f"implicit: expected a flashot.ImplicitDiff or None, got {type(implicit).__name__}")
+    return implicit
+
+
+# ----------------------------------------------------------------------------------------------
+# A plan product that autograd can differentiate (dot-product costs), backward = plan products.
+# ----------------------------------------------------------------------------------------------
+class PlanProductFn(torch.autograd.Function):
+    r"""``out_i = sum_j exp(alpha_i + beta_j - C_ij / eps) V_j``, differentiable in all tensors.
+
+    For ``C = s |x - y|^2`` and a cotangent ``G`` (B, N, K), with ``P`` the kernel above:
+    ``dV = P^T G``, ``dalpha_i = <G_i, out_i>``, ``dbeta_j = <V_j, (P^T G)_j>``,
+    ``dx_i = -(2s/eps) (dalpha_i x_i - sum_k G_ik (P (V ⊗ y))_ik)`` and
+    ``dy_j = -(2s/eps) (dbeta_j y_j - sum_k V_jk (P^T (G ⊗ x))_jk)``: two plan products.
+    Once differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, alpha, beta, V, eps: float, cost: Cost, engine: Engine):
+        out = engine.plan_product(x.detach(), y.detach(), alpha.detach(), beta.detach(), eps,
+                                  V.detach().contiguous(), cost, "plan")
+        ctx.save_for_backward(x, y, alpha, beta, V, out)
+        ctx.eps, ctx.cost, ctx.engine = eps, cost, engine
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, G: Tensor):
+        x, y, alpha, beta, V, out = ctx.saved_tensors
+        eps, cost, engine = ctx.eps, ctx.cost, ctx.engine
+        nx, ny, na, nb, nv = ctx.needs_input_grad[:5]
+        B, N, K = out.shape
+        M, D = y.shape[1], y.shape[2]
+        two_s = 2.0 * cost.scale
+        gx = gy = ga = gb = gV = None
+        G = G.contiguous()
+        if ny or nb or nv:
+            W = G if not ny else torch.cat([G, (G.unsqueeze(-1) * x.unsqueeze(-2)).reshape(B, N, K * D)], -1)
+            T = engine.plan_product(y, x, beta, alpha, eps, W.contiguous(), cost, "plan")
+            PtG = T[..., :K]
+            gV = PtG if nv else None
+            gbeta = (V * PtG).sum(-1)
+            gb = gbeta if nb else None
+            if ny:
+                R = torch.einsum("bmk,bmkd->bmd", V, T[..., K:].reshape(B, M, K, D))
+                gy = -(two_s / eps) * (gbeta.unsqueeze(-1) * y - R)
+        if nx or na:
+            galpha = (G * out).sum(-1)
+            ga = galpha if na else None
+            if nx:
+                W = (V.unsqueeze(-1) * y.unsqueeze(-2)).reshape(B, M, K * D).contiguous()
+                S = engine.plan_product(x, y, alpha, beta, eps, W, cost, "plan")
+                Q = torch.einsum("bnk,bnkd->bnd", G, S.reshape(B, N, K, D))
+                gx = -(two_s / eps) * (galpha.unsqueeze(-1) * x - Q)
+        return gx, gy, ga, gb, gV, None, None, None
+
+
+def _safe_log(a: Tensor) -> Tensor:
+    """``log a`` with ``-inf`` at zero weights and a finite (unused) derivative there."""
+    pos = a > 0
+    return torch.where(pos, torch.where(pos, a, torch.ones_like(a)).log(), torch.full_like(a, float("-inf")))
+
+
+def _plan_grads(X, Y, alpha, beta, eps, cost, engine):
+    """Differentiable ``(gx, gy, r, c)`` of the plan ``exp(alpha + beta - C/eps)`` (dot costs)."""
+    two_s = 2.0 * cost.scale
+    o1 = PlanProductFn.apply(X, Y, alpha, beta, torch.cat([torch.ones_like(Y[..., :1]), Y], -1), eps, cost, engine)
+    o2 = PlanProductFn.apply(Y, X, beta, alpha, torch.cat([torch.ones_like(X[..., :1]), X], -1), eps, cost, engine)
+    gx = two_s * (o1[..., :1] * X - o1[..., 1:])
+    gy = two_s * (o2[..., :1] * Y - o2[..., 1:])
+    return gx, gy, o1[..., 0], o2[..., 0]
+
+
+def _cg(matvec, rhs: Tensor, tol: float, max_iter: int) -> tuple[Tensor, int, float]:
+    """Batched conjugate gradients on (B, n) vectors; returns (solution, iterations, max rel. residual)."""
+    tiny = torch.finfo(rhs.dtype).tiny
+    sol = torch.zeros_like(rhs)
+    r = rhs.clone()
+    p = r.clone()
+    rs = (r * r).sum(-1)
+    bnorm = rs.sqrt().clamp_min(tiny)
+    it = 0
+    for it in range(1, max_iter + 1):
+        if bool((rs.sqrt() <= tol * bnorm).all()):
+            it -= 1
+            break
+        Ap = matvec(p)
+        pAp = (p * Ap).sum(-1)
+        step = torch.where(pAp > 0, rs / pAp.clamp_min(tiny), torch.zeros_like(rs))
+        sol = sol + step.unsqueeze(-1) * p
+        r = r - step.unsqueeze(-1) * Ap
+        rs_new = (r * r).sum(-1)
+        beta = torch.where(rs > 0, rs_new / rs.clamp_min(tiny), torch.zeros_like(rs))
+        p = r + beta.unsqueeze(-1) * p
+        rs = rs_new
+    return sol, it, float((rs.sqrt() / bnorm).max())
+
+
+# The last CG solve's (iterations, relative residual): for tests and diagnostics.
+last_cg_info: dict = {}
+
+
+class ImplicitGradFn(torch.autograd.Function):
+    """``(grad_x W, grad_y W, grad_a W, grad_b W)`` as a function of ``(x, y, a, b)``.
+
+    Forward: the first-order gradients (as :class:`OTValueFn` computes them).
+    Backward: implicit differentiation through the Sinkhorn fixed point, linearised
+    at ``(f, g)`` (see the module docstring).  Once differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg):
+        a_log, b_log = _safe_log(a.detach()), _safe_log(b.detach())
+        gx, gy = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
+                              eps, cost, engine, True, True)
+        ctx.save_for_backward(x, y, a, b, f_new, g_new)
+        ctx.eps, ctx.cost, ctx.engine, ctx.cfg = eps, cost, engine, cfg
+        return gx, gy, f_new.clone(), g_new.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, vx, vy, uf, ug):
+        x, y, a, b, f, g = ctx.saved_tensors
+        eps, cost, engine, cfg = ctx.eps, ctx.cost, ctx.engine, ctx.cfg
+        with torch.enable_grad():
+            X, Y, A, Bw, F, Gp = (t.detach().requires_grad_() for t in (x, y, a, b, f, g))
+            alpha, beta = F / eps + _safe_log(A), Gp / eps + _safe_log(Bw)
+            gx, gy, r, c = _plan_grads(X, Y, alpha, beta, eps, cost, engine)
+            L = (vx * gx).sum() + (vy * gy).sum() + (uf * F).sum() + (ug * Gp).sum()
+            dX, dY, dA, dB, dF, dG = torch.autograd.grad(L, (X, Y, A, Bw, F, Gp), allow_unused=True)
+        r, c = r.detach(), c.detach()
+        alpha, beta = alpha.detach(), beta.detach()
+        N = r.shape[-1]
+        z = lambda t, ref: torch.zeros_like(ref) if t is None else t  # noqa: E731
+        dX, dY, dA, dB, dF, dG = z(dX, x), z(dY, y), z(dA, a), z(dB, b), z(dF, f), z(dG, g)
+
+        # Solve H w = eps * (dF, dG), preconditioned: K = D^-1/2 H D^-1/2, D = diag(r, c).
+        Dg = torch.cat([r, c], -1)
+        live = Dg > torch.finfo(Dg.dtype).tiny
+        Dinv_sqrt = torch.where(live, Dg.clamp_min(torch.finfo(Dg.dtype).tiny).rsqrt(), torch.zeros_like(Dg))
+        null = torch.cat([r.sqrt(), -c.sqrt()], -1)  # K's null vector D^1/2 (1, -1)
+        null = null / null.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(Dg.dtype).tiny)
+
+        def proj(v):
+            return v - (v * null).sum(-1, keepdim=True) * null
+
+        def matvec(zv):
+            w = zv * Dinv_sqrt
+            w1, w2 = w[..., :N], w[..., N:]
+            Pw2 = engine.plan_product(x, y, alpha, beta, eps, w2.unsqueeze(-1).contiguous(), cost, "plan")[..., 0]
+            Ptw1 = engine.plan_product(y, x, beta, alpha, eps, w1.unsqueeze(-1).contiguous(), cost, "plan")[..., 0]
+            Hw = torch.cat([r * w1 + Pw2, Ptw1 + c * w2], -1)
+            return proj(Hw * Dinv_sqrt) + cfg.ridge * zv
+
+        rhs = proj(eps * torch.cat([dF, dG], -1) * Dinv_sqrt)
+        with torch.no_grad():
+            zsol, iters, res = _cg(matvec, rhs, cfg.tol, cfg.max_iter)
+        last_cg_info.update(iterations=iters, residual=res)
+        if res > cfg.tol:
+            warnings.warn(
+                f"implicit differentiation: conjugate gradients reached a relative residual of {res:.2e} "
+                f"after {iters} iterations (tol={cfg.tol:g}); raise ImplicitDiff(max_iter=...) or the blur/reg",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        w = proj(zsol) * Dinv_sqrt
+        w1, w2 = w[..., :N], w[..., N:]
+
+        # - d/dtheta <w, E(theta, f, g)>,  <w, E> = sum_ij P_ij (w1_i + w2_j) - <w1, a> - <w2, b>
+        with torch.enable_grad():
+            X, Y, A, Bw = (t.detach().requires_grad_() for t in (x, y, a, b))
+            al, be = f / eps + _safe_log(A), g / eps + _safe_log(Bw)
+            o = PlanProductFn.apply(X, Y, al, be, torch.stack([torch.ones_like(w2), w2], -1), eps, cost, engine)
+            E = (o[..., 0] * w1 + o[..., 1]).sum()
+            eX, eY, eA, eB = torch.autograd.grad(E, (X, Y, A, Bw))
+        return (dX - eX, dY - eY, dA - eA + w1, dB - eB + w2, None, None, None, None, None, None, None, None)
+
+
+def _first_order(x, y, a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engine, need_x, need_y):
+    """Envelope gradients of ``<a, f_new> + <b, g_new>`` (GeomLoss' last-step rule), no autograd.
+
+    ``grad_x_i = sum_j P_ij grad_x C(x_i, y_j)`` with ``P`` built from ``(f_new, g_old)``,
+    ``grad_y`` with ``P`` built from ``(f_old, g_new)``: one ``dcost`` plan product per side.
+    """
+    D = x.shape[-1]
+    gx = gy = None
+    with torch.no_grad():
+        if need_x:
+            V = torch.cat([y, torch.ones_like(y[..., :1])], -1)
+            S = engine.plan_product(x, y, f_new / eps + a_log, g_old / eps + b_log, eps, V, cost, "dcost")
+            gx = x * S[..., D:] - S[..., :D]
+        if need_y:
+            V = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+            S = engine.plan_product(y, x, g_new / eps + b_log, f_old / eps + a_log, eps, V, cost, "dcost")
+            gy = y * S[..., D:] - S[..., :D]
+    return gx, gy
+
+
+class OTValueFn(torch.autograd.Function):
+    """``W = <a, f_new> + <b, g_new>`` with envelope gradients, and second derivatives on demand.
+
+    ``sym=True`` is the self problem OT(a, a) (``y is x``, ``b is a``; pass ``y=x``,
+    ``b=a`` and ``g_* = f_*``): ``W = 2 <a, f_new>``, one plan product for ``grad_x``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, sym):
+        ctx.save_for_backward(x, y, a, b, f_new, g_new, f_old, g_old)
+        ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.sym = eps, cost, engine, cfg, sym
+        return (a * f_new).sum(-1) + (b * g_new).sum(-1)
+
+    @staticmethod
+    def backward(ctx, G: Tensor):
+        x, y, a, b, f_new, g_new, f_old, g_old = ctx.saved_tensors
+        eps, cost, engine, cfg, sym = ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.sym
+        nx, ny, na, nb = ctx.needs_input_grad[:4]
+        Gv = G.unsqueeze(-1)
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
+            if not cost.is_dot:
+                raise NotImplementedError(
+                    f"second derivatives (create_graph=True) need a dot-product cost (p=2, 'sqeuclidean' or "
+                    f"'half_sqeuclidean'); got cost={cost.name!r}"
+                )
+            gx, gy, fa, gb = ImplicitGradFn.apply(x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg)
+            out = [Gv.unsqueeze(-1) * gx, Gv.unsqueeze(-1) * gy, Gv * fa, Gv * gb]
+        else:
+            a_log, b_log = _safe_log(a.detach()), _safe_log(b.detach())
+            if sym:  # grad wrt x enters through both slots, equal by symmetry: one pass
+                gx, _ = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
+                                     eps, cost, engine, nx or ny, False)
+                gy = gx
+            else:
+                gx, gy = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
+                                      eps, cost, engine, nx, ny)
+            out = [
+                None if gx is None else Gv.unsqueeze(-1) * gx,
+                None if gy is None else Gv.unsqueeze(-1) * gy,
+                Gv * f_new,
+                Gv * g_new,
+            ]
+        needs = (nx, ny, na, nb)
+        out = [o if n else None for o, n in zip(out, needs)]
+        return (*out, None, None, None, None, None, None, None, None, None)
+
+
+def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb: Tensor | None = None,
+                   implicit: ImplicitDiff | None = None) -> Tensor:
+    """``<a, f> + <b, g>`` (minus ``<a, f_aa> + <b, g_bb>`` when given), (B,), balanced problems.
+
+    ``f, g, f_aa, g_bb`` come from :func:`~flashot.sinkhorn.final_step` (their values
+    only are used) and ``st`` is the loop state (the previous potentials).  First
+    derivatives are those of the final step; second derivatives use implicit
+    differentiation with the ``implicit`` settings.
+    """
+    cfg = check_implicit(implicit)
+    eps = st.eps
+    d = lambda t: t.detach()  # noqa: E731
+    x, y, a, b = m.x, m.y, m.a, m.b
+    v = OTValueFn.apply(x, y, a, b, d(f), d(g), d(st.f), d(st.g), eps, m.cost, m.engine, cfg, False)
+    if f_aa is not None:
+        # <a, f_aa> = OT(a, a) / 2 and <b, g_bb> = OT(b, b) / 2
+        v = v - 0.5 * OTValueFn.apply(x, x, a, a, d(f_aa), d(f_aa), d(st.f_aa), d(st.f_aa),
+                                      eps, m.cost, m.engine, cfg, True)
+        v = v - 0.5 * OTValueFn.apply(y, y, b, b, d(g_bb), d(g_bb), d(st.g_bb), d(st.g_bb),
+                                      eps, m.cost, m.engine, cfg, True)
+    return v
