@@ -6,8 +6,8 @@ import torch
 
 def rel_err(a, b) -> float:
     """max |a - b| / max |b| (scale-aware elementwise relative error)."""
-    a = torch.as_tensor(a).double()
-    b = torch.as_tensor(b).double()
+    a = torch.as_tensor(a).detach().double()
+    b = torch.as_tensor(b).detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
