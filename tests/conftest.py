@@ -15,3 +15,14 @@ def rel_err(a, b) -> float:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny problems: one intra-op thread is much faster (and robust to a loaded machine).
+
+    Opt in per module with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

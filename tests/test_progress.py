@@ -12,13 +12,7 @@ from flashot import SamplesLoss, solve_sample
 from flashot.progress import make_progress
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny problems: one intra-op thread is much faster (and robust to a loaded machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _data(n=20):

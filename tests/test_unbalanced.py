@@ -20,13 +20,7 @@ ot = pytest.importorskip("ot")
 scipy_optimize = pytest.importorskip("scipy.optimize")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny problems: one intra-op thread is much faster (and robust to a loaded machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel(u, v):
