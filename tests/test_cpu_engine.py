@@ -174,6 +174,35 @@ def test_large_eps_range_and_small_eps(engines):
         assert (out - ref).abs().max() <= 1e-11 * (ref.abs().max() + eps)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("D", [3, 64])
+@pytest.mark.parametrize("shape", ["flat", "ramp", "spike", "late"])
+def test_lse_overflow_guard_paths(engines, dtype, D, shape):
+    """The streamed LSE skips its per-block overflow check where h's maximum over a column
+    chunk bounds every score ("flat": large eps, constant h); elsewhere it checks and
+    raises the running max: h rising along the columns (many raises), one huge spike at
+    the last column, and a first vector block of zero weights (the max starts late)."""
+    c = get_cost("sqeuclidean")
+    x, y, _ = _problem(1, 45, 1000, D, torch.float64, seed=3, neg_inf=False)
+    M = y.shape[1]
+    j = torch.arange(M, dtype=torch.float64)
+    h = {"flat": torch.full((M,), -math.log(M)), "ramp": 0.5 * j, "spike": torch.zeros(M),
+         "late": torch.randn(M, dtype=torch.float64)}[shape]
+    if shape == "spike":
+        h[-1] = 400.0
+    if shape == "late":
+        h[:40] = -math.inf
+    h = h[None]
+    for eps in (0.02 * D, 10.0 * D):
+        ref = DENSE.softmin(x, y, h, eps, c)
+        out = engines["stream"].softmin(x.to(dtype), y.to(dtype), h.to(dtype), eps, c).double()
+        if dtype == torch.float64:
+            tol = 1e-11 * (ref.abs().max() + eps)
+        else:
+            tol = 2e-6 * (c.matrix(x, y).max() + eps + h.abs().max() * eps)
+        assert (out - ref).abs().max() <= tol, (eps, (out - ref).abs().max())
+
+
 def test_cache_lifecycle(lib):
     from flashot.ops.cpu.engine import CACHE_MIN_D, CpuEngine
 
@@ -233,18 +262,25 @@ def test_bad_inputs(engines):
 
 
 def test_exp_accuracy(lib):
-    # float32: degree-5 polynomial (1.8e-7) + single-constant range reduction
-    # (|n| * 1.9e-9, n <= 115 here); float64: ~3e-16.
-    for dt, fn, tol, floor in ((torch.float32, lib.flashot_vexp_f32, 5e-7, -86.0),
-                               (torch.float64, lib.flashot_vexp_f64, 1e-15, -700.0)):
+    # the kernels' exp2, against torch's: float32 degree-5 polynomial on the exactly
+    # reduced argument (1.61e-7; 1.85e-7 without AVX-512), float64 Taylor degree 12 (4.4e-16).
+    # Below the normal range: float32 gives exactly 0 under -150 (AVX-512: tiny denormals in
+    # [-150, -126); without: 0 below -124); float64 gives 0 below -1009.
+    for dt, fn, tol, normal, zero in ((torch.float32, lib.flashot_vexp_f32, 3e-7, -124.0, -151.0),
+                                      (torch.float64, lib.flashot_vexp_f64, 1e-15, -1009.0, -1010.0)):
         # length a multiple of 16: every element goes through the vector code
-        a = torch.cat([torch.tensor([-math.inf, floor - 1, -1e30], dtype=dt),
-                       torch.linspace(floor + 1e-3, 80.0, 100_013, dtype=dt)])
+        # (float32 kernels encode zero weights as -1e38, never -inf: see engine.ZERO_W_F32)
+        a = torch.cat([torch.tensor([-math.inf if dt == torch.float64 else -1e38, zero, -1e30], dtype=dt),
+                       torch.linspace(normal, 120.0, 100_013, dtype=dt),
+                       torch.linspace(zero + 1, normal, 64, dtype=dt)])
         o = torch.empty_like(a)
         fn(a.data_ptr(), o.data_ptr(), a.numel(), 2)
-        ref = torch.exp(a[3:].double())
-        assert ((o[3:].double() - ref).abs() / ref).max() <= tol
+        ref = torch.exp2(a.double())
+        k = slice(3, 3 + 100_013)
+        assert ((o[k].double() - ref[k]).abs() / ref[k]).max() <= tol
         assert torch.all(o[:3] == 0)
+        tiny = o[3 + 100_013:].double()
+        assert torch.all(tiny >= 0) and torch.all((tiny - ref[3 + 100_013:]).abs() <= 2.0 ** -124)
 
 
 def test_registry_auto_picks_cpu(lib):

@@ -17,11 +17,16 @@ SOURCE = r'''// flashot CPU kernels: fused streamed softmin / plan product for p
 // rescaled.  Terms are therefore at most e^TH, never overflow, and exp never
 // sees an argument above TH.
 //
-// exp: range reduction a = n ln2 + r, |r| <= ln2/2, polynomial for e^r
-// (float: degree-5 fit, 1.8e-7 relative; double: Taylor degree 12, ~3e-16),
-// times 2^n (vscalefps with AVX-512, exponent bits otherwise).  Arguments must
-// be <= 88 / 700 (every caller passes s - m <= TH).  Lanes below LO (-86 /
-// -700, including -inf) are set to exactly 0 by a mask, branch-free: no
+// Base 2 throughout: every exponent in these kernels is a base-2 logarithm
+// (callers pass h * log2(e) and scale * log2(e) / eps), so the exponential is
+// exp2, whose range reduction a = n + r (n = round(a), |r| <= 1/2) is one
+// rounding and one exact subtraction: two fewer multiply-adds per exponential
+// than e^a = 2^n e^r with r = a - n ln2, and no reduction error.
+// exp2: polynomial for 2^r (float: our degree-5 fit for e^r re-expressed in r
+// ln2, 1.85e-7 relative; double: Taylor degree 12 of e^(r ln2), 4.4e-16), times
+// 2^n (vscalefps with AVX-512, exponent bits otherwise).  Arguments must be
+// <= 126 / 1000 (every caller passes s - m <= TH).  Lanes below LO (-124 /
+// -1009, including -inf) are set to exactly 0 by a mask, branch-free: no
 // denormal is ever produced (no slow path), -inf log-weights give 0, no NaN.
 #include <algorithm>
 #include <cmath>
@@ -52,58 +57,68 @@ template <typename V> static inline V vload(const void* p) { V r; std::memcpy(&r
 template <typename V> static inline void vstore(void* p, V x) { std::memcpy(p, &x, sizeof(V)); }
 template <typename V, typename S> static inline V vset(S s) { V r = {}; return r + s; }
 
-// float: single-constant reduction r = a - n * fl(ln2) (error <= |n| * 1.9e-9
-// absolute in r, i.e. <= 5e-8 relative for the terms that matter, |a| <= 20),
-// degree-5 polynomial fitted by us (Lawson-weighted least squares on the
-// relative error, float32 Horner evaluation: max rel. error 1.8e-7).
-static inline VT<float>::v vexp(VT<float>::v a) {
+// float: 2^a = 2^n 2^r, n = round(a), r = a - n (exact, |r| <= 1/2); degree-5 polynomial
+// for 2^r (our Lawson-weighted least-squares fit of e^t on |t| <= ln2/2, coefficients
+// times ln2^k; float32 Horner: max rel. error 1.85e-7), times 2^n by vscalefps: 8 vector
+// ops, no compare, no mask.  Arguments must not be -inf or NaN (r would be NaN): the
+// kernels encode zero weights as the finite ZERO_W = -1e38, for which r = 0 and the
+// result is exactly 0.  Lanes below -150 give exactly 0, lanes in [-150, -126) give
+// denormals (< 1.2e-38: no such term can matter next to a leading term >= 1; this CPU
+// handles them at full speed).  Without AVX-512: exponent bits built by hand, lanes
+// below -124 set to 0 by a mask.
+static inline VT<float>::v vexp2(VT<float>::v a) {
   typedef VT<float>::v v;
-  v t = a * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to nearest
+#if defined(__AVX512F__)
+  v n = (v)_mm512_roundscale_ps((__m512)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  v t = a + 12582912.0f;  // 1.5 * 2^23: round to nearest
   v n = t - 12582912.0f;
-  v r = a - n * 0.693147182464599609f;
-  v p = r * 0.008312482386827469f + 0.04189033433794975f;
-  p = p * r + 0.16667115688323975f;
-  p = p * r + 0.499992311000824f;
-  p = p * r + 1.0f;
+#endif
+  v r = a - n;  // exact
+  v p = r * 0.0013300195569172502f + 0.009669759310781956f;
+  p = p * r + 0.055505603551864624f;
+  p = p * r + 0.24022281169891357f;
+  p = p * r + 0.6931471824645996f;
   p = p * r + 1.0f;
 #if defined(__AVX512F__)
-  // keep lanes with a >= -86 (or NaN): 2^n scaling by vscalefps, others exactly 0
-  __mmask16 keep = _mm512_cmp_ps_mask((__m512)a, _mm512_set1_ps(-86.0f), _CMP_NLT_UQ);
-  return (v)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)n);
+  return (v)_mm512_scalef_ps((__m512)p, (__m512)n);
 #else
   typedef VT<float>::vi vi;
-  const v lo = vset<v>(-86.0f), zero = {};
+  const v lo = vset<v>(-124.0f), zero = {};
   vi bits = ((vi)t + 127) << 23;
   v res = p * (v)bits;
   return a < lo ? zero : res;
 #endif
 }
 
-// double: Cody-Waite two-constant reduction, Taylor degree 12 (truncation 1.7e-16).
-static inline VT<double>::v vexp(VT<double>::v a) {
+// double: 2^a, a = n + r; Taylor polynomial of degree 12 for e^(r ln2) (4.4e-16 on |r| <= 1/2).
+static inline VT<double>::v vexp2(VT<double>::v a) {
   typedef VT<double>::v v;
-  v t = a * 1.4426950408889634 + 6755399441055744.0;  // 1.5 * 2^52
+#if defined(__AVX512F__)
+  v n = (v)_mm512_roundscale_pd((__m512d)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  v t = a + 6755399441055744.0;  // 1.5 * 2^52
   v n = t - 6755399441055744.0;
-  v r = a - n * 6.93147180369123816490e-01;
-  r = r - n * 1.90821492927058770002e-10;
-  v p = r * (1.0 / 479001600.0) + (1.0 / 39916800.0);
-  p = p * r + (1.0 / 3628800.0);
-  p = p * r + (1.0 / 362880.0);
-  p = p * r + (1.0 / 40320.0);
-  p = p * r + (1.0 / 5040.0);
-  p = p * r + (1.0 / 720.0);
-  p = p * r + (1.0 / 120.0);
-  p = p * r + (1.0 / 24.0);
-  p = p * r + (1.0 / 6.0);
-  p = p * r + 0.5;
-  p = p * r + 1.0;
+#endif
+  v r = a - n;
+  v p = r * 2.5678435993488196e-11 + 4.44553827187081e-10;
+  p = p * r + 7.054911620801121e-09;
+  p = p * r + 1.0178086009239696e-07;
+  p = p * r + 1.3215486790144305e-06;
+  p = p * r + 1.5252733804059838e-05;
+  p = p * r + 0.00015403530393381606;
+  p = p * r + 0.0013333558146428441;
+  p = p * r + 0.009618129107628477;
+  p = p * r + 0.055504108664821576;
+  p = p * r + 0.2402265069591007;
+  p = p * r + 0.6931471805599453;
   p = p * r + 1.0;
 #if defined(__AVX512F__)
-  __mmask8 keep = _mm512_cmp_pd_mask((__m512d)a, _mm512_set1_pd(-700.0), _CMP_NLT_UQ);
+  __mmask8 keep = _mm512_cmp_pd_mask((__m512d)a, _mm512_set1_pd(-1009.0), _CMP_NLT_UQ);
   return (v)_mm512_maskz_scalef_pd(keep, (__m512d)p, (__m512d)n);
 #else
   typedef VT<double>::vi vi;
-  const v lo = vset<v>(-700.0), zero = {};
+  const v lo = vset<v>(-1009.0), zero = {};
   vi bits = ((vi)t + 1023) << 52;
   v res = p * (v)bits;
   return a < lo ? zero : res;
@@ -152,8 +167,8 @@ template <typename V> static inline auto hsum(V a) {
 }
 
 template <typename T> struct Consts;
-template <> struct Consts<float> { static constexpr float TH = 20.0f, SENT = -1e30f; };
-template <> struct Consts<double> { static constexpr double TH = 60.0, SENT = -1e300; };
+template <> struct Consts<float> { static constexpr float TH = 28.0f, SENT = -1e30f, LO = -124.0f; };
+template <> struct Consts<double> { static constexpr double TH = 86.0, SENT = -1e300, LO = -1009.0; };
 
 enum { KIND_DOT = 0, KIND_DIRECT = 1 };
 enum { MODE_LSE = 0, MODE_P = 1 };
@@ -169,7 +184,7 @@ struct Args {
 // One panel of R rows (x: R consecutive rows, row stride D) over columns [j0, j1).
 // MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
 // exp(s - m[r]) * W  (m[r] = normalising LSE of the row, given).
-template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
+template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK, bool CK = true>
 static inline void panel(const T* __restrict x, const T* __restrict yT, const T* __restrict yy,
                          const T* __restrict hs, int64_t j0, int64_t j1, const Args& a,
                          T* __restrict m, typename VT<T>::v* __restrict sum, T* __restrict P, int64_t ldp) {
@@ -223,6 +238,48 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
         }
       }
     }
+    if (MODE == MODE_LSE) {
+      // s - m for the whole R x NV block first, then ONE check of its maximum
+      // against TH (one compare and one mask test per block instead of per
+      // vector: 13% of the d = 3 kernel's time), then the exponentials.
+      v am[R][NV];
+      v mx = vset<v>(Consts<T>::SENT);  // unused (optimised away) when !CK
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) {
+        const v hq = vload<v>(hs + j + q * L);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          // dot costs: a rounding-level negative c changes s by k * O(ulp(|x|^2)),
+          // like the rounding itself, so no clamp in the exponent
+          if (KIND == KIND_DIRECT) {
+            v c = acc[r][q];
+            c = c < minsq ? minsq : c;
+            acc[r][q] = vsqrt(c);
+          }
+          am[r][q] = (hq - mr[r]) - acc[r][q] * k;  // s - m: one sub + one fnmadd
+          if (CK) mx = am[r][q] > mx ? am[r][q] : mx;
+        }
+      }
+      if (CK && __builtin_expect(any_gt(mx, vset<v>(Consts<T>::TH)), 0)) {
+        // rare (O(log M) times per row): raise the running max of the rows that
+        // need it, from the absolute scores (m may still be the sentinel)
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          T nm = Consts<T>::SENT;
+          for (int q = 0; q < NV; ++q) nm = std::max(nm, hmax(vload<v>(hs + j + q * L) - acc[r][q] * k));
+          if (nm > mr[r] + Consts<T>::TH) {
+            sm[r] *= (T)std::exp2(mr[r] - nm);
+            mr[r] = nm;
+            for (int q = 0; q < NV; ++q) am[r][q] = (vload<v>(hs + j + q * L) - mr[r]) - acc[r][q] * k;
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q)
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) sm[r] += vexp2(am[r][q]);
+      continue;
+    }
 #pragma GCC unroll 8
     for (int q = 0; q < NV; ++q) {
       const v hq = vload<v>(hs + j + q * L);
@@ -231,36 +288,19 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
         v c;
         if (KIND == KIND_DOT) {
           c = acc[r][q];
-          // clamp at 0 only where c is a weight; in the exponent a rounding-level
-          // negative c changes s by k * O(ulp(|x|^2)), like the rounding itself
-          if (MODE == MODE_P) c = c < zero ? zero : c;
+          c = c < zero ? zero : c;  // c is a weight here
         } else {
           c = acc[r][q];
           c = c < minsq ? minsq : c;
           c = vsqrt(c);
         }
-        if (MODE == MODE_LSE) {
-          v am = (hq - mr[r]) - c * k;  // s - m: one sub + one fnmadd
-          if (__builtin_expect(any_gt(am, vset<v>(Consts<T>::TH)), 0)) {
-            // rare: raise the running max (values, not references: keeps the
-            // accumulators in registers)
-            const T nm = hmax(hq - c * k);
-            if (nm > mr[r]) {
-              sm[r] *= (T)std::exp(mr[r] - nm);
-              mr[r] = nm;
-            }
-            am = (hq - mr[r]) - c * k;
-          }
-          sm[r] += vexp(am);
-        } else {
-          v s = hq - c * k;
-          v p = vexp(s - mr[r]);
-          if (WK == W_COST) p *= c;
-          // dcost of |x - y|: 1/C, zero where C = 0 or where the clamp sqrt(minsq)
-          // is active (the clamp kills the gradient; 1.001 absorbs float rounding)
-          if (WK == W_INV) p = c > wthr ? p / c : zero;
-          vstore(P + r * ldp + (j - j0) + q * L, p);
-        }
+        v s = hq - c * k;
+        v p = vexp2(s - mr[r]);
+        if (WK == W_COST) p *= c;
+        // dcost of |x - y|: 1/C, zero where C = 0 or where the clamp sqrt(minsq)
+        // is active (the clamp kills the gradient; 1.001 absorbs float rounding)
+        if (WK == W_INV) p = c > wthr ? p / c : zero;
+        vstore(P + r * ldp + (j - j0) + q * L, p);
       }
     }
   }
@@ -280,6 +320,54 @@ static void panel_rows(int nrows, const T* x, const T* yT, const T* yy, const T*
   for (; r < nrows; ++r)
     panel<T, 1, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r,
                                         P ? P + r * ldp : nullptr, ldp);
+}
+
+// LSE panels of RR rows over columns [j0, j1) with the overflow check skipped where it
+// provably cannot fire.  Scores are s_ij = h_j - k c_ij with c_ij >= 0 up to rounding, so
+// s_ij - m_r <= hmax - m_r + slack (slack bounds k times the rounding of a negative c); when
+// that is <= TH for every row of the group, no score can exceed m_r + TH and the unchecked
+// panel is exact.  The first vector block of a row (m still the sentinel) is always checked.
+template <typename T, int RR, int NV, int KIND, int DS>
+static inline void lse_group(const T* x, const T* yT, const T* yy, const T* hs, int64_t j0, int64_t j1,
+                             const Args& a, T* m, typename VT<T>::v* sum, T hmax, T yymax) {
+  constexpr int L = VT<T>::L;
+  int64_t js = j0;
+  bool fresh = false;
+  for (int r = 0; r < RR; ++r) fresh |= m[r] == Consts<T>::SENT;
+  if (fresh) {
+    js = std::min<int64_t>(j1, j0 + (int64_t)L * NV);
+    panel<T, RR, NV, KIND, DS, MODE_LSE, W_ONE, true>(x, yT, yy, hs, j0, js, a, m, sum, nullptr, 0);
+    if (js >= j1) return;
+  }
+  const int D = DS > 0 ? DS : a.D;
+  T mmin = m[0], xxmax = 0;
+  for (int r = 0; r < RR; ++r) {
+    mmin = std::min(mmin, m[r]);
+    T s = 0;
+    if (KIND == KIND_DOT) for (int d = 0; d < D; ++d) s += x[r * D + d] * x[r * D + d];
+    xxmax = std::max(xxmax, s);
+  }
+  const T ulp = std::numeric_limits<T>::epsilon();
+  const T slack = KIND == KIND_DOT ? (T)a.kcoef * (xxmax + yymax) * (T)(4 * (D + 2)) * ulp + (T)1 : (T)1;
+  if (hmax - mmin + slack <= Consts<T>::TH)
+    panel<T, RR, NV, KIND, DS, MODE_LSE, W_ONE, false>(x, yT, yy, hs, js, j1, a, m, sum, nullptr, 0);
+  else
+    panel<T, RR, NV, KIND, DS, MODE_LSE, W_ONE, true>(x, yT, yy, hs, js, j1, a, m, sum, nullptr, 0);
+}
+
+template <typename T, int R, int NV, int KIND, int DS>
+static void lse_rows(int nrows, const T* x, const T* yT, const T* yy, const T* hs, int64_t j0, int64_t j1,
+                     const Args& a, T* m, typename VT<T>::v* sum) {
+  T hmax = -std::numeric_limits<T>::infinity(), yymax = 0;
+  for (int64_t j = j0; j < j1; ++j) {
+    hmax = std::max(hmax, hs[j]);
+    if (KIND == KIND_DOT) yymax = std::max(yymax, yy[j]);
+  }
+  int r = 0;
+  for (; r + R <= nrows; r += R)
+    lse_group<T, R, NV, KIND, DS>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r, hmax, yymax);
+  for (; r < nrows; ++r)
+    lse_group<T, 1, NV, KIND, DS>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r, hmax, yymax);
 }
 
 static int64_t col_chunk(int D, int extra, int64_t Mp, int64_t step, int64_t l2, size_t esz) {
@@ -313,10 +401,10 @@ static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* o
     const T* hb = hs + b * Mp;
     for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
       const int64_t j1 = std::min(Mp, j0 + bm);
-      panel_rows<T, R, NV, KIND, DS, MODE_LSE, W_ONE>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum, nullptr, 0);
+      lse_rows<T, R, NV, KIND, DS>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum);
     }
     for (int r = 0; r < nr; ++r) {
-      T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log(hsum(sum[r]));
+      T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log2(hsum(sum[r]));
       out[b * N + i0 + r] = oscale * lse;
     }
   }
@@ -407,7 +495,7 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
       }
       for (int r = 0; r < nr; ++r) {
         const T l = lse[b * N + i0 + r];
-        const T f = std::isfinite(l) ? (T)std::exp(alpha[b * N + i0 + r] + l) * wconst : (T)0;
+        const T f = std::isfinite(l) ? (T)std::exp2(alpha[b * N + i0 + r] * (T)1.4426950408889634 + l) * wconst : (T)0;
         T* o = out + (b * N + i0 + r) * K;
         for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : acc[(size_t)r * K + kk] * f;
       }
@@ -435,18 +523,18 @@ static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
       v thr = vset<v>(m + Consts<T>::TH);
       if (__builtin_expect(any_gt(a0, thr) || any_gt(a1, thr), 0)) {
         T nm = std::max(hmax(a0), hmax(a1));
-        if (nm > m) { T f = std::exp(m - nm); s0 *= f; s1 *= f; m = nm; }
+        if (nm > m) { T f = std::exp2(m - nm); s0 *= f; s1 *= f; m = nm; }
       }
-      s0 += vexp(a0 - m);
-      s1 += vexp(a1 - m);
+      s0 += vexp2(a0 - m);
+      s1 += vexp2(a1 - m);
     }
     T s = hsum(s0 + s1);
     for (; j < M; ++j) {
       T a = hb[j] - c[j] * inv_eps;
-      if (a > m + Consts<T>::TH) { s *= std::exp(m - a); m = a; }
-      if (a - m > (T)-700) s += std::exp(a - m);
+      if (a > m + Consts<T>::TH) { s *= std::exp2(m - a); m = a; }
+      if (a - m > Consts<T>::LO) s += std::exp2(a - m);
     }
-    out[t] = oscale * ((m == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m + std::log(s));
+    out[t] = oscale * ((m == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m + std::log2(s));
   }
 }
 
@@ -483,17 +571,17 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
         v amax = a0 > a1 ? a0 : a1;
         if (__builtin_expect(any_gt(amax, mq + Consts<T>::TH), 0)) {
           v nm = amax > mq ? amax : mq;
-          sv[q] *= vexp(mq - nm);
+          sv[q] *= vexp2(mq - nm);
           mv[q] = mq = nm;
         }
-        sv[q] += vexp(a0 - mq) + vexp(a1 - mq);
+        sv[q] += vexp2(a0 - mq) + vexp2(a1 - mq);
       }
       for (int64_t q = nv * L; q < w; ++q) {
         const int64_t u = q - nv * L;
         for (int k = 0; k < 2; ++k) {
           T a = (k ? h1 : h0) - (k ? c1 : c0)[q] * inv_eps;
-          if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp(ms[u] - a); ms[u] = a; }
-          if (a - ms[u] > (T)-700) ss[u] += std::exp(a - ms[u]);
+          if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - a); ms[u] = a; }
+          if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
         }
       }
     }
@@ -505,27 +593,27 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
         v thr = mv[q] + Consts<T>::TH;
         if (__builtin_expect(any_gt(a, thr), 0)) {
           v nm = a > mv[q] ? a : mv[q];
-          sv[q] *= vexp(mv[q] - nm);
+          sv[q] *= vexp2(mv[q] - nm);
           mv[q] = nm;
         }
-        sv[q] += vexp(a - mv[q]);
+        sv[q] += vexp2(a - mv[q]);
       }
       for (int64_t q = nv * L; q < w; ++q) {
         const int64_t u = q - nv * L;
         T a = hi - c[q] * inv_eps;
-        if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp(ms[u] - a); ms[u] = a; }
-        if (a - ms[u] > (T)-700) ss[u] += std::exp(a - ms[u]);
+        if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - a); ms[u] = a; }
+        if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
       }
     }
     const T ninf = -std::numeric_limits<T>::infinity();
     for (int64_t q = 0; q < nv; ++q)
       for (int l = 0; l < L; ++l) {
         T mm = mv[q][l];
-        out[b * M + j0 + q * L + l] = oscale * (mm == Consts<T>::SENT ? ninf : mm + std::log(sv[q][l]));
+        out[b * M + j0 + q * L + l] = oscale * (mm == Consts<T>::SENT ? ninf : mm + std::log2(sv[q][l]));
       }
     for (int64_t q = nv * L; q < w; ++q) {
       const int64_t u = q - nv * L;
-      out[b * M + j0 + q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log(ss[u]));
+      out[b * M + j0 + q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log2(ss[u]));
     }
   }
 }
@@ -534,13 +622,14 @@ template <typename T, int KIND>
 static int softmin_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N,
                             int64_t Mp, const Args& a, T oscale, int cfg, int64_t l2, int nth) {
   const int D = a.D;
-  // cfg 0 (d <= 32): 4 rows x 2 vectors, static D for d <= 3;
+  // cfg 0 (d <= 32): 12 rows x 1 vector with a static D for d <= 3 (best of 4x2, 6x2, 8x2,
+  // 8x1, 12x1, 16x1 at d = 3: 5% over 4x2), 4 rows x 2 vectors for 4 <= d <= 32;
   // cfg 3 (larger d): 4 rows x 4 vectors (best of 4x2, 6x2, 8x2, 4x4, 8x3 at d = 64)
   if (cfg == 0) {
     switch (D) {
-      case 1: softmin_impl<T, 4, 2, KIND, 1>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      case 2: softmin_impl<T, 4, 2, KIND, 2>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      case 3: softmin_impl<T, 4, 2, KIND, 3>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 1: softmin_impl<T, 12, 1, KIND, 1>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 2: softmin_impl<T, 12, 1, KIND, 2>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 3: softmin_impl<T, 12, 1, KIND, 3>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
       default: softmin_impl<T, 4, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
     }
   }
@@ -579,7 +668,7 @@ static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
 
 extern "C" {
 
-int flashot_abi_version() { return 2; }
+int flashot_abi_version() { return 3; }
 
 int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
@@ -617,19 +706,19 @@ int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, i
                          double oscale, int nth) {
   cols_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
 }
-// Raw vectorised exp throughput helper (benchmarks): out[i] = exp(a[i]).
+// Raw vectorised exp2 throughput helper (benchmarks): out[i] = 2^a[i].
 int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
   typedef VT<float>::v v;
 #pragma omp parallel for schedule(static) num_threads(nth)
-  for (int64_t i = 0; i < n / 16; ++i) vstore(out + i * 16, vexp(vload<v>(a + i * 16)));
-  for (int64_t i = (n / 16) * 16; i < n; ++i) out[i] = std::exp(a[i]);
+  for (int64_t i = 0; i < n / 16; ++i) vstore(out + i * 16, vexp2(vload<v>(a + i * 16)));
+  for (int64_t i = (n / 16) * 16; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
 }
 int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
   typedef VT<double>::v v;
 #pragma omp parallel for schedule(static) num_threads(nth)
-  for (int64_t i = 0; i < n / 8; ++i) vstore(out + i * 8, vexp(vload<v>(a + i * 8)));
-  for (int64_t i = (n / 8) * 8; i < n; ++i) out[i] = std::exp(a[i]);
+  for (int64_t i = 0; i < n / 8; ++i) vstore(out + i * 8, vexp2(vload<v>(a + i * 8)));
+  for (int64_t i = (n / 8) * 8; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
 }
 

@@ -27,7 +27,7 @@ from ._source import SOURCE
 __all__ = ["BuildError", "build", "load", "BUILD_INFO", "CXXFLAGS"]
 
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # Filled by :func:`load`: {"path", "seconds" (compile wall time, 0 when cached),
 # "cpu_seconds" (compiler CPU time, when compiled here), "cached", "compiler"}.

@@ -34,6 +34,10 @@ from ..base import WEIGHTS, Weight
 
 KIND_DOT, KIND_DIRECT = 0, 1
 W_ONE, W_COST, W_INV = 0, 1, 2
+LOG2E = 1.4426950408889634  # the kernels work in base 2: they take h * log2(e), scale * log2(e) / eps
+LN2 = 0.6931471805599453
+# float32 kernels take zero weights as this finite log-weight (their exp2 needs no -inf test)
+ZERO_W_F32 = -1e38
 PAD = 64  # columns are padded to a multiple of this (>= 16 * max vectors per micro-kernel)
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -141,7 +145,7 @@ class CpuEngine:
         self.stats["stream"] += 1
         kind, kcoef, minsq = self._cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, beta, kind)
-        lse = self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, 1.0)
+        lse = self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, 1.0)  # base-2 LSE, as the plan kernel takes it
         lanes = 16 if x.dtype == torch.float32 else 8
         Kp = -(-K // lanes) * lanes
         Vp = torch.zeros(B, Mp, Kp, dtype=x.dtype)  # (Mp, Kp) row-major, zero padding
@@ -200,9 +204,11 @@ class CpuEngine:
 
     @staticmethod
     def _cost_args(cost: Cost, eps: float):
+        """(kind, k, minsq): the kernels' base-2 score is ``h * log2(e) - k * c`` with ``k = log2(e) / eps``
+        times the cost's scale (dot kind: c = |x - y|^2; direct: c = |x - y|)."""
         if cost.is_dot:
-            return KIND_DOT, cost.scale / eps, 0.0
-        return KIND_DIRECT, 1.0 / eps, float(cost.min_sqdist)
+            return KIND_DOT, LOG2E * cost.scale / eps, 0.0
+        return KIND_DIRECT, LOG2E / eps, float(cost.min_sqdist)
 
     @staticmethod
     def _prep_y(y: Tensor, h: Tensor, kind: int):
@@ -214,7 +220,8 @@ class CpuEngine:
         if kind == KIND_DOT:
             yy[:, :M] = (y * y).sum(-1)
         hs = torch.full((B, Mp), -math.inf, dtype=y.dtype)
-        hs[:, :M] = h
+        hs[:, :M] = h * LOG2E
+        _encode_zero_weights(hs)
         return yT, yy, hs, Mp
 
     def _kernel_cfg(self, D: int) -> int:
@@ -235,7 +242,7 @@ class CpuEngine:
     def _stream_lse(self, x, y, h, eps, cost, oscale):
         kind, kcoef, minsq = self._cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, h, kind)
-        return self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, oscale)
+        return self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, oscale * LN2)
 
     # ------------------------------------------------------------------ cached cost
     def _cached(self, x: Tensor, y: Tensor, cost: Cost):
@@ -292,10 +299,18 @@ class CpuEngine:
         else:
             out = torch.empty(B, N, dtype=C.dtype)
             fn = lib.flashot_rows_lse_f32 if f32 else lib.flashot_rows_lse_f64
-        rc = fn(_ptr(C), _ptr(h), _ptr(out), B, N, M, 1.0 / eps, -eps, self._nthreads())
+        h2 = _encode_zero_weights((h * LOG2E).contiguous())
+        rc = fn(_ptr(C), _ptr(h2), _ptr(out), B, N, M, LOG2E / eps, -eps * LN2, self._nthreads())
         if rc != 0:
             raise RuntimeError(f"cpu engine: cached-cost kernel returned {rc}")
         return out
+
+
+def _encode_zero_weights(h: Tensor) -> Tensor:
+    """In place for float32: -inf log-weights -> ZERO_W_F32 (exp2 of it is exactly 0)."""
+    if h.dtype == torch.float32:
+        h.clamp_(min=ZERO_W_F32)
+    return h
 
 
 def cost_matrix(x: Tensor, y: Tensor, cost: Cost, rows: int = 2048) -> Tensor:
