@@ -114,6 +114,7 @@ def main():
                     help="wall: perf_counter (default for >1 thread); thread: thread_time (default for "
                          "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
                          "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)")
+    ap.add_argument("--cache-n", default="5000,20000", help="sizes n = m for the cached-vs-streaming crossover")
     ap.add_argument("--sections", default="hw,iter,cache,scaling",
                     help="comma-separated subset of hw,iter,cache,scaling")
     args = ap.parse_args()
@@ -184,21 +185,21 @@ def main():
               "d = 64: GEMM at the measured torch.mm rate + one exp per pair.\n")
 
     if "cache" in sections:
-        # cached cost vs streaming, crossover in d
-        nc = 2000 if args.quick else 5000
-        print(f"## Cached cost matrix vs streaming, n = m = {nc}, float32 (s/iter; build = one-off)\n")
-        print("| d | stream s/iter | cached s/iter | build s | faster |\n|---|---|---|---|---|")
-        for d in (3, 8, 16, 32, 64, 128):
-            x, y = problem(nc, nc, d)
-            ts = time_iter(cpu, nc, d, runs)
-            cached = CpuEngine(lib, mode="cache", threads=nth)
-            t0 = CLOCK()
-            cached.softmin(x, y, torch.zeros(1, nc), 0.05 * d, COST)
-            tb = CLOCK() - t0
-            cached.clear_cache()
-            tcache = time_iter(cached, nc, d, runs)
-            print(f"| {d} | {ts:.4f} | {tcache:.4f} | {tb:.3f} | {'cached' if tcache < ts else 'stream'} |")
-        print()
+        # cached cost vs streaming, crossover in d, at each n of --cache-n
+        for nc in ([2000] if args.quick else [int(v) for v in args.cache_n.split(",")]):
+            print(f"## Cached cost matrix vs streaming, n = m = {nc}, float32 (s/iter; build = one-off)\n")
+            print("| d | stream s/iter | cached s/iter | build s | faster |\n|---|---|---|---|---|")
+            for d in (3, 8, 16, 32, 64, 128):
+                x, y = problem(nc, nc, d)
+                ts = time_iter(cpu, nc, d, runs)
+                cached = CpuEngine(lib, mode="cache", threads=nth, cache_bytes=args.cache_budget)
+                t0 = CLOCK()
+                cached.softmin(x, y, torch.zeros(1, nc), 0.05 * d, COST)
+                tb = CLOCK() - t0
+                cached.clear_cache()
+                tcache = time_iter(cached, nc, d, runs)
+                print(f"| {d} | {ts:.4f} | {tcache:.4f} | {tb:.3f} | {'cached' if tcache < ts else 'stream'} |")
+            print()
 
     if "scaling" in sections:
         # scaling

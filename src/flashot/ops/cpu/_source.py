@@ -11,11 +11,14 @@ SOURCE = r'''// flashot CPU kernels: fused streamed softmin / plan product for p
 // vectors of columns), cost, bias, exp and the running LogSumExp are fused.
 //
 // Online LogSumExp with a lazy maximum: each row keeps a scalar m and a vector
-// of partial sums of exp(s - m).  A new vector of scores s is checked once
-// (one compare + mask test) against m + TH; only when some score exceeds it
-// (O(log M) times per row for random order) is m raised and the sums
-// rescaled.  Terms are therefore at most e^TH, never overflow, and exp never
-// sees an argument above TH.
+// of partial sums of 2^(s - m).  A block of scores is checked once (one max,
+// compare and mask test) against m + TH; only when some score exceeds it is m
+// raised, to that score + H (headroom: a later score must beat the largest seen
+// by H + TH to trigger again, so after the first block this almost never
+// happens), and the sums rescaled.  Terms are therefore at most 2^TH (float:
+// 2^60, sums of up to 2^26 of them stay finite) and m exceeds the largest score
+// by at most H (float: 30; terms down to 2^-96 of the largest stay normal floats,
+// far below what float32 sums can resolve).
 //
 // Base 2 throughout: every exponent in these kernels is a base-2 logarithm
 // (callers pass h * log2(e) and scale * log2(e) / eps), so the exponential is
@@ -167,8 +170,8 @@ template <typename V> static inline auto hsum(V a) {
 }
 
 template <typename T> struct Consts;
-template <> struct Consts<float> { static constexpr float TH = 28.0f, SENT = -1e30f, LO = -124.0f; };
-template <> struct Consts<double> { static constexpr double TH = 86.0, SENT = -1e300, LO = -1009.0; };
+template <> struct Consts<float> { static constexpr float TH = 60.0f, H = 30.0f, SENT = -1e30f, LO = -124.0f; };
+template <> struct Consts<double> { static constexpr double TH = 200.0, H = 100.0, SENT = -1e300, LO = -1009.0; };
 
 enum { KIND_DOT = 0, KIND_DIRECT = 1 };
 enum { MODE_LSE = 0, MODE_P = 1 };
@@ -268,8 +271,8 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
           T nm = Consts<T>::SENT;
           for (int q = 0; q < NV; ++q) nm = std::max(nm, hmax(vload<v>(hs + j + q * L) - acc[r][q] * k));
           if (nm > mr[r] + Consts<T>::TH) {
-            sm[r] *= (T)std::exp2(mr[r] - nm);
-            mr[r] = nm;
+            sm[r] *= (T)std::exp2(mr[r] - (nm + Consts<T>::H));
+            mr[r] = nm + Consts<T>::H;
             for (int q = 0; q < NV; ++q) am[r][q] = (vload<v>(hs + j + q * L) - mr[r]) - acc[r][q] * k;
           }
         }
@@ -523,7 +526,7 @@ static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
       v thr = vset<v>(m + Consts<T>::TH);
       if (__builtin_expect(any_gt(a0, thr) || any_gt(a1, thr), 0)) {
         T nm = std::max(hmax(a0), hmax(a1));
-        if (nm > m) { T f = std::exp2(m - nm); s0 *= f; s1 *= f; m = nm; }
+        if (nm > m + Consts<T>::TH) { T f = std::exp2(m - (nm + Consts<T>::H)); s0 *= f; s1 *= f; m = nm + Consts<T>::H; }
       }
       s0 += vexp2(a0 - m);
       s1 += vexp2(a1 - m);
@@ -531,7 +534,7 @@ static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
     T s = hsum(s0 + s1);
     for (; j < M; ++j) {
       T a = hb[j] - c[j] * inv_eps;
-      if (a > m + Consts<T>::TH) { s *= std::exp2(m - a); m = a; }
+      if (a > m + Consts<T>::TH) { s *= std::exp2(m - (a + Consts<T>::H)); m = a + Consts<T>::H; }
       if (a - m > Consts<T>::LO) s += std::exp2(a - m);
     }
     out[t] = oscale * ((m == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m + std::log2(s));
@@ -570,7 +573,8 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
         v mq = mv[q];
         v amax = a0 > a1 ? a0 : a1;
         if (__builtin_expect(any_gt(amax, mq + Consts<T>::TH), 0)) {
-          v nm = amax > mq ? amax : mq;
+          v up = amax + Consts<T>::H;  // raise every lane that trails the block by H
+          v nm = up > mq ? up : mq;
           sv[q] *= vexp2(mq - nm);
           mv[q] = mq = nm;
         }
@@ -580,7 +584,7 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
         const int64_t u = q - nv * L;
         for (int k = 0; k < 2; ++k) {
           T a = (k ? h1 : h0) - (k ? c1 : c0)[q] * inv_eps;
-          if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - a); ms[u] = a; }
+          if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - (a + Consts<T>::H)); ms[u] = a + Consts<T>::H; }
           if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
         }
       }
@@ -592,7 +596,8 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
         v a = hi - vload<v>(c + q * L) * inv_eps;
         v thr = mv[q] + Consts<T>::TH;
         if (__builtin_expect(any_gt(a, thr), 0)) {
-          v nm = a > mv[q] ? a : mv[q];
+          v up = a + Consts<T>::H;
+          v nm = up > mv[q] ? up : mv[q];
           sv[q] *= vexp2(mv[q] - nm);
           mv[q] = nm;
         }
@@ -601,7 +606,7 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
       for (int64_t q = nv * L; q < w; ++q) {
         const int64_t u = q - nv * L;
         T a = hi - c[q] * inv_eps;
-        if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - a); ms[u] = a; }
+        if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - (a + Consts<T>::H)); ms[u] = a + Consts<T>::H; }
         if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
       }
     }

@@ -6,13 +6,16 @@ micro-kernel), the cost ``s (|x|^2 + |y|^2 - 2<x, y>)`` (explicit form, as in th
 running LogSumExp, with nothing but O((N + M) D) memory.
 
 Cached cost: for moderate N M and large D, the cost matrix of an (x, y) pair is
-computed once (one MKL GEMM through torch) and kept in a small LRU keyed on the
+computed once (one MKL GEMM per row chunk through torch, on the augmented points
+``[x, |x|^2, 1] . [-2y, 1, |y|^2]``) and kept in a small LRU keyed on the
 tensors' data pointers, shapes, strides and version counters; each later softmin
 (either direction: ``softmin(y, x)`` streams the transpose) is a memory-bound
 exp pass over it.  The cache holds a reference to ``x`` and ``y``, so their
 memory cannot be reused while an entry is alive (no stale hits after a free);
 in-place changes through autograd-visible ops bump the version and invalidate.
-Budget: ``FLASHOT_CPU_CACHE_BYTES`` (default 1 GiB).
+Budget: ``FLASHOT_CPU_CACHE_BYTES`` (default: 1/8 of the physical memory, or of the
+cgroup limit when lower; at least 256 MiB).  An evicted matrix of the same size is
+reused as the next one's buffer (a fresh 1.6 GB buffer costs ~0.25 s of page faults).
 
 Options (constructor or environment): ``mode`` = ``"auto"`` | ``"stream"`` |
 ``"cache"`` (``FLASHOT_CPU_MODE``); ``cache_bytes``; ``threads`` (default
@@ -40,7 +43,32 @@ LN2 = 0.6931471805599453
 ZERO_W_F32 = -1e38
 PAD = 64  # columns are padded to a multiple of this (>= 16 * max vectors per micro-kernel)
 
-DEFAULT_CACHE_BYTES = 1 << 30
+MIN_DEFAULT_CACHE_BYTES = 256 << 20
+
+
+def _memory_bytes() -> int | None:
+    """Physical memory, or the cgroup (v2 / v1) memory limit when that is lower."""
+    total = None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                v = f.read().strip()
+            if v.isdigit() and (total is None or int(v) < total):
+                total = int(v)
+        except OSError:
+            pass
+    return total
+
+
+def default_cache_bytes() -> int:
+    """1/8 of the machine's (or cgroup's) memory, at least 256 MiB (1 GiB if unknown)."""
+    mem = _memory_bytes()
+    return 1 << 30 if mem is None else max(MIN_DEFAULT_CACHE_BYTES, mem // 8)
+
 # auto: use the cached cost matrix from the second call on a pair when D >= this
 # (measured crossover, see benchmarks/CPU_ENGINE.md) and it fits the budget.
 CACHE_MIN_D = 16
@@ -84,7 +112,7 @@ class CpuEngine:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         self.mode = mode
         self.cache_bytes = int(cache_bytes) if cache_bytes is not None else _env_int(
-            "FLASHOT_CPU_CACHE_BYTES", DEFAULT_CACHE_BYTES)
+            "FLASHOT_CPU_CACHE_BYTES", default_cache_bytes())
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes: expected >= 0, got {self.cache_bytes}")
         self.threads = threads
@@ -120,9 +148,9 @@ class CpuEngine:
         h = self._check_vec(h, "h", (B, M), x)
         if N == 0 or M == 0:
             return torch.full((B, N), math.inf, dtype=x.dtype)
-        C, transposed = self._cached(x, y, cost)
-        if C is not None:
-            return self._softmin_cached(C, transposed, h, eps)
+        ent, transposed = self._cached(x, y, cost)
+        if ent is not None:
+            return self._softmin_cached(ent[0], ent[3], transposed, h, eps)
         self.stats["stream"] += 1
         return self._stream_lse(x, y, h, eps, cost, -eps)
 
@@ -259,7 +287,7 @@ class CpuEngine:
             if ent is not None:
                 self._cache.move_to_end(key)
                 self.stats["cache_hit"] += 1
-                return ent[0], tr
+                return ent, tr
         B, N, D = x.shape
         M = y.shape[1]
         nbytes = B * N * M * x.element_size()
@@ -281,15 +309,20 @@ class CpuEngine:
                 return None, False
         # build, evicting least-recently used entries to stay in budget
         used = sum(e[0].numel() * e[0].element_size() for e in self._cache.values())
+        spare = None
         while self._cache and (used + nbytes > self.cache_bytes or len(self._cache) >= self.max_entries):
             _, ev = self._cache.popitem(last=False)
             used -= ev[0].numel() * ev[0].element_size()
-        C = cost_matrix(x, y, cost)
-        self._cache[(kx, ky, cost.name)] = (C, x, y)
+            if ev[0].numel() == B * N * M and ev[0].dtype == x.dtype:
+                spare = ev[0]  # only the cache ever held it: reuse its (already faulted-in) pages
+        C, scale = raw_cost_matrix(x, y, cost, out=None if spare is None else spare.view(B, N, M))
+        ent = (C, x, y, scale)
+        self._cache[(kx, ky, cost.name)] = ent
         self.stats["cache_build"] += 1
-        return C, False
+        return ent, False
 
-    def _softmin_cached(self, C: Tensor, transposed: bool, h: Tensor, eps: float) -> Tensor:
+    def _softmin_cached(self, C: Tensor, scale: float, transposed: bool, h: Tensor, eps: float) -> Tensor:
+        """LSE pass over the cached raw matrix (cost = scale * C)."""
         B, N, M = C.shape
         lib = self.lib
         f32 = C.dtype == torch.float32
@@ -300,7 +333,7 @@ class CpuEngine:
             out = torch.empty(B, N, dtype=C.dtype)
             fn = lib.flashot_rows_lse_f32 if f32 else lib.flashot_rows_lse_f64
         h2 = _encode_zero_weights((h * LOG2E).contiguous())
-        rc = fn(_ptr(C), _ptr(h2), _ptr(out), B, N, M, LOG2E / eps, -eps * LN2, self._nthreads())
+        rc = fn(_ptr(C), _ptr(h2), _ptr(out), B, N, M, LOG2E * scale / eps, -eps * LN2, self._nthreads())
         if rc != 0:
             raise RuntimeError(f"cpu engine: cached-cost kernel returned {rc}")
         return out
@@ -313,25 +346,34 @@ def _encode_zero_weights(h: Tensor) -> Tensor:
     return h
 
 
-def cost_matrix(x: Tensor, y: Tensor, cost: Cost, rows: int = 2048) -> Tensor:
-    """(B, N, M) cost matrix built in row chunks (peak memory ~ the result)."""
+def raw_cost_matrix(x: Tensor, y: Tensor, cost: Cost, rows: int = 2048,
+                    out: Tensor | None = None) -> tuple[Tensor, float]:
+    """``(C, scale)`` with ``cost(x_i, y_j) = scale * C_ij``, C of shape (B, N, M), built in row chunks.
+
+    Squared costs: ``C = |x|^2 + |y|^2 - 2<x, y>`` as ONE GEMM per chunk on the augmented
+    points ``[x, |x|^2, 1]`` and ``[-2y, 1, |y|^2]`` (written straight into C; not clamped:
+    the matrix only feeds exponents, where a rounding-level negative entry is harmless,
+    like in the streaming kernel).  Euclidean: ``torch.cdist`` from coordinate differences,
+    with the cost's clamp.  ``out`` (optional) is reused as the buffer.
+    """
     B, N, D = x.shape
     M = y.shape[1]
-    C = torch.empty(B, N, M, dtype=x.dtype)
+    C = torch.empty(B, N, M, dtype=x.dtype) if out is None else out
     if cost.is_dot:
-        xx = (x * x).sum(-1)
-        yy = (y * y).sum(-1)
+        ones_x = torch.ones(B, N, 1, dtype=x.dtype)
+        ones_y = torch.ones(B, M, 1, dtype=x.dtype)
+        xa = torch.cat([x, (x * x).sum(-1, keepdim=True), ones_x], -1)
+        yaT = torch.cat([-2.0 * y, ones_y, (y * y).sum(-1, keepdim=True)], -1).transpose(1, 2)
+        for b in range(B):
+            for i0 in range(0, N, rows):
+                i1 = min(N, i0 + rows)
+                torch.mm(xa[b, i0:i1], yaT[b], out=C[b, i0:i1])
+        return C, float(cost.scale)
     for b in range(B):
         for i0 in range(0, N, rows):
             i1 = min(N, i0 + rows)
-            out = C[b, i0:i1]
-            if cost.is_dot:
-                torch.addmm(xx[b, i0:i1, None] + yy[b, None, :], x[b, i0:i1], y[b].T, beta=1.0, alpha=-2.0, out=out)
-                out.clamp_min_(0.0)
-                if cost.scale != 1.0:
-                    out.mul_(cost.scale)
-            else:
-                out.copy_(torch.cdist(x[b, i0:i1], y[b], compute_mode="donot_use_mm_for_euclid_dist"))
-                if cost.min_sqdist > 0:
-                    out.clamp_min_(math.sqrt(cost.min_sqdist))
-    return C
+            blk = C[b, i0:i1]
+            blk.copy_(torch.cdist(x[b, i0:i1], y[b], compute_mode="donot_use_mm_for_euclid_dist"))
+            if cost.min_sqdist > 0:
+                blk.clamp_min_(math.sqrt(cost.min_sqdist))
+    return C, 1.0
