@@ -173,7 +173,8 @@ def main(argv=None) -> int:
               "iteration on the first 2,048 points of each cloud, same code path) is not timed.",
               "- `vs flashot`: `s / iter` of the solver divided by that of the reference flashot engine, "
               "same run, same problem.  `% HW limit`: max(2nm / exp rate, 4nmd / GEMM rate) / `s / iter`, "
-              "with the exp and GEMM rates measured at the start of the run.",
+              "with the exp and GEMM rates measured at the start of the run; the exp rate is the faster of "
+              "`torch.exp` and flashot's own compiled vector exp (L2-resident buffer), both listed above.",
               "- `cores used`: CPU time of the worker process (all threads) during the timed runs / their wall "
               "time; below the core count it shows how much of the machine the solver actually got (other "
               "processes, or its own serial parts).",
@@ -181,6 +182,11 @@ def main(argv=None) -> int:
               "`+RSS MiB`: peak minus the RSS just before the first solve (points already loaded).",
               "- `value`: <a, f> + <b, g> from the solver's potentials after its iterations (float64 sum); "
               "`rel. diff`: |value - flashot's value after the same number of iterations| / |flashot's|.",
+              "- `torch-blocked` is the naive baseline, plain blocked PyTorch (mm + logsumexp): row blocks of "
+              "~2^23 entries, `S = h - addmm(|x|^2 + |y|^2, x, y^T, alpha=-2) / eps`, `-eps * logsumexp(S, 1)`, "
+              "alternating, no clamping or other tricks.  `flash-sinkhorn` (GPU only, CUDA + Triton) is called as "
+              "`SamplesLoss(backend='alternating', use_epsilon_scaling=False, eps=eps, n_iters=K, half_cost=False, "
+              "allow_tf32=False, potentials=True)` on CUDA tensors; without a GPU it is listed as missing.",
               "- POT and OTT update the y-potential first, so they are called with the clouds swapped; "
               "GeomLoss has no fixed-iteration alternating mode, so its own `softmin_tensorized` / "
               "`softmin_online` (KeOps formula `SqDist(X,Y)`, i.e. |x - y|^2, eps unchanged) are driven by a "

@@ -27,13 +27,13 @@ def _md_rows(path):
 
 def test_tiny_problem_agrees_with_pot_and_writes_markdown(tmp_path, capsys):
     md = tmp_path / "out.md"
-    rc = main(TINY + ["--in-process", "--peers", "pot-dense,pot-lazy,geomloss-tensorized,ott-dense",
+    rc = main(TINY + ["--in-process", "--peers", "torch-blocked,pot-dense,pot-lazy,geomloss-tensorized,ott-dense",
                       "--markdown", str(md)])
     assert rc == 0
     out = capsys.readouterr().out
     rows = {r["solver"]: r for r in _md_rows(md)}
     assert rows["flashot:auto (dense)"]["vs flashot"] == "1 (ref)"
-    for peer in ("pot-dense", "pot-lazy", "geomloss-tensorized"):
+    for peer in ("torch-blocked", "pot-dense", "pot-lazy", "geomloss-tensorized"):
         r = rows[peer]
         assert r["iters x runs"] == "2 x 1"
         assert float(r["rel. diff"]) < 1e-4, r
@@ -47,6 +47,9 @@ def test_tiny_problem_agrees_with_pot_and_writes_markdown(tmp_path, capsys):
         assert "ott-dense" not in rows
     else:
         assert float(rows["ott-dense"]["rel. diff"]) < 1e-4
+    # the measured limits: both exp rates (torch.exp and flashot's compiled vector exp), the faster one used
+    assert re.search(r"measured limits \(float32, \d+ threads\): exp: torch\.exp [\d.]+ G/s, flashot compiled "
+                     r"vector exp ([\d.]+ G/s|not measured \(.+\)); exp rate = the faster", out), out
     text = md.read_text()
     assert "Command: `flashot bench" in text and "Machine:" in text and "Versions:" in text
 

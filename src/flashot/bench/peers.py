@@ -36,13 +36,34 @@ array type to potentials ready in memory:
   and K (compile not timed), result blocked until ready.  OTT updates ``g`` first, so it is also
   called with the clouds swapped.  One marginal-error evaluation at the end of
   the K iterations is part of OTT's loop.
-* ``flash-sinkhorn``: needs CUDA + Triton; reported as missing here.
+* ``torch-blocked``: the naive baseline, "plain blocked PyTorch (mm + logsumexp)":
+  rows in blocks of about 2**23 cost entries; per block
+  ``S = h_j - (|x_i|^2 + |y_j|^2 - 2 x_i.y_j) / eps`` (the cost block from one
+  ``torch.addmm``), then ``f_block = -eps * torch.logsumexp(S, dim=1)``; K alternating
+  iterations (f from g, then g from the new f) from zero potentials.  No centring,
+  no clamping, no other tricks.
+* ``flash-sinkhorn`` (GPU only: CUDA + Triton; API read from flash-sinkhorn 0.4.1):
+  ``flash_sinkhorn.SamplesLoss(loss="sinkhorn", p=2, blur=sqrt(eps), debias=False,
+  potentials=True, backend="alternating", use_epsilon_scaling=False, eps=eps,
+  n_iters=K, half_cost=False, allow_tf32=False, threshold=None)`` called once as
+  ``loss(a, x, b, y)`` on CUDA tensors, then ``torch.cuda.synchronize()``.  Its
+  alternating solver updates f first (from g, then g from the new f), from zero
+  potentials, at a fixed eps for exactly ``n_iters`` iterations (no eps-scaling;
+  ``threshold=None``: no early stop); ``half_cost=False`` is the cost |x - y|^2
+  (``half_cost=True`` would halve it), and its potentials are in GeomLoss'
+  convention (``P = a b exp((f + g - C) / eps)``), i.e. ours, so they are used
+  unscaled.  It centres both clouds and computes in float32 whatever the input
+  dtype; strict float32 dot products (``allow_tf32=False``, its default is TF32).
+  Triton autotuning for the full shape is done by an untimed 1-iteration call in
+  ``prepare``.  Note that the flashot and other runners run on the CPU.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,7 +71,7 @@ import numpy as np
 
 from .problems import Problem
 
-# Rows per block for the batched peers (POT lazy, OTT online): about 2**23 cost entries.
+# Rows per block for the batched peers (POT lazy, OTT online, torch-blocked): about 2**23 cost entries.
 BLOCK_ENTRIES = 2**23
 
 
@@ -61,8 +82,15 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _find(mod: str) -> bool:
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except ValueError:  # in sys.modules without a __spec__ (a stub module)
+        return sys.modules.get(mod) is not None
+
+
 def _missing_modules(*mods: str) -> str | None:
-    miss = [m for m in mods if importlib.util.find_spec(m) is None]
+    miss = [m for m in mods if not _find(m)]
     return f"not installed ({', '.join(miss)})" if miss else None
 
 
@@ -347,26 +375,134 @@ class OttOnline(_Ott):
     note = "PointCloud(batch_size=2**23//m) + Sinkhorn(min=max=inner=K, threshold=-1), jit AOT, clouds swapped"
 
 
-# ----------------------------------------------------------------------------- flash-sinkhorn
-class FlashSinkhorn(Runner):
-    name = "flash-sinkhorn"
-    library = "flash-sinkhorn"
-    modules = ("flash_sinkhorn", "triton")
-    note = "needs CUDA + Triton"
+# ----------------------------------------------------------------------------- plain PyTorch
+class TorchBlocked(Runner):
+    """The naive baseline: plain blocked PyTorch (mm + logsumexp), no tricks."""
 
-    def missing(self):
-        why = _missing_modules("flash_sinkhorn")
-        if why:
-            return why + "; needs CUDA + Triton"
+    name = "torch-blocked"
+    library = "torch"
+    modules = ("torch",)
+    note = ("blocks of ~2**23 entries: S = h - addmm(|x|^2 + |y|^2, x, y^T, alpha=-2) / eps, "
+            "-eps * logsumexp(S, 1); K alternating iterations")
+
+    def setup(self, prob, x, y):
         import torch
 
-        if not torch.cuda.is_available():
-            return "installed, but needs CUDA (torch.cuda.is_available() is False)"
-        return ("installed with CUDA, but flashot bench has no runner for it yet "
-                "(its fixed-iteration API is not verified)")
+        a, b = prob.weights()
+        return dict(x=torch.from_numpy(x), y=torch.from_numpy(y), a_log=torch.from_numpy(a).log(),
+                    b_log=torch.from_numpy(b).log(), eps=prob.eps)
+
+    @staticmethod
+    def softmin(x, y, h, eps):
+        """``out_i = -eps * log sum_j exp(h_j - |x_i - y_j|^2 / eps)``, row blocks of ~BLOCK_ENTRIES entries."""
+        import torch
+
+        xx, yy = (x * x).sum(1), (y * y).sum(1)
+        yT = y.T
+        rows = max(1, BLOCK_ENTRIES // max(1, y.shape[0]))
+        out = torch.empty(x.shape[0], dtype=x.dtype)
+        for i in range(0, x.shape[0], rows):
+            xb = x[i:i + rows]
+            C = torch.addmm(xx[i:i + rows, None] + yy[None, :], xb, yT, beta=1.0, alpha=-2.0)
+            S = h[None, :] - C / eps
+            out[i:i + rows] = -eps * torch.logsumexp(S, dim=1)
+        return out
+
+    def solve(self, st, iters, record=False):
+        import torch
+
+        eps, x, y = st["eps"], st["x"], st["y"]
+        with torch.no_grad():
+            f = torch.zeros_like(st["a_log"])
+            g = torch.zeros_like(st["b_log"])
+            traj = []
+            for _ in range(iters):
+                f = self.softmin(x, y, st["b_log"] + g / eps, eps)
+                g = self.softmin(y, x, st["a_log"] + f / eps, eps)
+                if record:
+                    traj.append((f, g))
+        conv = lambda t: t.double().numpy()  # noqa: E731
+        return Result(conv(f), conv(g), [(conv(p), conv(q)) for p, q in traj] if record else None)
+
+
+# ----------------------------------------------------------------------------- flash-sinkhorn
+class FlashSinkhorn(Runner):
+    """flash-sinkhorn's fixed-eps alternating solver (GPU only).
+
+    API read from the flash-sinkhorn 0.4.1 wheel (``flash_sinkhorn/samples_loss.py`` and
+    ``sinkhorn_solvers.py``): ``SamplesLoss(backend="alternating")`` requires
+    ``use_epsilon_scaling=False`` and both ``eps`` and ``n_iters``; with ``potentials=True`` it runs
+    ``sinkhorn_flashstyle_alternating`` for exactly ``[eps] * n_iters`` (``blur`` is then unused;
+    ``threshold=None`` disables its early stop) and returns ``(f, g)`` in GeomLoss' convention
+    (``f = -eps LSE_j[(g_j - C_ij) / eps + log b_j]``), f updated first, from f = g = 0.
+    ``half_cost=False`` (``cost_scale = 1``) is the cost |x - y|^2: our problem unchanged, no
+    rescaling.  (With ``half_cost=True`` the same potentials would need eps / 2 and a factor 2.)
+    It requires CUDA tensors and computes in float32.
+    """
+
+    name = "flash-sinkhorn"
+    library = "flash-sinkhorn"
+    modules = ("flash_sinkhorn", "triton", "torch")
+    device = "cuda"
+    note = ("SamplesLoss(backend='alternating', use_epsilon_scaling=False, eps=eps, n_iters=K, half_cost=False, "
+            "allow_tf32=False, potentials=True, debias=False) on CUDA")
+
+    def missing(self):
+        """One line: which modules are absent and/or that there is no CUDA device (both when both)."""
+        why = []
+        mods = _missing_modules(*self.modules)
+        if mods:
+            why.append(mods)
+        if _find("torch"):
+            import torch
+
+            if not torch.cuda.is_available():
+                why.append("GPU only: needs CUDA (torch.cuda.is_available() is False)")
+        return "; ".join(why) or None
+
+    def loss_kwargs(self, eps: float, iters: int) -> dict:
+        """Keyword arguments of ``flash_sinkhorn.SamplesLoss`` for K alternating iterations at eps on |x - y|^2."""
+        return dict(loss="sinkhorn", p=2, blur=math.sqrt(eps), debias=False, potentials=True,
+                    backend="alternating", use_epsilon_scaling=False, eps=float(eps), n_iters=int(iters),
+                    half_cost=False, allow_tf32=False, threshold=None)
+
+    def setup(self, prob, x, y):
+        import torch
+
+        a, b = prob.weights()
+        dev = torch.device(self.device)
+        return dict(x=torch.from_numpy(x).to(dev), y=torch.from_numpy(y).to(dev), a=torch.from_numpy(a).to(dev),
+                    b=torch.from_numpy(b).to(dev), eps=prob.eps, losses={})
+
+    def _sync(self):
+        import torch
+
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()
+
+    def _loss(self, st, iters):
+        if iters not in st["losses"]:
+            import flash_sinkhorn
+
+            st["losses"][iters] = flash_sinkhorn.SamplesLoss(**self.loss_kwargs(st["eps"], iters))
+        return st["losses"][iters]
+
+    def prepare(self, st, iters):
+        # Triton autotunes per (n, m) bucket and d: one untimed iteration on the full shape.
+        self._loss(st, iters)
+        self.solve(st, 1)
+
+    def solve(self, st, iters, record=False):
+        import torch
+
+        with torch.no_grad():
+            f, g = self._loss(st, iters)(st["a"], st["x"], st["b"], st["y"])
+            self._sync()
+        return Result(f.reshape(-1).double().cpu().numpy(), g.reshape(-1).double().cpu().numpy())
 
 
 PEERS: dict[str, Callable[[], Runner]] = {
+    "torch-blocked": TorchBlocked,
     "geomloss-tensorized": GeomLossTensorized,
     "geomloss-online": GeomLossOnline,
     "pot-dense": PotDense,

@@ -65,8 +65,11 @@ def markdown_table(res: BenchResult) -> str:
 def limits_lines(res: BenchResult) -> list[str]:
     out = []
     for dt, lim in res.limits.items():
-        out.append(f"measured limits ({dt}, {lim.threads} threads): exp {lim.exp_rate / 1e9:.3g} G/s, "
-                   f"GEMM {lim.gemm_rate / 1e9:.3g} GFLOP/s; limit per iteration = "
+        fl = (f"{lim.exp_rate_flashot / 1e9:.3g} G/s" if lim.exp_rate_flashot is not None
+              else f"not measured ({lim.build_error or 'cpu engine not built'})")
+        out.append(f"measured limits ({dt}, {lim.threads} threads): exp: torch.exp {lim.exp_rate_torch / 1e9:.3g} G/s, "
+                   f"flashot compiled vector exp {fl}; exp rate = the faster ({lim.exp_source}, "
+                   f"{lim.exp_rate / 1e9:.3g} G/s); GEMM {lim.gemm_rate / 1e9:.3g} GFLOP/s; limit per iteration = "
                    f"max(2nm / exp rate, 4nmd / GEMM rate)")
     return out
 
