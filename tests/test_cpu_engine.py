@@ -203,6 +203,78 @@ def test_lse_overflow_guard_paths(engines, dtype, D, shape):
         assert (out - ref).abs().max() <= tol, (eps, (out - ref).abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("D", [1, 3, 17, 64])
+def test_softmin_pair_matches_two_dense_softmins(engines, dtype, cost, D):
+    """One-exponential symmetric step == two softmins; zero weights and rows / columns whose
+    potentials are far off (forced recomputation) included.  Same tolerances as the softmin."""
+    eng = engines["stream"]
+    c = get_cost(cost)
+    x, y, _ = _problem(2, 61, 70, D, torch.float64, seed=5, neg_inf=False)
+    eps = _eps(cost, D)
+    a = torch.full((2, 61), -math.log(61.0), dtype=torch.float64)
+    b = torch.full((2, 70), -math.log(70.0), dtype=torch.float64)
+    f = DENSE.softmin(x, y, b, eps, c)  # potentials of a Sinkhorn state
+    g = DENSE.softmin(y, x, a + f / eps, eps, c)
+    hx, hy = a + f / eps, b + g / eps
+    hx[0, :4] = -math.inf  # zero weights
+    hy[1, -3:] = -math.inf
+    hx[1, 7] += 500.0  # overflow: row 7 and every column sum of problem 1
+    hy[0, 9] -= 500.0  # underflow: column 9 of problem 0
+    xs, ys, hxs, hys = (t.to(dtype) for t in (x, y, hx, hy))
+    before = eng.stats.get("pair_fixup", 0)
+    fx, fy = eng.softmin_pair(xs, ys, hxs, hys, eps, c)
+    assert eng.stats.get("pair_fixup", 0) > before  # the recomputation path ran
+    for out, p, q, h in ((fx, xs, ys, hys), (fy, ys, xs, hxs)):
+        ref = DENSE.softmin(p.double(), q.double(), h.double(), eps, c)
+        err = (out.double() - ref).abs()
+        # float32: the +-500 shifts enter the outputs as eps * 500: their rounding counts too
+        slack = 0.0 if dtype == torch.float64 else 2e-6 * eps * float(h[torch.isfinite(h)].abs().max())
+        assert torch.all(err <= _softmin_tol(dtype, p, q, cost, eps, ref) + slack), err.max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("D", [1, 3, 17, 64])
+@pytest.mark.parametrize("N", [5, 200, 403])
+def test_softmin_sym_matches_dense(engines, dtype, cost, D, N):
+    """Upper-triangle (half the exponentials) self softmin == dense softmin(x, x, h): sizes below,
+    at and across several row blocks, batched, zero weights and a forced recomputation."""
+    eng = engines["stream"]
+    c = get_cost(cost)
+    x, _, _ = _problem(2, N, 1, D, torch.float64, seed=7, neg_inf=False)
+    eps = _eps(cost, D)
+    a = torch.full((2, N), -math.log(N), dtype=torch.float64)
+    f = DENSE.softmin(x, x, a, eps, c)
+    f = DENSE.softmin(x, x, a + f / eps, eps, c)  # (not converged, close enough)
+    h = a + f / eps
+    h[0, : min(3, N - 1)] = -math.inf
+    h[1, N // 2] += 400.0  # overflow in that row and column
+    xs, hs = x.to(dtype), h.to(dtype)
+    out = eng.softmin_sym(xs, hs, eps, c)
+    ref = DENSE.softmin(xs.double(), xs.double(), hs.double(), eps, c)
+    err = (out.double() - ref).abs()
+    slack = 0.0 if dtype == torch.float64 else 2e-6 * eps * 400.0
+    assert torch.all(err <= _softmin_tol(dtype, xs, xs, cost, eps, ref) + slack), err.max()
+
+
+def test_softmin_pair_clean_state_needs_no_recomputation(engines):
+    """On a Sinkhorn state (the solver's use) every row and column is taken from the fused pass."""
+    eng = engines["stream"]
+    c = get_cost("sqeuclidean")
+    x, y, _ = _problem(1, 400, 500, 3, torch.float32, seed=6, neg_inf=False)
+    a = torch.full((1, 400), -math.log(400.0))
+    b = torch.full((1, 500), -math.log(500.0))
+    f = eng.softmin(x, y, b, 0.1, c)
+    g = eng.softmin(y, x, a + f / 0.1, 0.1, c)
+    before = eng.stats.get("pair_fixup", 0)
+    fx, fy = eng.softmin_pair(x, y, a + f / 0.1, b + g / 0.1, 0.1, c)
+    assert eng.stats.get("pair_fixup", 0) == before
+    ref = DENSE.softmin(x.double(), y.double(), (b + g / 0.1).double(), 0.1, c)
+    assert (fx.double() - ref).abs().max() <= 2e-6 * (c.matrix(x.double(), y.double()).max() + 0.1)
+
+
 def test_cache_lifecycle(lib):
     from flashot.ops.cpu.engine import CACHE_MIN_D, CpuEngine
 
@@ -239,6 +311,34 @@ def test_cache_lifecycle(lib):
     assert small.stats["cache_build"] == 0
     with pytest.raises(ValueError, match="FLASHOT_CPU_CACHE_BYTES"):
         CpuEngine(lib, mode="cache", cache_bytes=1000).softmin(x, y, h, 1.0, c)
+
+
+def test_cache_does_not_thrash(lib):
+    """A debiased loss cycles over three pairs (xy, xx, yy).  With room for one matrix, auto keeps
+    the first one it built and streams the others (no rebuild per call); a new problem's pair
+    takes over once the old entry has gone cold."""
+    from flashot.ops.cpu.engine import CACHE_MIN_D, HOT_CALLS, CpuEngine
+
+    c = get_cost("sqeuclidean")
+    D = max(CACHE_MIN_D, 20)
+    x, y, _ = _problem(1, 64, 64, D, torch.float32, neg_inf=False)
+    h = torch.zeros(1, 64)
+    eng = CpuEngine(lib, mode="auto", cache_bytes=64 * 64 * 4)
+    ref = DENSE.softmin(x.double(), x.double(), h.double(), 1.0, c)
+    for _ in range(6):
+        eng.softmin(x, y, h, 1.0, c)
+        eng.softmin(y, x, h, 1.0, c)
+        out = eng.softmin(x, x, h, 1.0, c)
+        eng.softmin(y, y, h, 1.0, c)
+    assert (out.double() - ref).abs().max() < 1e-3
+    assert eng.stats["cache_build"] == 1 and eng.stats["cache_hit"] == 10  # xy from round 2 on, both ways
+    # a new problem: the old matrix is not used any more and is replaced once cold
+    x2, y2 = x + 1.0, y - 1.0
+    for _ in range(HOT_CALLS + 3):
+        out2 = eng.softmin(x2, y2, h, 1.0, c)
+    assert eng.stats["cache_build"] == 2
+    ref2 = DENSE.softmin(x2.double(), y2.double(), h.double(), 1.0, c)
+    assert (out2.double() - ref2).abs().max() < 1e-3
 
 
 def test_bad_inputs(engines):
@@ -377,3 +477,31 @@ def test_samples_loss_end_to_end_with_gradient(lib, p):
         grads.append(gx)
     assert torch.allclose(vals[0], vals[1], rtol=1e-9, atol=1e-12)
     assert (grads[0] - grads[1]).abs().max() <= 1e-9 * grads[1].abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("reach", [None, 0.5])
+@pytest.mark.parametrize("debias", [True, False])
+def test_samples_loss_fused_symmetric_steps(lib, dtype, reach, debias):
+    """SamplesLoss on backend='cpu' takes the fused steps (softmin_pair for xy / yx, softmin_sym for
+    the debiasing terms); values and gradients match the tiled engine, which has neither.
+    Measured differences: float64 ~1e-14, float32 ~1e-6 relative."""
+    import flashot
+    from flashot.ops.registry import get_engine
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 400, 3, generator=g, dtype=torch.float64).to(dtype)
+    y = (0.5 * torch.randn(2, 350, 3, generator=g, dtype=torch.float64) + 0.3).to(dtype)
+    eng = get_engine("cpu", device=x.device, dtype=dtype, cost=get_cost("sqeuclidean"), size=(2, 400, 350, 3))
+    pairs0 = eng.stats.get("pair", 0)
+    vals, grads = [], []
+    for backend in ("cpu", "tiled"):
+        xx = x.clone().requires_grad_(True)
+        L = flashot.SamplesLoss(p=2, blur=0.05, reach=reach, debias=debias, backend=backend)(xx, y)
+        (gx,) = torch.autograd.grad(L.sum(), xx)
+        vals.append(L.detach().double())
+        grads.append(gx.double())
+    assert eng.stats.get("pair", 0) > pairs0
+    rtol = 1e-10 if dtype == torch.float64 else 2e-5
+    assert torch.allclose(vals[0], vals[1], rtol=rtol, atol=rtol * float(vals[1].abs().max())), (vals, rtol)
+    assert (grads[0] - grads[1]).abs().max() <= 20 * rtol * grads[1].abs().max()

@@ -3,7 +3,8 @@
 Holds batched (B, N, D) / (B, M, D) points centred on a common point (the
 costs are translation invariant; centring avoids float32 cancellation in the
 GEMM expansion), the weights, their logs (``-inf`` for zero weights) and the
-engine.  The solver only calls :meth:`softmin_x` / :meth:`softmin_y` and the
+engine.  The solver only calls :meth:`softmin_x` / :meth:`softmin_y` (or both at once,
+:meth:`softmin_pair`, for symmetric updates) and the
 differentiable variants used in the final step.
 """
 
@@ -78,13 +79,25 @@ class Measures:
         """``g_j = -eps log sum_i exp(h_i - C(x_i, y_j)/eps)``, h: (B, N)."""
         return self.engine.softmin(self.y.detach(), self.x.detach(), h, eps, self.cost)
 
+    def softmin_pair(self, hx: Tensor, hy: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """``(softmin_x(hy), softmin_y(hx))``: one fused pass where the engine has ``softmin_pair``."""
+        pair = getattr(self.engine, "softmin_pair", None)
+        if pair is not None:
+            return pair(self.x.detach(), self.y.detach(), hx, hy, eps, self.cost)
+        return self.softmin_x(hy, eps), self.softmin_y(hx, eps)
+
     def softmin_xx(self, h: Tensor, eps: float) -> Tensor:
-        xd = self.x.detach()
-        return self.engine.softmin(xd, xd, h, eps, self.cost)
+        """``softmin(x, x, h)`` (debiasing); the engine's ``softmin_sym`` when it has one."""
+        return self._self_softmin(self.x.detach(), h, eps)
 
     def softmin_yy(self, h: Tensor, eps: float) -> Tensor:
-        yd = self.y.detach()
-        return self.engine.softmin(yd, yd, h, eps, self.cost)
+        return self._self_softmin(self.y.detach(), h, eps)
+
+    def _self_softmin(self, p: Tensor, h: Tensor, eps: float) -> Tensor:
+        sym = getattr(self.engine, "softmin_sym", None)
+        if sym is not None:
+            return sym(p, h, eps, self.cost)
+        return self.engine.softmin(p, p, h, eps, self.cost)
 
     # -- differentiable variants (final step) -------------------------------------------
     def softmin_grad(self, side: str, h: Tensor, eps: float) -> Tensor:

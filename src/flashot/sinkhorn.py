@@ -166,8 +166,8 @@ def sinkhorn_loop(
                 check = it % inner == 0 or it == n_total
                 need_err = acc is not None or (want_err and check)
                 if symmetric:
-                    ft = lx * m.softmin_x(b_log + g / eps, eps)
-                    gt = ly * m.softmin_y(a_log + f / eps, eps)
+                    sx, sy = m.softmin_pair(a_log + f / eps, b_log + g / eps, eps)
+                    ft, gt = lx * sx, ly * sy
                     if need_err:
                         err_t = torch.maximum(
                             _error(m, f, ft, eps, "x", balanced), _error(m, g, gt, eps, "y", balanced)

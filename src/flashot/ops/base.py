@@ -16,6 +16,11 @@ dtype (float32 or float64) and device.  ``eps`` is a positive Python float.
   With ``alpha = f / eps + log a`` and ``beta = g / eps + log b`` this is
   ``P @ V`` for the entropic plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``.
 
+Optional: ``softmin_pair(x, y, hx, hy, eps, cost)`` -> ``(softmin(x, y, hy), softmin(y, x, hx))``
+in one pass (the symmetric Sinkhorn step), and ``softmin_sym(x, h, eps, cost)`` ->
+``softmin(x, x, h)`` (the debiasing problems); the solver falls back to ``softmin`` calls
+for engines without them.
+
 The transposed forms are the same calls with the roles of (x, alpha) and
 (y, beta) swapped: every supported cost is symmetric.  Zero weights enter as
 ``-inf`` log-weights and must contribute exactly nothing (no NaN).

@@ -174,7 +174,7 @@ template <> struct Consts<float> { static constexpr float TH = 60.0f, H = 30.0f,
 template <> struct Consts<double> { static constexpr double TH = 200.0, H = 100.0, SENT = -1e300, LO = -1009.0; };
 
 enum { KIND_DOT = 0, KIND_DIRECT = 1 };
-enum { MODE_LSE = 0, MODE_P = 1 };
+enum { MODE_LSE = 0, MODE_P = 1, MODE_PAIR = 2 };
 enum { W_ONE = 0, W_COST = 1, W_INV = 2 };
 
 struct Args {
@@ -185,6 +185,8 @@ struct Args {
 };
 
 // One panel of R rows (x: R consecutive rows, row stride D) over columns [j0, j1).
+// MODE_PAIR: m[r] is the row's log-weight hx_r (base 2); adds E = 2^(hx_r + hs_j - k c) to the
+// row sums sum[r] and, summed over the R rows, to the column sums P[j] (P spans all columns).
 // MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
 // exp(s - m[r]) * W  (m[r] = normalising LSE of the row, given).
 template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK, bool CK = true>
@@ -208,7 +210,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
     if (KIND == KIND_DOT) for (int d = 0; d < D; ++d) s += x[r * D + d] * x[r * D + d];
     xx[r] = s;
     mr[r] = m[r];
-    if (MODE == MODE_LSE) sm[r] = sum[r];
+    if (MODE != MODE_P) sm[r] = sum[r];
   }
   for (int64_t j = j0; j < j1; j += L * NV) {
     // dot costs: acc starts at |x_r|^2 + |y_j|^2 and accumulates -2 x_rd y_jd, so
@@ -240,6 +242,28 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
           }
         }
       }
+    }
+    if (MODE == MODE_PAIR) {
+      // one exponential per pair feeds both the row and the column sum (no max: the
+      // caller checks the sums and recomputes rows / columns that under- or overflowed)
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) {
+        const v hq = vload<v>(hs + j + q * L);
+        v colv = zero;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          v c = acc[r][q];
+          if (KIND == KIND_DIRECT) {
+            c = c < minsq ? minsq : c;
+            c = vsqrt(c);
+          }
+          const v e = vexp2((hq + mr[r]) - c * k);
+          sm[r] += e;
+          colv += e;
+        }
+        vstore(P + j + q * L, vload<v>(P + j + q * L) + colv);
+      }
+      continue;
     }
     if (MODE == MODE_LSE) {
       // s - m for the whole R x NV block first, then ONE check of its maximum
@@ -307,7 +331,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
       }
     }
   }
-  if (MODE == MODE_LSE) {
+  if (MODE != MODE_P) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) { m[r] = mr[r]; sum[r] = sm[r]; }
   }
@@ -410,6 +434,54 @@ static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* o
       T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log2(hsum(sum[r]));
       out[b * N + i0 + r] = oscale * lse;
     }
+  }
+}
+
+// Symmetric Sinkhorn step in one pass: rsum[b, i] = sum_j E_ij and csum[b, j] = sum_i E_ij with
+// E_ij = 2^(hx_i + hs_j - k c_ij) (base-2 log-weights, no running max).  Each thread keeps its own
+// column sums (B * Mp values), added up at the end.
+// SYM (y is x, hs is hx padded): E is symmetric, so only the upper triangle is computed, by
+// blocks: a row block takes its diagonal block (row sums only) and the columns right of it
+// (row and column sums); the full row sum is then rsum + csum: half the exponentials.
+template <typename T, int R, int NV, int KIND, int DS, bool SYM>
+static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum, int B,
+                      int64_t N, int64_t Mp, const Args& a, int64_t l2, int nth) {
+  typedef typename VT<T>::v v;
+  const int D = a.D;
+  const int RB = R * 16;
+  const int64_t nb = (N + RB - 1) / RB;
+  const int64_t bm = col_chunk(D, 3, Mp, (int64_t)VT<T>::L * NV, l2, sizeof(T));
+  std::fill(csum, csum + (int64_t)B * Mp, (T)0);
+#pragma omp parallel num_threads(nth)
+  {
+    std::vector<T> cacc((size_t)B * Mp, (T)0);
+    std::vector<T> scratch(SYM ? (size_t)Mp : 0);  // column sums of diagonal blocks: discarded
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+      const int64_t b = t / nb, i0 = (t % nb) * RB;
+      const int nr = (int)std::min<int64_t>(RB, N - i0);
+      T m[RB];
+      v sum[RB];
+      for (int r = 0; r < nr; ++r) { m[r] = hx[b * N + i0 + r]; sum[r] = v{}; }
+      const T* xb = x + (b * N + i0) * D;
+      const T* yTb = yT + b * (int64_t)D * Mp;
+      const T* yyb = yy + b * Mp;
+      const T* hb = hs + b * Mp;
+      int64_t jstart = 0;
+      if (SYM) {
+        jstart = std::min<int64_t>(Mp, i0 + RB);
+        panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, i0, jstart, a, m, sum,
+                                                         scratch.data(), 0);
+      }
+      for (int64_t j0 = jstart; j0 < Mp; j0 += bm) {
+        const int64_t j1 = std::min(Mp, j0 + bm);
+        panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum,
+                                                         cacc.data() + b * Mp, 0);
+      }
+      for (int r = 0; r < nr; ++r) rsum[b * N + i0 + r] = hsum(sum[r]);
+    }
+#pragma omp critical
+    for (int64_t j = 0; j < (int64_t)B * Mp; ++j) csum[j] += cacc[j];
   }
 }
 
@@ -642,6 +714,33 @@ static int softmin_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T
   return -1;
 }
 
+template <typename T, int KIND, bool SYM>
+static int pair_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, int B,
+                         int64_t N, int64_t Mp, const Args& a, int cfg, int64_t l2, int nth) {
+  if (cfg == 0) {
+    switch (a.D) {
+      case 1: pair_impl<T, 12, 1, KIND, 1, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
+      case 2: pair_impl<T, 12, 1, KIND, 2, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
+      case 3: pair_impl<T, 12, 1, KIND, 3, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
+      default: pair_impl<T, 4, 2, KIND, 0, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
+    }
+  }
+  if (cfg == 3) { pair_impl<T, 4, 4, KIND, 0, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0; }
+  return -1;
+}
+
+template <typename T>
+static int pair_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, int B, int64_t N,
+                      int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg, int sym, int64_t l2,
+                      int nth) {
+  Args a{D, Mp, kcoef, minsq};
+#define FL_PAIR(KD, S) return pair_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, cfg, l2, nth)
+  if (kind == KIND_DOT) { if (sym) FL_PAIR(KIND_DOT, true); FL_PAIR(KIND_DOT, false); }
+  if (kind == KIND_DIRECT) { if (sym) FL_PAIR(KIND_DIRECT, true); FL_PAIR(KIND_DIRECT, false); }
+#undef FL_PAIR
+  return -2;
+}
+
 template <typename T>
 static int softmin_entry(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N, int64_t Mp,
                          int D, double kcoef, double minsq, int kind, double oscale, int cfg, int64_t l2, int nth) {
@@ -673,7 +772,7 @@ static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
 
 extern "C" {
 
-int flashot_abi_version() { return 3; }
+int flashot_abi_version() { return 4; }
 
 int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
@@ -684,6 +783,16 @@ int flashot_softmin_f64(const double* x, const double* yT, const double* yy, con
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
                         int64_t l2, int nth) {
   return softmin_entry<double>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
+}
+int flashot_pair_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
+                     float* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg,
+                     int sym, int64_t l2, int nth) {
+  return pair_entry<float>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, D, kcoef, minsq, kind, cfg, sym, l2, nth);
+}
+int flashot_pair_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
+                     double* rs, double* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
+                     int cfg, int sym, int64_t l2, int nth) {
+  return pair_entry<double>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, D, kcoef, minsq, kind, cfg, sym, l2, nth);
 }
 int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
                      const float* alpha, const float* VTm, int K, float* out, int B, int64_t N, int64_t Mp, int D,

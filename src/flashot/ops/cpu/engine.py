@@ -41,6 +41,10 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2: they take h * log2(e),
 LN2 = 0.6931471805599453
 # float32 kernels take zero weights as this finite log-weight (their exp2 needs no -inf test)
 ZERO_W_F32 = -1e38
+# softmin_pair: a row / column sum below this (or not finite) is recomputed by the plain softmin.
+# Terms flushed to zero (< 2^-126 each, < 2^-99 in all for up to 2^27 of them) are then below
+# 2^-24 of the sum, i.e. below float32 resolution.
+PAIR_MIN_SUM = 2.0 ** -75
 PAD = 64  # columns are padded to a multiple of this (>= 16 * max vectors per micro-kernel)
 
 MIN_DEFAULT_CACHE_BYTES = 256 << 20
@@ -77,6 +81,8 @@ SMALL_D = 32
 LARGE_D_CFG = 3
 L2_BYTES = 512 * 1024
 MODES = ("auto", "stream", "cache")
+# auto: a cached matrix hit within this many cache lookups is never evicted for another one
+HOT_CALLS = 8
 
 
 def _env_int(name: str, default: int) -> int:
@@ -120,7 +126,9 @@ class CpuEngine:
             raise ValueError(f"cfg: expected None (by d), 0 (4x32 micro-kernel) or 3 (4x64), got {cfg!r}")
         self.cfg = cfg
         self.max_entries = int(max_entries)
-        self._cache: OrderedDict = OrderedDict()  # key -> (C, x, y)
+        self._cache: OrderedDict = OrderedDict()  # key -> (C, x, y, scale)
+        self._last_use: dict = {}  # key -> value of self._calls when the entry was last hit / built
+        self._calls = 0
         self._seen: OrderedDict = OrderedDict()  # pair keys seen once (auto builds on the 2nd call)
         self.stats = {"stream": 0, "cache_hit": 0, "cache_build": 0}
         self._lock = threading.Lock()
@@ -140,6 +148,7 @@ class CpuEngine:
         with self._lock:
             self._cache.clear()
             self._seen.clear()
+            self._last_use.clear()
 
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
         x, y, eps = self._check_xy(x, y, eps, cost)
@@ -153,6 +162,74 @@ class CpuEngine:
             return self._softmin_cached(ent[0], ent[3], transposed, h, eps)
         self.stats["stream"] += 1
         return self._stream_lse(x, y, h, eps, cost, -eps)
+
+    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
+                     cost: Cost) -> tuple[Tensor, Tensor]:
+        """Symmetric Sinkhorn step: ``(softmin(x, y, hy), softmin(y, x, hx))`` with ONE exponential per pair.
+
+        With ``s_ij = hx_i + hy_j - C_ij / eps`` (for ``hx = log a + f/eps``, ``hy = log b + g/eps``
+        this is the log of the plan), ``softmin(x, y, hy)_i = -eps (log sum_j e^{s_ij} - hx_i)`` and
+        ``softmin(y, x, hx)_j = -eps (log sum_i e^{s_ij} - hy_j)``: one streamed pass gives both sums
+        (no running maximum: the potentials of a Sinkhorn iteration keep ``s`` near its fixed-point
+        range).  Rows / columns whose sum is not finite or below ``PAIR_MIN_SUM`` (zero weights, or
+        potentials far from consistent, e.g. the first step after a jump in eps) are recomputed
+        with the ordinary streamed softmin, so the result never depends on that assumption.
+        """
+        x, y, eps = self._check_xy(x, y, eps, cost)
+        B, N, D = x.shape
+        M = y.shape[1]
+        hx = self._check_vec(hx, "hx", (B, N), x)
+        hy = self._check_vec(hy, "hy", (B, M), x)
+        if N == 0 or M == 0 or self._cached(x, y, cost)[0] is not None:
+            return self.softmin(x, y, hy, eps, cost), self.softmin(y, x, hx, eps, cost)
+        rsum, csum = self._pair_sums(x, y, hx, hy, eps, cost, sym=False)
+        fx = self._from_sums(rsum, hx, eps, x, y, hy, cost)
+        fy = self._from_sums(csum, hy, eps, y, x, hx, cost)
+        return fx, fy
+
+    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+        """``softmin(x, x, h)`` for the symmetric (debiasing) problems, with half the exponentials.
+
+        ``s_ij = h_i + h_j - C(x_i, x_j) / eps`` is symmetric: the kernel computes its upper
+        triangle only (by blocks) and adds row and column sums.  Same safeguards as
+        :meth:`softmin_pair`.
+        """
+        x, x2, eps = self._check_xy(x, x, eps, cost)
+        B, N, D = x.shape
+        h = self._check_vec(h, "h", (B, N), x)
+        if N == 0 or self._cached(x, x, cost)[0] is not None:
+            return self.softmin(x, x, h, eps, cost)
+        rsum, csum = self._pair_sums(x, x, h, h, eps, cost, sym=True)
+        return self._from_sums(rsum + csum, h, eps, x, x, h, cost)
+
+    def _pair_sums(self, x, y, hx, hy, eps, cost, sym: bool):
+        B, N, D = x.shape
+        M = y.shape[1]
+        self.stats["pair"] = self.stats.get("pair", 0) + 1
+        kind, kcoef, minsq = self._cost_args(cost, eps)
+        yT, yy, hs, Mp = self._prep_y(y, hy, kind)
+        hx2 = _encode_zero_weights((hx * LOG2E).contiguous())
+        rsum = torch.empty(B, N, dtype=x.dtype)
+        csum = torch.empty(B, Mp, dtype=x.dtype)
+        fn = self.lib.flashot_pair_f32 if x.dtype == torch.float32 else self.lib.flashot_pair_f64
+        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(hx2), _ptr(rsum), _ptr(csum), B, N, Mp, D, kcoef, minsq,
+                kind, self._kernel_cfg(D), int(sym), L2_BYTES, self._nthreads())
+        if rc != 0:
+            raise RuntimeError(f"cpu engine: pair kernel returned {rc}")
+        return rsum, csum[:, :M]
+
+    def _from_sums(self, sums, h, eps, pts, other, h_other, cost):
+        """``-eps (log sums - h)``; entries whose sum is unusable are recomputed by the streamed softmin."""
+        out = -eps * (sums.log() - h)
+        bad = ~(torch.isfinite(sums) & (sums >= PAIR_MIN_SUM))
+        if bool(bad.any()):
+            self.stats["pair_fixup"] = self.stats.get("pair_fixup", 0) + int(bad.sum())
+            for b in range(out.shape[0]):
+                idx = bad[b].nonzero().squeeze(1)
+                if idx.numel():
+                    sub = pts[b:b + 1, idx].contiguous()
+                    out[b, idx] = self._stream_lse(sub, other[b:b + 1], h_other[b:b + 1], eps, cost, -eps)[0]
+        return out
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
         if weight not in WEIGHTS:
@@ -282,10 +359,12 @@ class CpuEngine:
 
     def _cached_locked(self, x: Tensor, y: Tensor, cost: Cost):
         kx, ky = _tkey(x), _tkey(y)
+        self._calls += 1
         for key, tr in (((kx, ky, cost.name), False), ((ky, kx, cost.name), True)):
             ent = self._cache.get(key)
             if ent is not None:
                 self._cache.move_to_end(key)
+                self._last_use[key] = self._calls
                 self.stats["cache_hit"] += 1
                 return ent, tr
         B, N, D = x.shape
@@ -307,17 +386,34 @@ class CpuEngine:
                 while len(self._seen) > 16:
                     self._seen.popitem(last=False)
                 return None, False
-        # build, evicting least-recently used entries to stay in budget
-        used = sum(e[0].numel() * e[0].element_size() for e in self._cache.values())
+        # build, evicting least-recently used entries to stay in budget.  In auto mode only
+        # *cold* entries (no hit in the last HOT_CALLS calls) may go: a solver that cycles over
+        # more pairs than fit (a debiased loss: xy, xx, yy) keeps what fits and streams the
+        # rest, instead of rebuilding a matrix on every call.
+        def size(e):
+            return e[0].numel() * e[0].element_size()
+
+        used = sum(size(e) for e in self._cache.values())
+        victims = []
+        for key in self._cache:  # oldest first
+            if used + nbytes <= self.cache_bytes and len(self._cache) - len(victims) < self.max_entries:
+                break
+            if self.mode == "auto" and self._calls - self._last_use.get(key, 0) <= HOT_CALLS:
+                continue
+            victims.append(key)
+            used -= size(self._cache[key])
+        if used + nbytes > self.cache_bytes or len(self._cache) - len(victims) >= self.max_entries:
+            return None, False  # (auto only: forced mode may evict anything)
         spare = None
-        while self._cache and (used + nbytes > self.cache_bytes or len(self._cache) >= self.max_entries):
-            _, ev = self._cache.popitem(last=False)
-            used -= ev[0].numel() * ev[0].element_size()
+        for key in victims:
+            ev = self._cache.pop(key)
+            self._last_use.pop(key, None)
             if ev[0].numel() == B * N * M and ev[0].dtype == x.dtype:
                 spare = ev[0]  # only the cache ever held it: reuse its (already faulted-in) pages
         C, scale = raw_cost_matrix(x, y, cost, out=None if spare is None else spare.view(B, N, M))
         ent = (C, x, y, scale)
         self._cache[(kx, ky, cost.name)] = ent
+        self._last_use[(kx, ky, cost.name)] = self._calls
         self.stats["cache_build"] += 1
         return ent, False
 
