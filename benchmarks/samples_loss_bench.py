@@ -72,7 +72,7 @@ def time_call(fn, x, y, runs: int):
         xx = x.clone().requires_grad_(True)
         L = fn(xx, y)
         L.backward()
-        return float(L)
+        return float(L.detach())
 
     val = once()  # warm-up (compiles, caches)
     ts = []
