@@ -231,7 +231,9 @@ def main(argv=None) -> int:
         if args.million_from and os.path.exists(args.million_from):
             with open(args.million_from) as fh:
                 lines += [f"Measured separately with the same command (file `{os.path.relpath(args.million_from, ROOT)}`, "
-                          "included by `--million-from`):", "", fh.read().strip(), ""]
+                          "included by `--million-from`):", "",
+                          "\n".join(f"**{ln[3:]}**" if ln.startswith("## ") else ln
+                                    for ln in fh.read().strip().splitlines()), ""]
     with open(args.out, "w") as fh:
         fh.write("\n".join(lines))
     print(f"wrote {args.out} in {elapsed:.0f} s", file=sys.stderr)
