@@ -137,6 +137,29 @@ def test_plan_product_matches_dense(engines, dtype, cost, weight, D):
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("weight", ["plan", "cost", "dcost"])
+@pytest.mark.parametrize("K", [1, 2, 4, 5, 17])
+@pytest.mark.parametrize("cost", ["sqeuclidean", "euclidean"])
+def test_plan_product_narrow_and_wide_V(engines, dtype, weight, K, cost):
+    """K <= 4 takes the kernel vectorised over columns (one pass after the LSE), K > 4 the
+    micro-GEMM over a scratch of weights: both against the dense oracle (tolerances as above)."""
+    eng = engines["stream"]
+    c = get_cost(cost)
+    x, y, beta = _problem(2, 150, 203, 3, dtype, seed=K)
+    g = torch.Generator().manual_seed(100 + K)
+    alpha = torch.randn(2, 150, generator=g, dtype=torch.float64)
+    alpha[:, ::7] = -math.inf
+    alpha = alpha.to(dtype)
+    V = torch.randn(2, 203, K, generator=g, dtype=torch.float64).to(dtype)
+    eps = _eps(cost, 3)
+    out = eng.plan_product(x, y, alpha, beta, eps, V, c, weight)
+    ref = DENSE.plan_product(x.double(), y.double(), alpha.double(), beta.double(), eps, V.double(), c, weight)
+    assert out.shape == (2, 150, K) and torch.all(out[:, ::7] == 0)
+    tol = 1e-11 if dtype == torch.float64 else (5e-4 if (weight == "dcost" and not c.is_dot) else 5e-5)
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
 def test_plan_product_transpose_and_wide_V(engines):
     # Transposed plan product via argument swap, K larger than D.
     eng = engines["stream"]

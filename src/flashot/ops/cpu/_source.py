@@ -174,7 +174,8 @@ template <> struct Consts<float> { static constexpr float TH = 60.0f, H = 30.0f,
 template <> struct Consts<double> { static constexpr double TH = 200.0, H = 100.0, SENT = -1e300, LO = -1009.0; };
 
 enum { KIND_DOT = 0, KIND_DIRECT = 1 };
-enum { MODE_LSE = 0, MODE_P = 1, MODE_PAIR = 2 };
+enum { MODE_LSE = 0, MODE_P = 1, MODE_PAIR = 2, MODE_PV = 3 };
+constexpr int PV_K = 4;  // MODE_PV: up to this many columns of V
 enum { W_ONE = 0, W_COST = 1, W_INV = 2 };
 
 struct Args {
@@ -182,9 +183,12 @@ struct Args {
   int64_t Mp;        // padded column stride of yT / VT / yy / hs
   double kcoef;      // scale/eps (dot) or 1/eps (direct)
   double minsq;      // direct: clamp of squared distance before sqrt
+  int K = 0;         // MODE_PV: number of columns of V (<= PV_K)
 };
 
 // One panel of R rows (x: R consecutive rows, row stride D) over columns [j0, j1).
+// MODE_PV: m[r] is the row's base-2 LSE; sum holds R * PV_K vectors: sum[r * PV_K + k] +=
+// 2^(hs_j - k c - m[r]) W_rj VT[k, j] (VT: K rows of stride Mp, passed as P), vectorised over j.
 // MODE_PAIR: m[r] is the row's log-weight hx_r (base 2); adds E = 2^(hx_r + hs_j - k c) to the
 // row sums sum[r] and, summed over the R rows, to the column sums P[j] (P spans all columns).
 // MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
@@ -204,13 +208,17 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
   T xx[R];
   v sm[R];
   T mr[R];
+  v pa[MODE == MODE_PV ? R : 1][PV_K];
+  if (MODE == MODE_PV)
+    for (int r = 0; r < R; ++r)
+      for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] = sum[r * PV_K + kk];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     T s = 0;
     if (KIND == KIND_DOT) for (int d = 0; d < D; ++d) s += x[r * D + d] * x[r * D + d];
     xx[r] = s;
     mr[r] = m[r];
-    if (MODE != MODE_P) sm[r] = sum[r];
+    if (MODE == MODE_LSE || MODE == MODE_PAIR) sm[r] = sum[r];
   }
   for (int64_t j = j0; j < j1; j += L * NV) {
     // dot costs: acc starts at |x_r|^2 + |y_j|^2 and accumulates -2 x_rd y_jd, so
@@ -242,6 +250,33 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
           }
         }
       }
+    }
+    if (MODE == MODE_PV) {
+      // plan times a narrow V (K <= 4): vectorised over 16 columns, K FMAs per 16 pairs
+      // (the general path broadcasts one weight per pair over the K lanes of V)
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) {
+        const v hq = vload<v>(hs + j + q * L);
+        v vk[PV_K];
+#pragma GCC unroll 4
+        for (int kk = 0; kk < PV_K; ++kk) vk[kk] = kk < a.K ? vload<v>(P + (int64_t)kk * Mp + j + q * L) : zero;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          v c = acc[r][q];
+          if (KIND == KIND_DOT) {
+            c = c < zero ? zero : c;  // c is a weight here
+          } else {
+            c = c < minsq ? minsq : c;
+            c = vsqrt(c);
+          }
+          v p = vexp2((hq - mr[r]) - c * k);
+          if (WK == W_COST) p *= c;
+          if (WK == W_INV) p = c > wthr ? p / c : zero;
+#pragma GCC unroll 4
+          for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] += p * vk[kk];
+        }
+      }
+      continue;
     }
     if (MODE == MODE_PAIR) {
       // one exponential per pair feeds both the row and the column sum (no max: the
@@ -331,21 +366,25 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
       }
     }
   }
-  if (MODE != MODE_P) {
+  if (MODE == MODE_LSE || MODE == MODE_PAIR) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) { m[r] = mr[r]; sum[r] = sm[r]; }
   }
+  if (MODE == MODE_PV)
+    for (int r = 0; r < R; ++r)
+      for (int kk = 0; kk < PV_K; ++kk) sum[r * PV_K + kk] = pa[r][kk];
 }
 
 template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
 static void panel_rows(int nrows, const T* x, const T* yT, const T* yy, const T* hs, int64_t j0, int64_t j1,
                        const Args& a, T* m, typename VT<T>::v* sum, T* P, int64_t ldp) {
   int r = 0;
+  const int sv = MODE == MODE_PV ? PV_K : 1;  // sum vectors per row
   for (; r + R <= nrows; r += R)
-    panel<T, R, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r,
+    panel<T, R, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum ? sum + r * sv : nullptr,
                                         P ? P + r * ldp : nullptr, ldp);
   for (; r < nrows; ++r)
-    panel<T, 1, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum + r,
+    panel<T, 1, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum ? sum + r * sv : nullptr,
                                         P ? P + r * ldp : nullptr, ldp);
 }
 
@@ -750,12 +789,55 @@ static int softmin_entry(const T* x, const T* yT, const T* yy, const T* hs, T* o
   return -2;
 }
 
+// Narrow V (K <= PV_K): out[b,i,k] = exp(alpha_i + lse_i) * wconst * sum_j 2^(hs_j - k c_ij - lse2_i) W_ij V[j,k]
+// in one pass after the LSE pass, V given transposed (B, K, Mp), zero-padded columns.
+template <typename T, int NV, int KIND, int WK>
+static void plan_pv_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
+                         const T* VTk, T* out, int B, int64_t N, int64_t Mp, const Args& a, T wconst, int64_t l2,
+                         int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int R = 4;
+  const int D = a.D, K = a.K;
+  const int RB = 64;
+  const int64_t nb = (N + RB - 1) / RB;
+  const int64_t bm = col_chunk(D + K, 2, Mp, (int64_t)VT<T>::L * NV, l2, sizeof(T));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+  for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    const int64_t b = t / nb, i0 = (t % nb) * RB;
+    const int nr = (int)std::min<int64_t>(RB, N - i0);
+    T m[RB];
+    v pa[RB * PV_K];
+    for (int r = 0; r < nr; ++r) {
+      const T l = lse[b * N + i0 + r];
+      m[r] = std::isfinite(l) ? l : (T)0;
+      for (int kk = 0; kk < PV_K; ++kk) pa[r * PV_K + kk] = v{};
+    }
+    const T* xb = x + (b * N + i0) * D;
+    const T* yTb = yT + b * (int64_t)D * Mp;
+    const T* yyb = yy + b * Mp;
+    const T* hb = hs + b * Mp;
+    const T* Vb = VTk + b * (int64_t)K * Mp;
+    for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
+      const int64_t j1 = std::min(Mp, j0 + bm);
+      panel_rows<T, R, NV, KIND, 0, MODE_PV, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, pa, const_cast<T*>(Vb), 0);
+    }
+    for (int r = 0; r < nr; ++r) {
+      const T l = lse[b * N + i0 + r];
+      const T f = std::isfinite(l) ? (T)std::exp2(alpha[b * N + i0 + r] * (T)1.4426950408889634 + l) * wconst : (T)0;
+      T* o = out + (b * N + i0 + r) * K;
+      for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : hsum(pa[r * PV_K + kk]) * f;
+    }
+  }
+}
+
 template <typename T>
 static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha, const T* VTm,
                       int K, T* out, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
-                      int wk, double wconst, int64_t l2, int nth) {
-  Args a{D, Mp, kcoef, minsq};
-#define FL_PLAN(KD, W) plan_impl<T, 2, KD, W>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, a, (T)wconst, l2, nth)
+                      int wk, double wconst, int narrow, int64_t l2, int nth) {
+  Args a{D, Mp, kcoef, minsq, K};
+  if (narrow && K > PV_K) return -3;
+#define FL_PLAN(KD, W) (narrow ? plan_pv_impl<T, 1, KD, W>(x, yT, yy, hs, lse, alpha, VTm, out, B, N, Mp, a, (T)wconst, l2, nth) \
+                           : plan_impl<T, 2, KD, W>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, a, (T)wconst, l2, nth))
   if (kind == KIND_DOT) {
     if (wk == W_ONE) { FL_PLAN(KIND_DOT, W_ONE); return 0; }
     if (wk == W_COST) { FL_PLAN(KIND_DOT, W_COST); return 0; }
@@ -772,7 +854,7 @@ static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
 
 extern "C" {
 
-int flashot_abi_version() { return 4; }
+int flashot_abi_version() { return 5; }
 
 int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
@@ -796,13 +878,15 @@ int flashot_pair_f64(const double* x, const double* yT, const double* yy, const 
 }
 int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
                      const float* alpha, const float* VTm, int K, float* out, int B, int64_t N, int64_t Mp, int D,
-                     double kcoef, double minsq, int kind, int wk, double wconst, int64_t l2, int nth) {
-  return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, l2, nth);
+                     double kcoef, double minsq, int kind, int wk, double wconst, int narrow, int64_t l2, int nth) {
+  return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, narrow,
+                           l2, nth);
 }
 int flashot_plan_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
                      const double* alpha, const double* VTm, int K, double* out, int B, int64_t N, int64_t Mp, int D,
-                     double kcoef, double minsq, int kind, int wk, double wconst, int64_t l2, int nth) {
-  return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, l2, nth);
+                     double kcoef, double minsq, int kind, int wk, double wconst, int narrow, int64_t l2, int nth) {
+  return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, narrow,
+                            l2, nth);
 }
 int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
