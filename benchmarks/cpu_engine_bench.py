@@ -115,7 +115,7 @@ def main():
                          "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
                          "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)")
     ap.add_argument("--cache-n", default="5000,20000", help="sizes n = m for the cached-vs-streaming crossover")
-    ap.add_argument("--sections", default="hw,iter,cache,scaling",
+    ap.add_argument("--sections", default="hw,iter,plan,cache,scaling",
                     help="comma-separated subset of hw,iter,cache,scaling")
     args = ap.parse_args()
     global CLOCK
@@ -183,6 +183,23 @@ def main():
                   f"{tcache:.3f} | {tt64:.3f} | {tt64 / tcache:.1f}x | {2 * n * n / tcache / 1e9:.2f} | | |")
         print("\nlimit: d = 3: one exp per pair at the measured vector-exp rate; "
               "d = 64: GEMM at the measured torch.mm rate + one exp per pair.\n")
+
+    if "plan" in sections:
+        # single plan products as the softmin backward issues them: weight "dcost", V = [y, 1]
+        npl = 4000 if args.quick else n
+        print(f"## Plan products (weight dcost, V of width d + 1, as in the gradient), n = m = {npl}, float32\n")
+        print("| d | cpu s | tiled s | speed-up | cpu softmin s | plan / softmin |\n|---|---|---|---|---|---|")
+        for d in (3, 64):
+            x, y = problem(npl, npl, d)
+            a0 = torch.full((1, npl), -math.log(npl))
+            f = cpu.softmin(x, y, a0, 0.05 * d, COST)
+            V = torch.cat([y, torch.ones(1, npl, 1)], -1).contiguous()
+            args_pp = (x, y, a0 + f / (0.05 * d), a0, 0.05 * d, V, COST, "dcost")
+            tc = med(lambda: cpu.plan_product(*args_pp), runs)
+            tt = med(lambda: tiled.plan_product(*args_pp), runs)
+            ts = med(lambda: cpu.softmin(x, y, a0, 0.05 * d, COST), runs)
+            print(f"| {d} | {tc:.4f} | {tt:.4f} | {tt / tc:.1f}x | {ts:.4f} | {tc / ts:.2f} |")
+        print()
 
     if "cache" in sections:
         # cached cost vs streaming, crossover in d, at each n of --cache-n
