@@ -852,58 +852,99 @@ static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
 
 }  // namespace
 
+// The exported functions are split into FLASHOT_PARTS groups so that the build can compile
+// them as separate translation units in parallel (-DFLASHOT_PART=k); without the macro (or
+// with 0) one translation unit holds everything.
+#ifndef FLASHOT_PART
+#define FLASHOT_PART 0
+#endif
+#define FL_PART(k) (FLASHOT_PART == 0 || FLASHOT_PART == (k))
+
 extern "C" {
 
+#if FL_PART(1)
 int flashot_abi_version() { return 5; }
+#endif
 
+#if FL_PART(1)
 int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
                         int64_t l2, int nth) {
   return softmin_entry<float>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
 }
+#endif
+
+#if FL_PART(3)
 int flashot_softmin_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
                         int64_t l2, int nth) {
   return softmin_entry<double>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
 }
+#endif
+
+#if FL_PART(2)
 int flashot_pair_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
                      float* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg,
                      int sym, int64_t l2, int nth) {
   return pair_entry<float>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, D, kcoef, minsq, kind, cfg, sym, l2, nth);
 }
+#endif
+
+#if FL_PART(4)
 int flashot_pair_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
                      double* rs, double* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
                      int cfg, int sym, int64_t l2, int nth) {
   return pair_entry<double>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, D, kcoef, minsq, kind, cfg, sym, l2, nth);
 }
+#endif
+
+#if FL_PART(2)
 int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
                      const float* alpha, const float* VTm, int K, float* out, int B, int64_t N, int64_t Mp, int D,
                      double kcoef, double minsq, int kind, int wk, double wconst, int narrow, int64_t l2, int nth) {
   return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, narrow,
                            l2, nth);
 }
+#endif
+
+#if FL_PART(4)
 int flashot_plan_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
                      const double* alpha, const double* VTm, int K, double* out, int B, int64_t N, int64_t Mp, int D,
                      double kcoef, double minsq, int kind, int wk, double wconst, int narrow, int64_t l2, int nth) {
   return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, narrow,
                             l2, nth);
 }
+#endif
+
+#if FL_PART(1)
 int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
   rows_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
 }
+#endif
+
+#if FL_PART(3)
 int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
   rows_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
 }
+#endif
+
+#if FL_PART(1)
 int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
   cols_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
 }
+#endif
+
+#if FL_PART(3)
 int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
   cols_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
 }
+#endif
+
+#if FL_PART(1)
 // Raw vectorised exp2 throughput helper (benchmarks): out[i] = 2^a[i].
 int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
   typedef VT<float>::v v;
@@ -912,6 +953,9 @@ int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
   for (int64_t i = (n / 16) * 16; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
 }
+#endif
+
+#if FL_PART(3)
 int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
   typedef VT<double>::v v;
 #pragma omp parallel for schedule(static) num_threads(nth)
@@ -919,6 +963,6 @@ int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
   for (int64_t i = (n / 8) * 8; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
 }
-
+#endif
 }  // extern "C"
 '''
