@@ -150,7 +150,8 @@ def sinkhorn_loop(
             if init is not None:
                 f, g = init
             elif symmetric:
-                f, g = lx * m.softmin_x(b_log, eps), ly * m.softmin_y(a_log, eps)
+                sx, sy = m.softmin_pair(a_log, b_log, eps)  # = (softmin_x(b_log), softmin_y(a_log))
+                f, g = lx * sx, ly * sy
             else:
                 f, g = torch.zeros_like(a_log), torch.zeros_like(b_log)
             f_aa = g_bb = g_aa = f_bb = None
