@@ -3,7 +3,13 @@
 Streaming (default): one compiled kernel computes dot products (register-blocked
 micro-kernel), the cost ``s (|x|^2 + |y|^2 - 2<x, y>)`` (explicit form, as in the
 ``tiled`` engine, for float32 accuracy), the bias, a polynomial ``exp`` and the
-running LogSumExp, with nothing but O((N + M) D) memory.
+running LogSumExp, with nothing but O((N + M) D) memory.  The kernels work in base 2
+(they take ``h log2(e)`` and ``scale log2(e) / eps``).
+
+Fused symmetric steps: :meth:`CpuEngine.softmin_pair` gives both potentials of a
+symmetric Sinkhorn step from one exponential per pair, :meth:`CpuEngine.softmin_sym`
+the debiasing softmin ``softmin(x, x, h)`` from the upper triangle (half the pairs);
+rows / columns whose sums are unusable are recomputed by the plain streamed softmin.
 
 Cached cost: for moderate N M and large D, the cost matrix of an (x, y) pair is
 computed once (one MKL GEMM per row chunk through torch, on the augmented points
