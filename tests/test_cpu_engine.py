@@ -160,6 +160,27 @@ def test_plan_product_narrow_and_wide_V(engines, dtype, weight, K, cost):
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("K", [3, 9])
+def test_plan_product_one_pass_and_recomputed_rows(engines, dtype, K):
+    """Plan products run in one pass (the weights are the plan entries, no LSE pass); rows whose
+    plan mass is tiny (alpha down to -60: float32 entries near the denormal range) are redone with
+    two passes.  Every row is checked relative to its own magnitude."""
+    eng = engines["stream"]
+    c = get_cost("sqeuclidean")
+    x, y, beta = _problem(1, 120, 90, 3, torch.float64, seed=21)
+    alpha = torch.linspace(-60.0, 20.0, 120, dtype=torch.float64)[None]
+    g = torch.Generator().manual_seed(22)
+    V = torch.randn(1, 90, K, generator=g, dtype=torch.float64)
+    ref = DENSE.plan_product(x, y, alpha, beta, 0.3, V, c, "dcost")
+    before = eng.stats.get("plan_fixup", 0)
+    out = eng.plan_product(x.to(dtype), y.to(dtype), alpha.to(dtype), beta.to(dtype), 0.3, V.to(dtype), c, "dcost")
+    assert eng.stats.get("plan_fixup", 0) > before  # some rows took the two-pass route
+    scale = ref.abs().amax(-1, keepdim=True)
+    tol = 1e-11 if dtype == torch.float64 else 5e-5
+    assert torch.all((out.double() - ref).abs() <= tol * scale)
+
+
 def test_plan_product_transpose_and_wide_V(engines):
     # Transposed plan product via argument swap, K larger than D.
     eng = engines["stream"]

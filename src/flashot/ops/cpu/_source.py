@@ -187,8 +187,10 @@ struct Args {
 };
 
 // One panel of R rows (x: R consecutive rows, row stride D) over columns [j0, j1).
-// MODE_PV: m[r] is the row's base-2 LSE; sum holds R * PV_K vectors: sum[r * PV_K + k] +=
-// 2^(hs_j - k c - m[r]) W_rj VT[k, j] (VT: K rows of stride Mp, passed as P), vectorised over j.
+// MODE_PV: m[r] is the row's base-2 shift; sum holds R * (PV_K + 1) vectors: sum[r * (PV_K + 1) + k]
+// += 2^(hs_j - k c - m[r]) W_rj VT[k, j] (VT: K rows of stride Mp, passed as P), vectorised over j,
+// and sum[r * (PV_K + 1) + PV_K] += 2^(hs_j - k c - m[r]) (the row's plan mass, before W).
+// MODE_P also adds the plan mass to sum[r] when sum is not null.
 // MODE_PAIR: m[r] is the row's log-weight hx_r (base 2); adds E = 2^(hx_r + hs_j - k c) to the
 // row sums sum[r] and, summed over the R rows, to the column sums P[j] (P spans all columns).
 // MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
@@ -211,7 +213,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
   v pa[MODE == MODE_PV ? R : 1][PV_K];
   if (MODE == MODE_PV)
     for (int r = 0; r < R; ++r)
-      for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] = sum[r * PV_K + kk];
+      for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] = sum[r * (PV_K + 1) + kk];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     T s = 0;
@@ -219,6 +221,8 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
     xx[r] = s;
     mr[r] = m[r];
     if (MODE == MODE_LSE || MODE == MODE_PAIR) sm[r] = sum[r];
+    if (MODE == MODE_P) sm[r] = sum ? sum[r] : zero;
+    if (MODE == MODE_PV) sm[r] = sum[r * (PV_K + 1) + PV_K];
   }
   for (int64_t j = j0; j < j1; j += L * NV) {
     // dot costs: acc starts at |x_r|^2 + |y_j|^2 and accumulates -2 x_rd y_jd, so
@@ -270,6 +274,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
             c = vsqrt(c);
           }
           v p = vexp2((hq - mr[r]) - c * k);
+          sm[r] += p;
           if (WK == W_COST) p *= c;
           if (WK == W_INV) p = c > wthr ? p / c : zero;
 #pragma GCC unroll 4
@@ -358,6 +363,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
         }
         v s = hq - c * k;
         v p = vexp2(s - mr[r]);
+        sm[r] += p;
         if (WK == W_COST) p *= c;
         // dcost of |x - y|: 1/C, zero where C = 0 or where the clamp sqrt(minsq)
         // is active (the clamp kills the gradient; 1.001 absorbs float rounding)
@@ -370,16 +376,20 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) { m[r] = mr[r]; sum[r] = sm[r]; }
   }
+  if (MODE == MODE_P && sum)
+    for (int r = 0; r < R; ++r) sum[r] = sm[r];
   if (MODE == MODE_PV)
-    for (int r = 0; r < R; ++r)
-      for (int kk = 0; kk < PV_K; ++kk) sum[r * PV_K + kk] = pa[r][kk];
+    for (int r = 0; r < R; ++r) {
+      for (int kk = 0; kk < PV_K; ++kk) sum[r * (PV_K + 1) + kk] = pa[r][kk];
+      sum[r * (PV_K + 1) + PV_K] = sm[r];
+    }
 }
 
 template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
 static void panel_rows(int nrows, const T* x, const T* yT, const T* yy, const T* hs, int64_t j0, int64_t j1,
                        const Args& a, T* m, typename VT<T>::v* sum, T* P, int64_t ldp) {
   int r = 0;
-  const int sv = MODE == MODE_PV ? PV_K : 1;  // sum vectors per row
+  const int sv = MODE == MODE_PV ? PV_K + 1 : 1;  // sum vectors per row
   for (; r + R <= nrows; r += R)
     panel<T, R, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum ? sum + r * sv : nullptr,
                                         P ? P + r * ldp : nullptr, ldp);
@@ -568,12 +578,28 @@ static inline void mgemm_rows(const T* __restrict P, int64_t ldp, const T* __res
   }
 }
 
+// Plan products in two modes.  Two passes (single = 0): the row's base-2 shift is its LSE from a
+// first pass (lse), so every weight is <= 1, and the output is scaled by exp(alpha_i) 2^lse_i.
+// One pass (single = 1): the shift is -alpha_i log2(e), i.e. the weights ARE the plan entries
+// exp(alpha_i + beta_j - C_ij / eps) (no LSE pass); the caller checks the returned row masses and
+// redoes unusable rows with two passes.  Rows with alpha_i = -inf give exact zeros either way.
+template <typename T>
+static inline T row_shift(int single, const T* lse, const T* alpha, int64_t i) {
+  if (single) return std::isfinite(alpha[i]) ? -alpha[i] * (T)1.4426950408889634 : (T)0;
+  return std::isfinite(lse[i]) ? lse[i] : (T)0;
+}
+template <typename T>
+static inline T row_factor(int single, const T* lse, const T* alpha, int64_t i, T wconst) {
+  if (single) return std::isfinite(alpha[i]) ? wconst : (T)0;
+  return std::isfinite(lse[i]) ? (T)std::exp2(alpha[i] * (T)1.4426950408889634 + lse[i]) * wconst : (T)0;
+}
+
 // out[b,i,:] = exp(alpha_i + lse_i) * wconst * sum_j exp(hs_j - C_ij/eps - lse_i) W_ij V[j, :]
 // (V: (B, Mp, K) row-major with K padded to a multiple of the vector width; out (B, N, K))
 template <typename T, int NV, int KIND, int WK>
 static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
-                      const T* VTm, int K, T* out, int B, int64_t N, int64_t Mp, const Args& a, T wconst,
-                      int64_t l2, int nth) {
+                      const T* VTm, int K, T* out, T* mass, int single, int B, int64_t N, int64_t Mp, const Args& a,
+                      T wconst, int64_t l2, int nth) {
   typedef typename VT<T>::v v;
   constexpr int L = VT<T>::L;
   constexpr int R = 4;
@@ -589,9 +615,10 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
       const int64_t b = t / nb, i0 = (t % nb) * RB;
       const int nr = (int)std::min<int64_t>(RB, N - i0);
       T m[RB];
+      v msum[RB];
       for (int r = 0; r < nr; ++r) {
-        T l = lse[b * N + i0 + r];
-        m[r] = std::isfinite(l) ? l : (T)0;
+        m[r] = row_shift(single, lse, alpha, b * N + i0 + r);
+        msum[r] = v{};
       }
       std::fill(acc.begin(), acc.end(), (T)0);
       const T* xb = x + (b * N + i0) * D;
@@ -601,17 +628,17 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
       const T* Vb = VTm + b * (int64_t)K * Mp;  // (Mp, K) row-major, K = padded width
       for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
         const int64_t j1 = std::min(Mp, j0 + bm), w = j1 - j0;
-        panel_rows<T, R, NV, KIND, 0, MODE_P, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, nullptr, Pbuf.data(), bm);
+        panel_rows<T, R, NV, KIND, 0, MODE_P, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, msum, Pbuf.data(), bm);
         // acc (nr x Kp) += P (nr x w) @ V[j0:j1] (w x Kp): register-blocked, 4 rows x 4 vectors
         int r = 0;
         for (; r + 4 <= nr; r += 4) mgemm_rows<T, 4>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
         for (; r < nr; ++r) mgemm_rows<T, 1>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
       }
       for (int r = 0; r < nr; ++r) {
-        const T l = lse[b * N + i0 + r];
-        const T f = std::isfinite(l) ? (T)std::exp2(alpha[b * N + i0 + r] * (T)1.4426950408889634 + l) * wconst : (T)0;
+        const T f = row_factor(single, lse, alpha, b * N + i0 + r, wconst);
         T* o = out + (b * N + i0 + r) * K;
         for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : acc[(size_t)r * K + kk] * f;
+        mass[b * N + i0 + r] = hsum(msum[r]);
       }
     }
   }
@@ -793,8 +820,8 @@ static int softmin_entry(const T* x, const T* yT, const T* yy, const T* hs, T* o
 // in one pass after the LSE pass, V given transposed (B, K, Mp), zero-padded columns.
 template <typename T, int NV, int KIND, int WK>
 static void plan_pv_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
-                         const T* VTk, T* out, int B, int64_t N, int64_t Mp, const Args& a, T wconst, int64_t l2,
-                         int nth) {
+                         const T* VTk, T* out, T* mass, int single, int B, int64_t N, int64_t Mp, const Args& a,
+                         T wconst, int64_t l2, int nth) {
   typedef typename VT<T>::v v;
   constexpr int R = 4;
   const int D = a.D, K = a.K;
@@ -806,11 +833,10 @@ static void plan_pv_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
     const int64_t b = t / nb, i0 = (t % nb) * RB;
     const int nr = (int)std::min<int64_t>(RB, N - i0);
     T m[RB];
-    v pa[RB * PV_K];
+    v pa[RB * (PV_K + 1)];
     for (int r = 0; r < nr; ++r) {
-      const T l = lse[b * N + i0 + r];
-      m[r] = std::isfinite(l) ? l : (T)0;
-      for (int kk = 0; kk < PV_K; ++kk) pa[r * PV_K + kk] = v{};
+      m[r] = row_shift(single, lse, alpha, b * N + i0 + r);
+      for (int kk = 0; kk <= PV_K; ++kk) pa[r * (PV_K + 1) + kk] = v{};
     }
     const T* xb = x + (b * N + i0) * D;
     const T* yTb = yT + b * (int64_t)D * Mp;
@@ -822,22 +848,24 @@ static void plan_pv_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
       panel_rows<T, R, NV, KIND, 0, MODE_PV, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, pa, const_cast<T*>(Vb), 0);
     }
     for (int r = 0; r < nr; ++r) {
-      const T l = lse[b * N + i0 + r];
-      const T f = std::isfinite(l) ? (T)std::exp2(alpha[b * N + i0 + r] * (T)1.4426950408889634 + l) * wconst : (T)0;
+      const T f = row_factor(single, lse, alpha, b * N + i0 + r, wconst);
       T* o = out + (b * N + i0 + r) * K;
-      for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : hsum(pa[r * PV_K + kk]) * f;
+      for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : hsum(pa[r * (PV_K + 1) + kk]) * f;
+      mass[b * N + i0 + r] = hsum(pa[r * (PV_K + 1) + PV_K]);
     }
   }
 }
 
 template <typename T>
 static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha, const T* VTm,
-                      int K, T* out, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
-                      int wk, double wconst, int narrow, int64_t l2, int nth) {
+                      int K, T* out, T* mass, int single, int B, int64_t N, int64_t Mp, int D, double kcoef,
+                      double minsq, int kind, int wk, double wconst, int narrow, int64_t l2, int nth) {
   Args a{D, Mp, kcoef, minsq, K};
   if (narrow && K > PV_K) return -3;
-#define FL_PLAN(KD, W) (narrow ? plan_pv_impl<T, 1, KD, W>(x, yT, yy, hs, lse, alpha, VTm, out, B, N, Mp, a, (T)wconst, l2, nth) \
-                           : plan_impl<T, 2, KD, W>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, a, (T)wconst, l2, nth))
+#define FL_PLAN(KD, W) (narrow ? plan_pv_impl<T, 1, KD, W>(x, yT, yy, hs, lse, alpha, VTm, out, mass, single, B, N, Mp, a, \
+                                                         (T)wconst, l2, nth) \
+                           : plan_impl<T, 2, KD, W>(x, yT, yy, hs, lse, alpha, VTm, K, out, mass, single, B, N, Mp, a, \
+                                                    (T)wconst, l2, nth))
   if (kind == KIND_DOT) {
     if (wk == W_ONE) { FL_PLAN(KIND_DOT, W_ONE); return 0; }
     if (wk == W_COST) { FL_PLAN(KIND_DOT, W_COST); return 0; }
@@ -863,7 +891,7 @@ static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 5; }
+int flashot_abi_version() { return 6; }
 #endif
 
 #if FL_PART(1)
@@ -900,19 +928,21 @@ int flashot_pair_f64(const double* x, const double* yT, const double* yy, const 
 
 #if FL_PART(2)
 int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
-                     const float* alpha, const float* VTm, int K, float* out, int B, int64_t N, int64_t Mp, int D,
-                     double kcoef, double minsq, int kind, int wk, double wconst, int narrow, int64_t l2, int nth) {
-  return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, narrow,
-                           l2, nth);
+                     const float* alpha, const float* VTm, int K, float* out, float* mass, int single, int B,
+                     int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
+                     int narrow, int64_t l2, int nth) {
+  return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, mass, single, B, N, Mp, D, kcoef, minsq, kind, wk,
+                           wconst, narrow, l2, nth);
 }
 #endif
 
 #if FL_PART(4)
 int flashot_plan_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
-                     const double* alpha, const double* VTm, int K, double* out, int B, int64_t N, int64_t Mp, int D,
-                     double kcoef, double minsq, int kind, int wk, double wconst, int narrow, int64_t l2, int nth) {
-  return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, B, N, Mp, D, kcoef, minsq, kind, wk, wconst, narrow,
-                            l2, nth);
+                     const double* alpha, const double* VTm, int K, double* out, double* mass, int single, int B,
+                     int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
+                     int narrow, int64_t l2, int nth) {
+  return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, mass, single, B, N, Mp, D, kcoef, minsq, kind, wk,
+                            wconst, narrow, l2, nth);
 }
 #endif
 

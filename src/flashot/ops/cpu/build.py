@@ -28,7 +28,7 @@ from ._source import SOURCE
 __all__ = ["BuildError", "build", "load", "BUILD_INFO", "CXXFLAGS"]
 
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 # translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
 PARTS = 4
 
@@ -146,7 +146,7 @@ _SIGS = {
     "flashot_abi_version": [],
     "flashot_softmin": [_P, _P, _P, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _DB, _I, _L, _I],
     "flashot_pair": [_P, _P, _P, _P, _P, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _I, _L, _I],
-    "flashot_plan": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _DB, _I, _L, _I],
+    "flashot_plan": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _L, _L, _I, _DB, _DB, _I, _I, _DB, _I, _L, _I],
     "flashot_rows_lse": [_P, _P, _P, _I, _L, _L, _DB, _DB, _I],
     "flashot_cols_lse": [_P, _P, _P, _I, _L, _L, _DB, _DB, _I],
     "flashot_vexp": [_P, _P, _L, _I],

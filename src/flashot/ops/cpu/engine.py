@@ -257,7 +257,6 @@ class CpuEngine:
         self.stats["stream"] += 1
         kind, kcoef, minsq = self._cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, beta, kind)
-        lse = self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, 1.0)  # base-2 LSE, as the plan kernel takes it
         wk, wconst = W_ONE, 1.0
         if weight == "cost":
             wk = W_COST
@@ -268,28 +267,50 @@ class CpuEngine:
                 wconst = 2.0 * cost.scale
             else:
                 wk = W_INV
-        fn = self.lib.flashot_plan_f32 if x.dtype == torch.float32 else self.lib.flashot_plan_f64
-        if K <= NARROW_K:
+        narrow = K <= NARROW_K
+        if narrow:
             # narrow V (marginals, barycentric maps and gradients at d <= 3): V transposed, the
-            # contraction vectorised over 16 columns (K FMAs per 16 pairs), one fused pass
-            Vt = torch.zeros(B, K, Mp, dtype=x.dtype)
-            Vt[:, :, :M] = V.transpose(1, 2)
-            out = torch.empty(B, N, K, dtype=x.dtype)
-            rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(lse), _ptr(alpha), _ptr(Vt), K, _ptr(out),
-                    B, N, Mp, D, kcoef, minsq, kind, wk, wconst, 1, L2_BYTES, self._nthreads())
-            if rc != 0:
-                raise RuntimeError(f"cpu engine: plan kernel returned {rc}")
-            return out
-        lanes = 16 if x.dtype == torch.float32 else 8
-        Kp = -(-K // lanes) * lanes
-        Vp = torch.zeros(B, Mp, Kp, dtype=x.dtype)  # (Mp, Kp) row-major, zero padding
-        Vp[:, :M, :K] = V
+            # contraction vectorised over 16 columns (K FMAs per 16 pairs), fused into the pass
+            Kp = K
+            Vb = torch.zeros(B, K, Mp, dtype=x.dtype)
+            Vb[:, :, :M] = V.transpose(1, 2)
+        else:
+            lanes = 16 if x.dtype == torch.float32 else 8
+            Kp = -(-K // lanes) * lanes
+            Vb = torch.zeros(B, Mp, Kp, dtype=x.dtype)  # (Mp, Kp) row-major, zero padding
+            Vb[:, :M, :K] = V
+        args = (kind, kcoef, minsq, wk, wconst, narrow)
+        # One pass: the weights are the plan entries exp(alpha_i + beta_j - C_ij / eps) themselves (no
+        # LSE pass).  Rows whose plan mass is not finite or below PAIR_MIN_SUM, or whose output
+        # overflowed, are redone with two passes (LSE first, weights <= 1).
+        out, mass = self._plan_call(x, yT, yy, hs, None, alpha, Vb, Kp, *args)
+        bad = torch.isfinite(alpha) & ~(torch.isfinite(mass) & (mass >= PAIR_MIN_SUM) & torch.isfinite(out).all(-1))
+        if bool(bad.any()):
+            self.stats["plan_fixup"] = self.stats.get("plan_fixup", 0) + int(bad.sum())
+            for bb in range(B):
+                idx = bad[bb].nonzero().squeeze(1)
+                if idx.numel():
+                    sub = x[bb:bb + 1, idx].contiguous()
+                    yTb, yyb, hsb, Vbb = yT[bb:bb + 1], yy[bb:bb + 1], hs[bb:bb + 1], Vb[bb:bb + 1]
+                    lse = self._run_softmin(sub, yTb, yyb, hsb, Mp, kind, kcoef, minsq, 1.0)  # base 2
+                    o2, _ = self._plan_call(sub, yTb, yyb, hsb, lse, alpha[bb:bb + 1, idx].contiguous(), Vbb, Kp,
+                                            *args)
+                    out[bb, idx] = o2[0]
+        return out if Kp == K else out[..., :K].contiguous()
+
+    def _plan_call(self, x, yT, yy, hs, lse, alpha, Vb, Kp, kind, kcoef, minsq, wk, wconst, narrow):
+        """One plan kernel call: two-pass mode when ``lse`` (base 2) is given, one-pass otherwise."""
+        B, N, D = x.shape
+        Mp = hs.shape[1]
         out = torch.empty(B, N, Kp, dtype=x.dtype)
-        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(lse), _ptr(alpha), _ptr(Vp), Kp, _ptr(out),
-                B, N, Mp, D, kcoef, minsq, kind, wk, wconst, 0, L2_BYTES, self._nthreads())
+        mass = torch.empty(B, N, dtype=x.dtype)
+        fn = self.lib.flashot_plan_f32 if x.dtype == torch.float32 else self.lib.flashot_plan_f64
+        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(alpha if lse is None else lse), _ptr(alpha), _ptr(Vb),
+                Kp, _ptr(out), _ptr(mass), int(lse is None), B, N, Mp, D, kcoef, minsq, kind, wk, wconst,
+                int(narrow), L2_BYTES, self._nthreads())
         if rc != 0:
             raise RuntimeError(f"cpu engine: plan kernel returned {rc}")
-        return out if Kp == K else out[..., :K].contiguous()
+        return out, mass
 
     # ------------------------------------------------------------------ helpers
     def _nthreads(self) -> int:
