@@ -185,7 +185,7 @@ def main(argv=None) -> int:
               "- `vs flashot`: `s / iter` of the solver divided by that of the reference flashot engine, "
               "same run, same problem.  `% HW limit`: max(2nm / exp rate, 4nmd / GEMM rate) / `s / iter`, "
               "with the exp and GEMM rates measured at the start of the run; the exp rate is the faster of "
-              "`torch.exp` and flashot's own compiled vector exp (L2-resident buffer), both listed above.",
+              "`torch.exp` and flashot's own compiled vector exp (4 MiB buffer, best of 5 rounds), both listed above.",
               "- `cores used`: CPU time of the worker process (all threads) during the timed runs / their wall "
               "time; below the core count it shows how much of the machine the solver actually got (other "
               "processes, or its own serial parts).",
