@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     from flashot.bench.problems import Problem
     from flashot.ops import engine_names
 
+    if args.million_from and not os.path.isfile(args.million_from):
+        ap.error(f"--million-from: no such file {args.million_from!r}")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e != "auto" and e not in engine_names()]
     if bad:
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
         lines += [report.markdown_table(res_d), ""]
     else:
         lines += [big_note, ""]
-        if args.million_from and os.path.exists(args.million_from):
+        if args.million_from:
             with open(args.million_from) as fh:
                 lines += [f"Measured separately with the same command (file `{os.path.relpath(args.million_from, ROOT)}`, "
                           "included by `--million-from`):", "",

@@ -93,6 +93,17 @@ def main(argv=None) -> int:
                                          "geomloss:tensorized")
     args = ap.parse_args(argv)
     solvers = args.solvers.split(",")
+    known = {"flashot:cpu", "flashot:cpu-unfused", "flashot:tiled", "geomloss:online", "geomloss:tensorized"}
+    if args.n < 2 or args.runs < 1 or not args.blur > 0:
+        ap.error(f"expected --n >= 2, --runs >= 1, --blur > 0; got {args.n}, {args.runs}, {args.blur}")
+    if not set(solvers) <= known:
+        ap.error(f"--solvers: unknown {sorted(set(solvers) - known)}; known: {sorted(known)}")
+    try:
+        dims = [int(v) for v in args.dims.split(",")]
+    except ValueError:
+        ap.error(f"--dims: expected comma-separated integers, got {args.dims!r}")
+    if any(d < 1 for d in dims):
+        ap.error(f"--dims: expected positive integers, got {args.dims!r}")
     have_geomloss = importlib.util.find_spec("geomloss") is not None
     have_keops = importlib.util.find_spec("pykeops") is not None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
@@ -100,7 +111,7 @@ def main(argv=None) -> int:
           f"debias, float32, median of {args.runs} runs of forward + backward\n")
     print("| d | solver | s (fwd + bwd) | vs flashot:cpu | loss | rel. diff |")
     print("|---|---|---|---|---|---|")
-    for d in (int(v) for v in args.dims.split(",")):
+    for d in dims:
         x, y = clouds(args.n, d)
         ref_t = ref_v = None
         for s in solvers:

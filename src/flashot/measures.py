@@ -19,7 +19,7 @@ from ._checks import check_weights
 from .costs import Cost
 from .ops import prepare_pair
 from .ops.autograd import softmin_fn
-from .ops.base import Engine
+from .ops.base import Engine, self_softmin
 
 
 def log_weights(a: Tensor) -> Tensor:
@@ -94,10 +94,7 @@ class Measures:
         return self._self_softmin(self.y.detach(), h, eps)
 
     def _self_softmin(self, p: Tensor, h: Tensor, eps: float) -> Tensor:
-        sym = getattr(self.engine, "softmin_sym", None)
-        if sym is not None:
-            return sym(p, h, eps, self.cost)
-        return self.engine.softmin(p, p, h, eps, self.cost)
+        return self_softmin(self.engine, p, h, eps, self.cost)
 
     # -- differentiable variants (final step) -------------------------------------------
     def softmin_grad(self, side: str, h: Tensor, eps: float) -> Tensor:

@@ -17,15 +17,14 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..costs import Cost
-from .base import Engine
+from .base import Engine, self_softmin
 
 
 class SoftminFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine):
-        sym = getattr(engine, "softmin_sym", None)
-        if sym is not None and x.shape == y.shape and x.data_ptr() == y.data_ptr() and x.stride() == y.stride():
-            out = sym(x.detach(), h.detach(), eps, cost)  # softmin(x, x, h): half the pairs
+        if x.shape == y.shape and x.data_ptr() == y.data_ptr() and x.stride() == y.stride():
+            out = self_softmin(engine, x.detach(), h.detach(), eps, cost)  # softmin(x, x, h)
         else:
             out = engine.softmin(x.detach(), y.detach(), h.detach(), eps, cost)
         ctx.save_for_backward(x, y, h, out)

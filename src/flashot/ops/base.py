@@ -62,6 +62,14 @@ class Engine(Protocol):
     ) -> Tensor: ...
 
 
+def self_softmin(engine: Engine, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+    """``softmin(x, x, h)`` through the engine's ``softmin_sym`` (half the pairs) when it has one."""
+    sym = getattr(engine, "softmin_sym", None)
+    if sym is not None:
+        return sym(x, h, eps, cost)
+    return engine.softmin(x, x, h, eps, cost)
+
+
 def exp_floor(dtype: torch.dtype) -> float:
     """Most negative argument passed to ``exp`` after the running max is removed.
 

@@ -201,7 +201,7 @@ class CpuEngine:
         triangle only (by blocks) and adds row and column sums.  Same safeguards as
         :meth:`softmin_pair`.
         """
-        x, x2, eps = self._check_xy(x, x, eps, cost)
+        x, _, eps = self._check_xy(x, x, eps, cost)
         B, N, D = x.shape
         h = self._check_vec(h, "h", (B, N), x)
         if N == 0 or self._cached(x, x, cost)[0] is not None:
