@@ -31,7 +31,7 @@ import torch
 
 from flashot.costs import get_cost
 from flashot.ops.cpu.build import BUILD_INFO, load
-from flashot.ops.cpu.engine import CpuEngine
+from flashot.ops.cpu.engine import CACHE_MIN_D, CpuEngine
 from flashot.ops.tiled import TiledEngine
 
 COST = get_cost("sqeuclidean")
@@ -98,6 +98,64 @@ def hw_throughput(lib, runs):
     return {"vexp": ours, "torch_exp": texp, "torch_exp_underflow": texp_uf, "gemm": gemm}
 
 
+def accuracy(lib):
+    """float32 against float64: SamplesLoss gradients (the user-facing number) and one softmin."""
+    import flashot
+    from flashot.ops import register_engine
+    from flashot.ops.dense import DenseEngine
+
+    print("## Accuracy, float32 against float64\n")
+    print("SamplesLoss('sinkhorn', p=2, blur=0.05, scaling=0.9) value + gradient in x; n = m = 500, "
+          "x uniform in the unit cube, y = another uniform cloud + 0.2; max |grad32 - grad64| / max |grad64| "
+          "(reference: the `dense` engine in float64), seeds 1, 2, 3.  `cpu stream` / `cpu cache`: the cpu "
+          "engine in mode `stream` / `cache` (budget 1 GiB: every matrix cached).\n")
+    print("| d | tiled | cpu stream | cpu cache |\n|---|---|---|---|")
+    modes = {"tiled": None, "cpu stream": "stream", "cpu cache": "cache"}
+    for d in (3, 64):
+        cells = []
+        for name, mode in modes.items():
+            errs = []
+            for seed in (1, 2, 3):
+                g = torch.Generator().manual_seed(seed)
+                x = torch.rand(500, d, generator=g, dtype=torch.float64)
+                y = torch.rand(500, d, generator=g, dtype=torch.float64) + 0.2
+
+                def grad(dt, backend):
+                    xr = x.to(dt).clone().requires_grad_(True)
+                    flashot.SamplesLoss("sinkhorn", p=2, blur=0.05, scaling=0.9, backend=backend)(xr, y.to(dt)).backward()
+                    return xr.grad.double()
+
+                g64 = grad(torch.float64, "dense")
+                if mode is None:
+                    g32 = grad(torch.float32, "tiled")
+                else:
+                    eng = CpuEngine(lib, mode=mode, cache_bytes=1 << 30)
+                    register_engine(f"bench-cpu-{mode}", lambda eng=eng: eng)
+                    g32 = grad(torch.float32, f"bench-cpu-{mode}")
+                errs.append(((g32 - g64).abs().max() / g64.abs().max()).item())
+            cells.append(" ".join(f"{e:.1e}" for e in errs))
+        print(f"| {d} | " + " | ".join(cells) + " |")
+    # one softmin at d = 64 with C / eps ~ 1e4, on the rounded inputs
+    c = COST
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 400, 64, generator=g, dtype=torch.float64)
+    y = torch.randn(1, 400, 64, generator=g, dtype=torch.float64) * 0.8 + 0.5
+    ctr = (torch.cat([x, y], 1).amin(1) + torch.cat([x, y], 1).amax(1)) / 2
+    x, y = (x - ctr).float(), (y - ctr).float()
+    eps = 0.0025
+    dense = DenseEngine()
+    h = (-dense.softmin(y.double(), x.double(), torch.zeros(1, 400, dtype=torch.float64), eps, c) / eps).float()
+    ref = dense.softmin(x.double(), y.double(), h.double(), eps, c)
+    print("\nOne softmin, d = 64, n = m = 400 Gaussian points, eps = 0.0025 (C / eps up to ~1e5), max abs error "
+          "against float64 on the same rounded inputs:\n")
+    print("| tiled | cpu stream | cpu cache |\n|---|---|---|")
+    errs = [(TiledEngine().softmin(x, y, h, eps, c).double() - ref).abs().max().item()]
+    for mode in ("stream", "cache"):
+        errs.append((CpuEngine(lib, mode=mode, cache_bytes=1 << 30).softmin(x, y, h, eps, c).double() - ref)
+                    .abs().max().item())
+    print("| " + " | ".join(f"{e:.1e}" for e in errs) + " |\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
@@ -115,8 +173,8 @@ def main():
                          "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
                          "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)")
     ap.add_argument("--cache-n", default="5000,20000", help="sizes n = m for the cached-vs-streaming crossover")
-    ap.add_argument("--sections", default="hw,iter,plan,cache,scaling",
-                    help="comma-separated subset of hw,iter,cache,scaling")
+    ap.add_argument("--sections", default="hw,iter,plan,accuracy,cache,scaling",
+                    help="comma-separated subset of hw,iter,plan,accuracy,cache,scaling")
     args = ap.parse_args()
     global CLOCK
     if args.threads:
@@ -188,7 +246,8 @@ def main():
         # single plan products as the softmin backward issues them: weight "dcost", V = [y, 1]
         npl = 4000 if args.quick else n
         print(f"## Plan products (weight dcost, V of width d + 1, as in the gradient), n = m = {npl}, float32\n")
-        print("| d | cpu s | tiled s | speed-up | cpu softmin s | plan / softmin |\n|---|---|---|---|---|---|")
+        print("| d | cpu s | tiled s | speed-up | cpu softmin s | plan / softmin | cpu, cached cost s | speed-up |")
+        print("|---|---|---|---|---|---|---|---|")
         for d in (3, 64):
             x, y = problem(npl, npl, d)
             a0 = torch.full((1, npl), -math.log(npl))
@@ -198,8 +257,19 @@ def main():
             tc = med(lambda: cpu.plan_product(*args_pp), runs)
             tt = med(lambda: tiled.plan_product(*args_pp), runs)
             ts = med(lambda: cpu.softmin(x, y, a0, 0.05 * d, COST), runs)
-            print(f"| {d} | {tc:.4f} | {tt:.4f} | {tt / tc:.1f}x | {ts:.4f} | {tc / ts:.2f} |")
+            cached_cells = "| |"
+            if d >= CACHE_MIN_D and npl * npl * 4 <= args.cache_budget:
+                # after the solver's softmins built the matrix (the build is not timed here)
+                cached = CpuEngine(lib, mode="cache", cache_bytes=args.cache_budget, threads=nth)
+                cached.softmin(x, y, a0, 0.05 * d, COST)
+                tk = med(lambda: cached.plan_product(*args_pp), runs)
+                cached.clear_cache()
+                cached_cells = f"{tk:.4f} | {tt / tk:.1f}x |"
+            print(f"| {d} | {tc:.4f} | {tt:.4f} | {tt / tc:.1f}x | {ts:.4f} | {tc / ts:.2f} | {cached_cells}")
         print()
+
+    if "accuracy" in sections:
+        accuracy(lib)
 
     if "cache" in sections:
         # cached cost vs streaming, crossover in d, at each n of --cache-n

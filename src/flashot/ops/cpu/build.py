@@ -28,7 +28,7 @@ from ._source import SOURCE
 __all__ = ["BuildError", "build", "load", "BUILD_INFO", "CXXFLAGS"]
 
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 # translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
 PARTS = 4
 
@@ -150,6 +150,7 @@ _SIGS = {
     "flashot_rows_lse": [_P, _P, _P, _I, _L, _L, _DB, _DB, _I],
     "flashot_cols_lse": [_P, _P, _P, _I, _L, _L, _DB, _DB, _I],
     "flashot_vexp": [_P, _P, _L, _I],
+    "flashot_cached_weights": [_P, _L, _L, _P, _P, _DB, _I, _DB, _P, _I],
 }
 
 

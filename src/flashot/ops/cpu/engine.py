@@ -55,6 +55,7 @@ NARROW_K = 4  # plan products with V of at most this many columns take the vecto
 PAD = 64  # columns are padded to a multiple of this (>= 16 * max vectors per micro-kernel)
 
 MIN_DEFAULT_CACHE_BYTES = 256 << 20
+PLAN_CHUNK_BYTES = 4 << 20  # cached plan products: rows of weights per GEMM (fits the L2 + L3)
 
 
 def _memory_bytes() -> int | None:
@@ -254,6 +255,9 @@ class CpuEngine:
         K = V.shape[2]
         if N == 0 or M == 0 or K == 0:
             return torch.zeros(B, N, K, dtype=x.dtype)
+        ent, transposed = self._cached(x, y, cost)
+        if ent is not None:
+            return self._plan_cached(ent[0], ent[3], transposed, alpha, beta, eps, V, cost, weight)
         self.stats["stream"] += 1
         kind, kcoef, minsq = self._cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, beta, kind)
@@ -456,8 +460,10 @@ class CpuEngine:
         self.stats["cache_build"] += 1
         return ent, False
 
-    def _softmin_cached(self, C: Tensor, scale: float, transposed: bool, h: Tensor, eps: float) -> Tensor:
-        """LSE pass over the cached raw matrix (cost = scale * C)."""
+    def _softmin_cached(self, C: Tensor, scale: float, transposed: bool, h: Tensor, eps: float,
+                        oscale: float | None = None) -> Tensor:
+        """LSE pass over the cached raw matrix (cost = scale * C): ``oscale * LSE_2`` of the base-2
+        scores ``h log2(e) - scale C log2(e) / eps`` (default ``oscale = -eps ln 2``: the softmin)."""
         B, N, M = C.shape
         lib = self.lib
         f32 = C.dtype == torch.float32
@@ -468,10 +474,70 @@ class CpuEngine:
             out = torch.empty(B, N, dtype=C.dtype)
             fn = lib.flashot_rows_lse_f32 if f32 else lib.flashot_rows_lse_f64
         h2 = _encode_zero_weights((h * LOG2E).contiguous())
-        rc = fn(_ptr(C), _ptr(h2), _ptr(out), B, N, M, LOG2E * scale / eps, -eps * LN2, self._nthreads())
+        rc = fn(_ptr(C), _ptr(h2), _ptr(out), B, N, M, LOG2E * scale / eps, -eps * LN2 if oscale is None else oscale,
+                self._nthreads())
         if rc != 0:
             raise RuntimeError(f"cpu engine: cached-cost kernel returned {rc}")
         return out
+
+    def _plan_cached(self, C: Tensor, scale: float, transposed: bool, alpha: Tensor, beta: Tensor, eps: float,
+                     V: Tensor, cost: Cost, weight: Weight) -> Tensor:
+        """Plan product over the cached raw matrix, in two passes (so no over- or underflow).
+
+        ``L`` = base-2 LSE of ``beta log2(e) - k C`` over the summed index (the cached LSE pass),
+        then row chunks of weights ``exp2(beta log2(e) - k C - L) W`` (each output's weights sum
+        to at most 1) are contracted with ``V`` by a GEMM, and each output is scaled by
+        ``exp(alpha + L ln 2)``.  Same score arithmetic as the cached softmin, so potentials from
+        it and plan products (gradients) are consistent.  ``transposed``: the output runs over
+        the columns of C (``out += P^T V`` chunk by chunk).
+        """
+        B, N, M = C.shape
+        dt = C.dtype
+        f32 = dt == torch.float32
+        neg = -1e37 if f32 else -1e300  # finite "zero weight" for the kernel's exp2
+        k = LOG2E * scale / eps
+        L = self._softmin_cached(C, scale, transposed, beta, eps, oscale=1.0)  # over the summed index
+        good = torch.isfinite(L) & (L > 0.5 * neg)  # not good: every weight of the sum is zero
+        shift = torch.where(good, -L, torch.full_like(L, neg)).contiguous()
+        h2 = (beta * LOG2E).clamp_(min=neg).contiguous()
+        wk, wconst, wthr = W_ONE, 1.0, 0.0
+        if weight == "cost":
+            wk, wconst = W_COST, (scale if cost.is_dot else 1.0)
+        elif weight == "dcost":
+            if cost.is_dot:
+                wconst = 2.0 * scale
+            else:
+                wk = W_INV
+                wthr = 1.001 * math.sqrt(cost.min_sqdist) if cost.min_sqdist > 0 else 0.0
+        K = V.shape[2]
+        # GEMM layouts measured fastest for narrow V (K = 2..8: 3-5x over row-major V) and as fast at K = 65:
+        # P V with V column-major; for the transposed product, out^T (K, M) += V_chunk^T P
+        if transposed:
+            outT = torch.zeros(B, K, M, dtype=dt)
+            Vt = V.transpose(1, 2).contiguous()  # (B, K, N)
+        else:
+            out = torch.empty(B, N, K, dtype=dt)
+            Vc = V.transpose(1, 2).contiguous().transpose(1, 2)  # (B, M, K), column-major
+        rows = max(16, min(N, PLAN_CHUNK_BYTES // max(1, M * C.element_size())))
+        P = torch.empty(rows, M, dtype=dt)
+        fn = self.lib.flashot_cached_weights_f32 if f32 else self.lib.flashot_cached_weights_f64
+        self.stats["plan_cached"] = self.stats.get("plan_cached", 0) + 1
+        for b in range(B):
+            for i0 in range(0, N, rows):
+                i1 = min(N, i0 + rows)
+                Pi = P[: i1 - i0]
+                rb, cb = (h2[b, i0:i1], shift[b]) if transposed else (shift[b, i0:i1], h2[b])
+                rc = fn(_ptr(C[b, i0:i1]), i1 - i0, M, _ptr(rb), _ptr(cb), k, wk, wthr, _ptr(Pi), self._nthreads())
+                if rc != 0:
+                    raise RuntimeError(f"cpu engine: cached plan kernel returned {rc}")
+                if transposed:
+                    outT[b].addmm_(Vt[b, :, i0:i1].contiguous(), Pi)
+                else:
+                    torch.mm(Pi, Vc[b], out=out[b, i0:i1])
+        if transposed:
+            out = outT.transpose(1, 2)
+        factor = torch.where(good, torch.exp(alpha + L * LN2) * wconst, torch.zeros_like(L))
+        return (out * factor.unsqueeze(-1)).contiguous()
 
 
 def _encode_zero_weights(h: Tensor) -> Tensor:
