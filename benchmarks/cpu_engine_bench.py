@@ -156,6 +156,28 @@ def accuracy(lib):
     print("| " + " | ".join(f"{e:.1e}" for e in errs) + " |\n")
 
 
+def solve_loop(lib, n, d=64, solves=4, iters=3):
+    """A loop of solves on fresh tensors (as in training): Measures.build + one sinkhorn_loop each."""
+    from flashot.measures import Measures
+    from flashot.ops import register_engine
+    from flashot.sinkhorn import sinkhorn_loop
+
+    eng = CpuEngine(lib, mode="auto")
+    register_engine("bench-cpu-loop", lambda: eng)
+    print(f"## A loop of {solves} solves on fresh tensors, n = m = {n}, d = {d}, {iters} alternating iterations each "
+          f"(auto mode, default cache budget {eng.cache_bytes / 2**30:.1f} GiB)\n")
+    print("| solve | s / iter | streamed calls | matrices built |\n|---|---|---|---|")
+    x, y = problem(n, n, d)
+    for k in range(solves):
+        s0 = dict(eng.stats)
+        t0 = CLOCK()
+        m = Measures.build(x[0] + 1e-3 * k, y[0], None, None, cost="sqeuclidean", backend="bench-cpu-loop")
+        sinkhorn_loop(m, [0.05 * d] * iters, symmetric=False, tol=None, warn=False)
+        t = (CLOCK() - t0) / iters
+        print(f"| {k + 1} | {t:.3f} | {eng.stats['stream'] - s0['stream']} | {eng.stats['cache_build'] - s0['cache_build']} |")
+    print()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
@@ -173,8 +195,8 @@ def main():
                          "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
                          "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)")
     ap.add_argument("--cache-n", default="5000,20000", help="sizes n = m for the cached-vs-streaming crossover")
-    ap.add_argument("--sections", default="hw,iter,plan,accuracy,cache,scaling",
-                    help="comma-separated subset of hw,iter,plan,accuracy,cache,scaling")
+    ap.add_argument("--sections", default="hw,iter,plan,accuracy,loop,cache,scaling",
+                    help="comma-separated subset of hw,iter,plan,accuracy,loop,cache,scaling")
     args = ap.parse_args()
     global CLOCK
     if args.threads:
@@ -270,6 +292,9 @@ def main():
 
     if "accuracy" in sections:
         accuracy(lib)
+
+    if "loop" in sections:
+        solve_loop(lib, 4000 if args.quick else n)
 
     if "cache" in sections:
         # cached cost vs streaming, crossover in d, at each n of --cache-n

@@ -386,6 +386,46 @@ def test_auto_plan_product_uses_the_cached_matrix(lib):
     assert eng.stats["plan_cached"] == 2 and eng.stats["stream"] == 1
 
 
+def test_solver_hint_builds_the_cache_on_the_first_call(lib):
+    """``sinkhorn_loop`` tells the engine it will iterate on (x, y): in auto mode the matrix is
+    built on the first call (no streamed pass), and the result equals the streamed solve."""
+    from flashot.measures import Measures
+    from flashot.ops import register_engine
+    from flashot.ops.cpu.engine import CACHE_MIN_D, CpuEngine
+    from flashot.sinkhorn import sinkhorn_loop
+
+    x, y, _ = _problem(1, 60, 80, max(CACHE_MIN_D, 20), torch.float64)
+    res = {}
+    for mode in ("auto", "stream"):
+        eng = CpuEngine(lib, mode=mode)
+        register_engine(f"test-cpu-{mode}", lambda eng=eng: eng)
+        m = Measures.build(x[0], y[0], None, None, cost="sqeuclidean", backend=f"test-cpu-{mode}")
+        st = sinkhorn_loop(m, [0.5] * 4, symmetric=False, tol=None, warn=False)
+        res[mode] = (st.f, st.g, dict(eng.stats))
+    assert res["auto"][2]["cache_build"] == 1 and res["auto"][2]["stream"] == 0
+    assert res["stream"][2]["cache_build"] == 0
+    for a, b in zip(res["auto"][:2], res["stream"][:2]):
+        assert (a - b).abs().max() < 1e-10
+    # a loop of solves on fresh tensors (a training loop) when only one matrix fits the budget:
+    # each solve's hint marks the previous matrix cold, so every solve builds (reusing the
+    # buffer) instead of every other one streaming
+    nbytes = 60 * 80 * 8
+    eng = CpuEngine(lib, mode="auto", cache_bytes=int(1.5 * nbytes))
+    register_engine("test-cpu-loop", lambda: eng)
+    for step in range(3):
+        m = Measures.build(x[0] + 0.01 * step, y[0], None, None, cost="sqeuclidean", backend="test-cpu-loop")
+        sinkhorn_loop(m, [0.5] * 4, symmetric=False, tol=None, warn=False)
+    assert eng.stats["stream"] == 0 and eng.stats["cache_build"] == 3
+    # without the hint, auto streams the first call and builds on the second
+    eng = CpuEngine(lib, mode="auto")
+    h = torch.zeros(1, 80, dtype=torch.float64)
+    eng.softmin(x, y, h, 0.5, get_cost("sqeuclidean"))
+    assert eng.stats["stream"] == 1 and eng.stats["cache_build"] == 0
+    eng.expect_reuse(y, x, get_cost("sqeuclidean"))
+    eng.softmin(y, x, torch.zeros(1, 60, dtype=torch.float64), 0.5, get_cost("sqeuclidean"))
+    assert eng.stats["cache_build"] == 1
+
+
 @pytest.mark.parametrize("mode", ["stream", "cache"])
 def test_float32_accuracy_large_d(engines, mode):
     """d = 64, float32, a small eps (C / eps ~ 1e4): softmin errors against float64 on the same

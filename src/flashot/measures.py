@@ -96,6 +96,12 @@ class Measures:
     def _self_softmin(self, p: Tensor, h: Tensor, eps: float) -> Tensor:
         return self_softmin(self.engine, p, h, eps, self.cost)
 
+    def expect_reuse(self) -> None:
+        """Tell the engine (if it listens) that the solver will call it on (x, y) many times."""
+        hint = getattr(self.engine, "expect_reuse", None)
+        if hint is not None:
+            hint(self.x.detach(), self.y.detach(), self.cost)
+
     # -- differentiable variants (final step) -------------------------------------------
     def softmin_grad(self, side: str, h: Tensor, eps: float) -> Tensor:
         """Softmin differentiable w.r.t. the *output* side's points only (GeomLoss' rule).

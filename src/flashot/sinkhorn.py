@@ -143,6 +143,8 @@ def sinkhorn_loop(
     err: float | None = None
     converged = stopped = False
     it = 0
+    if n_total > 1:
+        m.expect_reuse()  # e.g. the cpu engine builds its cached cost matrix on the first call
     try:
         with torch.no_grad():
             eps = eps_list[0]

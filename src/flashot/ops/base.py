@@ -21,6 +21,9 @@ in one pass (the symmetric Sinkhorn step), and ``softmin_sym(x, h, eps, cost)`` 
 ``softmin(x, x, h)`` (the debiasing problems); the solver falls back to ``softmin`` calls
 for engines without them.
 
+Optional hint: ``expect_reuse(x, y, cost)``, called by the solver before it iterates on
+(x, y) (an engine with a cache may prepare it on the first call).
+
 The transposed forms are the same calls with the roles of (x, alpha) and
 (y, beta) swapped: every supported cost is symmetric.  Zero weights enter as
 ``-inf`` log-weights and must contribute exactly nothing (no NaN).

@@ -16,7 +16,12 @@ computed once (one MKL GEMM per row chunk through torch, on the augmented points
 ``[x, |x|^2, 1] . [-2y, 1, |y|^2]``) and kept in a small LRU keyed on the
 tensors' data pointers, shapes, strides and version counters; each later softmin
 (either direction: ``softmin(y, x)`` streams the transpose) is a memory-bound
-exp pass over it.  The cache holds a reference to ``x`` and ``y``, so their
+exp pass over it, and so is each plan product (weights from ``C`` in row chunks,
+contracted with ``V`` by a GEMM: the same arithmetic as the cached softmins, so
+gradients are consistent with the potentials).  ``auto`` builds a matrix on the second
+call on a pair, or on the first after a solver's :meth:`CpuEngine.expect_reuse` hint
+(which also marks the matrices of earlier solves as evictable).  The cache holds a
+reference to ``x`` and ``y``, so their
 memory cannot be reused while an entry is alive (no stale hits after a free);
 in-place changes through autograd-visible ops bump the version and invalidate.
 Budget: ``FLASHOT_CPU_CACHE_BYTES`` (default: 1/8 of the physical memory, or of the
@@ -393,6 +398,26 @@ class CpuEngine:
         return self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, oscale * LN2)
 
     # ------------------------------------------------------------------ cached cost
+    def expect_reuse(self, x: Tensor, y: Tensor, cost: Cost) -> None:
+        """Hint from a solver that the pair (x, y) will be used many times: in ``auto`` mode its cost
+        matrix is then built on the first call instead of the second (when d and the budget
+        allow), which saves one streamed pass per solve."""
+        if self.mode != "auto":
+            return
+        kx, ky = _tkey(x), _tkey(y)
+        with self._lock:
+            if (kx, ky, cost.name) in self._cache or (ky, kx, cost.name) in self._cache:
+                return
+            self._seen[(kx, ky, cost.name)] = True
+            while len(self._seen) > 16:
+                self._seen.popitem(last=False)
+            # A new solve starts: the pairs of earlier solves count as cold, so they may be evicted
+            # to make room (their buffer is then reused).  Without this, a loop of solves on fresh
+            # tensors (a training loop) found the previous, still "hot" matrix holding the budget
+            # and streamed every other solve.
+            for key in self._cache:
+                self._last_use[key] = -HOT_CALLS - 1
+
     def _cached(self, x: Tensor, y: Tensor, cost: Cost):
         """(C, transposed) when the cached path applies, else (None, False)."""
         if self.mode == "stream":
