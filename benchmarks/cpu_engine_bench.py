@@ -149,10 +149,20 @@ def accuracy(lib):
     print("\nOne softmin, d = 64, n = m = 400 Gaussian points, eps = 0.0025 (C / eps up to ~1e5), max abs error "
           "against float64 on the same rounded inputs:\n")
     print("| tiled | cpu stream | cpu cache |\n|---|---|---|")
-    errs = [(TiledEngine().softmin(x, y, h, eps, c).double() - ref).abs().max().item()]
-    for mode in ("stream", "cache"):
-        errs.append((CpuEngine(lib, mode=mode, cache_bytes=1 << 30).softmin(x, y, h, eps, c).double() - ref)
-                    .abs().max().item())
+    engs = [TiledEngine()] + [CpuEngine(lib, mode=mode, cache_bytes=1 << 30) for mode in ("stream", "cache")]
+    errs = [(e.softmin(x, y, h, eps, c).double() - ref).abs().max().item() for e in engs]
+    print("| " + " | ".join(f"{e:.1e}" for e in errs) + " |\n")
+    # its x-gradient (the softmin backward: one plan product), max error / max |grad64|
+    from flashot.ops.autograd import softmin_fn
+
+    def sgrad(dtype, eng):
+        xr = x.to(dtype).clone().requires_grad_(True)
+        softmin_fn(xr, y.to(dtype), h.to(dtype), eps, c, eng).sum().backward()
+        return xr.grad.double()
+
+    g64 = sgrad(torch.float64, dense)
+    errs = [((sgrad(torch.float32, e) - g64).abs().max() / g64.abs().max()).item() for e in engs]
+    print("Its x-gradient (max error / max |grad64|):\n\n| tiled | cpu stream | cpu cache |\n|---|---|---|")
     print("| " + " | ".join(f"{e:.1e}" for e in errs) + " |\n")
 
 
@@ -267,15 +277,16 @@ def main():
     if "plan" in sections:
         # single plan products as the softmin backward issues them: weight "dcost", V = [y, 1]
         npl = 4000 if args.quick else n
-        print(f"## Plan products (weight dcost, V of width d + 1, as in the gradient), n = m = {npl}, float32\n")
-        print("| d | cpu s | tiled s | speed-up | cpu softmin s | plan / softmin | cpu, cached cost s | speed-up |")
+        print(f"## Plan products (K = d + 1: weight dcost, V = [y, 1], as in the gradient; K = 1: the marginal), "
+              f"n = m = {npl}, float32\n")
+        print("| d, K | cpu s | tiled s | speed-up | cpu softmin s | plan / softmin | cpu, cached cost s | speed-up |")
         print("|---|---|---|---|---|---|---|---|")
-        for d in (3, 64):
+        for d, K in ((3, 4), (64, 65), (64, 1)):
             x, y = problem(npl, npl, d)
             a0 = torch.full((1, npl), -math.log(npl))
             f = cpu.softmin(x, y, a0, 0.05 * d, COST)
-            V = torch.cat([y, torch.ones(1, npl, 1)], -1).contiguous()
-            args_pp = (x, y, a0 + f / (0.05 * d), a0, 0.05 * d, V, COST, "dcost")
+            V = torch.cat([y, torch.ones(1, npl, 1)], -1).contiguous() if K == d + 1 else torch.ones(1, npl, K)
+            args_pp = (x, y, a0 + f / (0.05 * d), a0, 0.05 * d, V, COST, "dcost" if K == d + 1 else "plan")
             tc = med(lambda: cpu.plan_product(*args_pp), runs)
             tt = med(lambda: tiled.plan_product(*args_pp), runs)
             ts = med(lambda: cpu.softmin(x, y, a0, 0.05 * d, COST), runs)
@@ -287,7 +298,7 @@ def main():
                 tk = med(lambda: cached.plan_product(*args_pp), runs)
                 cached.clear_cache()
                 cached_cells = f"{tk:.4f} | {tt / tk:.1f}x |"
-            print(f"| {d} | {tc:.4f} | {tt:.4f} | {tt / tc:.1f}x | {ts:.4f} | {tc / ts:.2f} | {cached_cells}")
+            print(f"| {d}, {K} | {tc:.4f} | {tt:.4f} | {tt / tc:.1f}x | {ts:.4f} | {tc / ts:.2f} | {cached_cells}")
         print()
 
     if "accuracy" in sections:
