@@ -172,9 +172,10 @@ def main(argv=None) -> int:
                      f"{used[len(used) // 2]:.2f}, range {used[0]:.2f} to {used[-1]:.2f}, of {os.cpu_count()} cores")
     for l in report.missing_lines(res_a):
         lines.append(f"- missing peer: {l}")
-    lines.append("- the `cpu` engine's own measurements (design, exp/GEMM limits, the cached-cost vs streaming "
-                 "crossover that `auto` uses, fused symmetric steps, SamplesLoss forward + backward against "
-                 "GeomLoss): `benchmarks/CPU_ENGINE.md`")
+    lines.append("- the `cpu` engine's own measurements (the technology choice: compiled C++/OpenMP against "
+                 "torch.compile/Inductor and plain torch, measured; design, exp/GEMM limits, the cached-cost vs "
+                 "streaming crossover that `auto` uses, fused symmetric steps, plan products, float32 accuracy, "
+                 "SamplesLoss forward + backward against GeomLoss): `benchmarks/CPU_ENGINE.md`")
     lines += ["", "## How to read the tables", "",
               "- Problem: n = m points drawn uniformly in the unit cube (numpy seed 0), uniform weights, cost "
               "|x - y|^2, eps = 0.1, float32.  Every solver runs alternating log-domain Sinkhorn iterations "
