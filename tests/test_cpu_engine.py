@@ -390,7 +390,7 @@ def test_solver_hint_builds_the_cache_on_the_first_call(lib):
     """``sinkhorn_loop`` tells the engine it will iterate on (x, y): in auto mode the matrix is
     built on the first call (no streamed pass), and the result equals the streamed solve."""
     from flashot.measures import Measures
-    from flashot.ops import register_engine
+    from flashot.ops import register_engine, unregister_engine
     from flashot.ops.cpu.engine import CACHE_MIN_D, CpuEngine
     from flashot.sinkhorn import sinkhorn_loop
 
@@ -398,9 +398,12 @@ def test_solver_hint_builds_the_cache_on_the_first_call(lib):
     res = {}
     for mode in ("auto", "stream"):
         eng = CpuEngine(lib, mode=mode)
-        register_engine(f"test-cpu-{mode}", lambda eng=eng: eng)
-        m = Measures.build(x[0], y[0], None, None, cost="sqeuclidean", backend=f"test-cpu-{mode}")
-        st = sinkhorn_loop(m, [0.5] * 4, symmetric=False, tol=None, warn=False)
+        register_engine("test-cpu", lambda eng=eng: eng)
+        try:
+            m = Measures.build(x[0], y[0], None, None, cost="sqeuclidean", backend="test-cpu")
+            st = sinkhorn_loop(m, [0.5] * 4, symmetric=False, tol=None, warn=False)
+        finally:
+            unregister_engine("test-cpu")
         res[mode] = (st.f, st.g, dict(eng.stats))
     assert res["auto"][2]["cache_build"] == 1 and res["auto"][2]["stream"] == 0
     assert res["stream"][2]["cache_build"] == 0
@@ -411,10 +414,13 @@ def test_solver_hint_builds_the_cache_on_the_first_call(lib):
     # buffer) instead of every other one streaming
     nbytes = 60 * 80 * 8
     eng = CpuEngine(lib, mode="auto", cache_bytes=int(1.5 * nbytes))
-    register_engine("test-cpu-loop", lambda: eng)
-    for step in range(3):
-        m = Measures.build(x[0] + 0.01 * step, y[0], None, None, cost="sqeuclidean", backend="test-cpu-loop")
-        sinkhorn_loop(m, [0.5] * 4, symmetric=False, tol=None, warn=False)
+    register_engine("test-cpu", lambda: eng)
+    try:
+        for step in range(3):
+            m = Measures.build(x[0] + 0.01 * step, y[0], None, None, cost="sqeuclidean", backend="test-cpu")
+            sinkhorn_loop(m, [0.5] * 4, symmetric=False, tol=None, warn=False)
+    finally:
+        unregister_engine("test-cpu")
     assert eng.stats["stream"] == 0 and eng.stats["cache_build"] == 3
     # without the hint, auto streams the first call and builds on the second
     eng = CpuEngine(lib, mode="auto")

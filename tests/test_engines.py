@@ -155,3 +155,25 @@ def test_tiled_memory_is_linear():
     assert r.returncode == 0, r.stderr
     grown_mib = float(r.stdout.strip().splitlines()[-1])
     assert grown_mib < 300, grown_mib
+
+
+def test_register_and_unregister_engine():
+    from flashot.ops import engine_names, register_engine, unregister_engine
+    from flashot.ops.tiled import TiledEngine
+
+    x, y = torch.randn(20, 2), torch.randn(25, 2)
+    h = torch.zeros(25)
+    register_engine("tmp-tiled", lambda: TiledEngine(tile_elems=64))
+    try:
+        assert "tmp-tiled" in engine_names()
+        out = ops.softmin(x, y, h, 0.5, backend="tmp-tiled")
+        ref = ops.softmin(x, y, h, 0.5, backend="dense")
+        assert (out - ref).abs().max() < 1e-5
+    finally:
+        unregister_engine("tmp-tiled")
+    assert "tmp-tiled" not in engine_names()
+    with pytest.raises(ValueError, match="expected 'auto' or one of"):
+        ops.softmin(x, y, h, 0.5, backend="tmp-tiled")
+    unregister_engine("tmp-tiled")  # absent: no error
+    with pytest.raises(ValueError, match="built-in"):
+        unregister_engine("tiled")

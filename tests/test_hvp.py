@@ -15,8 +15,7 @@ import torch
 import flashot
 from conftest import rel_err
 from flashot import implicit as imp
-from flashot.ops import register_engine
-from flashot.ops import registry
+from flashot.ops import register_engine, unregister_engine
 from flashot.ops.tiled import TiledEngine
 
 DT = torch.float64
@@ -47,8 +46,7 @@ _COUNTING = CountingEngine()
 def _register_counting():
     register_engine("counting", lambda: _COUNTING)
     yield
-    registry._LOADERS.pop("counting", None)
-    registry._CACHE.pop("counting", None)
+    unregister_engine("counting")
 
 
 def _problem(N=14, M=17, D=2, B=None, seed=0):

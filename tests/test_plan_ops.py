@@ -11,7 +11,7 @@ import torch
 import flashot
 from conftest import rel_err
 from flashot.costs import get_cost
-from flashot.ops import register_engine, registry
+from flashot.ops import register_engine, unregister_engine
 from flashot.ops.rowtopk import row_topk
 from flashot.ops.tiled import TiledEngine
 
@@ -31,8 +31,7 @@ class ScaledTiled(TiledEngine):
 def _register():
     register_engine("ragged", ScaledTiled)
     yield
-    registry._LOADERS.pop("ragged", None)
-    registry._CACHE.pop("ragged", None)
+    unregister_engine("ragged")
 
 
 def _dense_plan(x, y, a, b, f, g, eps, cost):

@@ -21,13 +21,14 @@ from .._checks import check_pair, check_points, check_positive, compute_dtype
 from ..costs import Cost, get_cost
 from .autograd import softmin_fn
 from .base import WEIGHTS, Engine, Weight
-from .registry import EngineUnavailable, engine_names, get_engine, register_engine
+from .registry import EngineUnavailable, engine_names, get_engine, register_engine, unregister_engine
 
 __all__ = [
     "softmin",
     "plan_product",
     "get_engine",
     "register_engine",
+    "unregister_engine",
     "engine_names",
     "EngineUnavailable",
     "Engine",

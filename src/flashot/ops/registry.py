@@ -37,6 +37,16 @@ def register_engine(name: str, loader: Callable[[], Engine]) -> None:
     _CACHE.pop(name, None)
 
 
+def unregister_engine(name: str) -> None:
+    """Remove an engine registered with :func:`register_engine` (no error if it is absent).
+
+    The built-in engines (``dense``, ``tiled``, ``triton``, ``cpu``) cannot be removed."""
+    if name in _BUILTIN:
+        raise ValueError(f"unregister_engine: {name!r} is a built-in engine")
+    _LOADERS.pop(name, None)
+    _CACHE.pop(name, None)
+
+
 def engine_names() -> list[str]:
     return sorted(_LOADERS)
 
@@ -127,3 +137,5 @@ def _cpu():
 
 
 register_engine("cpu", _cpu)
+
+_BUILTIN = frozenset(_LOADERS)  # the engines registered above
