@@ -31,6 +31,7 @@ import torch
 
 import flashot
 from flashot.measures import Measures
+from flashot.ops import autograd
 
 
 def clouds(n: int, d: int, seed: int = 0):
@@ -41,15 +42,17 @@ def clouds(n: int, d: int, seed: int = 0):
 
 
 class _Unfused:
-    """Context manager: make Measures call plain softmins (no softmin_pair / softmin_sym)."""
+    """Context manager: plain softmins everywhere (no softmin_pair / softmin_sym): in the solver
+    (``Measures``) and in the differentiable final step (``ops.autograd``)."""
 
     def __enter__(self):
-        self.saved = Measures.softmin_pair, Measures._self_softmin
+        self.saved = Measures.softmin_pair, Measures._self_softmin, autograd.self_softmin
         Measures.softmin_pair = lambda m, hx, hy, eps: (m.softmin_x(hy, eps), m.softmin_y(hx, eps))
         Measures._self_softmin = lambda m, p, h, eps: m.engine.softmin(p, p, h, eps, m.cost)
+        autograd.self_softmin = lambda engine, x, h, eps, cost: engine.softmin(x, x, h, eps, cost)
 
     def __exit__(self, *exc):
-        Measures.softmin_pair, Measures._self_softmin = self.saved
+        Measures.softmin_pair, Measures._self_softmin, autograd.self_softmin = self.saved
 
 
 def make(solver: str, blur: float):
