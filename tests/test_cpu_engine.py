@@ -290,6 +290,71 @@ def test_softmin_pair_matches_two_dense_softmins(engines, dtype, cost, D):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("D", [3, 4, 17, 64, 130])
+def test_softmin_alt_matches_two_dense_softmins(engines, dtype, cost, D):
+    """The fused alternating step (d >= 4: one pass, costs kept per block of rows; d = 3: two
+    softmins) against softmin(x, y, hy) followed by softmin(y, x, ha + lam f / eps), with zero
+    weights on both sides and several batches."""
+    eng = engines["stream"]
+    c = get_cost(cost)
+    B, N, M = 2, 101, 83
+    x, y, hy = _problem(B, N, M, D, dtype, seed=D)
+    g = torch.Generator().manual_seed(D + 7)
+    ha = torch.randn(B, N, generator=g, dtype=torch.float64)
+    ha[:, ::6] = -math.inf
+    ha = ha.to(dtype)
+    eps, lam = _eps(cost, D), 0.7
+    before = eng.stats.get("alt", 0)
+    fx, fy = eng.softmin_alt(x, y, ha, hy, eps, c, lam)
+    assert eng.stats.get("alt", 0) == before + (1 if D >= 4 else 0)
+    rx = DENSE.softmin(x.double(), y.double(), hy.double(), eps, c)
+    ry = DENSE.softmin(y.double(), x.double(), ha.double() + lam * rx / eps, eps, c)
+    assert fx.dtype == dtype and fx.shape == (B, N) and fy.shape == (B, M)
+    assert torch.all((fx.double() - rx).abs() <= _softmin_tol(dtype, x, y, cost, eps, rx))
+    # fy also carries fx's rounding (times lam): twice the softmin tolerance
+    assert torch.all((fy.double() - ry).abs() <= 2 * _softmin_tol(dtype, y, x, cost, eps, ry))
+
+
+def test_softmin_alt_fallbacks_and_solver(lib, monkeypatch):
+    """softmin_alt falls back to two softmins for a cached pair and when y outgrows the cache
+    bound; the alternating solver uses it (same potentials as the tiled engine)."""
+    from flashot.measures import Measures
+    from flashot.ops import register_engine, unregister_engine
+    from flashot.ops.cpu import engine as cpu_engine
+    from flashot.ops.cpu.engine import CpuEngine
+    from flashot.sinkhorn import sinkhorn_loop
+
+    c = get_cost("sqeuclidean")
+    x, y, hy = _problem(1, 70, 90, 20, torch.float64, neg_inf=False)
+    ha = torch.zeros(1, 70, dtype=torch.float64)
+    ref = CpuEngine(lib, mode="stream").softmin_alt(x, y, ha, hy, 0.5, c)
+    cached = CpuEngine(lib, mode="cache")
+    out = cached.softmin_alt(x, y, ha, hy, 0.5, c)
+    assert "alt" not in cached.stats and cached.stats["cache_hit"] >= 1
+    monkeypatch.setattr(cpu_engine, "ALT_MAX_Y_BYTES", 100)
+    small = CpuEngine(lib, mode="stream")
+    out2 = small.softmin_alt(x, y, ha, hy, 0.5, c)
+    assert "alt" not in small.stats and small.stats["stream"] == 2
+    monkeypatch.undo()
+    for o in (out, out2):
+        assert (o[0] - ref[0]).abs().max() < 1e-10 and (o[1] - ref[1]).abs().max() < 1e-10
+    # the alternating solver on the cpu engine (fused steps) against the tiled engine
+    eng = CpuEngine(lib, mode="stream")
+    register_engine("test-cpu", lambda: eng)
+    try:
+        res = []
+        for backend in ("test-cpu", "tiled"):
+            m = Measures.build(x[0], y[0], None, None, cost="sqeuclidean", backend=backend)
+            st = sinkhorn_loop(m, [0.5] * 5, symmetric=False, tol=None, warn=False, rho_x=2.0)
+            res.append(st)
+    finally:
+        unregister_engine("test-cpu")
+    assert eng.stats["alt"] == 5
+    assert (res[0].f - res[1].f).abs().max() < 1e-10 and (res[0].g - res[1].g).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cost", COSTS)
 @pytest.mark.parametrize("D", [1, 3, 17, 64])
 @pytest.mark.parametrize("N", [5, 200, 403])
 def test_softmin_sym_matches_dense(engines, dtype, cost, D, N):

@@ -86,6 +86,15 @@ class Measures:
             return pair(self.x.detach(), self.y.detach(), hx, hy, eps, self.cost)
         return self.softmin_x(hy, eps), self.softmin_y(hx, eps)
 
+    def softmin_alt(self, ha: Tensor, hy: Tensor, eps: float, lam: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Alternating step: ``fx = softmin_x(hy)``, then ``softmin_y(ha + lam fx / eps)``; one fused
+        pass where the engine has ``softmin_alt``."""
+        alt = getattr(self.engine, "softmin_alt", None)
+        if alt is not None:
+            return alt(self.x.detach(), self.y.detach(), ha, hy, eps, self.cost, lam)
+        fx = self.softmin_x(hy, eps)
+        return fx, self.softmin_y(ha + lam * fx / eps, eps)
+
     def softmin_xx(self, h: Tensor, eps: float) -> Tensor:
         """``softmin(x, x, h)`` (debiasing); the engine's ``softmin_sym`` when it has one."""
         return self._self_softmin(self.x.detach(), h, eps)
