@@ -60,7 +60,7 @@ def problem(n, m, d, dtype=torch.float32, seed=0):
 
 
 def sinkhorn_iter(eng, x, y, eps, state):
-    """One fixed-eps symmetric-update iteration: two softmins (x->y and y->x)."""
+    """One fixed-eps alternating iteration as two plain softmins (x->y, then y->x with the new f)."""
     f, g, la, lb = state
     f = eng.softmin(x, y, lb + g / eps, eps, COST)
     g = eng.softmin(y, x, la + f / eps, eps, COST)
@@ -205,8 +205,8 @@ def main():
                          "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
                          "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)")
     ap.add_argument("--cache-n", default="5000,20000", help="sizes n = m for the cached-vs-streaming crossover")
-    ap.add_argument("--sections", default="hw,iter,plan,accuracy,loop,cache,scaling",
-                    help="comma-separated subset of hw,iter,plan,accuracy,loop,cache,scaling")
+    ap.add_argument("--sections", default="hw,iter,alt,plan,accuracy,loop,cache,scaling",
+                    help="comma-separated subset of hw,iter,alt,plan,accuracy,loop,cache,scaling")
     args = ap.parse_args()
     global CLOCK
     if args.threads:
@@ -306,6 +306,22 @@ def main():
 
     if "loop" in sections:
         solve_loop(lib, 4000 if args.quick else n)
+
+    if "alt" in sections:
+        # the fused alternating step against its two softmins (streaming)
+        sizes = [(2000, 16), (2000, 64)] if args.quick else [(n, 3), (n, 4), (n, 16), (n, 64), (4 * n, 16), (4 * n, 64)]
+        print("## Fused alternating step (softmin_alt) against two softmins, streaming, float32\n")
+        print("| n = m | d | two softmins s | softmin_alt s | speed-up | fused? |\n|---|---|---|---|---|---|")
+        for na, d in sizes:
+            x, y = problem(na, na, d)
+            la = torch.full((1, na), -math.log(na))
+            eps = 0.05 * d
+            t2 = med(lambda: cpu.softmin(y, x, la + cpu.softmin(x, y, la, eps, COST) / eps, eps, COST), runs)
+            before = cpu.stats.get("alt", 0)
+            ta = med(lambda: cpu.softmin_alt(x, y, la, la, eps, COST), runs)
+            fused = "yes" if cpu.stats.get("alt", 0) > before else "no (fallback)"
+            print(f"| {na:,} | {d} | {t2:.4f} | {ta:.4f} | {t2 / ta:.2f}x | {fused} |")
+        print()
 
     if "cache" in sections:
         # cached cost vs streaming, crossover in d, at each n of --cache-n
