@@ -309,7 +309,7 @@ def main():
 
     if "alt" in sections:
         # the fused alternating step against its two softmins (streaming)
-        sizes = [(2000, 16), (2000, 64)] if args.quick else [(n, 3), (n, 4), (n, 16), (n, 64), (4 * n, 16), (4 * n, 64)]
+        sizes = [(2000, 24), (2000, 64)] if args.quick else [(n, 16), (n, 20), (n, 32), (n, 64), (4 * n, 24), (4 * n, 64)]
         print("## Fused alternating step (softmin_alt) against two softmins, streaming, float32\n")
         print("| n = m | d | two softmins s | softmin_alt s | speed-up | fused? |\n|---|---|---|---|---|---|")
         for na, d in sizes:

@@ -290,11 +290,14 @@ def test_softmin_pair_matches_two_dense_softmins(engines, dtype, cost, D):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("cost", COSTS)
-@pytest.mark.parametrize("D", [3, 4, 17, 64, 130])
-def test_softmin_alt_matches_two_dense_softmins(engines, dtype, cost, D):
-    """The fused alternating step (d >= 4: one pass, costs kept per block of rows; d = 3: two
-    softmins) against softmin(x, y, hy) followed by softmin(y, x, ha + lam f / eps), with zero
-    weights on both sides and several batches."""
+@pytest.mark.parametrize("D", [1, 3, 4, 17, 20, 64, 130])
+def test_softmin_alt_matches_two_dense_softmins(engines, dtype, cost, D, monkeypatch):
+    """The fused alternating step (one pass, costs kept per block of rows; forced on for every d
+    here, the engine uses it from ALT_MIN_D on) against softmin(x, y, hy) followed by
+    softmin(y, x, ha + lam f / eps), with zero weights on both sides and several batches."""
+    from flashot.ops.cpu import engine as cpu_engine
+
+    monkeypatch.setattr(cpu_engine, "ALT_MIN_D", 1)
     eng = engines["stream"]
     c = get_cost(cost)
     B, N, M = 2, 101, 83
@@ -306,7 +309,7 @@ def test_softmin_alt_matches_two_dense_softmins(engines, dtype, cost, D):
     eps, lam = _eps(cost, D), 0.7
     before = eng.stats.get("alt", 0)
     fx, fy = eng.softmin_alt(x, y, ha, hy, eps, c, lam)
-    assert eng.stats.get("alt", 0) == before + (1 if D >= 4 else 0)
+    assert eng.stats.get("alt", 0) == before + 1
     rx = DENSE.softmin(x.double(), y.double(), hy.double(), eps, c)
     ry = DENSE.softmin(y.double(), x.double(), ha.double() + lam * rx / eps, eps, c)
     assert fx.dtype == dtype and fx.shape == (B, N) and fy.shape == (B, M)
@@ -336,6 +339,10 @@ def test_softmin_alt_fallbacks_and_solver(lib, monkeypatch):
     out2 = small.softmin_alt(x, y, ha, hy, 0.5, c)
     assert "alt" not in small.stats and small.stats["stream"] == 2
     monkeypatch.undo()
+    low_d = CpuEngine(lib, mode="stream")  # below ALT_MIN_D: two softmins
+    xs, ys, hs = _problem(1, 30, 40, cpu_engine.ALT_MIN_D - 1, torch.float64)
+    low_d.softmin_alt(xs, ys, torch.zeros(1, 30, dtype=torch.float64), hs, 0.5, c)
+    assert "alt" not in low_d.stats and low_d.stats["stream"] == 2
     for o in (out, out2):
         assert (o[0] - ref[0]).abs().max() < 1e-10 and (o[1] - ref[1]).abs().max() < 1e-10
     # the alternating solver on the cpu engine (fused steps) against the tiled engine

@@ -96,7 +96,10 @@ L2_BYTES = 512 * 1024
 MODES = ("auto", "stream", "cache")
 # auto: a cached matrix hit within this many cache lookups is never evicted for another one
 HOT_CALLS = 8
-ALT_MIN_D = 4  # softmin_alt fuses the two half-steps from this d on (below: exp-bound)
+# softmin_alt fuses the two half-steps from this d on.  Measured at n = m = 20,000, float32, against
+# two softmins: d = 4 1.17x, 16 and 17 0.93-1.0x (the scratch traffic eats the saved dot products),
+# 20 1.53x, 24 1.6x, 32 1.67x, 48 1.7x, 64 1.75-1.8x (benchmarks/cpu_engine_bench.py --sections alt)
+ALT_MIN_D = 20
 # ... and while y (M (d + 2) values) stays in the last-level cache: its blocks of rows are small
 # (their costs are kept), so y is re-read often (n = m = 80,000, d = 64: 0.86x of two softmins)
 ALT_MAX_Y_BYTES = 16 << 20
