@@ -17,9 +17,10 @@ dtype (float32 or float64) and device.  ``eps`` is a positive Python float.
   ``P @ V`` for the entropic plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``.
 
 Optional: ``softmin_pair(x, y, hx, hy, eps, cost)`` -> ``(softmin(x, y, hy), softmin(y, x, hx))``
-in one pass (the symmetric Sinkhorn step), and ``softmin_sym(x, h, eps, cost)`` ->
-``softmin(x, x, h)`` (the debiasing problems); the solver falls back to ``softmin`` calls
-for engines without them.
+in one pass (the symmetric Sinkhorn step), ``softmin_sym(x, h, eps, cost)`` ->
+``softmin(x, x, h)`` (the debiasing problems), and ``softmin_alt(x, y, ha, hy, eps, cost, lam)``
+-> ``(f, softmin(y, x, ha + lam f / eps))`` with ``f = softmin(x, y, hy)`` (the alternating
+step); the solver falls back to ``softmin`` calls for engines without them.
 
 Optional hint: ``expect_reuse(x, y, cost)``, called by the solver before it iterates on
 (x, y) (an engine with a cache may prepare it on the first call).
