@@ -291,14 +291,16 @@ def test_softmin_pair_matches_two_dense_softmins(engines, dtype, cost, D):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("cost", COSTS)
 @pytest.mark.parametrize("D", [1, 3, 4, 17, 20, 64, 130])
-def test_softmin_alt_matches_two_dense_softmins(engines, dtype, cost, D, monkeypatch):
-    """The fused alternating step (one pass, costs kept per block of rows; forced on for every d
-    here, the engine uses it from ALT_MIN_D on) against softmin(x, y, hy) followed by
-    softmin(y, x, ha + lam f / eps), with zero weights on both sides and several batches."""
+@pytest.mark.parametrize("mode", ["stream", "cache"])
+def test_softmin_alt_matches_two_dense_softmins(engines, dtype, cost, D, mode, monkeypatch):
+    """The fused alternating step (streaming: one pass, costs kept per block of rows, forced on
+    for every d here, the engine uses it from ALT_MIN_D on; cache: one read of the cached
+    matrix) against softmin(x, y, hy) followed by softmin(y, x, ha + lam f / eps), with zero
+    weights on both sides and several batches."""
     from flashot.ops.cpu import engine as cpu_engine
 
     monkeypatch.setattr(cpu_engine, "ALT_MIN_D", 1)
-    eng = engines["stream"]
+    eng = engines[mode]
     c = get_cost(cost)
     B, N, M = 2, 101, 83
     x, y, hy = _problem(B, N, M, D, dtype, seed=D)
@@ -307,9 +309,10 @@ def test_softmin_alt_matches_two_dense_softmins(engines, dtype, cost, D, monkeyp
     ha[:, ::6] = -math.inf
     ha = ha.to(dtype)
     eps, lam = _eps(cost, D), 0.7
-    before = eng.stats.get("alt", 0)
+    key = "alt" if mode == "stream" else "alt_cached"
+    before = eng.stats.get(key, 0)
     fx, fy = eng.softmin_alt(x, y, ha, hy, eps, c, lam)
-    assert eng.stats.get("alt", 0) == before + 1
+    assert eng.stats.get(key, 0) == before + 1
     rx = DENSE.softmin(x.double(), y.double(), hy.double(), eps, c)
     ry = DENSE.softmin(y.double(), x.double(), ha.double() + lam * rx / eps, eps, c)
     assert fx.dtype == dtype and fx.shape == (B, N) and fy.shape == (B, M)
@@ -319,8 +322,8 @@ def test_softmin_alt_matches_two_dense_softmins(engines, dtype, cost, D, monkeyp
 
 
 def test_softmin_alt_fallbacks_and_solver(lib, monkeypatch):
-    """softmin_alt falls back to two softmins for a cached pair and when y outgrows the cache
-    bound; the alternating solver uses it (same potentials as the tiled engine)."""
+    """softmin_alt falls back to two softmins for a pair cached as (y, x), when y outgrows the
+    cache bound and below ALT_MIN_D; the alternating solver uses it (same potentials as tiled)."""
     from flashot.measures import Measures
     from flashot.ops import register_engine, unregister_engine
     from flashot.ops.cpu import engine as cpu_engine
@@ -331,9 +334,10 @@ def test_softmin_alt_fallbacks_and_solver(lib, monkeypatch):
     x, y, hy = _problem(1, 70, 90, 20, torch.float64, neg_inf=False)
     ha = torch.zeros(1, 70, dtype=torch.float64)
     ref = CpuEngine(lib, mode="stream").softmin_alt(x, y, ha, hy, 0.5, c)
-    cached = CpuEngine(lib, mode="cache")
-    out = cached.softmin_alt(x, y, ha, hy, 0.5, c)
-    assert "alt" not in cached.stats and cached.stats["cache_hit"] >= 1
+    cached_t = CpuEngine(lib, mode="cache")
+    cached_t.softmin(y, x, ha, 0.5, c)  # caches the matrix of (y, x): the transposed orientation
+    out = cached_t.softmin_alt(x, y, ha, hy, 0.5, c)
+    assert "alt" not in cached_t.stats and "alt_cached" not in cached_t.stats and cached_t.stats["cache_hit"] >= 2
     monkeypatch.setattr(cpu_engine, "ALT_MAX_Y_BYTES", 100)
     small = CpuEngine(lib, mode="stream")
     out2 = small.softmin_alt(x, y, ha, hy, 0.5, c)

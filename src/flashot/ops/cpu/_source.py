@@ -670,36 +670,36 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
 // ---- cached-cost passes: C (B, N, M) row-major --------------------------------
 // Row-wise: out[b,i] = oscale * LSE_j (h_j - C_ij / eps)
 template <typename T>
-static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
+static inline T row_lse2(const T* c, const T* hb, int64_t M, T inv_eps) {
   typedef typename VT<T>::v v;
   constexpr int L = VT<T>::L;
-#pragma omp parallel for schedule(static) num_threads(nth)
-  for (int64_t t = 0; t < (int64_t)B * N; ++t) {
-    const int64_t b = t / N;
-    const T* c = C + t * M;
-    const T* hb = h + b * M;
-    T m = Consts<T>::SENT;
-    v s0 = {}, s1 = {};
-    int64_t j = 0;
-    for (; j + 2 * L <= M; j += 2 * L) {
-      v a0 = vload<v>(hb + j) - vload<v>(c + j) * inv_eps;
-      v a1 = vload<v>(hb + j + L) - vload<v>(c + j + L) * inv_eps;
-      v thr = vset<v>(m + Consts<T>::TH);
-      if (__builtin_expect(any_gt(a0, thr) || any_gt(a1, thr), 0)) {
-        T nm = std::max(hmax(a0), hmax(a1));
-        if (nm > m + Consts<T>::TH) { T f = std::exp2(m - (nm + Consts<T>::H)); s0 *= f; s1 *= f; m = nm + Consts<T>::H; }
-      }
-      s0 += vexp2(a0 - m);
-      s1 += vexp2(a1 - m);
+  T m = Consts<T>::SENT;
+  v s0 = {}, s1 = {};
+  int64_t j = 0;
+  for (; j + 2 * L <= M; j += 2 * L) {
+    v a0 = vload<v>(hb + j) - vload<v>(c + j) * inv_eps;
+    v a1 = vload<v>(hb + j + L) - vload<v>(c + j + L) * inv_eps;
+    v thr = vset<v>(m + Consts<T>::TH);
+    if (__builtin_expect(any_gt(a0, thr) || any_gt(a1, thr), 0)) {
+      T nm = std::max(hmax(a0), hmax(a1));
+      if (nm > m + Consts<T>::TH) { T f = std::exp2(m - (nm + Consts<T>::H)); s0 *= f; s1 *= f; m = nm + Consts<T>::H; }
     }
-    T s = hsum(s0 + s1);
-    for (; j < M; ++j) {
-      T a = hb[j] - c[j] * inv_eps;
-      if (a > m + Consts<T>::TH) { s *= std::exp2(m - (a + Consts<T>::H)); m = a + Consts<T>::H; }
-      if (a - m > Consts<T>::LO) s += std::exp2(a - m);
-    }
-    out[t] = oscale * ((m == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m + std::log2(s));
+    s0 += vexp2(a0 - m);
+    s1 += vexp2(a1 - m);
   }
+  T s = hsum(s0 + s1);
+  for (; j < M; ++j) {
+    T a = hb[j] - c[j] * inv_eps;
+    if (a > m + Consts<T>::TH) { s *= std::exp2(m - (a + Consts<T>::H)); m = a + Consts<T>::H; }
+    if (a - m > Consts<T>::LO) s += std::exp2(a - m);
+  }
+  return (m == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m + std::log2(s);
+}
+
+template <typename T>
+static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+  for (int64_t t = 0; t < (int64_t)B * N; ++t) out[t] = oscale * row_lse2(C + t * M, h + (t / N) * M, M, inv_eps);
 }
 
 // Column-wise (the transposed problem): out[b,j] = oscale * LSE_i (h_i - C_ij / eps)
@@ -808,6 +808,89 @@ static int softmin_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T
 // onto y that follows it), from ONE computation of the costs.  Per block of rows, pass A runs the
 // streaming LSE and stores the block's costs in a per-thread scratch (RB x Mp, in L2/L3); pass B
 // reads them back into per-thread column (max, sum) states, merged at the end.  All base 2.
+// Running column LSE states (base 2, lazy maximum as in cols_lse) += rows r < nr of P (costs,
+// row stride ldp) with row log-weights w[r]: score w_r - k P[r, j], j < M.
+template <typename T>
+static inline void col_states(const T* P, int64_t ldp, int nr, const T* w, T k, int64_t M, T* cm, T* cs) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  int64_t j = 0;
+  for (; j + L <= M; j += L) {
+    v mq = vload<v>(cm + j), sq = vload<v>(cs + j);
+    for (int r = 0; r < nr; ++r) {
+      const v sc = w[r] - vload<v>(P + (int64_t)r * ldp + j) * k;
+      if (__builtin_expect(any_gt(sc, mq + Consts<T>::TH), 0)) {
+        const v up = sc + Consts<T>::H;
+        const v nm = up > mq ? up : mq;
+        sq *= vexp2(mq - nm);
+        mq = nm;
+      }
+      sq += vexp2(sc - mq);
+    }
+    vstore(cm + j, mq);
+    vstore(cs + j, sq);
+  }
+  for (; j < M; ++j)
+    for (int r = 0; r < nr; ++r) {
+      const T sc = w[r] - P[(int64_t)r * ldp + j] * k;
+      if (sc > cm[j] + Consts<T>::TH) { cs[j] *= std::exp2(cm[j] - (sc + Consts<T>::H)); cm[j] = sc + Consts<T>::H; }
+      if (sc - cm[j] > Consts<T>::LO) cs[j] += std::exp2(sc - cm[j]);
+    }
+}
+
+// clse[u] = LSE2 over the threads' column states (nth copies of `per` values each).
+template <typename T>
+static void merge_col_states(const std::vector<T>& cmax, const std::vector<T>& csum, int nth, size_t per, T* clse) {
+  for (size_t u = 0; u < per; ++u) {
+    T mx = Consts<T>::SENT;
+    for (int t = 0; t < nth; ++t) mx = std::max(mx, cmax[(size_t)t * per + u]);
+    T sm = 0;
+    for (int t = 0; t < nth; ++t) sm += csum[(size_t)t * per + u] * std::exp2(cmax[(size_t)t * per + u] - mx);
+    clse[u] = (mx == Consts<T>::SENT || !(sm > 0)) ? -std::numeric_limits<T>::infinity() : mx + std::log2(sm);
+  }
+}
+
+// Row weight of the column pass after a row LSE: ha_i - lam lse_i, or the finite "zero weight"
+// when the row has no mass (lse = -inf, or ha is a zero weight).
+template <typename T>
+static inline T alt_row_weight(T ha, T lse, T lam) {
+  const T zero_w = std::is_same<T, float>::value ? (T)-1e38 : (T)-1e300;
+  const T wi = ha - lam * lse;
+  return (std::isfinite(lse) && std::isfinite(wi) && ha > zero_w) ? wi : zero_w;
+}
+
+// Cached alternating step over C (B, N, M): rlse[b, i] = LSE2_j (hs_j - k C_ij), then
+// clse[b, j] = LSE2_i (ha_i - lam rlse_i - k C_ij), reading C from memory once: each block of
+// rows is read for its row LSEs and again, from L2, for the column states.
+template <typename T>
+static void cached_alt(const T* C, const T* hs, const T* ha, T lam, T k, T* rlse, T* clse, int B, int64_t N,
+                       int64_t M, int nth) {
+  const int RB = (int)std::max<int64_t>(1, std::min<int64_t>(32, (int64_t)(512 * 1024) / (M * (int64_t)sizeof(T))));
+  const int64_t nb = (N + RB - 1) / RB;
+  const size_t per = (size_t)B * M;
+  std::vector<T> cmax((size_t)nth * per, Consts<T>::SENT), csum((size_t)nth * per, (T)0);
+#pragma omp parallel num_threads(nth)
+  {
+    const int tid = omp_get_thread_num();
+    std::vector<T> w(RB);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+      const int64_t b = t / nb, i0 = (t % nb) * RB;
+      const int nr = (int)std::min<int64_t>(RB, N - i0);
+      const T* Cb = C + (b * N + i0) * M;
+      for (int r = 0; r < nr; ++r) {
+        const int64_t i = b * N + i0 + r;
+        const T lse = row_lse2(Cb + (int64_t)r * M, hs + b * M, M, k);
+        rlse[i] = lse;
+        w[r] = alt_row_weight(ha[i], lse, lam);
+      }
+      col_states(Cb, M, nr, w.data(), k, M, cmax.data() + (size_t)tid * per + b * M,
+                 csum.data() + (size_t)tid * per + b * M);
+    }
+  }
+  merge_col_states(cmax, csum, nth, per, clse);
+}
+
 constexpr size_t ALT_SCRATCH_BYTES = 1280 * 1024;
 
 template <typename T, int R, int NV, int KIND>
@@ -823,7 +906,6 @@ static void alt_impl(const T* x, const T* yT, const T* yy, const T* hs, const T*
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
   const T k = (T)a.kcoef;
-  const T zero_w = std::is_same<T, float>::value ? (T)-1e38 : (T)-1e300;  // finite "zero weight"
   const size_t per = (size_t)B * Mp;
   std::vector<T> cmax((size_t)nth * per, Consts<T>::SENT), csum((size_t)nth * per, (T)0);
 #pragma omp parallel num_threads(nth)
@@ -852,35 +934,12 @@ static void alt_impl(const T* x, const T* yT, const T* yy, const T* hs, const T*
         const int64_t i = b * N + i0 + r;
         const T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log2(hsum(sum[r]));
         rlse[i] = lse;
-        const T wi = ha[i] - lam * lse;  // a row with no mass (lse = -inf, or ha = zero weight) adds nothing
-        w[r] = (std::isfinite(lse) && std::isfinite(wi) && ha[i] > zero_w) ? wi : zero_w;
+        w[r] = alt_row_weight(ha[i], lse, lam);
       }
-      T* cmb = cm_t + b * Mp;
-      T* csb = cs_t + b * Mp;
-      for (int64_t j = 0; j < Mp; j += L) {  // pass B: this block's rows into the column states
-        v mq = vload<v>(cmb + j), sq = vload<v>(csb + j);
-        for (int r = 0; r < nr; ++r) {
-          const v sc = w[r] - vload<v>(P + (int64_t)r * Mp + j) * k;
-          if (__builtin_expect(any_gt(sc, mq + Consts<T>::TH), 0)) {
-            const v up = sc + Consts<T>::H;
-            const v nm = up > mq ? up : mq;
-            sq *= vexp2(mq - nm);
-            mq = nm;
-          }
-          sq += vexp2(sc - mq);
-        }
-        vstore(cmb + j, mq);
-        vstore(csb + j, sq);
-      }
+      col_states(P, Mp, nr, w, k, Mp, cm_t + b * Mp, cs_t + b * Mp);  // pass B
     }
   }
-  for (size_t u = 0; u < per; ++u) {  // merge the threads' column states
-    T mx = Consts<T>::SENT;
-    for (int t = 0; t < nth; ++t) mx = std::max(mx, cmax[(size_t)t * per + u]);
-    T sm = 0;
-    for (int t = 0; t < nth; ++t) sm += csum[(size_t)t * per + u] * std::exp2(cmax[(size_t)t * per + u] - mx);
-    clse[u] = (mx == Consts<T>::SENT || !(sm > 0)) ? -std::numeric_limits<T>::infinity() : mx + std::log2(sm);
-  }
+  merge_col_states(cmax, csum, nth, per, clse);
 }
 
 template <typename T>
@@ -1056,7 +1115,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 8; }
+int flashot_abi_version() { return 9; }
 #endif
 
 #if FL_PART(1)
@@ -1124,6 +1183,20 @@ int flashot_alt_f64(const double* x, const double* yT, const double* yy, const d
                     double lam, double* rlse, double* clse, int B, int64_t N, int64_t Mp, int D, double kcoef,
                     double minsq, int kind, int cfg, int64_t l2, int nth) {
   return alt_entry<double>(x, yT, yy, hs, ha, lam, rlse, clse, B, N, Mp, D, kcoef, minsq, kind, cfg, l2, nth);
+}
+#endif
+
+#if FL_PART(2)
+int flashot_cached_alt_f32(const float* C, const float* hs, const float* ha, double lam, double k, float* rlse,
+                           float* clse, int B, int64_t N, int64_t M, int nth) {
+  cached_alt<float>(C, hs, ha, (float)lam, (float)k, rlse, clse, B, N, M, nth); return 0;
+}
+#endif
+
+#if FL_PART(4)
+int flashot_cached_alt_f64(const double* C, const double* hs, const double* ha, double lam, double k, double* rlse,
+                           double* clse, int B, int64_t N, int64_t M, int nth) {
+  cached_alt<double>(C, hs, ha, lam, k, rlse, clse, B, N, M, nth); return 0;
 }
 #endif
 

@@ -28,7 +28,7 @@ from ._source import SOURCE
 __all__ = ["BuildError", "build", "load", "BUILD_INFO", "CXXFLAGS"]
 
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 # translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
 PARTS = 4
 
@@ -151,6 +151,7 @@ _SIGS = {
     "flashot_cols_lse": [_P, _P, _P, _I, _L, _L, _DB, _DB, _I],
     "flashot_vexp": [_P, _P, _L, _I],
     "flashot_cached_weights": [_P, _L, _L, _P, _P, _DB, _I, _DB, _P, _I],
+    "flashot_cached_alt": [_P, _P, _P, _DB, _DB, _P, _P, _I, _L, _L, _I],
     "flashot_alt": [_P, _P, _P, _P, _P, _DB, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _L, _I],
 }
 

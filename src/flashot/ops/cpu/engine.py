@@ -216,17 +216,20 @@ class CpuEngine:
         new weights, to running column LSEs (``fy``), so the dot products are computed once per
         iteration instead of twice.  Same iterates as the two softmins (up to rounding); for
         d < ALT_MIN_D (exp-bound: the scratch traffic would cost more than the recomputed
-        dot products), when y outgrows ALT_MAX_Y_BYTES, and for cached pairs it makes the
-        two calls.
+        dot products) and when y outgrows ALT_MAX_Y_BYTES it makes the two calls.  When the
+        pair's cost matrix is cached, one read of it serves both halves (block of rows by block
+        of rows); cached as (y, x), two cached softmins.
         """
         x, y, eps = self._check_xy(x, y, eps, cost)
         B, N, D = x.shape
         M = y.shape[1]
         ha = self._check_vec(ha, "ha", (B, N), x)
         hy = self._check_vec(hy, "hy", (B, M), x)
+        ent, transposed = (None, False) if N == 0 or M == 0 else self._cached(x, y, cost)
+        if ent is not None and not transposed:  # one read of the cached matrix for both halves
+            return self._alt_cached(ent[0], ent[3], ha, hy, eps, lam)
         y_bytes = M * (D + 2) * x.element_size()  # what every block of rows streams through
-        if (N == 0 or M == 0 or D < ALT_MIN_D or y_bytes > ALT_MAX_Y_BYTES
-                or self._cached(x, y, cost)[0] is not None):
+        if N == 0 or M == 0 or ent is not None or D < ALT_MIN_D or y_bytes > ALT_MAX_Y_BYTES:
             fx = self.softmin(x, y, hy, eps, cost)
             return fx, self.softmin(y, x, ha + lam * fx / eps, eps, cost)
         self.stats["alt"] = self.stats.get("alt", 0) + 1
@@ -542,6 +545,23 @@ class CpuEngine:
         if rc != 0:
             raise RuntimeError(f"cpu engine: cached-cost kernel returned {rc}")
         return out
+
+    def _alt_cached(self, C: Tensor, scale: float, ha: Tensor, hy: Tensor, eps: float, lam: float):
+        """Alternating step over the cached matrix of (x, y): row LSEs, then the column LSEs with the
+        rows' new weights, block of rows by block of rows (C is read from memory once)."""
+        B, N, M = C.shape
+        f32 = C.dtype == torch.float32
+        self.stats["alt_cached"] = self.stats.get("alt_cached", 0) + 1
+        h2 = _encode_zero_weights((hy * LOG2E).contiguous())
+        ha2 = _encode_zero_weights((ha * LOG2E).contiguous())
+        rlse = torch.empty(B, N, dtype=C.dtype)
+        clse = torch.empty(B, M, dtype=C.dtype)
+        fn = self.lib.flashot_cached_alt_f32 if f32 else self.lib.flashot_cached_alt_f64
+        rc = fn(_ptr(C), _ptr(h2), _ptr(ha2), float(lam), LOG2E * scale / eps, _ptr(rlse), _ptr(clse), B, N, M,
+                self._nthreads())
+        if rc != 0:
+            raise RuntimeError(f"cpu engine: cached alternating kernel returned {rc}")
+        return (-eps * LN2) * rlse, (-eps * LN2) * clse
 
     def _plan_cached(self, C: Tensor, scale: float, transposed: bool, alpha: Tensor, beta: Tensor, eps: float,
                      V: Tensor, cost: Cost, weight: Weight) -> Tensor:
