@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=400)
     ap.add_argument("--eps", type=float, default=0.1)
     args = ap.parse_args()
+    if args.n < 1 or args.runs < 1 or args.block < 1 or not args.eps > 0:
+        ap.error(f"need --n, --runs, --block >= 1 and --eps > 0 (got {args.n}, {args.runs}, {args.block}, {args.eps})")
 
     from flashot.costs import get_cost
     from flashot.ops.cpu.engine import CpuEngine

@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--eps", type=float, default=0.1)
     args = ap.parse_args()
+    if args.n < 1 or args.runs < 1 or not args.eps > 0:
+        ap.error(f"need --n >= 1, --runs >= 1 and --eps > 0 (got {args.n}, {args.runs}, {args.eps})")
 
     import numba
     from numba import njit, prange

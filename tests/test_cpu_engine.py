@@ -760,3 +760,14 @@ def test_samples_loss_fused_symmetric_steps(lib, dtype, reach, debias):
     rtol = 1e-10 if dtype == torch.float64 else 2e-5
     assert torch.allclose(vals[0], vals[1], rtol=rtol, atol=rtol * float(vals[1].abs().max())), (vals, rtol)
     assert (grads[0] - grads[1]).abs().max() <= 20 * rtol * grads[1].abs().max()
+
+
+def test_softmin_alt_bad_lam_and_empty(engines):
+    c = get_cost("sqeuclidean")
+    x, y, hy = _problem(1, 10, 12, 20, torch.float64, neg_inf=False)
+    ha = torch.zeros(1, 10, dtype=torch.float64)
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="lam"):
+            engines["stream"].softmin_alt(x, y, ha, hy, 0.5, c, bad)
+    fx, fy = engines["stream"].softmin_alt(x[:, :0], y, ha[:, :0], hy, 0.5, c)
+    assert fx.shape == (1, 0) and fy.shape == (1, 12) and torch.isinf(fy).all() and (fy > 0).all()

@@ -177,3 +177,10 @@ def test_register_and_unregister_engine():
     unregister_engine("tmp-tiled")  # absent: no error
     with pytest.raises(ValueError, match="built-in"):
         unregister_engine("tiled")
+
+
+def test_unregister_engine_rejects_a_non_string():
+    from flashot.ops import unregister_engine
+
+    with pytest.raises(TypeError, match="string"):
+        unregister_engine(["tiled"])

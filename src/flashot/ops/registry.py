@@ -41,6 +41,8 @@ def unregister_engine(name: str) -> None:
     """Remove an engine registered with :func:`register_engine` (no error if it is absent).
 
     The built-in engines (``dense``, ``tiled``, ``triton``, ``cpu``) cannot be removed."""
+    if not isinstance(name, str):
+        raise TypeError(f"unregister_engine: name must be a string, got {type(name).__name__}")
     if name in _BUILTIN:
         raise ValueError(f"unregister_engine: {name!r} is a built-in engine")
     _LOADERS.pop(name, None)
