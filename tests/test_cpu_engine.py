@@ -35,14 +35,13 @@ def _toolchain_works(tmp_dir) -> bool:
     """Can the compiler build *any* OpenMP shared library with our flags?"""
     from flashot.ops.cpu import build
 
-    try:
-        cxx = build._compiler()
-    except build.BuildError:
+    cxx = build._find_compiler()
+    if cxx is None:
         return False
     src = os.path.join(tmp_dir, "probe.cpp")
     with open(src, "w") as f:
         f.write('#include <omp.h>\nextern "C" int probe() { return omp_get_max_threads(); }\n')
-    r = subprocess.run([cxx, *build.CXXFLAGS, "-o", os.path.join(tmp_dir, "probe.so"), src],
+    r = subprocess.run([cxx, *build.cxxflags(), "-shared", "-o", os.path.join(tmp_dir, "probe.so"), src],
                        capture_output=True, timeout=300)
     return r.returncode == 0
 

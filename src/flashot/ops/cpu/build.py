@@ -1,39 +1,73 @@
 """Compile the fused CPU kernels once per machine and load them with ctypes.
 
-The kernels are plain C++ with a C ABI (no torch headers), so ``g++`` builds them
-without ninja or a torch extension toolchain: four translation units of one source
-(``-DFLASHOT_PART=k``) compiled in parallel, then linked.  The
-shared library is cached in ``$FLASHOT_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/flashot`` or ``~/.cache/flashot``) under a hash of the
-source, the compiler, its flags and the host CPU's feature flags (``-march=native``),
-so only the first process on a machine pays the compile.  Concurrent first
-builds are safe: each compiles to a private temporary file and renames it
-into place atomically.
+The kernels are plain C++ with a C ABI (``kernels.cpp`` and ``fpenv.h`` beside this
+module, shipped as package data; no torch headers), so ``g++`` builds them without
+ninja or a torch extension toolchain: four translation units of one source
+(``-DFLASHOT_PART=k``) compiled in parallel, then linked.
+
+Instruction set: ``-march=native`` unless ``FLASHOT_CPU_MARCH`` names another target
+(``x86-64-v2`` (SSE4.2), ``x86-64-v3`` (AVX2 + FMA), ``x86-64-v4`` (AVX-512), ``armv8-a``,
+or any value your compiler accepts for ``-march``); the x86-64 levels are checked against
+the CPU before compiling, so a library the CPU cannot run is never built.
+
+OpenMP: used when the compiler supports it; otherwise (e.g. Apple clang) the kernels are
+built single-threaded with a warning.  ``FLASHOT_CPU_OPENMP=0`` forces that build.
+
+Cache (see :mod:`.cachedir`): a private directory; the library's name is a hash of the
+sources, flags, target, OpenMP mode, the host CPU's feature flags and the compiler's
+identity.  The compiler runs with an environment stripped of the variables that would
+change its output (``CPATH``, ``CPLUS_INCLUDE_PATH``, ``LIBRARY_PATH``, ...).  Concurrent
+first builds wait on a lock and then reuse the library; each build writes into a private
+temporary directory and renames the result into place, and leftovers of a build that was
+killed are removed by the next one.  Without a compiler on PATH a library cached for the
+same sources, flags and CPU is still used.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import os
-import resource
 import platform
+import re
+import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
+import warnings
+from importlib import resources
 
-from ._source import SOURCE
+from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
 
-__all__ = ["BuildError", "build", "load", "BUILD_INFO", "CXXFLAGS"]
+__all__ = ["BuildError", "build", "load", "BUILD_INFO", "cxxflags", "march", "SOURCES", "ISA_BITS",
+           "cache_dir"]
 
-CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 9
-# translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
-PARTS = 4
+SOURCES = ("kernels.cpp", "fpenv.h")
+BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno"]
+ABI_VERSION = 10
+PARTS = 4  # translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
+LOCK_TIMEOUT_S = 900
+# flashot_isa() bits
+ISA_BITS = {"sse4.2": 1, "avx": 2, "avx2": 4, "fma": 8, "avx512f": 16, "aarch64": 32, "openmp": 64}
+# x86-64 micro-architecture levels: the /proc/cpuinfo flags each one needs (cumulative)
+_X86_LEVELS = {
+    "x86-64": [],
+    "x86-64-v2": ["cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"],
+    "x86-64-v3": ["avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"],
+    "x86-64-v4": ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"],
+}
+# environment variables that change what g++ / clang++ compile or link
+_BUILD_ENV = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "LIBRARY_PATH",
+              "GCC_EXEC_PREFIX", "COMPILER_PATH", "DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES",
+              "CCC_OVERRIDE_OPTIONS", "GCC_COMPARE_DEBUG", "CXXFLAGS", "CPPFLAGS", "LDFLAGS",
+              "SOURCE_DATE_EPOCH", "LD_PRELOAD")
+_MARCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 
 # Filled by :func:`load`: {"path", "seconds" (compile wall time, 0 when cached),
-# "cpu_seconds" (compiler CPU time, when compiled here), "cached", "compiler"}.
+# "cpu_seconds" (compiler CPU time, when compiled here), "cached", "compiler", "march", "openmp"}.
 BUILD_INFO: dict = {}
 _LIB: ctypes.CDLL | None = None
 
@@ -42,108 +76,238 @@ class BuildError(RuntimeError):
     """The kernels could not be compiled or loaded."""
 
 
-def cache_dir() -> str:
-    d = os.environ.get("FLASHOT_CACHE_DIR")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = os.path.join(base, "flashot")
-    return d
+def _read_sources() -> dict[str, str]:
+    pkg = resources.files(__package__)
+    return {name: pkg.joinpath(name).read_text(encoding="utf-8") for name in SOURCES}
 
 
-def _compiler() -> str:
-    for cand in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if cand and shutil.which(cand):
-            return shutil.which(cand)
-    raise BuildError("no C++ compiler found (set CXX or install g++)")
+def march() -> str:
+    """The ``-march`` target: ``FLASHOT_CPU_MARCH`` or ``native``."""
+    m = (os.environ.get("FLASHOT_CPU_MARCH") or "native").strip()
+    if not _MARCH_RE.match(m):
+        raise BuildError(f"FLASHOT_CPU_MARCH: expected a -march value such as 'native', 'x86-64-v3' or "
+                         f"'armv8-a', got {m!r}")
+    return m
 
 
-def _cpu_flags() -> str:
+def _openmp_wanted() -> bool:
+    v = (os.environ.get("FLASHOT_CPU_OPENMP") or "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise BuildError(f"FLASHOT_CPU_OPENMP: expected 0 or 1, got {v!r}")
+    return v in ("1", "true", "yes", "on")
+
+
+def cxxflags(target: str | None = None, openmp: bool = True) -> list[str]:
+    """Compiler flags for one translation unit (without ``-c``/``-o``)."""
+    flags = [*BASE_FLAGS, f"-march={target or march()}"]
+    return flags + (["-fopenmp"] if openmp else ["-DFLASHOT_NO_OPENMP"])
+
+
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return line
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor()
+    return set()
 
 
-def _key(cxx: str) -> str:
+def _check_cpu_runs(target: str) -> None:
+    """Refuse an x86-64 level the CPU lacks (its library would die of SIGILL)."""
+    if target not in _X86_LEVELS:
+        return
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise BuildError(f"FLASHOT_CPU_MARCH={target} is an x86-64 target, but this machine is {platform.machine()}")
+    have = _cpu_flags()
+    if not have:
+        return
+    need = [f for lvl, fs in _X86_LEVELS.items() for f in fs if list(_X86_LEVELS).index(lvl)
+            <= list(_X86_LEVELS).index(target)]
+    missing = [f for f in need if f not in have]
+    if missing:
+        raise BuildError(f"FLASHOT_CPU_MARCH={target}: this CPU lacks {', '.join(missing)}; use a lower level "
+                         f"or 'native'")
+
+
+def _find_compiler() -> str | None:
+    for cand in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _BUILD_ENV}
+
+
+def _hash(*parts: str, n: int = 16) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:n]
+
+
+def _base_key(sources: dict[str, str], target: str, openmp: bool) -> str:
+    """Everything but the compiler: sources, flags, target, OpenMP wish, CPU, ABI."""
+    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target, openmp)), str(PARTS),
+                 platform.machine(), " ".join(sorted(_cpu_flags())) or platform.processor(), str(ABI_VERSION))
+
+
+def _compiler_key(cxx: str) -> str:
     try:
-        ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+        ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60, env=_clean_env()).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"cannot run {cxx} --version: {e}") from e
-    h = hashlib.sha256()
-    for part in (SOURCE, cxx, ver, " ".join(CXXFLAGS), platform.machine(), _cpu_flags(), str(ABI_VERSION),
-                 str(PARTS)):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:20]
+    return _hash(os.path.realpath(cxx), ver, n=8)
 
 
-def build() -> tuple[str, float, bool, str]:
-    """Compile (or find cached) -> (path, compile wall seconds, was cached, compiler).
+class _DirLock:
+    """An exclusive lock on the cache directory (POSIX flock; a no-op elsewhere)."""
 
-    The compiler's CPU time is recorded in ``BUILD_INFO["cpu_seconds"]``.
-    """
-    cxx = _compiler()
-    d = cache_dir()
-    try:
-        os.makedirs(d, exist_ok=True)
-        if not os.access(d, os.W_OK):
-            raise OSError(f"{d} is not writable")
-    except OSError:  # read-only home (CI, containers): a per-user temp dir
-        d = os.path.join(tempfile.gettempdir(), f"flashot-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
-        os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, f"flashot_cpu_{_key(cxx)}.so")
-    if os.path.exists(path):
-        return path, 0.0, True, cxx
-    fd, src = tempfile.mkstemp(suffix=".cpp", dir=d)
-    with os.fdopen(fd, "w") as f:
-        f.write(SOURCE)
-    tmp = src[:-4] + ".so"
-    objs = [src[:-4] + f".part{k}.o" for k in range(1, PARTS + 1)]
-    t0 = time.perf_counter()
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    compile_flags = [f for f in CXXFLAGS if f != "-shared"]
-    try:
-        # the exported functions come in PARTS groups (see FLASHOT_PART in the source): compile them
-        # as separate translation units in parallel, then link
-        procs = [subprocess.Popen([cxx, *compile_flags, f"-DFLASHOT_PART={k}", "-c", src, "-o", obj],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for k, obj in enumerate(objs, start=1)]
-        errs = []
-        for pr in procs:
+    def __init__(self, d: str):
+        self.path = os.path.join(d, ".build.lock")
+        self.fd = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        t0 = time.monotonic()
+        while True:
             try:
-                _, err = pr.communicate(timeout=900)
-            except subprocess.TimeoutExpired:
-                pr.kill()
-                _, err = pr.communicate()
-                err = "timed out after 900 s. " + (err or "")
-            if pr.returncode != 0:
-                errs.append((err or "").strip()[-2000:])
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() - t0 > LOCK_TIMEOUT_S:
+                    os.close(self.fd)
+                    raise BuildError(f"timed out after {LOCK_TIMEOUT_S} s waiting for another process's build "
+                                     f"({self.path})") from None
+                time.sleep(0.2)
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+
+
+def _remove_stale(d: str) -> None:
+    """Leftovers of builds that were killed halfway (called with the lock held: no build is live)."""
+    for p in glob.glob(os.path.join(d, ".tmp-build-*")):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _compile_parts(cxx: str, flags: list[str], work: str, objs: list[str], env: dict) -> list[str]:
+    procs = [subprocess.Popen([cxx, *flags, f"-DFLASHOT_PART={k}", "-c", "kernels.cpp", "-o", obj], cwd=work,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for k, obj in enumerate(objs, start=1)]
+    errs = []
+    for pr in procs:
+        try:
+            _, err = pr.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            pr.kill()
+            _, err = pr.communicate()
+            err = "timed out after 900 s. " + (err or "")
+        if pr.returncode != 0:
+            errs.append((err or "").strip())
+    return errs
+
+
+def _openmp_works(cxx: str, work: str, env: dict) -> bool:
+    src = os.path.join(work, "omp_probe.cpp")
+    with open(src, "w") as f:
+        f.write('#include <omp.h>\nextern "C" int probe() { return omp_get_max_threads(); }\n')
+    r = subprocess.run([cxx, "-fopenmp", "-fPIC", "-shared", "-o", os.path.join(work, "omp_probe.so"), src],
+                       capture_output=True, timeout=300, env=env)
+    return r.returncode == 0
+
+
+def _compile(cxx: str, sources: dict[str, str], target: str, openmp: bool, path: str, d: str) -> bool:
+    """Build the library at ``path``; returns whether it was built with OpenMP."""
+    env = _clean_env()
+    work = tempfile.mkdtemp(prefix=".tmp-build-", dir=d)
+    try:
+        for name, text in sources.items():  # compile exactly the text that was hashed
+            with open(os.path.join(work, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        objs = [f"part{k}.o" for k in range(1, PARTS + 1)]
+        errs = _compile_parts(cxx, cxxflags(target, openmp), work, objs, env)
+        if errs and openmp and not _openmp_works(cxx, work, env):
+            if not _compile_parts(cxx, cxxflags(target, False), work, objs, env):
+                warnings.warn(f"flashot: {os.path.basename(cxx)} has no OpenMP support: the CPU kernels are "
+                              f"built single-threaded (install libomp, or set CXX=g++, for multi-threaded "
+                              f"kernels)", RuntimeWarning, stacklevel=4)
+                openmp, errs = False, []
         if errs:
-            raise BuildError(f"{os.path.basename(cxx)} failed: {errs[0]}")
-        r = subprocess.run([cxx, "-shared", "-fPIC", "-fopenmp", "-o", tmp, *objs], capture_output=True, text=True,
-                           timeout=300)
+            here = os.path.dirname(os.path.abspath(__file__))
+            raise BuildError(f"{os.path.basename(cxx)} failed: " + errs[0].replace(work, here)[-3000:])
+        link = [cxx, "-shared", "-fPIC", *(["-fopenmp"] if openmp else []), "-o", "lib.so", *objs]
+        r = subprocess.run(link, cwd=work, capture_output=True, text=True, timeout=300, env=env)
         if r.returncode != 0:
             raise BuildError(f"{os.path.basename(cxx)} (link) failed: {r.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)
-        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        BUILD_INFO["cpu_seconds"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        os.chmod(os.path.join(work, "lib.so"), 0o700)
+        os.replace(os.path.join(work, "lib.so"), path)
+        return openmp
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"compiling the CPU kernels failed: {e}") from e
     finally:
-        for p in (src, tmp, *objs):
-            if os.path.exists(p):
-                os.remove(p)
-    return path, time.perf_counter() - t0, False, cxx
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _estimate_seconds() -> int:
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return int(round(25 * min(PARTS, 2) / max(1, min(n, PARTS)))) + 5  # measured: see README (first use)
+
+
+def build(*, quiet: bool = False) -> tuple[str, float, bool, str]:
+    """Compile (or find cached) -> (path, compile wall seconds, was cached, compiler).
+
+    The compiler's CPU time is recorded in ``BUILD_INFO["cpu_seconds"]``, the OpenMP mode in
+    ``BUILD_INFO["openmp"]`` (also readable from the library: ``flashot_isa()``).
+    """
+    sources = _read_sources()
+    target = march()
+    _check_cpu_runs(target)
+    openmp = _openmp_wanted()
+    try:
+        d = private_cache_dir()
+    except OSError as e:
+        raise BuildError(str(e)) from e
+    base = _base_key(sources, target, openmp)
+    cxx = _find_compiler()
+    if cxx is None:  # no compiler: any library built here for the same sources, flags and CPU
+        found = sorted(glob.glob(os.path.join(d, f"flashot_cpu_{base}_*.so")), key=os.path.getmtime)
+        if found:
+            return found[-1], 0.0, True, "(none: cached library)"
+        raise BuildError("no C++ compiler found (set CXX or install g++) and no cached library for this machine")
+    path = os.path.join(d, f"flashot_cpu_{base}_{_compiler_key(cxx)}.so")
+    if os.path.exists(path):
+        return path, 0.0, True, cxx
+    with _DirLock(d):
+        if os.path.exists(path):  # another process built it while we waited
+            return path, 0.0, True, cxx
+        _remove_stale(d)
+        if not quiet:
+            print(f"flashot: compiling the CPU kernels once for this machine (-march={target}, about "
+                  f"{_estimate_seconds()} s) into {d}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        BUILD_INFO["openmp"] = _compile(cxx, sources, target, openmp, path, d)
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        BUILD_INFO["cpu_seconds"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        secs = time.perf_counter() - t0
+        if not quiet:
+            print(f"flashot: compiled in {secs:.1f} s (cached for later runs)", file=sys.stderr, flush=True)
+    return path, secs, False, cxx
 
 
 _F, _D = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_double)
 _P, _I, _L, _DB = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
 _SIGS = {
-    "flashot_abi_version": [],
     "flashot_softmin": [_P, _P, _P, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _DB, _I, _L, _I],
     "flashot_pair": [_P, _P, _P, _P, _P, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _I, _L, _I],
     "flashot_plan": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _L, _L, _I, _DB, _DB, _I, _I, _DB, _I, _L, _I],
@@ -154,26 +318,39 @@ _SIGS = {
     "flashot_cached_alt": [_P, _P, _P, _DB, _DB, _P, _P, _I, _L, _L, _I],
     "flashot_alt": [_P, _P, _P, _P, _P, _DB, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _L, _I],
 }
+_PLAIN_SIGS = {"flashot_abi_version": [], "flashot_fp_probe": [_I], "flashot_fp_probe_read": [_P, _I],
+               "flashot_fp_bits": [], "flashot_isa": [], "flashot_vector_bytes": []}
 
 
-def load() -> ctypes.CDLL:
+def _bind(lib: ctypes.CDLL) -> None:
+    for name, args in _SIGS.items():
+        for fn in (name + "_f32", name + "_f64"):
+            f = getattr(lib, fn)
+            f.argtypes, f.restype = args, ctypes.c_int
+    for name, args in _PLAIN_SIGS.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, ctypes.c_int
+
+
+def load(*, quiet: bool = False) -> ctypes.CDLL:
     """Build if needed and load the library (once per process). Raises :class:`BuildError`."""
     global _LIB
     if _LIB is not None:
         return _LIB
-    path, secs, cached, cxx = build()
+    path, secs, cached, cxx = build(quiet=quiet)
+    try:
+        check_private_file(path)
+    except CacheDirError as e:
+        raise BuildError(str(e)) from e
     try:
         lib = ctypes.CDLL(path)
-        for name, args in _SIGS.items():
-            fns = [name] if name == "flashot_abi_version" else [name + "_f32", name + "_f64"]
-            for fn in fns:
-                f = getattr(lib, fn)
-                f.argtypes = args
-                f.restype = ctypes.c_int
+        _bind(lib)
     except (OSError, AttributeError) as e:
         raise BuildError(f"loading {path} failed: {e}") from e
     if lib.flashot_abi_version() != ABI_VERSION:
         raise BuildError(f"{path}: ABI version mismatch")
-    BUILD_INFO.update(path=path, seconds=secs, cached=cached, compiler=cxx)
+    isa = lib.flashot_isa()
+    BUILD_INFO.update(path=path, seconds=secs, cached=cached, compiler=cxx, march=march(),
+                      openmp=bool(isa & ISA_BITS["openmp"]), isa=sorted(k for k, b in ISA_BITS.items() if isa & b))
     _LIB = lib
     return lib

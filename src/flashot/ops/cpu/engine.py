@@ -331,12 +331,12 @@ class CpuEngine:
         narrow = K <= NARROW_K
         if narrow:
             # narrow V (marginals, barycentric maps and gradients at d <= 3): V transposed, the
-            # contraction vectorised over 16 columns (K FMAs per 16 pairs), fused into the pass
+            # contraction vectorised over columns (K FMAs per vector of pairs), fused into the pass
             Kp = K
             Vb = torch.zeros(B, K, Mp, dtype=x.dtype)
             Vb[:, :, :M] = V.transpose(1, 2)
         else:
-            lanes = 16 if x.dtype == torch.float32 else 8
+            lanes = self.lib.flashot_vector_bytes() // x.element_size()  # the kernels' vector width
             Kp = -(-K // lanes) * lanes
             Vb = torch.zeros(B, Mp, Kp, dtype=x.dtype)  # (Mp, Kp) row-major, zero padding
             Vb[:, :M, :K] = V

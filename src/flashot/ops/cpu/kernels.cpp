@@ -1,10 +1,11 @@
-"""C++ source of the fused CPU kernels (compiled at first use by :mod:`.build`)."""
-
-SOURCE = r'''// flashot CPU kernels: fused streamed softmin / plan product for point clouds.
+// flashot CPU kernels: fused streamed softmin / plan product for point clouds.
 //
 // Plain C++17 with GCC/Clang vector extensions (512-bit vectors, lowered to
-// AVX-512 / AVX2 / SSE by -march=native), OpenMP over row blocks, exported
-// with a C ABI and called through ctypes (no torch headers: builds in seconds).
+// AVX-512 / AVX2 / SSE / NEON by -march, default native; FLASHOT_CPU_MARCH picks another),
+// OpenMP over row blocks (optional: without it the kernels run on one thread), exported
+// with a C ABI and called through ctypes (no torch headers).  Every exported function and
+// every parallel region runs with flush-to-zero / denormals-are-zero set and the thread's
+// previous state restored after (fpenv.h).
 //
 // Streaming kernels never hold more than an (R rows x 16*NV columns) block of
 // scores, in registers: dot products (register-blocked over R rows and NV
@@ -28,9 +29,10 @@ SOURCE = r'''// flashot CPU kernels: fused streamed softmin / plan product for p
 // exp2: polynomial for 2^r (float: our degree-5 fit for e^r re-expressed in r
 // ln2, 1.85e-7 relative; double: Taylor degree 12 of e^(r ln2), 4.4e-16), times
 // 2^n (vscalefps with AVX-512, exponent bits otherwise).  Arguments must be
-// <= 126 / 1000 (every caller passes s - m <= TH).  Lanes below LO (-124 /
-// -1009, including -inf) are set to exactly 0 by a mask, branch-free: no
-// denormal is ever produced (no slow path), -inf log-weights give 0, no NaN.
+// <= 126 / 1000 (every caller passes s - m <= TH).  float with AVX-512: lanes below
+// -150 give exactly 0, lanes in [-150, -126) are flushed to 0 by FTZ.  Otherwise lanes
+// below LO (-124 / -1009, including -inf) are set to exactly 0 by a mask, branch-free.
+// Either way no denormal reaches memory or a later operation (no slow path on Intel).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,23 +40,70 @@ SOURCE = r'''// flashot CPU kernels: fused streamed softmin / plan product for p
 #include <limits>
 #include <type_traits>
 #include <vector>
-#include <omp.h>
-#if defined(__AVX512F__)
+#include "fpenv.h"
+#if defined(__SSE2__)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+// Vector width: the widest the target has natively (AVX-512: 64 bytes, AVX / AVX2: 32, SSE2,
+// NEON and anything else: 16).  Wider vectors than the target's registers (e.g. 512-bit
+// vectors on AVX2, split by the compiler) spill and ran 9-23x slower.  The register count picks
+// the micro-kernel shapes (struct Shape).
+#if defined(__AVX512F__)
+#define FL_VBYTES 64
+#elif defined(__AVX__)
+#define FL_VBYTES 32
+#else
+#define FL_VBYTES 16
+#endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define FL_NREGS 32
+#else
+#define FL_NREGS 16
 #endif
 
 namespace {
 
 template <typename T> struct VT;
 template <> struct VT<float> {
-  typedef float v __attribute__((vector_size(64)));
-  typedef int32_t vi __attribute__((vector_size(64)));
-  static constexpr int L = 16;
+  typedef float v __attribute__((vector_size(FL_VBYTES)));
+  typedef int32_t vi __attribute__((vector_size(FL_VBYTES)));
+  static constexpr int L = FL_VBYTES / 4;
 };
 template <> struct VT<double> {
-  typedef double v __attribute__((vector_size(64)));
-  typedef int64_t vi __attribute__((vector_size(64)));
-  static constexpr int L = 8;
+  typedef double v __attribute__((vector_size(FL_VBYTES)));
+  typedef int64_t vi __attribute__((vector_size(FL_VBYTES)));
+  static constexpr int L = FL_VBYTES / 8;
+};
+
+// Micro-kernel shapes: R rows x NV vectors of columns per register block (accumulators R NV,
+// running sums R, column vectors NV must fit the register file).  32 registers: measured on
+// Zen 4 (benchmarks/CPU_ENGINE.md); 16 registers (AVX2, SSE): see CPU_ENGINE.md, ISA section.
+// (Tuning: -DFL_SMALL_R=.., -DFL_BIG_R=.., -DFL_BIG_NV=.. override them.)
+#ifndef FL_SMALL_R
+#define FL_SMALL_R (FL_NREGS >= 32 ? 12 : 8)
+#endif
+#ifndef FL_BIG_R
+#define FL_BIG_R (FL_NREGS >= 32 ? 4 : 2)
+#endif
+#ifndef FL_BIG_NV
+#define FL_BIG_NV 4
+#endif
+#ifndef FL_MID_R
+#define FL_MID_R (FL_NREGS >= 32 ? 4 : 2)
+#endif
+#ifndef FL_MID_NV
+#define FL_MID_NV (FL_NREGS >= 32 ? 2 : 4)
+#endif
+struct Shape {
+  static constexpr int SMALL_R = FL_SMALL_R;  // d <= 3 (NV = 1)
+  static constexpr int MID_R = FL_MID_R, MID_NV = FL_MID_NV;  // 4 <= d <= 32
+  static constexpr int BIG_R = FL_BIG_R, BIG_NV = FL_BIG_NV;  // d > 32
+  static constexpr int PV_R = FL_NREGS >= 32 ? 4 : 2;      // plan times a narrow V (K <= 4)
+  static constexpr int MG_R = FL_NREGS >= 32 ? 4 : 2;      // plan times a wide V: rows per GEMM block
 };
 
 template <typename V> static inline V vload(const void* p) { V r; std::memcpy(&r, p, sizeof(V)); return r; }
@@ -66,15 +115,19 @@ template <typename V, typename S> static inline V vset(S s) { V r = {}; return r
 // times ln2^k; float32 Horner: max rel. error 1.85e-7), times 2^n by vscalefps: 8 vector
 // ops, no compare, no mask.  Arguments must not be -inf or NaN (r would be NaN): the
 // kernels encode zero weights as the finite ZERO_W = -1e38, for which r = 0 and the
-// result is exactly 0.  Lanes below -150 give exactly 0, lanes in [-150, -126) give
-// denormals (< 1.2e-38: no such term can matter next to a leading term >= 1; this CPU
-// handles them at full speed).  Without AVX-512: exponent bits built by hand, lanes
-// below -124 set to 0 by a mask.
+// result is exactly 0.  Lanes below -150 give exactly 0, lanes in [-150, -126) would give
+// denormals but are flushed to 0 (FTZ, set by FpScope in every thread that runs a kernel:
+// see fpenv.h; such terms cannot matter next to a leading term >= 2^-30).
+// Without AVX-512: exponent bits built by hand, lanes below -124 set to 0 by a mask, and
+// arguments first capped at 128, whose exponent field is that of +inf, so an overflow gives
+// +inf as vscalefps does (the fused pair kernels detect overflowed sums by it).
 static inline VT<float>::v vexp2(VT<float>::v a) {
   typedef VT<float>::v v;
 #if defined(__AVX512F__)
   v n = (v)_mm512_roundscale_ps((__m512)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
+  const v hi = vset<v>(128.0f);
+  a = a > hi ? hi : a;  // NaN stays NaN
   v t = a + 12582912.0f;  // 1.5 * 2^23: round to nearest
   v n = t - 12582912.0f;
 #endif
@@ -101,6 +154,8 @@ static inline VT<double>::v vexp2(VT<double>::v a) {
 #if defined(__AVX512F__)
   v n = (v)_mm512_roundscale_pd((__m512d)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
+  const v hi = vset<v>(1024.0);  // as for float: overflow gives +inf
+  a = a > hi ? hi : a;
   v t = a + 6755399441055744.0;  // 1.5 * 2^52
   v n = t - 6755399441055744.0;
 #endif
@@ -130,32 +185,59 @@ static inline VT<double>::v vexp2(VT<double>::v a) {
 }
 
 static inline VT<float>::v vsqrt(VT<float>::v a) {
-#if defined(__AVX512F__)
-  return (VT<float>::v)_mm512_sqrt_ps((__m512)a);
+  typedef VT<float>::v v;
+#if FL_VBYTES == 64
+  return (v)_mm512_sqrt_ps((__m512)a);
+#elif FL_VBYTES == 32
+  return (v)_mm256_sqrt_ps((__m256)a);
+#elif defined(__SSE2__)
+  return (v)_mm_sqrt_ps((__m128)a);
+#elif defined(__aarch64__)
+  return (v)vsqrtq_f32((float32x4_t)a);
 #else
-  VT<float>::v r; for (int l = 0; l < 16; ++l) r[l] = std::sqrt(a[l]); return r;
+  v r; for (int l = 0; l < VT<float>::L; ++l) r[l] = std::sqrt(a[l]); return r;
 #endif
 }
 static inline VT<double>::v vsqrt(VT<double>::v a) {
-#if defined(__AVX512F__)
-  return (VT<double>::v)_mm512_sqrt_pd((__m512d)a);
+  typedef VT<double>::v v;
+#if FL_VBYTES == 64
+  return (v)_mm512_sqrt_pd((__m512d)a);
+#elif FL_VBYTES == 32
+  return (v)_mm256_sqrt_pd((__m256d)a);
+#elif defined(__SSE2__)
+  return (v)_mm_sqrt_pd((__m128d)a);
+#elif defined(__aarch64__)
+  return (v)vsqrtq_f64((float64x2_t)a);
 #else
-  VT<double>::v r; for (int l = 0; l < 8; ++l) r[l] = std::sqrt(a[l]); return r;
+  v r; for (int l = 0; l < VT<double>::L; ++l) r[l] = std::sqrt(a[l]); return r;
 #endif
 }
 
+// Is any lane of a greater than the same lane of b?  (One compare and one mask test.)
 static inline bool any_gt(VT<float>::v a, VT<float>::v b) {
-#if defined(__AVX512F__)
+#if FL_VBYTES == 64
   return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0;
+#elif FL_VBYTES == 32
+  return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0;
+#elif defined(__SSE2__)
+  return _mm_movemask_ps(_mm_cmpgt_ps((__m128)a, (__m128)b)) != 0;
+#elif defined(__aarch64__)
+  return vmaxvq_u32(vcgtq_f32((float32x4_t)a, (float32x4_t)b)) != 0;
 #else
-  bool r = false; for (int l = 0; l < 16; ++l) r |= a[l] > b[l]; return r;
+  bool r = false; for (int l = 0; l < VT<float>::L; ++l) r |= a[l] > b[l]; return r;
 #endif
 }
 static inline bool any_gt(VT<double>::v a, VT<double>::v b) {
-#if defined(__AVX512F__)
+#if FL_VBYTES == 64
   return _mm512_cmp_pd_mask((__m512d)a, (__m512d)b, _CMP_GT_OQ) != 0;
+#elif FL_VBYTES == 32
+  return _mm256_movemask_pd(_mm256_cmp_pd((__m256d)a, (__m256d)b, _CMP_GT_OQ)) != 0;
+#elif defined(__SSE2__)
+  return _mm_movemask_pd(_mm_cmpgt_pd((__m128d)a, (__m128d)b)) != 0;
+#elif defined(__aarch64__)
+  return vmaxvq_u32(vreinterpretq_u32_u64(vcgtq_f64((float64x2_t)a, (float64x2_t)b))) != 0;
 #else
-  bool r = false; for (int l = 0; l < 8; ++l) r |= a[l] > b[l]; return r;
+  bool r = false; for (int l = 0; l < VT<double>::L; ++l) r |= a[l] > b[l]; return r;
 #endif
 }
 
@@ -487,24 +569,28 @@ static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* o
   const int RB = R * 16;
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
-  for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
-    const int64_t b = t / nb, i0 = (t % nb) * RB;
-    const int nr = (int)std::min<int64_t>(RB, N - i0);
-    T m[RB];
-    v sum[RB];
-    for (int r = 0; r < nr; ++r) { m[r] = Consts<T>::SENT; sum[r] = v{}; }
-    const T* xb = x + (b * N + i0) * D;
-    const T* yTb = yT + b * (int64_t)D * Mp;
-    const T* yyb = yy + b * Mp;
-    const T* hb = hs + b * Mp;
-    for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
-      const int64_t j1 = std::min(Mp, j0 + bm);
-      lse_rows<T, R, NV, KIND, DS>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum);
-    }
-    for (int r = 0; r < nr; ++r) {
-      T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log2(hsum(sum[r]));
-      out[b * N + i0 + r] = oscale * lse;
+#pragma omp parallel num_threads(nth)
+  {
+    FpScope fp;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+      const int64_t b = t / nb, i0 = (t % nb) * RB;
+      const int nr = (int)std::min<int64_t>(RB, N - i0);
+      T m[RB];
+      v sum[RB];
+      for (int r = 0; r < nr; ++r) { m[r] = Consts<T>::SENT; sum[r] = v{}; }
+      const T* xb = x + (b * N + i0) * D;
+      const T* yTb = yT + b * (int64_t)D * Mp;
+      const T* yyb = yy + b * Mp;
+      const T* hb = hs + b * Mp;
+      for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
+        const int64_t j1 = std::min(Mp, j0 + bm);
+        lse_rows<T, R, NV, KIND, DS>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum);
+      }
+      for (int r = 0; r < nr; ++r) {
+        T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log2(hsum(sum[r]));
+        out[b * N + i0 + r] = oscale * lse;
+      }
     }
   }
 }
@@ -526,6 +612,7 @@ static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
   std::fill(csum, csum + (int64_t)B * Mp, (T)0);
 #pragma omp parallel num_threads(nth)
   {
+    FpScope fp;
     std::vector<T> cacc((size_t)B * Mp, (T)0);
     std::vector<T> scratch(SYM ? (size_t)Mp : 0);  // column sums of diagonal blocks: discarded
 #pragma omp for schedule(dynamic, 1)
@@ -632,6 +719,7 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
   const int64_t bm = col_chunk(D + K, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
 #pragma omp parallel num_threads(nth)
   {
+    FpScope fp;
     std::vector<T> Pbuf((size_t)RB * bm), acc((size_t)RB * K);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
@@ -654,7 +742,8 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
         panel_rows<T, R, NV, KIND, 0, MODE_P, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, msum, Pbuf.data(), bm);
         // acc (nr x Kp) += P (nr x w) @ V[j0:j1] (w x Kp): register-blocked, 4 rows x 4 vectors
         int r = 0;
-        for (; r + 4 <= nr; r += 4) mgemm_rows<T, 4>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
+        for (; r + Shape::MG_R <= nr; r += Shape::MG_R)
+          mgemm_rows<T, Shape::MG_R>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
         for (; r < nr; ++r) mgemm_rows<T, 1>(Pbuf.data() + (int64_t)r * bm, bm, Vb + j0 * K, K, w, acc.data() + (size_t)r * K);
       }
       for (int r = 0; r < nr; ++r) {
@@ -698,8 +787,12 @@ static inline T row_lse2(const T* c, const T* hb, int64_t M, T inv_eps) {
 
 template <typename T>
 static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
-#pragma omp parallel for schedule(static) num_threads(nth)
-  for (int64_t t = 0; t < (int64_t)B * N; ++t) out[t] = oscale * row_lse2(C + t * M, h + (t / N) * M, M, inv_eps);
+#pragma omp parallel num_threads(nth)
+  {
+    FpScope fp;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < (int64_t)B * N; ++t) out[t] = oscale * row_lse2(C + t * M, h + (t / N) * M, M, inv_eps);
+  }
 }
 
 // Column-wise (the transposed problem): out[b,j] = oscale * LSE_i (h_i - C_ij / eps)
@@ -712,74 +805,78 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
   int64_t CB = (M + nth - 1) / nth;
   CB = std::max<int64_t>(4 * L, ((CB + L - 1) / L) * L);
   const int64_t nb = (M + CB - 1) / CB;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
-  for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
-    const int64_t b = t / nb, j0 = (t % nb) * CB, w = std::min(CB, M - j0);
-    const int64_t nv = w / L;
-    std::vector<v> mvec(nv + 1), svec(nv + 1);
-    v* __restrict mv = mvec.data();
-    v* __restrict sv = svec.data();
-    T ms[16], ss[16];
-    for (int64_t q = 0; q < nv; ++q) { mv[q] = vset<v>(Consts<T>::SENT); sv[q] = v{}; }
-    for (int64_t q = nv * L; q < w; ++q) { ms[q - nv * L] = Consts<T>::SENT; ss[q - nv * L] = 0; }
-    const T* hb = h + b * N;
-    int64_t i = 0;
-    for (; i + 2 <= N; i += 2) {  // two rows per sweep: half the state traffic
-      const T* c0 = C + (b * N + i) * M + j0;
-      const T* c1 = c0 + M;
-      const T h0 = hb[i], h1 = hb[i + 1];
-      for (int64_t q = 0; q < nv; ++q) {
-        v a0 = h0 - vload<v>(c0 + q * L) * inv_eps;
-        v a1 = h1 - vload<v>(c1 + q * L) * inv_eps;
-        v mq = mv[q];
-        v amax = a0 > a1 ? a0 : a1;
-        if (__builtin_expect(any_gt(amax, mq + Consts<T>::TH), 0)) {
-          v up = amax + Consts<T>::H;  // raise every lane that trails the block by H
-          v nm = up > mq ? up : mq;
-          sv[q] *= vexp2(mq - nm);
-          mv[q] = mq = nm;
+#pragma omp parallel num_threads(nth)
+  {
+    FpScope fp;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+      const int64_t b = t / nb, j0 = (t % nb) * CB, w = std::min(CB, M - j0);
+      const int64_t nv = w / L;
+      std::vector<v> mvec(nv + 1), svec(nv + 1);
+      v* __restrict mv = mvec.data();
+      v* __restrict sv = svec.data();
+      T ms[16], ss[16];
+      for (int64_t q = 0; q < nv; ++q) { mv[q] = vset<v>(Consts<T>::SENT); sv[q] = v{}; }
+      for (int64_t q = nv * L; q < w; ++q) { ms[q - nv * L] = Consts<T>::SENT; ss[q - nv * L] = 0; }
+      const T* hb = h + b * N;
+      int64_t i = 0;
+      for (; i + 2 <= N; i += 2) {  // two rows per sweep: half the state traffic
+        const T* c0 = C + (b * N + i) * M + j0;
+        const T* c1 = c0 + M;
+        const T h0 = hb[i], h1 = hb[i + 1];
+        for (int64_t q = 0; q < nv; ++q) {
+          v a0 = h0 - vload<v>(c0 + q * L) * inv_eps;
+          v a1 = h1 - vload<v>(c1 + q * L) * inv_eps;
+          v mq = mv[q];
+          v amax = a0 > a1 ? a0 : a1;
+          if (__builtin_expect(any_gt(amax, mq + Consts<T>::TH), 0)) {
+            v up = amax + Consts<T>::H;  // raise every lane that trails the block by H
+            v nm = up > mq ? up : mq;
+            sv[q] *= vexp2(mq - nm);
+            mv[q] = mq = nm;
+          }
+          sv[q] += vexp2(a0 - mq) + vexp2(a1 - mq);
         }
-        sv[q] += vexp2(a0 - mq) + vexp2(a1 - mq);
+        for (int64_t q = nv * L; q < w; ++q) {
+          const int64_t u = q - nv * L;
+          for (int k = 0; k < 2; ++k) {
+            T a = (k ? h1 : h0) - (k ? c1 : c0)[q] * inv_eps;
+            if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - (a + Consts<T>::H)); ms[u] = a + Consts<T>::H; }
+            if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
+          }
+        }
       }
-      for (int64_t q = nv * L; q < w; ++q) {
-        const int64_t u = q - nv * L;
-        for (int k = 0; k < 2; ++k) {
-          T a = (k ? h1 : h0) - (k ? c1 : c0)[q] * inv_eps;
+      for (; i < N; ++i) {
+        const T* c = C + (b * N + i) * M + j0;
+        const T hi = hb[i];
+        for (int64_t q = 0; q < nv; ++q) {
+          v a = hi - vload<v>(c + q * L) * inv_eps;
+          v thr = mv[q] + Consts<T>::TH;
+          if (__builtin_expect(any_gt(a, thr), 0)) {
+            v up = a + Consts<T>::H;
+            v nm = up > mv[q] ? up : mv[q];
+            sv[q] *= vexp2(mv[q] - nm);
+            mv[q] = nm;
+          }
+          sv[q] += vexp2(a - mv[q]);
+        }
+        for (int64_t q = nv * L; q < w; ++q) {
+          const int64_t u = q - nv * L;
+          T a = hi - c[q] * inv_eps;
           if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - (a + Consts<T>::H)); ms[u] = a + Consts<T>::H; }
           if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
         }
       }
-    }
-    for (; i < N; ++i) {
-      const T* c = C + (b * N + i) * M + j0;
-      const T hi = hb[i];
-      for (int64_t q = 0; q < nv; ++q) {
-        v a = hi - vload<v>(c + q * L) * inv_eps;
-        v thr = mv[q] + Consts<T>::TH;
-        if (__builtin_expect(any_gt(a, thr), 0)) {
-          v up = a + Consts<T>::H;
-          v nm = up > mv[q] ? up : mv[q];
-          sv[q] *= vexp2(mv[q] - nm);
-          mv[q] = nm;
+      const T ninf = -std::numeric_limits<T>::infinity();
+      for (int64_t q = 0; q < nv; ++q)
+        for (int l = 0; l < L; ++l) {
+          T mm = mv[q][l];
+          out[b * M + j0 + q * L + l] = oscale * (mm == Consts<T>::SENT ? ninf : mm + std::log2(sv[q][l]));
         }
-        sv[q] += vexp2(a - mv[q]);
-      }
       for (int64_t q = nv * L; q < w; ++q) {
         const int64_t u = q - nv * L;
-        T a = hi - c[q] * inv_eps;
-        if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - (a + Consts<T>::H)); ms[u] = a + Consts<T>::H; }
-        if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
+        out[b * M + j0 + q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log2(ss[u]));
       }
-    }
-    const T ninf = -std::numeric_limits<T>::infinity();
-    for (int64_t q = 0; q < nv; ++q)
-      for (int l = 0; l < L; ++l) {
-        T mm = mv[q][l];
-        out[b * M + j0 + q * L + l] = oscale * (mm == Consts<T>::SENT ? ninf : mm + std::log2(sv[q][l]));
-      }
-    for (int64_t q = nv * L; q < w; ++q) {
-      const int64_t u = q - nv * L;
-      out[b * M + j0 + q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log2(ss[u]));
     }
   }
 }
@@ -793,13 +890,13 @@ static int softmin_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T
   // cfg 3 (larger d): 4 rows x 4 vectors (best of 4x2, 6x2, 8x2, 4x4, 8x3 at d = 64)
   if (cfg == 0) {
     switch (D) {
-      case 1: softmin_impl<T, 12, 1, KIND, 1>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      case 2: softmin_impl<T, 12, 1, KIND, 2>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      case 3: softmin_impl<T, 12, 1, KIND, 3>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      default: softmin_impl<T, 4, 2, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 1: softmin_impl<T, Shape::SMALL_R, 1, KIND, 1>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 2: softmin_impl<T, Shape::SMALL_R, 1, KIND, 2>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      case 3: softmin_impl<T, Shape::SMALL_R, 1, KIND, 3>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
+      default: softmin_impl<T, Shape::MID_R, Shape::MID_NV, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
     }
   }
-  if (cfg == 3) { softmin_impl<T, 4, 4, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0; }
+  if (cfg == 3) { softmin_impl<T, Shape::BIG_R, Shape::BIG_NV, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0; }
   return -1;
 }
 
@@ -871,6 +968,7 @@ static void cached_alt(const T* C, const T* hs, const T* ha, T lam, T k, T* rlse
   std::vector<T> cmax((size_t)nth * per, Consts<T>::SENT), csum((size_t)nth * per, (T)0);
 #pragma omp parallel num_threads(nth)
   {
+    FpScope fp;
     const int tid = omp_get_thread_num();
     std::vector<T> w(RB);
 #pragma omp for schedule(dynamic, 1)
@@ -910,6 +1008,7 @@ static void alt_impl(const T* x, const T* yT, const T* yy, const T* hs, const T*
   std::vector<T> cmax((size_t)nth * per, Consts<T>::SENT), csum((size_t)nth * per, (T)0);
 #pragma omp parallel num_threads(nth)
   {
+    FpScope fp;
     const int tid = omp_get_thread_num();
     std::vector<T> scratch((size_t)RB * Mp);
     T* P = scratch.data();
@@ -949,13 +1048,13 @@ static int alt_entry(const T* x, const T* yT, const T* yy, const T* hs, const T*
   Args a{D, Mp, kcoef, minsq};
   if (cfg != 0 && cfg != 3) return -1;
   if (kind == KIND_DOT) {
-    if (cfg == 0) alt_impl<T, 4, 2, KIND_DOT>(x, yT, yy, hs, ha, (T)lam, rlse, clse, B, N, Mp, a, l2, nth);
-    else alt_impl<T, 4, 4, KIND_DOT>(x, yT, yy, hs, ha, (T)lam, rlse, clse, B, N, Mp, a, l2, nth);
+    if (cfg == 0) alt_impl<T, Shape::MID_R, Shape::MID_NV, KIND_DOT>(x, yT, yy, hs, ha, (T)lam, rlse, clse, B, N, Mp, a, l2, nth);
+    else alt_impl<T, Shape::BIG_R, Shape::BIG_NV, KIND_DOT>(x, yT, yy, hs, ha, (T)lam, rlse, clse, B, N, Mp, a, l2, nth);
     return 0;
   }
   if (kind == KIND_DIRECT) {
-    if (cfg == 0) alt_impl<T, 4, 2, KIND_DIRECT>(x, yT, yy, hs, ha, (T)lam, rlse, clse, B, N, Mp, a, l2, nth);
-    else alt_impl<T, 4, 4, KIND_DIRECT>(x, yT, yy, hs, ha, (T)lam, rlse, clse, B, N, Mp, a, l2, nth);
+    if (cfg == 0) alt_impl<T, Shape::MID_R, Shape::MID_NV, KIND_DIRECT>(x, yT, yy, hs, ha, (T)lam, rlse, clse, B, N, Mp, a, l2, nth);
+    else alt_impl<T, Shape::BIG_R, Shape::BIG_NV, KIND_DIRECT>(x, yT, yy, hs, ha, (T)lam, rlse, clse, B, N, Mp, a, l2, nth);
     return 0;
   }
   return -2;
@@ -966,13 +1065,13 @@ static int pair_dispatch(const T* x, const T* yT, const T* yy, const T* hs, cons
                          int64_t N, int64_t Mp, const Args& a, int cfg, int64_t l2, int nth) {
   if (cfg == 0) {
     switch (a.D) {
-      case 1: pair_impl<T, 12, 1, KIND, 1, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
-      case 2: pair_impl<T, 12, 1, KIND, 2, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
-      case 3: pair_impl<T, 12, 1, KIND, 3, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
-      default: pair_impl<T, 4, 2, KIND, 0, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
+      case 1: pair_impl<T, Shape::SMALL_R, 1, KIND, 1, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
+      case 2: pair_impl<T, Shape::SMALL_R, 1, KIND, 2, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
+      case 3: pair_impl<T, Shape::SMALL_R, 1, KIND, 3, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
+      default: pair_impl<T, Shape::MID_R, Shape::MID_NV, KIND, 0, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
     }
   }
-  if (cfg == 3) { pair_impl<T, 4, 4, KIND, 0, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0; }
+  if (cfg == 3) { pair_impl<T, Shape::BIG_R, Shape::BIG_NV, KIND, 0, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0; }
   return -1;
 }
 
@@ -1004,35 +1103,39 @@ static void plan_pv_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
                          const T* VTk, T* out, T* mass, int single, int B, int64_t N, int64_t Mp, const Args& a,
                          T wconst, int64_t l2, int nth) {
   typedef typename VT<T>::v v;
-  constexpr int R = 4;
+  constexpr int R = Shape::PV_R;
   const int D = a.D, K = a.K;
   const int RB = 64;
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D + K, 2, Mp, (int64_t)VT<T>::L * NV, l2, sizeof(T));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
-  for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
-    const int64_t b = t / nb, i0 = (t % nb) * RB;
-    const int nr = (int)std::min<int64_t>(RB, N - i0);
-    T m[RB];
-    v pa[RB * (PV_K + 1)];
-    for (int r = 0; r < nr; ++r) {
-      m[r] = row_shift(single, lse, alpha, b * N + i0 + r);
-      for (int kk = 0; kk <= PV_K; ++kk) pa[r * (PV_K + 1) + kk] = v{};
-    }
-    const T* xb = x + (b * N + i0) * D;
-    const T* yTb = yT + b * (int64_t)D * Mp;
-    const T* yyb = yy + b * Mp;
-    const T* hb = hs + b * Mp;
-    const T* Vb = VTk + b * (int64_t)K * Mp;
-    for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
-      const int64_t j1 = std::min(Mp, j0 + bm);
-      panel_rows<T, R, NV, KIND, 0, MODE_PV, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, pa, const_cast<T*>(Vb), 0);
-    }
-    for (int r = 0; r < nr; ++r) {
-      const T f = row_factor(single, lse, alpha, b * N + i0 + r, wconst);
-      T* o = out + (b * N + i0 + r) * K;
-      for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : hsum(pa[r * (PV_K + 1) + kk]) * f;
-      mass[b * N + i0 + r] = hsum(pa[r * (PV_K + 1) + PV_K]);
+#pragma omp parallel num_threads(nth)
+  {
+    FpScope fp;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+      const int64_t b = t / nb, i0 = (t % nb) * RB;
+      const int nr = (int)std::min<int64_t>(RB, N - i0);
+      T m[RB];
+      v pa[RB * (PV_K + 1)];
+      for (int r = 0; r < nr; ++r) {
+        m[r] = row_shift(single, lse, alpha, b * N + i0 + r);
+        for (int kk = 0; kk <= PV_K; ++kk) pa[r * (PV_K + 1) + kk] = v{};
+      }
+      const T* xb = x + (b * N + i0) * D;
+      const T* yTb = yT + b * (int64_t)D * Mp;
+      const T* yyb = yy + b * Mp;
+      const T* hb = hs + b * Mp;
+      const T* Vb = VTk + b * (int64_t)K * Mp;
+      for (int64_t j0 = 0; j0 < Mp; j0 += bm) {
+        const int64_t j1 = std::min(Mp, j0 + bm);
+        panel_rows<T, R, NV, KIND, 0, MODE_PV, WK>(nr, xb, yTb, yyb, hb, j0, j1, a, m, pa, const_cast<T*>(Vb), 0);
+      }
+      for (int r = 0; r < nr; ++r) {
+        const T f = row_factor(single, lse, alpha, b * N + i0 + r, wconst);
+        T* o = out + (b * N + i0 + r) * K;
+        for (int kk = 0; kk < K; ++kk) o[kk] = f == 0 ? (T)0 : hsum(pa[r * (PV_K + 1) + kk]) * f;
+        mass[b * N + i0 + r] = hsum(pa[r * (PV_K + 1) + PV_K]);
+      }
     }
   }
 }
@@ -1071,24 +1174,28 @@ static void cached_weights(const T* C, int64_t R, int64_t M, const T* rb, const 
   constexpr int L = VT<T>::L;
   const v zero = {};
   const v vthr = vset<v>(wthr);
-#pragma omp parallel for schedule(static) num_threads(nth)
-  for (int64_t r = 0; r < R; ++r) {
-    const T* c = C + r * M;
-    T* p = P + r * M;
-    const T s = rb[r];
-    int64_t j = 0;
-    for (; j + L <= M; j += L) {
-      const v cv = vload<v>(c + j);
-      v e = vexp2((vload<v>(cb + j) - cv * k) + s);
-      if (WK == W_COST) e *= cv;
-      if (WK == W_INV) e = cv > vthr ? e / cv : zero;
-      vstore(p + j, e);
-    }
-    for (; j < M; ++j) {
-      T e = std::exp2((cb[j] - c[j] * k) + s);
-      if (WK == W_COST) e *= c[j];
-      if (WK == W_INV) e = c[j] > wthr ? e / c[j] : (T)0;
-      p[j] = e;
+#pragma omp parallel num_threads(nth)
+  {
+    FpScope fp;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const T* c = C + r * M;
+      T* p = P + r * M;
+      const T s = rb[r];
+      int64_t j = 0;
+      for (; j + L <= M; j += L) {
+        const v cv = vload<v>(c + j);
+        v e = vexp2((vload<v>(cb + j) - cv * k) + s);
+        if (WK == W_COST) e *= cv;
+        if (WK == W_INV) e = cv > vthr ? e / cv : zero;
+        vstore(p + j, e);
+      }
+      for (; j < M; ++j) {
+        T e = std::exp2((cb[j] - c[j] * k) + s);
+        if (WK == W_COST) e *= c[j];
+        if (WK == W_INV) e = c[j] > wthr ? e / c[j] : (T)0;
+        p[j] = e;
+      }
     }
   }
 }
@@ -1115,13 +1222,67 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 9; }
+int flashot_abi_version() { return 10; }
+
+// FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
+// thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops it.
+int flashot_fp_probe(int on) {
+  for (int t = 0; t < flashot_fp::PROBE_SLOTS; ++t) flashot_fp::g_fp_probe[t].store(0);
+  flashot_fp::g_fp_probe_on.store(on ? 1 : 0);
+  return 0;
+}
+
+// Copies up to n slots (indexed by OpenMP thread number) to out; returns how many threads were seen.
+int flashot_fp_probe_read(int* out, int n) {
+  int seen = 0;
+  for (int t = 0; t < flashot_fp::PROBE_SLOTS; ++t) {
+    const int b = flashot_fp::g_fp_probe[t].load();
+    if (t < n) out[t] = b;
+    seen += (b & flashot_fp::SEEN) ? 1 : 0;
+  }
+  return seen;
+}
+
+// The kernels' vector width in bytes (64 AVX-512, 32 AVX/AVX2, 16 SSE/NEON): the engine pads to it.
+int flashot_vector_bytes() { return FL_VBYTES; }
+
+// The calling thread's FTZ (1) / DAZ (2) bits, read outside any kernel.
+int flashot_fp_bits() { return flashot_fp::bits_of(flashot_fp::get_state()); }
+
+// The instruction set the library was compiled for (bit mask): 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA,
+// 16 AVX-512F, 32 AArch64 (NEON), 64 OpenMP.
+int flashot_isa() {
+  int m = 0;
+#if defined(__SSE4_2__)
+  m |= 1;
+#endif
+#if defined(__AVX__)
+  m |= 2;
+#endif
+#if defined(__AVX2__)
+  m |= 4;
+#endif
+#if defined(__FMA__)
+  m |= 8;
+#endif
+#if defined(__AVX512F__)
+  m |= 16;
+#endif
+#if defined(__aarch64__)
+  m |= 32;
+#endif
+#if defined(_OPENMP)
+  m |= 64;
+#endif
+  return m;
+}
 #endif
 
 #if FL_PART(1)
 int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
                         int64_t l2, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return softmin_entry<float>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
 }
 #endif
@@ -1130,6 +1291,7 @@ int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const 
 int flashot_softmin_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
                         int64_t l2, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return softmin_entry<double>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
 }
 #endif
@@ -1138,6 +1300,7 @@ int flashot_softmin_f64(const double* x, const double* yT, const double* yy, con
 int flashot_pair_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
                      float* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg,
                      int sym, int64_t l2, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return pair_entry<float>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, D, kcoef, minsq, kind, cfg, sym, l2, nth);
 }
 #endif
@@ -1146,6 +1309,7 @@ int flashot_pair_f32(const float* x, const float* yT, const float* yy, const flo
 int flashot_pair_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
                      double* rs, double* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
                      int cfg, int sym, int64_t l2, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return pair_entry<double>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, D, kcoef, minsq, kind, cfg, sym, l2, nth);
 }
 #endif
@@ -1155,6 +1319,7 @@ int flashot_plan_f32(const float* x, const float* yT, const float* yy, const flo
                      const float* alpha, const float* VTm, int K, float* out, float* mass, int single, int B,
                      int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
                      int narrow, int64_t l2, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, mass, single, B, N, Mp, D, kcoef, minsq, kind, wk,
                            wconst, narrow, l2, nth);
 }
@@ -1165,6 +1330,7 @@ int flashot_plan_f64(const double* x, const double* yT, const double* yy, const 
                      const double* alpha, const double* VTm, int K, double* out, double* mass, int single, int B,
                      int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
                      int narrow, int64_t l2, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, mass, single, B, N, Mp, D, kcoef, minsq, kind, wk,
                             wconst, narrow, l2, nth);
 }
@@ -1174,6 +1340,7 @@ int flashot_plan_f64(const double* x, const double* yT, const double* yy, const 
 int flashot_alt_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* ha, double lam,
                     float* rlse, float* clse, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
                     int cfg, int64_t l2, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return alt_entry<float>(x, yT, yy, hs, ha, lam, rlse, clse, B, N, Mp, D, kcoef, minsq, kind, cfg, l2, nth);
 }
 #endif
@@ -1182,6 +1349,7 @@ int flashot_alt_f32(const float* x, const float* yT, const float* yy, const floa
 int flashot_alt_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* ha,
                     double lam, double* rlse, double* clse, int B, int64_t N, int64_t Mp, int D, double kcoef,
                     double minsq, int kind, int cfg, int64_t l2, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return alt_entry<double>(x, yT, yy, hs, ha, lam, rlse, clse, B, N, Mp, D, kcoef, minsq, kind, cfg, l2, nth);
 }
 #endif
@@ -1189,6 +1357,7 @@ int flashot_alt_f64(const double* x, const double* yT, const double* yy, const d
 #if FL_PART(2)
 int flashot_cached_alt_f32(const float* C, const float* hs, const float* ha, double lam, double k, float* rlse,
                            float* clse, int B, int64_t N, int64_t M, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   cached_alt<float>(C, hs, ha, (float)lam, (float)k, rlse, clse, B, N, M, nth); return 0;
 }
 #endif
@@ -1196,6 +1365,7 @@ int flashot_cached_alt_f32(const float* C, const float* hs, const float* ha, dou
 #if FL_PART(4)
 int flashot_cached_alt_f64(const double* C, const double* hs, const double* ha, double lam, double k, double* rlse,
                            double* clse, int B, int64_t N, int64_t M, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   cached_alt<double>(C, hs, ha, lam, k, rlse, clse, B, N, M, nth); return 0;
 }
 #endif
@@ -1203,6 +1373,7 @@ int flashot_cached_alt_f64(const double* C, const double* hs, const double* ha, 
 #if FL_PART(2)
 int flashot_cached_weights_f32(const float* C, int64_t R, int64_t M, const float* rb, const float* cb, double k,
                                int wk, double wthr, float* P, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return cached_weights_entry<float>(C, R, M, rb, cb, k, wk, wthr, P, nth);
 }
 #endif
@@ -1210,6 +1381,7 @@ int flashot_cached_weights_f32(const float* C, int64_t R, int64_t M, const float
 #if FL_PART(4)
 int flashot_cached_weights_f64(const double* C, int64_t R, int64_t M, const double* rb, const double* cb,
                                double k, int wk, double wthr, double* P, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return cached_weights_entry<double>(C, R, M, rb, cb, k, wk, wthr, P, nth);
 }
 #endif
@@ -1217,6 +1389,7 @@ int flashot_cached_weights_f64(const double* C, int64_t R, int64_t M, const doub
 #if FL_PART(1)
 int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   rows_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
 }
 #endif
@@ -1224,6 +1397,7 @@ int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int6
 #if FL_PART(3)
 int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   rows_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
 }
 #endif
@@ -1231,6 +1405,7 @@ int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, i
 #if FL_PART(1)
 int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   cols_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
 }
 #endif
@@ -1238,6 +1413,7 @@ int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int6
 #if FL_PART(3)
 int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   cols_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
 }
 #endif
@@ -1245,22 +1421,33 @@ int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, i
 #if FL_PART(1)
 // Raw vectorised exp2 throughput helper (benchmarks): out[i] = 2^a[i].
 int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   typedef VT<float>::v v;
-#pragma omp parallel for schedule(static) num_threads(nth)
-  for (int64_t i = 0; i < n / 16; ++i) vstore(out + i * 16, vexp2(vload<v>(a + i * 16)));
-  for (int64_t i = (n / 16) * 16; i < n; ++i) out[i] = std::exp2(a[i]);
+  constexpr int L = VT<float>::L;
+#pragma omp parallel num_threads(nth)
+  {
+    FpScope fp;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n / L; ++i) vstore(out + i * L, vexp2(vload<v>(a + i * L)));
+  }
+  for (int64_t i = (n / L) * L; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
 }
 #endif
 
 #if FL_PART(3)
 int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
+  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   typedef VT<double>::v v;
-#pragma omp parallel for schedule(static) num_threads(nth)
-  for (int64_t i = 0; i < n / 8; ++i) vstore(out + i * 8, vexp2(vload<v>(a + i * 8)));
-  for (int64_t i = (n / 8) * 8; i < n; ++i) out[i] = std::exp2(a[i]);
+  constexpr int L = VT<double>::L;
+#pragma omp parallel num_threads(nth)
+  {
+    FpScope fp;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n / L; ++i) vstore(out + i * L, vexp2(vload<v>(a + i * L)));
+  }
+  for (int64_t i = (n / L) * L; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
 }
 #endif
 }  // extern "C"
-'''
