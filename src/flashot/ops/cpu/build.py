@@ -319,7 +319,7 @@ _SIGS = {
     "flashot_alt": [_P, _P, _P, _P, _P, _DB, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _L, _I],
 }
 _PLAIN_SIGS = {"flashot_abi_version": [], "flashot_fp_probe": [_I], "flashot_fp_probe_read": [_P, _I],
-               "flashot_fp_bits": [], "flashot_isa": [], "flashot_vector_bytes": []}
+               "flashot_fp_bits": [], "flashot_fp_bits_workers": [_P, _I], "flashot_isa": [], "flashot_vector_bytes": []}
 
 
 def _bind(lib: ctypes.CDLL) -> None:

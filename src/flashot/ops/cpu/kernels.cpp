@@ -1225,9 +1225,11 @@ extern "C" {
 int flashot_abi_version() { return 10; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
-// thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops it.
+// thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
+// (the slots are kept for flashot_fp_probe_read).
 int flashot_fp_probe(int on) {
-  for (int t = 0; t < flashot_fp::PROBE_SLOTS; ++t) flashot_fp::g_fp_probe[t].store(0);
+  if (on)
+    for (int t = 0; t < flashot_fp::PROBE_SLOTS; ++t) flashot_fp::g_fp_probe[t].store(0);
   flashot_fp::g_fp_probe_on.store(on ? 1 : 0);
   return 0;
 }
@@ -1248,6 +1250,22 @@ int flashot_vector_bytes() { return FL_VBYTES; }
 
 // The calling thread's FTZ (1) / DAZ (2) bits, read outside any kernel.
 int flashot_fp_bits() { return flashot_fp::bits_of(flashot_fp::get_state()); }
+
+// The FTZ / DAZ bits of each thread of a parallel region of nth threads opened WITHOUT an
+// FpScope (what the OpenMP workers carry between kernels); returns the team size.
+int flashot_fp_bits_workers(int* out, int nth) {
+  int team = 1;
+#pragma omp parallel num_threads(nth)
+  {
+    const int t = omp_get_thread_num();
+    if (t < nth) out[t] = flashot_fp::bits_of(flashot_fp::get_state());
+#if defined(_OPENMP)
+#pragma omp single
+    team = omp_get_num_threads();
+#endif
+  }
+  return team;
+}
 
 // The instruction set the library was compiled for (bit mask): 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA,
 // 16 AVX-512F, 32 AArch64 (NEON), 64 OpenMP.
