@@ -683,6 +683,7 @@ def test_fallback_real_compiler_failure(monkeypatch, tmp_path):
     assert e2.name == "tiled"
 
 
+@pytest.mark.slow
 def test_memory_streaming_100k(lib, tmp_path):
     """One softmin over n = m = 100,000, d = 3 grows peak RSS by < 300 MB."""
     code = textwrap.dedent("""

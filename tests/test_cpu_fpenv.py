@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -145,3 +149,27 @@ def test_plan_product_with_underflowing_entries(lib):
         assert torch.isfinite(out).all()
         assert (out.double() - ref).abs().max() <= 1e-4 * ref.abs().max(), mode
     assert not math.isnan(float(out.sum()))
+
+
+def test_workers_created_by_a_kernel_do_not_inherit_flushing():
+    """Threads the OpenMP runtime creates when a region starts copy the creating thread's control
+    register: in a fresh process whose first parallel region is a kernel's, the new workers must
+    still be clean afterwards (a scope around the region, not inside it, would leave them
+    flushing for the rest of the process)."""
+    code = textwrap.dedent("""
+        import ctypes, torch
+        from flashot.ops.cpu import build
+        from flashot.ops.cpu.engine import CpuEngine
+        from flashot.costs import get_cost
+        lib = build.load(quiet=True)
+        x = torch.randn(1, 400, 3)
+        CpuEngine(lib, mode="stream", threads=3).softmin(x, x, torch.zeros(1, 400), 0.1, get_cost("sqeuclidean"))
+        buf = (ctypes.c_int * 3)()
+        team = lib.flashot_fp_bits_workers(buf, 3)
+        print("BITS", lib.flashot_fp_bits(), list(buf)[:team])
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("BITS")][-1]
+    assert line == "BITS 0 [0, 0, 0]" or line == "BITS 0 [0]", line

@@ -149,6 +149,7 @@ MEM_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_tiled_memory_is_linear():
     """One softmin over n = m = 100,000 (a dense float32 C would be 40 GB)."""
     r = subprocess.run([sys.executable, "-c", MEM_SCRIPT], capture_output=True, text=True, timeout=900)

@@ -1,9 +1,13 @@
 // flashot CPU kernels: the floating-point environment of the threads that run them.
 //
-// Every exported kernel and every OpenMP region it opens holds an FpScope: on entry the
-// thread's control register is saved and flush-to-zero (FTZ: denormal results become 0) and
+// Every thread of every OpenMP region of the kernels holds an FpScope while it works: on entry
+// the thread's control register is saved and flush-to-zero (FTZ: denormal results become 0) and
 // denormals-are-zero (DAZ: denormal inputs read as 0) are set; on exit the saved value is
 // restored, so the caller's (and the OpenMP workers') floating-point state is unchanged.
+// The scope is opened INSIDE each region, never around one: threads that the OpenMP runtime
+// creates when a region starts copy the creating thread's control register, so a scope
+// around the region would leave new workers flushing forever (a test checks this).  The
+// short serial merges outside the regions run in the caller's state.
 //
 // Why: Intel cores take a microcode assist for each denormal result (or input) of an SSE/AVX
 // operation, 6-20x slowdowns in these kernels (whose exponentials underflow by design); AMD

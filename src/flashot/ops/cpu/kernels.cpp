@@ -1300,7 +1300,6 @@ int flashot_isa() {
 int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
                         int64_t l2, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return softmin_entry<float>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
 }
 #endif
@@ -1309,7 +1308,6 @@ int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const 
 int flashot_softmin_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
                         int64_t l2, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return softmin_entry<double>(x, yT, yy, hs, out, B, N, Mp, D, kcoef, minsq, kind, oscale, cfg, l2, nth);
 }
 #endif
@@ -1318,7 +1316,6 @@ int flashot_softmin_f64(const double* x, const double* yT, const double* yy, con
 int flashot_pair_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
                      float* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg,
                      int sym, int64_t l2, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return pair_entry<float>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, D, kcoef, minsq, kind, cfg, sym, l2, nth);
 }
 #endif
@@ -1327,7 +1324,6 @@ int flashot_pair_f32(const float* x, const float* yT, const float* yy, const flo
 int flashot_pair_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
                      double* rs, double* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
                      int cfg, int sym, int64_t l2, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return pair_entry<double>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, D, kcoef, minsq, kind, cfg, sym, l2, nth);
 }
 #endif
@@ -1337,7 +1333,6 @@ int flashot_plan_f32(const float* x, const float* yT, const float* yy, const flo
                      const float* alpha, const float* VTm, int K, float* out, float* mass, int single, int B,
                      int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
                      int narrow, int64_t l2, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return plan_entry<float>(x, yT, yy, hs, lse, alpha, VTm, K, out, mass, single, B, N, Mp, D, kcoef, minsq, kind, wk,
                            wconst, narrow, l2, nth);
 }
@@ -1348,7 +1343,6 @@ int flashot_plan_f64(const double* x, const double* yT, const double* yy, const 
                      const double* alpha, const double* VTm, int K, double* out, double* mass, int single, int B,
                      int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
                      int narrow, int64_t l2, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return plan_entry<double>(x, yT, yy, hs, lse, alpha, VTm, K, out, mass, single, B, N, Mp, D, kcoef, minsq, kind, wk,
                             wconst, narrow, l2, nth);
 }
@@ -1358,7 +1352,6 @@ int flashot_plan_f64(const double* x, const double* yT, const double* yy, const 
 int flashot_alt_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* ha, double lam,
                     float* rlse, float* clse, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
                     int cfg, int64_t l2, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return alt_entry<float>(x, yT, yy, hs, ha, lam, rlse, clse, B, N, Mp, D, kcoef, minsq, kind, cfg, l2, nth);
 }
 #endif
@@ -1367,7 +1360,6 @@ int flashot_alt_f32(const float* x, const float* yT, const float* yy, const floa
 int flashot_alt_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* ha,
                     double lam, double* rlse, double* clse, int B, int64_t N, int64_t Mp, int D, double kcoef,
                     double minsq, int kind, int cfg, int64_t l2, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return alt_entry<double>(x, yT, yy, hs, ha, lam, rlse, clse, B, N, Mp, D, kcoef, minsq, kind, cfg, l2, nth);
 }
 #endif
@@ -1375,7 +1367,6 @@ int flashot_alt_f64(const double* x, const double* yT, const double* yy, const d
 #if FL_PART(2)
 int flashot_cached_alt_f32(const float* C, const float* hs, const float* ha, double lam, double k, float* rlse,
                            float* clse, int B, int64_t N, int64_t M, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   cached_alt<float>(C, hs, ha, (float)lam, (float)k, rlse, clse, B, N, M, nth); return 0;
 }
 #endif
@@ -1383,7 +1374,6 @@ int flashot_cached_alt_f32(const float* C, const float* hs, const float* ha, dou
 #if FL_PART(4)
 int flashot_cached_alt_f64(const double* C, const double* hs, const double* ha, double lam, double k, double* rlse,
                            double* clse, int B, int64_t N, int64_t M, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   cached_alt<double>(C, hs, ha, lam, k, rlse, clse, B, N, M, nth); return 0;
 }
 #endif
@@ -1391,7 +1381,6 @@ int flashot_cached_alt_f64(const double* C, const double* hs, const double* ha, 
 #if FL_PART(2)
 int flashot_cached_weights_f32(const float* C, int64_t R, int64_t M, const float* rb, const float* cb, double k,
                                int wk, double wthr, float* P, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return cached_weights_entry<float>(C, R, M, rb, cb, k, wk, wthr, P, nth);
 }
 #endif
@@ -1399,7 +1388,6 @@ int flashot_cached_weights_f32(const float* C, int64_t R, int64_t M, const float
 #if FL_PART(4)
 int flashot_cached_weights_f64(const double* C, int64_t R, int64_t M, const double* rb, const double* cb,
                                double k, int wk, double wthr, double* P, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   return cached_weights_entry<double>(C, R, M, rb, cb, k, wk, wthr, P, nth);
 }
 #endif
@@ -1407,7 +1395,6 @@ int flashot_cached_weights_f64(const double* C, int64_t R, int64_t M, const doub
 #if FL_PART(1)
 int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   rows_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
 }
 #endif
@@ -1415,7 +1402,6 @@ int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int6
 #if FL_PART(3)
 int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   rows_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
 }
 #endif
@@ -1423,7 +1409,6 @@ int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, i
 #if FL_PART(1)
 int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   cols_lse<float>(C, h, out, B, N, M, (float)inv_eps, (float)oscale, nth); return 0;
 }
 #endif
@@ -1431,7 +1416,6 @@ int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int6
 #if FL_PART(3)
 int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   cols_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
 }
 #endif
@@ -1439,7 +1423,6 @@ int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, i
 #if FL_PART(1)
 // Raw vectorised exp2 throughput helper (benchmarks): out[i] = 2^a[i].
 int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   typedef VT<float>::v v;
   constexpr int L = VT<float>::L;
 #pragma omp parallel num_threads(nth)
@@ -1455,7 +1438,6 @@ int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
 
 #if FL_PART(3)
 int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
-  FpScope fp;  // the calling thread (it also runs part of each parallel region)
   typedef VT<double>::v v;
   constexpr int L = VT<double>::L;
 #pragma omp parallel num_threads(nth)
