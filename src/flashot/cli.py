@@ -1,4 +1,4 @@
-"""``flashot`` command line: ``flashot demo`` and ``flashot bench``."""
+"""``flashot`` command line: ``flashot demo``, ``flashot build`` and ``flashot bench``."""
 
 from __future__ import annotations
 
@@ -68,9 +68,56 @@ def demo(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cpu_model() -> str:
+    """The CPU's vendor and model as the OS reports it (benchmarks name it beside every figure)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "CPU part")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_cmd(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="flashot build",
+        description="Compile the CPU kernels now (for images and CI) instead of at first use, and say what was "
+                    "built. The instruction set follows FLASHOT_CPU_MARCH (default native).")
+    p.add_argument("--march", default=None, help="build for this -march instead (e.g. x86-64-v3); sets "
+                                                  "FLASHOT_CPU_MARCH for this command")
+    args = p.parse_args(argv)
+    import os
+
+    if args.march is not None:
+        os.environ["FLASHOT_CPU_MARCH"] = args.march
+    from flashot.ops.cpu import build
+
+    try:
+        lib = build.load()
+    except build.BuildError as e:
+        print(f"flashot build: {e}", file=sys.stderr)
+        return 1
+    info = build.BUILD_INFO
+    how = "found in the cache" if info["cached"] else (f"compiled in {info['seconds']:.1f} s wall, "
+                                                       f"{info.get('cpu_seconds', 0.0):.1f} s CPU")
+    print(f"CPU kernels for {cpu_model()}: -march={info['march']}, {', '.join(info['isa'])}, "
+          f"{lib.flashot_vector_bytes() * 8}-bit vectors, {'OpenMP' if info['openmp'] else 'one thread (no OpenMP)'}")
+    print(f"  {how}: {info['path']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cmds = {"demo": demo}
+    if argv and argv[0] in ("--version", "-V"):
+        from . import __version__
+
+        print(f"flashot {__version__}")
+        return 0
+    cmds = {"demo": demo, "build": build_cmd}
     try:
         from .bench import main as bench_main
 
@@ -79,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         if "flashot.bench" not in str(e):
             raise
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in cmds:
-        print("usage: flashot {" + ",".join(cmds) + "} [options]\n"
+        out = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"flashot: unknown command {argv[0]!r} (choose from {', '.join(cmds)})", file=out)
+        print("usage: flashot [--version] {" + ",".join(cmds) + "} [options]\n"
               "  demo   solve a built-in problem (20,000 points per cloud) and print value, iterations, time, memory\n"
-              + ("  bench  time flashot against installed peers (see flashot bench --help)\n" if "bench" in cmds else ""))
+              "  build  compile the CPU kernels now (first use would) and print the instruction set and cache path\n"
+              + ("  bench  time flashot against installed peers (see flashot bench --help)\n" if "bench" in cmds else ""),
+              file=out)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return int(cmds[argv[0]](argv[1:]) or 0)
 
