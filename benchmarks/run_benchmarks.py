@@ -78,7 +78,13 @@ def main(argv=None) -> int:
                     help="when stage D does not fit the budget, include this separately measured result "
                          "(Markdown written by `flashot bench ... --markdown MD`, with a first line saying "
                          "when / at which commit it was measured)")
+    ap.add_argument("--include", action="append", default=[], metavar="MD",
+                    help="append this separately measured section (Markdown whose first line is a '## ' title "
+                         "and which names its command, date, commit and CPU), e.g. benchmarks/isa_run.md")
     args = ap.parse_args(argv)
+    for inc in args.include:
+        if not os.path.isfile(inc):
+            ap.error(f"--include: no such file {inc!r}")
 
     from flashot.bench import report
     from flashot.bench.core import Config, run_bench
@@ -237,6 +243,10 @@ def main(argv=None) -> int:
                           "included by `--million-from`):", "",
                           "\n".join(f"**{ln[3:]}**" if ln.startswith("## ") else ln
                                     for ln in fh.read().strip().splitlines()), ""]
+    for inc in args.include:
+        with open(inc) as fh:
+            lines += ["", fh.read().strip(), "",
+                      f"(Section included from `{os.path.relpath(inc, ROOT)}` by `--include`.)", ""]
     with open(args.out, "w") as fh:
         fh.write("\n".join(lines))
     print(f"wrote {args.out} in {elapsed:.0f} s", file=sys.stderr)

@@ -78,6 +78,38 @@ def missing_lines(res: BenchResult) -> list[str]:
     return [f"{name}: {why}" for name, why in res.missing.items()]
 
 
+def cpu_identity() -> str:
+    """Vendor, family, model and stepping from /proc/cpuinfo (the model name alone, e.g. "AMD EPYC",
+    does not tell a Zen 4 from a Zen 5; figures from other CPUs may differ)."""
+    want = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping",
+            "CPU implementer": "implementer", "CPU part": "part"}
+    got: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if not line.strip():
+                    break  # first processor only
+                k, _, v = line.partition(":")
+                if k.strip() in want:
+                    got[want[k.strip()]] = v.strip()
+    except OSError:
+        return ""
+    return ", ".join(f"{k} {v}" for k, v in got.items())
+
+
+def kernel_isa() -> str:
+    """The instruction set the cpu engine's kernels were compiled for here ("" if unavailable)."""
+    try:
+        from flashot.ops.cpu import build
+
+        lib = build.load(quiet=True)
+    except Exception:  # noqa: BLE001 - no compiler, no engine: nothing to report
+        return ""
+    info = build.BUILD_INFO
+    return (f"-march={info.get('march')} ({lib.flashot_vector_bytes() * 8}-bit vectors; "
+            f"{' '.join(info.get('isa', []))})")
+
+
 def machine_info() -> dict[str, str]:
     info = {"python": platform.python_version(), "platform": platform.platform()}
     model = None
@@ -89,6 +121,12 @@ def machine_info() -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         pass
     info["cpu"] = model or platform.processor() or "?"
+    ident = cpu_identity()
+    if ident:
+        info["cpu"] += f" ({ident})"
+    kern = kernel_isa()
+    if kern:
+        info["cpu kernels"] = kern
     info["cores"] = str(os.cpu_count())
     try:
         with open("/proc/meminfo") as fh:

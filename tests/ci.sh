@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (README: "set up and run the test suite").
+#   1. set up .venv (CPU build of torch, the package editable, the test extras)
+#   2. the default run: everything but the slow tests
+#   3. AArch64: the kernels cross-compiled and checked under qemu-user (skipped, with a message,
+#      where the Debian packages cannot be installed)
+#   4. the slow tests: large sizes, and the engine suites rebuilt for x86-64-v3 and x86-64-v2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/pip install -q torch==2.13.0 -e ".[test]"
+start=$(date +%s)
+echo "== default run (pytest -q)"
+.venv/bin/python -m pytest -q
+echo "== AArch64 kernels under qemu-user (after $(( $(date +%s) - start )) s)"
+bash tests/native/run_arm64.sh
+echo "== slow tests: pytest -q -m slow (after $(( $(date +%s) - start )) s)"
+.venv/bin/python -m pytest -q -m slow
