@@ -1,0 +1,627 @@
+// Standalone check of the compiled CPU kernels (src/flashot/ops/cpu/kernels.cpp) against
+// naive double-precision references computed here with plain loops, std::exp and std::log.
+//
+// No Python, no torch: it is compiled together with kernels.cpp, natively or for another
+// architecture (tests/native/run_arm64.sh cross-compiles it for aarch64 and runs it under
+// qemu-user), e.g.
+//   g++ -O2 -std=c++17 -fopenmp -I src/flashot/ops/cpu tests/native/kernel_check.cpp
+//       src/flashot/ops/cpu/kernels.cpp -o kc && ./kc
+// (the driver and the kernels must be compiled with the same -march: it checks flashot_isa()
+// and flashot_vector_bytes() against its own predefined macros).
+// It prints one line per check and ends with the line "N passed, M failed"; the exit status is
+// 1 when a check failed.
+//
+// Conventions of the exported functions (see engine.py, which calls them through ctypes):
+//   * every exponent is base 2: the kernels take log-weights as hs = h * log2(e) and the cost
+//     coefficient kcoef = scale * log2(e) / eps (here scale = 1: cost C = |x - y|^2, kind 0);
+//   * y is passed transposed, yT (B, D, Mp), with its squared norms yy (B, Mp) and log-weights
+//     hs (B, Mp); the columns are padded to Mp, a multiple of PAD = 64, with y = 0, yy = 0 and a
+//     zero weight (-inf; float32: the finite -1e38, since the float exp2 needs finite input);
+//   * x is (B, N, D) row-major; per-row outputs are (B, N), per-column outputs (B, Mp).
+// The problems are small (N, M in 37..131, B = 2) so that padding, vector tails and row tails
+// are all exercised and the whole run takes seconds even under an emulator.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+// ---- the exported C ABI under test (signatures of ABI version 10, see engine.py _SIGS) ----
+extern "C" {
+int flashot_abi_version();
+int flashot_isa();
+int flashot_vector_bytes();
+int flashot_fp_bits();
+int flashot_fp_probe(int on);
+int flashot_fp_probe_read(int* out, int n);
+int flashot_fp_bits_workers(int* out, int nth);
+int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
+                        int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
+                        int64_t l2, int nth);
+int flashot_softmin_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out, int B,
+                        int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
+                        int64_t l2, int nth);
+int flashot_pair_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
+                     float* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg,
+                     int sym, int64_t l2, int nth);
+int flashot_pair_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
+                     double* rs, double* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
+                     int cfg, int sym, int64_t l2, int nth);
+int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
+                     const float* alpha, const float* VTm, int K, float* out, float* mass, int single, int B,
+                     int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
+                     int narrow, int64_t l2, int nth);
+int flashot_plan_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
+                     const double* alpha, const double* VTm, int K, double* out, double* mass, int single, int B,
+                     int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
+                     int narrow, int64_t l2, int nth);
+int flashot_alt_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* ha, double lam,
+                    float* rlse, float* clse, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
+                    int cfg, int64_t l2, int nth);
+int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth);
+int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth);
+int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth);
+int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
+                         double oscale, int nth);
+int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth);
+int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth);
+}
+
+namespace {
+
+constexpr int EXPECTED_ABI = 10;  // the declarations above; update both together
+constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
+constexpr int64_t PAD = 64;           // engine.py PAD
+constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
+constexpr int NTH = 2;                // threads per kernel call
+constexpr int KIND_DOT = 0;           // cost |x - y|^2, formed as |x|^2 + |y|^2 - 2 <x, y>
+constexpr int W_ONE = 0, W_COST = 1;  // plan weights: 1, or the cost c_ij
+constexpr double INF = std::numeric_limits<double>::infinity();
+
+// ---- tolerances -------------------------------------------------------------------------
+// Every result is a function of exponents s_ij = a_i + h_j - C_ij / eps (natural units) that
+// the kernel forms in T arithmetic from terms of magnitude up to
+//   E = max C / eps + 1 + max |h| + max |a|      (Problem::expo_scale),
+// so we bound the error of an exponent by TOL<T> * E, where TOL covers the D + 2 roundings of
+// the dot product and norms, the exp2 polynomial (1.85e-7 float, 4.4e-16 double, relative) and
+// the rounding of sums of up to 131 terms: float 2e-5 (~170 float ulps, so not flaky across
+// vector widths and FMA contraction), double 1e-10 (~5e5 ulps: catches wrong arithmetic,
+// which is what this driver is for, without grading last-bit rounding).  Then
+//   a softmin -eps LSE_j s_ij errs by at most eps TOL E = TOL (max C + eps (1 + max|h| + max|a|));
+//   a base-2 LSE (alt, cols_lse) by TOL E log2(e);
+//   a sum of positive weights (pair sums, plan row mass) by TOL E relative (e^d - 1 ~ d);
+//   a signed sum sum_j P_ij V_jk (plan product) by TOL E sum_j P_ij |V_jk|.
+template <typename T> constexpr double TOL = 0;
+template <> constexpr double TOL<float> = 2e-5;
+template <> constexpr double TOL<double> = 1e-10;
+
+template <typename T> const char* tname() { return sizeof(T) == 4 ? "f32" : "f64"; }
+
+// The log-weight of a padded (absent) column: -inf, or -1e38 for the float kernels (engine.py
+// ZERO_W_F32: their exp2 takes finite arguments; exp2(-1e38 - ...) is exactly 0).
+template <typename T> T zero_weight() { return sizeof(T) == 4 ? (T)-1e38 : -std::numeric_limits<T>::infinity(); }
+
+// ---- results -----------------------------------------------------------------------------
+struct Tally {
+  int passed = 0, failed = 0;
+  // One line per check: the worst error (in units of the check's scale) against the tolerance.
+  void report(bool ok, const std::string& what, const std::string& detail) {
+    (ok ? passed : failed) += 1;
+    std::printf("%s %s: %s\n", ok ? "PASS" : "FAIL", what.c_str(), detail.c_str());
+    std::fflush(stdout);
+  }
+  void error_check(const std::string& what, int rc, double err, double tol) {
+    const bool ok = rc == 0 && err <= tol;
+    char buf[160];
+    if (rc != 0) std::snprintf(buf, sizeof buf, "kernel returned %d", rc);
+    else std::snprintf(buf, sizeof buf, "max err %.3g %s tol %.3g", err, ok ? "<=" : ">", tol);
+    report(ok, what, buf);
+  }
+};
+
+// Largest |got - ref| / scale; a NaN or an infinity that the reference does not have counts as +inf.
+struct MaxErr {
+  double worst = 0;
+  void add(double got, double ref, double scale) {
+    double e = got == ref ? 0.0 : std::fabs(got - ref) / scale;
+    if (!(e == e)) e = INF;
+    worst = std::max(worst, e);
+  }
+};
+
+// Deterministic pseudo-random numbers (splitmix64): the same problems on every platform.
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform(double lo, double hi) { return lo + (hi - lo) * (double)(next() >> 11) * 0x1.0p-53; }
+};
+
+// log(sum_j e^{t(j)}) for j < n, in double (max-shifted); -inf when every term is -inf.
+template <typename F> double ref_lse(int n, F t) {
+  double m = -INF;
+  for (int j = 0; j < n; ++j) m = std::max(m, t(j));
+  if (m == -INF) return -INF;
+  double s = 0;
+  for (int j = 0; j < n; ++j) s += std::exp(t(j) - m);
+  return m + std::log(s);
+}
+
+// ---- problems ----------------------------------------------------------------------------
+// Points x (B, N, D), y (B, M, D) uniform in [-1, 1]^D (y shifted by 0.25), natural log-weights
+// h on the columns and a on the rows uniform in [-3, 1], and eps = eps_rel * max C.
+template <typename T> struct Problem {
+  int B, N, M, D;
+  int64_t Mp;
+  double eps, k;          // k = log2(e) / eps: the kernels' kcoef for cost scale 1
+  std::vector<T> x, y;    // row-major points
+  std::vector<T> h, a;    // (B, M), (B, N) natural log-weights
+  std::vector<double> C;  // (B, N, M) |x_i - y_j|^2 of the T-rounded points, in double
+  double maxC = 0, hmax = 0, amax = 0;
+  std::vector<T> yT, yy, hs;  // the kernels' layout of y (engine.py _prep_y)
+
+  double c(int b, int i, int j) const { return C[((size_t)b * N + i) * M + j]; }
+  double expo_scale() const { return maxC / eps + 1 + hmax + amax; }
+  // natural exponent s_ij of the plan / pair weights (row log-weight a_i, column h_j)
+  double s(int b, int i, int j) const { return a[(size_t)b * N + i] + h[(size_t)b * M + j] - c(b, i, j) / eps; }
+};
+
+template <typename T> void fill(std::vector<T>& v, size_t n, Rng& g, double lo, double hi) {
+  v.resize(n);
+  for (auto& e : v) e = (T)g.uniform(lo, hi);
+}
+
+template <typename T> void exact_costs(Problem<T>& p) {
+  p.C.assign((size_t)p.B * p.N * p.M, 0.0);
+  for (int b = 0; b < p.B; ++b)
+    for (int i = 0; i < p.N; ++i)
+      for (int j = 0; j < p.M; ++j) {
+        double s = 0;
+        for (int d = 0; d < p.D; ++d) {
+          const double df = (double)p.x[((size_t)b * p.N + i) * p.D + d] - (double)p.y[((size_t)b * p.M + j) * p.D + d];
+          s += df * df;
+        }
+        p.C[((size_t)b * p.N + i) * p.M + j] = s;
+        p.maxC = std::max(p.maxC, s);
+      }
+}
+
+// yT[b, d, j] = y[b, j, d]; yy[b, j] = |y_j|^2; hs[b, j] = h_j log2(e); zero padding past M.
+template <typename T> void kernel_layout(Problem<T>& p) {
+  p.yT.assign((size_t)p.B * p.D * p.Mp, (T)0);
+  p.yy.assign((size_t)p.B * p.Mp, (T)0);
+  p.hs.assign((size_t)p.B * p.Mp, zero_weight<T>());
+  for (int b = 0; b < p.B; ++b)
+    for (int j = 0; j < p.M; ++j) {
+      double n2 = 0;
+      for (int d = 0; d < p.D; ++d) {
+        const T v = p.y[((size_t)b * p.M + j) * p.D + d];
+        p.yT[((size_t)b * p.D + d) * p.Mp + j] = v;
+        n2 += (double)v * v;
+      }
+      p.yy[(size_t)b * p.Mp + j] = (T)n2;
+      p.hs[(size_t)b * p.Mp + j] = (T)(p.h[(size_t)b * p.M + j] * LOG2E);
+    }
+}
+
+template <typename T> Problem<T> make_problem(uint64_t seed, int N, int M, int D, double eps_rel) {
+  Problem<T> p;
+  p.B = 2, p.N = N, p.M = M, p.D = D;
+  p.Mp = (M + PAD - 1) / PAD * PAD;
+  Rng g(seed);
+  fill(p.x, (size_t)p.B * N * D, g, -1.0, 1.0);
+  fill(p.y, (size_t)p.B * M * D, g, -0.75, 1.25);
+  fill(p.h, (size_t)p.B * M, g, -3.0, 1.0);
+  fill(p.a, (size_t)p.B * N, g, -3.0, 1.0);
+  for (T v : p.h) p.hmax = std::max(p.hmax, std::fabs((double)v));
+  for (T v : p.a) p.amax = std::max(p.amax, std::fabs((double)v));
+  exact_costs(p);
+  p.eps = eps_rel * p.maxC;
+  p.k = LOG2E / p.eps;
+  kernel_layout(p);
+  return p;
+}
+
+std::string describe(const char* fn, const char* t, int D, int N, int M, double eps_rel, const char* extra = "") {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%s %s D=%d N=%d M=%d eps=%g*maxC%s", fn, t, D, N, M, eps_rel, extra);
+  return buf;
+}
+
+// ---- typed entry points (float / double overloads of the C functions) -----------------------
+int softmin(const Problem<float>& p, float* out, double oscale, int cfg, int64_t l2) {
+  return flashot_softmin_f32(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), out, p.B, p.N, p.Mp, p.D, p.k, 0.0,
+                             KIND_DOT, oscale, cfg, l2, NTH);
+}
+int softmin(const Problem<double>& p, double* out, double oscale, int cfg, int64_t l2) {
+  return flashot_softmin_f64(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), out, p.B, p.N, p.Mp, p.D, p.k, 0.0,
+                             KIND_DOT, oscale, cfg, l2, NTH);
+}
+int pair(const Problem<float>& p, const float* hx, float* rs, float* cs, int cfg) {
+  return flashot_pair_f32(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), hx, rs, cs, p.B, p.N, p.Mp, p.D, p.k,
+                          0.0, KIND_DOT, cfg, 0, L2, NTH);
+}
+int pair(const Problem<double>& p, const double* hx, double* rs, double* cs, int cfg) {
+  return flashot_pair_f64(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), hx, rs, cs, p.B, p.N, p.Mp, p.D, p.k,
+                          0.0, KIND_DOT, cfg, 0, L2, NTH);
+}
+int plan(const Problem<float>& p, const float* lse, const float* alpha, const float* V, int K, float* out,
+         float* mass, int single, int wk, int narrow) {
+  return flashot_plan_f32(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), lse, alpha, V, K, out, mass, single,
+                          p.B, p.N, p.Mp, p.D, p.k, 0.0, KIND_DOT, wk, 1.0, narrow, L2, NTH);
+}
+int plan(const Problem<double>& p, const double* lse, const double* alpha, const double* V, int K, double* out,
+         double* mass, int single, int wk, int narrow) {
+  return flashot_plan_f64(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), lse, alpha, V, K, out, mass, single,
+                          p.B, p.N, p.Mp, p.D, p.k, 0.0, KIND_DOT, wk, 1.0, narrow, L2, NTH);
+}
+int rows_lse(const float* C, const float* h, float* o, int B, int N, int M, double k, double os) {
+  return flashot_rows_lse_f32(C, h, o, B, N, M, k, os, NTH);
+}
+int rows_lse(const double* C, const double* h, double* o, int B, int N, int M, double k, double os) {
+  return flashot_rows_lse_f64(C, h, o, B, N, M, k, os, NTH);
+}
+int cols_lse(const float* C, const float* h, float* o, int B, int N, int M, double k, double os) {
+  return flashot_cols_lse_f32(C, h, o, B, N, M, k, os, NTH);
+}
+int cols_lse(const double* C, const double* h, double* o, int B, int N, int M, double k, double os) {
+  return flashot_cols_lse_f64(C, h, o, B, N, M, k, os, NTH);
+}
+int vexp(const float* a, float* o, int64_t n) { return flashot_vexp_f32(a, o, n, NTH); }
+int vexp(const double* a, double* o, int64_t n) { return flashot_vexp_f64(a, o, n, NTH); }
+
+// Softmin configuration as engine.py picks it: cfg 0 for D <= 32 (SMALL_D), cfg 3 above.
+int cfg_for(int D) { return D <= 32 ? 0 : 3; }
+
+// ---- softmin: out_i = -eps LSE_j (h_j - C_ij / eps) ----------------------------------------
+// Kernel: oscale * LSE2_j (hs_j - kcoef c_ij) with oscale = -eps ln 2 (engine.py _stream_lse).
+// With eps_rel 0.05 the scores of a row span ~30 (base 2), under the kernels' lazy-maximum
+// threshold (TH = 60 float, 200 double): after the first block the unchecked panels run.  The
+// second case passes an l2 that makes the column chunks 64 wide (the running state carried
+// across chunks) and eps_rel 0.002, which spreads the scores over ~700, so rows whose first
+// block is far from their best columns raise the maximum mid-row (the checked panels).
+template <typename T> void check_softmin(Tally& t, int D, int N, int M, double eps_rel, int64_t l2, uint64_t seed) {
+  const Problem<T> p = make_problem<T>(seed, N, M, D, eps_rel);
+  std::vector<T> out((size_t)p.B * N);
+  const int rc = softmin(p, out.data(), -p.eps * LN2, cfg_for(D), l2);
+  MaxErr e;
+  for (int b = 0; b < p.B; ++b)
+    for (int i = 0; i < N; ++i) {
+      const double ref = -p.eps * ref_lse(M, [&](int j) { return p.h[(size_t)b * M + j] - p.c(b, i, j) / p.eps; });
+      e.add(out[(size_t)b * N + i], ref, p.eps * p.expo_scale());
+    }
+  const std::string extra = l2 < L2 ? " cfg=" + std::to_string(cfg_for(D)) + " chunks=64" : " cfg=" + std::to_string(cfg_for(D));
+  t.error_check(describe("softmin", tname<T>(), D, N, M, eps_rel, extra.c_str()), rc, e.worst, TOL<T>);
+}
+
+// ---- pair (sym = 0): rs_i = sum_j E_ij, cs_j = sum_i E_ij, E_ij = e^{a_i + h_j - C_ij / eps} --
+// Kernel: E = 2^(hx_i + hs_j - kcoef c_ij) with hx = a log2(e); no running maximum, so eps is
+// moderate (C / eps <= 20: no under- or overflow).
+template <typename T> void check_pair(Tally& t, int D, int N, int M, uint64_t seed) {
+  const double eps_rel = 0.05;
+  const Problem<T> p = make_problem<T>(seed, N, M, D, eps_rel);
+  std::vector<T> hx((size_t)p.B * N), rs((size_t)p.B * N), cs((size_t)p.B * p.Mp);
+  for (size_t i = 0; i < hx.size(); ++i) hx[i] = (T)(p.a[i] * LOG2E);
+  const int rc = pair(p, hx.data(), rs.data(), cs.data(), cfg_for(D));
+  MaxErr e;
+  for (int b = 0; b < p.B; ++b) {
+    for (int i = 0; i < N; ++i) {
+      double r = 0;
+      for (int j = 0; j < M; ++j) r += std::exp(p.s(b, i, j));
+      e.add(rs[(size_t)b * N + i], r, r * p.expo_scale());
+    }
+    for (int j = 0; j < M; ++j) {
+      double c = 0;
+      for (int i = 0; i < N; ++i) c += std::exp(p.s(b, i, j));
+      e.add(cs[(size_t)b * p.Mp + j], c, c * p.expo_scale());
+    }
+  }
+  t.error_check(describe("pair", tname<T>(), D, N, M, eps_rel, " sym=0 rows+cols"), rc, e.worst, TOL<T>);
+}
+
+// ---- plan products: out_ik = sum_j P_ij W_ij V_jk, P_ij = e^{a_i + h_j - C_ij / eps} --------
+// W = 1 (W_ONE) or C_ij (W_COST), wconst = 1.  One pass (single = 1): the kernel's row shift is
+// -a_i log2(e) and mass_i = sum_j P_ij.  Two passes (single = 0): the caller gives the row's
+// base-2 LSE L_i of hs_j - kcoef c_ij; the weights are 2^(hs_j - kcoef c_ij - L_i), mass_i is
+// their sum (about 1) and the output is scaled by 2^(a_i log2(e) + L_i).
+// Narrow (K <= 4): V given transposed (B, K, Mp).  Wide: V (B, Mp, Kp) row-major, K padded to
+// Kp, a multiple of the vector width; out is (B, N, Kp) and its padding columns must be 0.
+struct PlanCase {
+  int D, N, M, K, wk, single, narrow;
+};
+
+template <typename T> std::vector<T> plan_input_v(const Problem<T>& p, const PlanCase& c, int Kp,
+                                                  std::vector<double>& V) {
+  Rng g(7 + c.K);
+  V.resize((size_t)p.B * p.M * c.K);
+  for (auto& v : V) v = (double)(T)g.uniform(-1.0, 1.0);
+  std::vector<T> Vk(c.narrow ? (size_t)p.B * c.K * p.Mp : (size_t)p.B * p.Mp * Kp, (T)0);
+  for (int b = 0; b < p.B; ++b)
+    for (int j = 0; j < p.M; ++j)
+      for (int k = 0; k < c.K; ++k) {
+        const T v = (T)V[((size_t)b * p.M + j) * c.K + k];
+        if (c.narrow) Vk[((size_t)b * c.K + k) * p.Mp + j] = v;
+        else Vk[((size_t)b * p.Mp + j) * Kp + k] = v;
+      }
+  return Vk;
+}
+
+template <typename T> std::vector<T> base2_row_lse(const Problem<T>& p) {
+  std::vector<T> lse((size_t)p.B * p.N);
+  for (int b = 0; b < p.B; ++b)
+    for (int i = 0; i < p.N; ++i)
+      lse[(size_t)b * p.N + i] =
+          (T)(LOG2E * ref_lse(p.M, [&](int j) { return p.h[(size_t)b * p.M + j] - p.c(b, i, j) / p.eps; }));
+  return lse;
+}
+
+template <typename T> void check_plan(Tally& t, const PlanCase& c, uint64_t seed) {
+  const double eps_rel = 0.05;
+  const Problem<T> p = make_problem<T>(seed, c.N, c.M, c.D, eps_rel);
+  const int lanes = flashot_vector_bytes() / (int)sizeof(T);
+  const int Kp = c.narrow ? c.K : (c.K + lanes - 1) / lanes * lanes;
+  std::vector<double> V;
+  const std::vector<T> Vk = plan_input_v(p, c, Kp, V);
+  const std::vector<T> lse = base2_row_lse(p);
+  std::vector<T> out((size_t)p.B * p.N * Kp, (T)-7), mass((size_t)p.B * p.N);
+  const int rc = plan(p, lse.data(), p.a.data(), Vk.data(), Kp, out.data(), mass.data(), c.single, c.wk, c.narrow);
+  MaxErr e;
+  for (int b = 0; b < p.B; ++b)
+    for (int i = 0; i < p.N; ++i) {
+      const double shift = c.single ? 0.0 : (double)lse[(size_t)b * p.N + i] * LN2 + p.a[(size_t)b * p.N + i];
+      std::vector<double> o(c.K, 0.0), mag(c.K, 0.0);
+      double m = 0;
+      for (int j = 0; j < p.M; ++j) {
+        const double P = std::exp(p.s(b, i, j));
+        const double W = c.wk == W_COST ? p.c(b, i, j) : 1.0;
+        m += std::exp(p.s(b, i, j) - shift);
+        for (int k = 0; k < c.K; ++k) {
+          o[k] += P * W * V[((size_t)b * p.M + j) * c.K + k];
+          mag[k] += P * W * std::fabs(V[((size_t)b * p.M + j) * c.K + k]);
+        }
+      }
+      const T* row = out.data() + ((size_t)b * p.N + i) * Kp;
+      for (int k = 0; k < c.K; ++k) e.add(row[k], o[k], mag[k] * p.expo_scale());
+      for (int k = c.K; k < Kp; ++k) e.add(row[k], 0.0, 1.0);  // padding columns of a wide V
+      e.add(mass[(size_t)b * p.N + i], m, m * p.expo_scale());
+    }
+  char extra[96];
+  std::snprintf(extra, sizeof extra, " K=%d%s %s %s +mass", c.K, c.narrow ? " narrow" : " wide",
+                c.wk == W_COST ? "W_COST" : "W_ONE", c.single ? "one-pass" : "two-pass");
+  t.error_check(describe("plan", tname<T>(), c.D, c.N, c.M, eps_rel, extra), rc, e.worst, TOL<T>);
+}
+
+// ---- fused alternating step (float, cfg 0) --------------------------------------------------
+// rlse_i = LSE2_j (hs_j - kcoef c_ij); clse_j = LSE2_i (w_i - kcoef c_ij) with the rows' new
+// weights w_i = ha_i - lam rlse_i (ha = a log2(e)): the softmin onto x, then the one onto y.
+// The column LSE inherits lam times the row error, hence its tolerance (1 + lam) TOL E log2(e).
+void check_alt(Tally& t, int D, int N, int M, uint64_t seed) {
+  const double eps_rel = 0.02, lam = 0.75;
+  const Problem<float> p = make_problem<float>(seed, N, M, D, eps_rel);
+  std::vector<float> ha((size_t)p.B * N), rl((size_t)p.B * N), cl((size_t)p.B * p.Mp);
+  for (size_t i = 0; i < ha.size(); ++i) ha[i] = (float)(p.a[i] * LOG2E);
+  const int rc = flashot_alt_f32(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), ha.data(), lam, rl.data(),
+                                 cl.data(), p.B, N, p.Mp, D, p.k, 0.0, KIND_DOT, 0, L2, NTH);
+  MaxErr e;
+  const double unit = p.expo_scale() * LOG2E;
+  for (int b = 0; b < p.B; ++b) {
+    std::vector<double> w(N);
+    for (int i = 0; i < N; ++i) {
+      const double r = LOG2E * ref_lse(M, [&](int j) { return p.h[(size_t)b * M + j] - p.c(b, i, j) / p.eps; });
+      e.add(rl[(size_t)b * N + i], r, unit);
+      w[i] = ha[(size_t)b * N + i] - lam * r;
+    }
+    for (int j = 0; j < M; ++j) {
+      const double r = LOG2E * ref_lse(N, [&](int i) { return w[i] * LN2 - p.c(b, i, j) / p.eps; });
+      e.add(cl[(size_t)b * p.Mp + j], r, (1 + lam) * unit);
+    }
+  }
+  t.error_check(describe("alt", "f32", D, N, M, eps_rel, " cfg=0 lam=0.75 rows+cols"), rc, e.worst, TOL<float>);
+}
+
+// ---- cached-cost passes over a given matrix C (B, N, M), no padding ---------------------------
+// rows_lse: out_i = oscale LSE2_j (hb_j - k C_ij), hb (B, M); oscale = -eps ln 2 (a softmin).
+// cols_lse: out_j = oscale LSE2_i (hb_i - k C_ij), hb (B, N); oscale = 1 (the base-2 LSE).
+// C is the exact cost rounded to T, and the reference uses that rounded C.  One weight of each
+// batch is zero (-inf; float: -1e38) to exercise the skipped terms.
+template <typename T> void check_cached(Tally& t, int N, int M, uint64_t seed) {
+  const double eps_rel = 0.01;
+  const Problem<T> p = make_problem<T>(seed, N, M, 3, eps_rel);
+  std::vector<T> C(p.C.size()), hr(p.h), hc(p.a), o1((size_t)p.B * N), o2((size_t)p.B * M);
+  for (size_t u = 0; u < C.size(); ++u) C[u] = (T)p.C[u];
+  for (int b = 0; b < p.B; ++b) {
+    hr[(size_t)b * M + 1] = zero_weight<T>();
+    hc[(size_t)b * N + 2] = zero_weight<T>();
+  }
+  std::vector<T> hr2(hr), hc2(hc);  // base 2
+  for (auto& v : hr2) v = (T)(v * LOG2E);
+  for (auto& v : hc2) v = (T)(v * LOG2E);
+  const int rc1 = rows_lse(C.data(), hr2.data(), o1.data(), p.B, N, M, p.k, -p.eps * LN2);
+  const int rc2 = cols_lse(C.data(), hc2.data(), o2.data(), p.B, N, M, p.k, 1.0);
+  auto cc = [&](int b, int i, int j) { return (double)C[((size_t)b * N + i) * M + j]; };
+  MaxErr e1, e2;
+  for (int b = 0; b < p.B; ++b) {
+    for (int i = 0; i < N; ++i) {
+      const double r = -p.eps * ref_lse(M, [&](int j) { return (double)hr[(size_t)b * M + j] - cc(b, i, j) / p.eps; });
+      e1.add(o1[(size_t)b * N + i], r, p.eps * p.expo_scale());
+    }
+    for (int j = 0; j < M; ++j) {
+      const double r = LOG2E * ref_lse(N, [&](int i) { return (double)hc[(size_t)b * N + i] - cc(b, i, j) / p.eps; });
+      e2.add(o2[(size_t)b * M + j], r, p.expo_scale() * LOG2E);
+    }
+  }
+  t.error_check(describe("rows_lse", tname<T>(), 3, N, M, eps_rel), rc1, e1.worst, TOL<T>);
+  t.error_check(describe("cols_lse", tname<T>(), 3, N, M, eps_rel), rc2, e2.worst, TOL<T>);
+}
+
+// ---- vexp: out = 2^a ----------------------------------------------------------------------
+// n = 1003 (a vector tail) arguments spread over [LO - 16, HI] (HI = 126 / 1000: the kernels'
+// documented argument bound): relative error <= 4 ulps (the polynomials: 1.6 / 2 ulps) where
+// 2^a is a normal number above the kernels' cut-off LO (float -124, double -1009); below it the
+// result must be in [0, 2^(LO+1)] (exact 0 by mask, or a tiny value flushed or not by FTZ,
+// depending on the instruction set).  Arguments >= 128 (float) / 1024 (double) give +inf.
+template <typename T> void check_vexp(Tally& t) {
+  const bool f32 = sizeof(T) == 4;
+  const double lo = f32 ? -124.0 : -1009.0, hi = f32 ? 126.0 : 1000.0, ulp = std::numeric_limits<T>::epsilon();
+  const int64_t n = 1003;
+  std::vector<T> a(n), out(n, (T)-1);
+  for (int64_t i = 0; i < n; ++i) a[i] = (T)(lo - 16 + (hi - lo + 16) * (double)i / (double)(n - 1));
+  a[n / 2] = (T)(f32 ? 128.0 : 1024.0), a[n / 3] = (T)(f32 ? 200.0 : 5000.0), a[n - 1] = (T)(f32 ? 1e30 : 1e300);
+  const int rc = vexp(a.data(), out.data(), n);
+  MaxErr e;
+  int bad_small = 0, bad_inf = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double ai = a[i], o = out[i];
+    if (ai >= (f32 ? 128.0 : 1024.0)) bad_inf += !(o == INF);
+    else if (ai < lo) bad_small += !(o >= 0 && o <= std::exp2(lo + 1));
+    else e.add(o, std::exp2(ai), std::exp2(ai) * ulp);
+  }
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "max rel err %.3g ulp (tol 4); %d bad below cut-off; %d not +inf on overflow%s",
+                e.worst, bad_small, bad_inf, rc ? " (kernel returned non-zero)" : "");
+  t.report(rc == 0 && e.worst <= 4 && bad_small == 0 && bad_inf == 0,
+           std::string("vexp ") + tname<T>() + " n=1003", buf);
+}
+
+// ---- floating-point environment ---------------------------------------------------------------
+// With the probe armed, every thread that ran a kernel scope (OpenMP thread number = slot)
+// records its bits (FTZ 1 | DAZ 2 | seen 4) after setting them: all must be FTZ | DAZ, as many
+// threads as requested (one without OpenMP).  Afterwards the calling thread's bits and those
+// of the OpenMP workers (read by flashot_fp_bits_workers in a region without a scope) must be
+// what they were before: this is the first kernel call of the process, so the workers are
+// created during it, and a worker created while its creator flushed would keep flushing.
+std::string probe_slots(const int* slots, int n, int& listed, int& flushing) {
+  std::string s;
+  listed = flushing = 0;
+  for (int u = 0; u < n; ++u)
+    if (slots[u] & 4) {
+      ++listed;
+      flushing += (slots[u] & 3) == 3;
+      s += " t" + std::to_string(u) + "=" + std::to_string(slots[u] & 3);
+    }
+  return s;
+}
+
+void check_fp_probe(Tally& t) {
+  const Problem<float> p = make_problem<float>(99, 131, 131, 3, 0.05);
+  std::vector<float> out((size_t)p.B * p.N);
+  const int before = flashot_fp_bits();
+  flashot_fp_probe(1);
+  const int rc = softmin(p, out.data(), -p.eps * LN2, 0, L2);
+  const int after = flashot_fp_bits();
+  int slots[256] = {0};
+  const int seen = flashot_fp_probe_read(slots, 256);
+  flashot_fp_probe(0);
+  int listed = 0, flushing = 0;
+  const std::string bits = probe_slots(slots, 256, listed, flushing);
+  const int want = (flashot_isa() & 64) ? NTH : 1;
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%d threads seen (want %d), FTZ|DAZ in %d:%s; caller bits %d before, %d after",
+                seen, want, flushing, bits.c_str(), before, after);
+  t.report(rc == 0 && seen == want && listed == seen && flushing == seen && after == before,
+           "fp probe softmin f32 nth=2", buf);
+  int wb[NTH] = {0};
+  const int team = flashot_fp_bits_workers(wb, NTH);
+  bool same = team == want;
+  std::string ws;
+  for (int u = 0; u < std::min(team, NTH); ++u) {
+    same &= wb[u] == before;
+    ws += " t" + std::to_string(u) + "=" + std::to_string(wb[u]);
+  }
+  t.report(same, "fp workers after kernel", std::to_string(team) + " threads:" + ws + " (want all " +
+                                                std::to_string(before) + ")");
+}
+
+// ---- build facts: ABI version, instruction set and vector width as this compiler sees them ----
+void check_build_facts(Tally& t) {
+  const int abi = flashot_abi_version();
+  t.report(abi == EXPECTED_ABI, "abi_version", std::to_string(abi) + " (driver declares " +
+                                                   std::to_string(EXPECTED_ABI) + ")");
+  int want = 0;  // flashot_isa() bits: 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA, 16 AVX-512F, 32 AArch64, 64 OpenMP
+#if defined(__SSE4_2__)
+  want |= 1;
+#endif
+#if defined(__AVX__)
+  want |= 2;
+#endif
+#if defined(__AVX2__)
+  want |= 4;
+#endif
+#if defined(__FMA__)
+  want |= 8;
+#endif
+#if defined(__AVX512F__)
+  want |= 16;
+#endif
+#if defined(__aarch64__)
+  want |= 32;
+#endif
+#if defined(_OPENMP)
+  want |= 64;
+#endif
+  const int isa = flashot_isa();
+  t.report(isa == want, "isa", std::to_string(isa) + " (driver compiled with " + std::to_string(want) + ")");
+#if defined(__AVX512F__)
+  const int vb = 64;
+#elif defined(__AVX__)
+  const int vb = 32;
+#else
+  const int vb = 16;  // SSE2, NEON and anything else
+#endif
+  t.report(flashot_vector_bytes() == vb, "vector_bytes", std::to_string(flashot_vector_bytes()) + " (want " +
+                                                             std::to_string(vb) + ")");
+}
+
+void run_all(Tally& t) {
+  check_build_facts(t);
+  check_fp_probe(t);
+  check_vexp<float>(t);
+  check_vexp<double>(t);
+  const int dims[] = {1, 2, 3, 5, 17, 40};
+  const int sizes[][2] = {{37, 131}, {131, 37}, {100, 64}, {64, 97}, {53, 130}, {129, 65}};
+  for (int u = 0; u < 6; ++u) {
+    const int D = dims[u], N = sizes[u][0], M = sizes[u][1];
+    const int n = std::min(N, M), m = std::max(N, M);  // chunked: m > 64 columns, so 2 or 3 chunks
+    check_softmin<float>(t, D, N, M, 0.05, L2, 10 + u);
+    check_softmin<float>(t, D, n, m, 0.002, 64 * (D + 2) * 4, 20 + u);
+    check_softmin<double>(t, D, N, M, 0.05, L2, 30 + u);
+    check_softmin<double>(t, D, n, m, 0.002, 64 * (D + 2) * 8, 40 + u);
+  }
+  check_pair<float>(t, 3, 37, 131, 50);
+  check_pair<float>(t, 17, 131, 70, 51);
+  check_pair<double>(t, 2, 100, 37, 52);
+  check_pair<double>(t, 40, 64, 129, 53);
+  check_plan<float>(t, {3, 37, 131, 3, W_ONE, 1, 1}, 60);
+  check_plan<float>(t, {5, 131, 40, 4, W_COST, 0, 1}, 61);
+  check_plan<float>(t, {40, 70, 101, 37, W_ONE, 0, 0}, 62);
+  check_plan<float>(t, {2, 45, 77, 9, W_COST, 1, 0}, 63);
+  check_plan<double>(t, {3, 37, 131, 3, W_ONE, 1, 1}, 64);
+  check_plan<double>(t, {17, 131, 40, 2, W_COST, 0, 1}, 65);
+  check_plan<double>(t, {40, 70, 101, 37, W_COST, 1, 0}, 66);
+  check_plan<double>(t, {2, 45, 77, 9, W_ONE, 0, 0}, 67);
+  check_alt(t, 3, 37, 131, 70);
+  check_alt(t, 24, 131, 67, 71);
+  check_cached<float>(t, 131, 37, 80);
+  check_cached<float>(t, 37, 131, 81);
+  check_cached<double>(t, 131, 37, 82);
+  check_cached<double>(t, 37, 131, 83);
+}
+
+}  // namespace
+
+int main() {
+  Tally t;
+  run_all(t);
+  std::printf("%d passed, %d failed\n", t.passed, t.failed);
+  return t.failed ? 1 : 0;
+}

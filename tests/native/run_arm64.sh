@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# ARM64 check of the CPU kernels: cross-compile src/flashot/ops/cpu/kernels.cpp for aarch64
+# (as build.py compiles it: the four translation units -DFLASHOT_PART=1..4, linked both as the
+# shared library and into the test driver tests/native/kernel_check.cpp) and run the driver
+# under qemu-user with two OpenMP threads.
+#
+# Needs Debian's g++-aarch64-linux-gnu and qemu-user; installs them (apt-get update first) when
+# they are missing and this runs as root.  Where they cannot be had (not root, no apt-get, no
+# network, an apt failure) it prints one line "SKIPPED: ..." naming what is missing and exits 0.
+# Otherwise it exits with the driver's status (0: every check passed).
+#
+# Environment: FLASHOT_ARM64_KEEP=DIR keeps the build in DIR (default: a temporary directory,
+# removed at exit); FLASHOT_ARM64_TIMEOUT (seconds, default 600) bounds the emulated run.
+set -uo pipefail
+
+cd "$(dirname "$0")/../.." || exit 2
+SRC=src/flashot/ops/cpu
+DRIVER=tests/native/kernel_check.cpp
+CXX=aarch64-linux-gnu-g++
+SYSROOT=/usr/aarch64-linux-gnu
+# the flags of build.py cxxflags("armv8-a") (BASE_FLAGS, -march, -fopenmp)
+FLAGS=(-O3 -fPIC -std=c++17 -fno-math-errno -march=armv8-a -fopenmp)
+
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+skip() { echo "SKIPPED: arm64 kernel check: $*"; exit 0; }
+find_qemu() { command -v qemu-aarch64 || command -v qemu-aarch64-static || true; }
+
+# ---- 1. toolchain and emulator ------------------------------------------------------------
+missing=()
+command -v "$CXX" >/dev/null 2>&1 || missing+=(g++-aarch64-linux-gnu)
+[ -n "$(find_qemu)" ] || missing+=(qemu-user)
+if [ ${#missing[@]} -gt 0 ]; then
+  what="${missing[*]} not installed"
+  [ "$(id -u)" = 0 ] || skip "$what, and not root (cannot apt-get install them)"
+  command -v apt-get >/dev/null 2>&1 || skip "$what, and no apt-get on this machine"
+  t0=$(now)
+  log=$(mktemp)
+  echo "arm64: installing ${missing[*]} (apt-get) ..."
+  if ! DEBIAN_FRONTEND=noninteractive apt-get update -q >"$log" 2>&1; then
+    skip "$what; apt-get update failed (no network?): $(tail -n 1 "$log")"
+  fi
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >>"$log" 2>&1; then
+    skip "$what; apt-get install failed: $(tail -n 1 "$log")"
+  fi
+  rm -f "$log"
+  command -v "$CXX" >/dev/null 2>&1 || skip "$CXX still missing after installing g++-aarch64-linux-gnu"
+  [ -n "$(find_qemu)" ] || skip "qemu-aarch64 still missing after installing qemu-user"
+  echo "arm64: installed in $(since "$t0") s"
+fi
+QEMU=$(find_qemu)
+echo "arm64: $("$CXX" --version | head -n 1); $("$QEMU" --version | head -n 1)"
+
+# ---- 2. cross-compile ---------------------------------------------------------------------
+if [ -n "${FLASHOT_ARM64_KEEP:-}" ]; then
+  WORK=$FLASHOT_ARM64_KEEP
+  mkdir -p "$WORK" || exit 2
+else
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/flashot-arm64.XXXXXX") || exit 2
+  trap 'rm -rf "$WORK"' EXIT
+fi
+
+t0=$(now)
+pids=()
+for k in 1 2 3 4; do  # the real build's translation units, compiled in parallel as build.py does
+  "$CXX" "${FLAGS[@]}" -DFLASHOT_PART=$k -c "$SRC/kernels.cpp" -o "$WORK/part$k.o" 2>"$WORK/part$k.err" &
+  pids+=($!)
+done
+"$CXX" "${FLAGS[@]}" -Wall -Wextra -I "$SRC" -c "$DRIVER" -o "$WORK/kernel_check.o" 2>"$WORK/driver.err"
+driver_rc=$?
+failed=0
+for k in 1 2 3 4; do
+  if ! wait "${pids[$((k - 1))]}"; then
+    echo "arm64: FAILED to compile kernels.cpp with -DFLASHOT_PART=$k:"
+    tail -n 30 "$WORK/part$k.err"
+    failed=1
+  fi
+done
+if [ $driver_rc -ne 0 ]; then
+  echo "arm64: FAILED to compile $DRIVER:"; tail -n 30 "$WORK/driver.err"; failed=1
+fi
+[ $failed -eq 0 ] || exit 1
+cat "$WORK"/part*.err "$WORK/driver.err"  # warnings, if any
+
+# the shared library exactly as build.py links it
+if ! "$CXX" -shared -fPIC -fopenmp -o "$WORK/libflashot_cpu.so" "$WORK"/part?.o 2>"$WORK/link.err"; then
+  echo "arm64: FAILED to link the shared library:"; cat "$WORK/link.err"; exit 1
+fi
+# the driver: static when the cross toolchain has static libgomp / libc, else dynamic with the sysroot
+QEMU_ARGS=()
+if ! "$CXX" -static -fopenmp -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/part?.o 2>"$WORK/link.err"; then
+  if ! "$CXX" -fopenmp -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/part?.o 2>"$WORK/link.err"; then
+    echo "arm64: FAILED to link the driver:"; cat "$WORK/link.err"; exit 1
+  fi
+  QEMU_ARGS=(-L "$SYSROOT")
+  echo "arm64: driver linked dynamically (no static libraries); running with -L $SYSROOT"
+fi
+echo "arm64: cross-compiled (4 parts + driver, -march=armv8-a, OpenMP) in $(since "$t0") s"
+
+# ---- 3. run under qemu ----------------------------------------------------------------------
+t0=$(now)
+OMP_NUM_THREADS=2 timeout "${FLASHOT_ARM64_TIMEOUT:-600}" "$QEMU" "${QEMU_ARGS[@]}" "$WORK/kernel_check"
+rc=$?
+echo "arm64: qemu run took $(since "$t0") s (exit status $rc)"
+[ $rc -eq 124 ] && echo "arm64: the emulated run timed out"
+exit $rc

@@ -1,0 +1,185 @@
+"""The standalone kernel driver (tests/native/kernel_check.cpp) in the ordinary test suite.
+
+The driver checks every exported CPU kernel against naive double-precision references.  It is
+built here four ways:
+
+* ``library``: linked against the library :func:`flashot.ops.cpu.build.build` makes (the real
+  build: four translation units at -O3, for ``FLASHOT_CPU_MARCH`` or native; usually cached
+  already by the engine tests);
+* ``native`` and ``x86-64-v2`` (SSE4.2: the 16-byte vector code paths, as on NEON):
+  ``kernels.cpp`` compiled with the driver as one translation unit (``FLASHOT_PART`` unset),
+  build.py's flags for that target but -O2 (half the compile time of -O3; the -O3 code is
+  the ``library`` case);
+* ``aarch64``: the same with ``aarch64-linux-gnu-g++`` when it is on PATH, linked statically and
+  run under ``qemu-aarch64`` when that is on PATH too (the full ARM64 check, which installs
+  both, is tests/native/run_arm64.sh).
+
+All compilations start together on first use (about 20 s on two idle cores).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashot.ops.cpu import build
+
+DRIVER = Path(__file__).resolve().parent / "native" / "kernel_check.cpp"
+KERNELS_DIR = Path(build.__file__).resolve().parent  # the kernels.cpp that build.py compiles
+CROSS_CXX = "aarch64-linux-gnu-g++"
+SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$")
+COMPILE_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 300
+
+
+class DriverBuild:
+    """Compile the driver (and kernels.cpp, unless linking ``lib``) for one target in the background,
+    then link."""
+
+    def __init__(self, cxx: str, march: str, work: Path, *, opt: str = "-O2", static: bool = False,
+                 lib: str | None = None, openmp: bool = True):
+        self.cxx, self.work, self.static, self.lib = cxx, work, static, lib
+        self.env = build._clean_env()
+        # as build.py: OpenMP when wanted and the compiler has it (the driver checks flashot_isa()'s bit)
+        self.openmp = openmp and build._openmp_works(cxx, str(work), self.env)
+        self.flags = [opt if f == "-O3" else f for f in build.cxxflags(march, self.openmp)]
+        self.exe = work / "kernel_check"
+        self.procs = [self._compile(DRIVER, "kernel_check.o", "-Wall", "-Wextra", f"-I{KERNELS_DIR}")]
+        if lib is None:
+            self.procs.append(self._compile(KERNELS_DIR / "kernels.cpp", "kernels.o"))
+        self._result: tuple[bool, str] | None = None
+
+    def _compile(self, src: Path, obj: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([self.cxx, *self.flags, *extra, "-c", str(src), "-o", str(self.work / obj)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+
+    def _link(self) -> subprocess.CompletedProcess:
+        objs = [str(self.work / "kernel_check.o")]
+        if self.lib is None:
+            objs.append(str(self.work / "kernels.o"))
+        else:
+            objs += [self.lib, f"-Wl,-rpath,{os.path.dirname(self.lib)}"]
+        cmd = [self.cxx, *(["-fopenmp"] if self.openmp else []), *(["-static"] if self.static else []),
+               "-o", str(self.exe), *objs]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, env=self.env)
+
+    def finish(self) -> tuple[bool, str]:
+        """(ok, compiler output); links the executable once the objects are built."""
+        if self._result is None:
+            out, ok = [], True
+            for p in self.procs:
+                try:
+                    text, _ = p.communicate(timeout=COMPILE_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    text = p.communicate()[0] + f"\n(timed out after {COMPILE_TIMEOUT_S} s)"
+                out.append(text)
+                ok &= p.returncode == 0
+            if ok:
+                r = self._link()
+                if r.returncode != 0 and self.static:  # no static libraries: a dynamic executable
+                    self.static = False
+                    r = self._link()
+                out.append(r.stdout + r.stderr)
+                ok = r.returncode == 0
+            self._result = (ok, "\n".join(o for o in out if o.strip()))
+        return self._result
+
+
+def _x86_level_reason(level: str) -> str | None:
+    """Why this machine cannot run code built for an x86-64 level (None: it can)."""
+    try:
+        build._check_cpu_runs(level)
+    except build.BuildError as e:
+        return str(e)
+    return None
+
+
+def _library_build(cxx: str, work: Path) -> DriverBuild | str:
+    """The driver against the library build.py builds (and the engine loads)."""
+    try:
+        lib = build.build(quiet=True)[0]
+    except build.BuildError as e:
+        return f"build.py could not build the kernels: {e}"
+    return DriverBuild(cxx, build.march(), work, opt="-O3", lib=lib, openmp=build._openmp_wanted())
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Start every applicable build at once; maps target -> DriverBuild, or -> skip reason."""
+    cxx = build._find_compiler()
+    out: dict[str, DriverBuild | str] = {}
+    if cxx is None:
+        out.update(dict.fromkeys(("library", "native", "x86-64-v2"), "no C++ compiler (g++ / clang++) on PATH"))
+    else:
+        out["native"] = DriverBuild(cxx, "native", tmp_path_factory.mktemp("native"))
+        why = _x86_level_reason("x86-64-v2")
+        out["x86-64-v2"] = (f"cannot run x86-64-v2 code here: {why}" if why else
+                            DriverBuild(cxx, "x86-64-v2", tmp_path_factory.mktemp("v2")))
+    cross = shutil.which(CROSS_CXX)
+    out["aarch64"] = (DriverBuild(cross, "armv8-a", tmp_path_factory.mktemp("aarch64"), static=True)
+                      if cross else f"{CROSS_CXX} not on PATH (Debian: apt-get install g++-aarch64-linux-gnu; "
+                                    f"tests/native/run_arm64.sh installs it and runs the full ARM64 check)")
+    if cxx is not None:  # last: a cold build.py build runs while the others compile
+        out["library"] = _library_build(cxx, tmp_path_factory.mktemp("library"))
+    yield out
+    for b in out.values():
+        if isinstance(b, DriverBuild):
+            for p in b.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
+def _built(builds, target: str) -> DriverBuild:
+    b = builds[target]
+    if isinstance(b, str):
+        pytest.skip(b)
+    ok, log = b.finish()
+    assert ok, f"building the kernel driver for {target} failed:\n{log[-4000:]}"
+    return b
+
+
+def _run_driver(cmd: list[str]) -> tuple[int, int, str]:
+    """Run the driver; (passed, failed, full output).  Fails the test unless its summary is sane."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+    lines = r.stdout.strip().splitlines()
+    m = SUMMARY.match(lines[-1]) if lines else None
+    assert m, f"no 'N passed, M failed' line (exit status {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-2000:]}"
+    passed, failed = int(m.group(1)), int(m.group(2))
+    fails = "\n".join(ln for ln in lines if ln.startswith("FAIL"))
+    assert failed == 0 and r.returncode == 0, f"{failed} kernel checks failed (exit {r.returncode}):\n{fails}"
+    assert passed >= 40 and passed == sum(ln.startswith("PASS") for ln in lines), r.stdout[-3000:]
+    return passed, failed, r.stdout
+
+
+def test_driver_declares_current_abi():
+    """The driver declares the exported signatures of one ABI version: bump it with build.ABI_VERSION."""
+    m = re.search(r"constexpr int EXPECTED_ABI = (\d+);", DRIVER.read_text())
+    assert m and int(m.group(1)) == build.ABI_VERSION, (
+        f"tests/native/kernel_check.cpp declares ABI {m and m.group(1)}, build.py has {build.ABI_VERSION}: "
+        f"update the driver's extern \"C\" declarations and EXPECTED_ABI")
+
+
+@pytest.mark.parametrize("target", ["library", "native", "x86-64-v2"])
+def test_kernel_driver_native(builds, target):
+    b = _built(builds, target)
+    _run_driver([str(b.exe)])
+
+
+def test_kernel_driver_aarch64_cross(builds):
+    """aarch64 cross build (static when the toolchain allows); run under qemu-aarch64 when installed."""
+    b = _built(builds, "aarch64")
+    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if qemu is None:
+        pytest.skip("built for aarch64; qemu-aarch64 not on PATH, so not run (Debian: apt-get install qemu-user)")
+    sysroot = [] if b.static else ["-L", "/usr/aarch64-linux-gnu"]  # Debian's cross libraries
+    out = _run_driver([qemu, *sysroot, str(b.exe)])[2]
+    isa = re.search(r"^PASS isa: (\d+)", out, re.M)
+    assert isa and int(isa.group(1)) & build.ISA_BITS["aarch64"], out[:2000]
