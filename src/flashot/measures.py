@@ -10,6 +10,7 @@ differentiable variants used in the final step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ class Measures:
     batched: bool
     out_dtype: torch.dtype
     center: Tensor  # (B, 1, D), subtracted from both clouds
+    cmax: float = math.inf  # upper bound of the cost over all pairs (see ``ops.max_cost``)
 
     @classmethod
     def build(
@@ -62,7 +64,8 @@ class Measures:
         if not p.batched:
             a, b = a.unsqueeze(0), b.unsqueeze(0)
         a, b = a.to(p.x.dtype), b.to(p.x.dtype)
-        return cls(p.x, p.y, a, b, log_weights(a), log_weights(b), p.cost, p.engine, p.batched, p.out_dtype, p.center)
+        return cls(p.x, p.y, a, b, log_weights(a), log_weights(b), p.cost, p.engine, p.batched, p.out_dtype,
+                   p.center, p.cmax)
 
     # -- shapes -------------------------------------------------------------------
     @property

@@ -82,20 +82,48 @@ def _marginal_error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side:
 
     For the plan ``P = a b exp((f_old + g - C)/eps)``, the row sums are
     ``a_i exp((f_old_i - f_new_i)/eps)`` where ``f_new = softmin_x(log b + g/eps)``:
-    no extra pass over the data.  Returns a (B,) tensor.
+    no extra pass over the data.  Points of zero weight contribute nothing; a NaN or
+    Inf anywhere else gives an infinite error (never a small one).  Returns a (B,) tensor.
     """
     w = m.a if side == "x" else m.b
     w = w.detach()
     r = torch.exp((f_old - f_new) / eps)
-    return (w * (r - 1.0)).abs().nansum(-1)
+    finite = torch.isfinite(f_old) & torch.isfinite(f_new)
+    per_point = torch.where(finite, (w * (r - 1.0)).abs(), torch.full_like(w, math.inf))
+    per_point = torch.where(w > 0, per_point, torch.zeros_like(w))
+    return _nan_as_inf(per_point.sum(-1))
+
+
+def _nan_as_inf(err: Tensor) -> Tensor:
+    return torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
 
 
 def _error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str, balanced: bool) -> Tensor:
     """(B,) error of one side, read off an update ``f_new`` computed from the current ``f_old``:
-    the L1 marginal violation (balanced) or ``max |f_new - f_old| / eps`` (unbalanced)."""
+    the L1 marginal violation (balanced) or ``max |f_new - f_old| / eps`` (unbalanced).
+    NaN / Inf potentials read as an infinite error."""
     if balanced:
         return _marginal_error(m, f_old, f_new, eps, side)
-    return (f_new - f_old).abs().amax(-1) / eps
+    return _nan_as_inf((f_new - f_old).abs().amax(-1) / eps)
+
+
+def check_potentials(m: Measures, eps: float, where: str, *pots: Tensor | None) -> None:
+    """Raise ``FloatingPointError`` (naming eps and the engine) if a potential holds NaN or Inf.
+
+    Finite inputs give finite potentials in exact arithmetic; a non-finite one means that
+    ``cost / eps`` went beyond what the dtype's exp/log can represent (or an engine failed).
+    One device sync.
+    """
+    pots = [p for p in pots if p is not None]
+    if not pots or bool(torch.stack([torch.isfinite(p).all() for p in pots]).all()):
+        return
+    dtype = m.x.dtype
+    f64 = "" if dtype == torch.float64 else ", float64"
+    raise FloatingPointError(
+        f"Sinkhorn: the potentials became NaN or Inf {where} (eps={eps:g}, engine {m.engine.name!r}, {dtype}); "
+        f"the largest cost / eps is {m.cmax / eps:.3g}. Use a larger eps (reg / blur){f64} or rescale the "
+        "points; a finite cost / eps makes this an engine failure (try backend='tiled')."
+    )
 
 
 def sinkhorn_loop(
@@ -226,6 +254,8 @@ def sinkhorn_loop(
                     f, g = fn, gn
                 if check and want_err:
                     err = float(err_t.max())
+                    if not math.isfinite(err):  # an overflowing error, or non-finite potentials?
+                        check_potentials(m, eps, f"at iteration {it}", f, g, f_aa, g_bb, g_aa, f_bb)
                     progress.update(it, eps, err)
                 else:
                     err = None
@@ -239,6 +269,7 @@ def sinkhorn_loop(
                     break
         if err_t is not None and err is None:
             err = float(err_t.max())
+        check_potentials(m, eps, f"after {it} iterations", f, g, f_aa, g_bb, g_aa, f_bb)
     finally:
         status = "converged" if converged else ("stopped by callback" if stopped else "")
         progress.close(it, eps, err, status)
@@ -274,6 +305,8 @@ def final_step(
     if st.f_aa is not None:
         f_aa = lx * m.softmin_grad("xx", m.a_log + st.f_aa / eps, eps)
         g_bb = ly * m.softmin_grad("yy", m.b_log + st.g_bb / eps, eps)
+    check_potentials(m, eps, "in the final step", f.detach(), g.detach(),
+                     *(t if t is None else t.detach() for t in (f_aa, g_bb)))
     return f, g, f_aa, g_bb
 
 

@@ -144,7 +144,7 @@ def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
     """Final (differentiable) step of the two-sided self problems ``OT(a, a)``, ``OT(b, b)``
     used for debiasing when ``rho_x != rho_y``: returns ``(f_aa, g_aa, f_bb, g_bb)``, the
     potentials on the first copy (penalty ``rho_x``) and second copy (``rho_y``) of each cloud."""
-    from .sinkhorn import damping
+    from .sinkhorn import check_potentials, damping
 
     eps = st.eps
     lx, ly = damping(eps, rho_x), damping(eps, rho_y)
@@ -152,6 +152,7 @@ def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
     g_aa = ly * m.softmin_grad("xx", m.a_log + st.f_aa / eps, eps)
     f_bb = lx * m.softmin_grad("yy", m.b_log + st.g_bb / eps, eps)
     g_bb = ly * m.softmin_grad("yy", m.b_log + st.f_bb / eps, eps)
+    check_potentials(m, eps, "in the final step", *(t.detach() for t in (f_aa, g_aa, f_bb, g_bb)))
     return f_aa, g_aa, f_bb, g_bb
 
 

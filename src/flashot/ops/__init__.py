@@ -12,6 +12,7 @@ inputs in float32.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -38,12 +39,35 @@ __all__ = [
 ]
 
 
+def _bounds(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Corners ``(lo, hi)`` of the joint bounding box of both clouds, (B, D) each, detached."""
+    with torch.no_grad():
+        return torch.minimum(x.amin(-2), y.amin(-2)), torch.maximum(x.amax(-2), y.amax(-2))
+
+
 def common_center(x: Tensor, y: Tensor) -> Tensor:
     """Midpoint of the joint bounding box of both clouds, (B, 1, D), detached."""
-    with torch.no_grad():
-        lo = torch.minimum(x.amin(-2), y.amin(-2))
-        hi = torch.maximum(x.amax(-2), y.amax(-2))
-        return ((lo + hi) / 2).unsqueeze(-2)
+    lo, hi = _bounds(x, y)
+    return ((lo + hi) / 2).unsqueeze(-2)
+
+
+def max_cost(x: Tensor, y: Tensor, cost: Cost, cdt: torch.dtype, names: tuple[str, str] = ("x", "y")) -> float:
+    """Upper bound of ``C(x_i, y_j)`` over all pairs (the cost of the joint bounding box's diagonal).
+
+    Raises ``ValueError`` naming both clouds when the squared distances would overflow the
+    compute dtype ``cdt`` (finite points, but ``|x - y|^2`` above its largest finite number):
+    every engine forms them (GEMM expansion or differences squared).
+    """
+    lo, hi = _bounds(x, y)
+    d2 = float((hi.double() - lo.double()).pow(2).sum(-1).max())
+    big = torch.finfo(cdt).max
+    if not d2 < big / 4:  # |x|^2 + |y|^2 + 2|<x, y>| of centred points is at most d2; margin for sums
+        raise ValueError(
+            f"{names[0]} and {names[1]}: squared distances between the points overflow {cdt} (the bounding "
+            f"box's diagonal is {math.sqrt(d2):.3g}, squared {d2:.3g}, above {big / 4:.3g}); rescale the points "
+            f"(the value scales with the cost: scale reg / blur**p with it) or use float64"
+        )
+    return float(cost.from_sqdist(torch.tensor(d2, dtype=torch.float64)))
 
 
 class PreparedPair(NamedTuple):
@@ -54,6 +78,7 @@ class PreparedPair(NamedTuple):
     batched: bool
     out_dtype: torch.dtype
     center: Tensor  # (B, 1, D), subtracted from both clouds
+    cmax: float  # upper bound of the cost over all pairs (bounding-box diagonal), float64
 
 
 def prepare_pair(
@@ -65,7 +90,10 @@ def prepare_pair(
     allow_dense: bool = True,
     names: tuple[str, str] = ("x", "y"),
 ) -> PreparedPair:
-    """Validate two clouds, batch them, cast to the compute dtype, centre them, pick the engine."""
+    """Validate two clouds, batch them, cast to the compute dtype, centre them, pick the engine.
+
+    Also bounds the cost (``cmax``) and rejects clouds whose squared distances overflow the
+    compute dtype (:func:`max_cost`)."""
     xn, yn = names
     check_points(xn, x)
     check_points(yn, y)
@@ -76,13 +104,14 @@ def prepare_pair(
         x, y = x.unsqueeze(0), y.unsqueeze(0)
     out_dtype = x.dtype
     cdt = compute_dtype(x.dtype)
+    cmax = max_cost(x, y, cost, cdt, names)
     x, y = x.to(cdt), y.to(cdt)
     c = common_center(x, y)
     x, y = (x - c).contiguous(), (y - c).contiguous()
     B, N, D = x.shape
     eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D),
                      allow_dense=allow_dense)
-    return PreparedPair(x, y, cost, eng, batched, out_dtype, c)
+    return PreparedPair(x, y, cost, eng, batched, out_dtype, c, cmax)
 
 
 def _vec(name: str, v: Tensor, shape, cdt, device) -> Tensor:
@@ -110,7 +139,7 @@ def softmin(
         (N,) or (B, N), differentiable w.r.t. ``x``, ``y`` and ``h``.
     """
     eps = check_positive("eps", eps)
-    x_, y_, cost, eng, batched, out_dtype, _ = prepare_pair(x, y, cost=cost, backend=backend)
+    x_, y_, cost, eng, batched, out_dtype = prepare_pair(x, y, cost=cost, backend=backend)[:6]
     cdt = x_.dtype
     h_ = _vec("h", h, y.shape[:-1], cdt, x.device)
     if not batched:
@@ -140,7 +169,7 @@ def plan_product(
     eps = check_positive("eps", eps)
     if weight not in WEIGHTS:
         raise ValueError(f"weight: expected one of {WEIGHTS}, got {weight!r}")
-    x_, y_, cost, eng, batched, out_dtype, _ = prepare_pair(x, y, cost=cost, backend=backend)
+    x_, y_, cost, eng, batched, out_dtype = prepare_pair(x, y, cost=cost, backend=backend)[:6]
     cdt = x_.dtype
     a_ = _vec("alpha", alpha, x.shape[:-1], cdt, x.device)
     b_ = _vec("beta", beta, y.shape[:-1], cdt, x.device)
