@@ -56,7 +56,6 @@ def _workers(lib, nth: int) -> list[int]:
 def test_every_worker_flushes_and_state_is_restored(lib, caller_flush, call):
     from flashot.ops.cpu.engine import CpuEngine
 
-    openmp = bool(lib.flashot_isa() & 64)
     nth = 2
     eng = CpuEngine(lib, mode="cache" if call == "cached" else "stream", threads=nth)
     c = get_cost("sqeuclidean")
@@ -82,7 +81,7 @@ def test_every_worker_flushes_and_state_is_restored(lib, caller_flush, call):
         finally:
             lib.flashot_fp_probe(0)
         seen = _probe(lib)
-        assert len(seen) == (nth if openmp else 1), seen
+        assert len(seen) == nth, seen
         assert all(b & (FTZ | DAZ) == FTZ | DAZ for b in seen), seen
         assert lib.flashot_fp_bits() == before
         assert _workers(lib, nth) == workers_before

@@ -42,12 +42,10 @@ class DriverBuild:
     then link."""
 
     def __init__(self, cxx: str, march: str, work: Path, *, opt: str = "-O2", static: bool = False,
-                 lib: str | None = None, openmp: bool = True):
+                 lib: str | None = None):
         self.cxx, self.work, self.static, self.lib = cxx, work, static, lib
         self.env = build._clean_env()
-        # as build.py: OpenMP when wanted and the compiler has it (the driver checks flashot_isa()'s bit)
-        self.openmp = openmp and build._openmp_works(cxx, str(work), self.env)
-        self.flags = [opt if f == "-O3" else f for f in build.cxxflags(march, self.openmp)]
+        self.flags = [opt if f == "-O3" else f for f in build.cxxflags(march)]  # as build.py
         self.exe = work / "kernel_check"
         self.procs = [self._compile(DRIVER, "kernel_check.o", "-Wall", "-Wextra", f"-I{KERNELS_DIR}")]
         if lib is None:
@@ -64,7 +62,7 @@ class DriverBuild:
             objs.append(str(self.work / "kernels.o"))
         else:
             objs += [self.lib, f"-Wl,-rpath,{os.path.dirname(self.lib)}"]
-        cmd = [self.cxx, *(["-fopenmp"] if self.openmp else []), *(["-static"] if self.static else []),
+        cmd = [self.cxx, "-pthread", *(["-static"] if self.static else []),
                "-o", str(self.exe), *objs]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, env=self.env)
 
@@ -106,7 +104,7 @@ def _library_build(cxx: str, work: Path) -> DriverBuild | str:
         lib = build.build(quiet=True)[0]
     except build.BuildError as e:
         return f"build.py could not build the kernels: {e}"
-    return DriverBuild(cxx, build.march(), work, opt="-O3", lib=lib, openmp=build._openmp_wanted())
+    return DriverBuild(cxx, build.march(), work, opt="-O3", lib=lib)
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def build_cmd(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="flashot build",
@@ -105,7 +111,7 @@ def build_cmd(argv: list[str] | None = None) -> int:
     how = "found in the cache" if info["cached"] else (f"compiled in {info['seconds']:.1f} s wall, "
                                                        f"{info.get('cpu_seconds', 0.0):.1f} s CPU")
     print(f"CPU kernels for {cpu_model()}: -march={info['march']}, {', '.join(info['isa'])}, "
-          f"{lib.flashot_vector_bytes() * 8}-bit vectors, {'OpenMP' if info['openmp'] else 'one thread (no OpenMP)'}")
+          f"{lib.flashot_vector_bytes() * 8}-bit vectors, up to {torch_threads()} threads (torch.get_num_threads())")
     print(f"  {how}: {info['path']}")
     return 0
 

@@ -4,7 +4,7 @@
 // No Python, no torch: it is compiled together with kernels.cpp, natively or for another
 // architecture (tests/native/run_arm64.sh cross-compiles it for aarch64 and runs it under
 // qemu-user), e.g.
-//   g++ -O2 -std=c++17 -fopenmp -I src/flashot/ops/cpu tests/native/kernel_check.cpp
+//   g++ -O2 -std=c++17 -pthread -I src/flashot/ops/cpu tests/native/kernel_check.cpp
 //       src/flashot/ops/cpu/kernels.cpp -o kc && ./kc
 // (the driver and the kernels must be compiled with the same -march: it checks flashot_isa()
 // and flashot_vector_bytes() against its own predefined macros).
@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-// ---- the exported C ABI under test (signatures of ABI version 10, see engine.py _SIGS) ----
+// ---- the exported C ABI under test (signatures of ABI version 11, see engine.py _SIGS) ----
 extern "C" {
 int flashot_abi_version();
 int flashot_isa();
@@ -74,7 +74,7 @@ int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth);
 
 namespace {
 
-constexpr int EXPECTED_ABI = 10;  // the declarations above; update both together
+constexpr int EXPECTED_ABI = 11;  // the declarations above; update both together
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -494,10 +494,10 @@ template <typename T> void check_vexp(Tally& t) {
 }
 
 // ---- floating-point environment ---------------------------------------------------------------
-// With the probe armed, every thread that ran a kernel scope (OpenMP thread number = slot)
-// records its bits (FTZ 1 | DAZ 2 | seen 4) after setting them: all must be FTZ | DAZ, as many
-// threads as requested (one without OpenMP).  Afterwards the calling thread's bits and those
-// of the OpenMP workers (read by flashot_fp_bits_workers in a region without a scope) must be
+// With the probe armed, every thread that ran a kernel scope (team index = slot) records its
+// bits (FTZ 1 | DAZ 2 | seen 4) after setting them: all must be FTZ | DAZ, as many threads as
+// requested.  Afterwards the calling thread's bits and those of the team's workers (read by
+// flashot_fp_bits_workers in a run without a scope) must be
 // what they were before: this is the first kernel call of the process, so the workers are
 // created during it, and a worker created while its creator flushed would keep flushing.
 std::string probe_slots(const int* slots, int n, int& listed, int& flushing) {
@@ -547,7 +547,7 @@ void check_build_facts(Tally& t) {
   const int abi = flashot_abi_version();
   t.report(abi == EXPECTED_ABI, "abi_version", std::to_string(abi) + " (driver declares " +
                                                    std::to_string(EXPECTED_ABI) + ")");
-  int want = 0;  // flashot_isa() bits: 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA, 16 AVX-512F, 32 AArch64, 64 OpenMP
+  int want = 0;  // flashot_isa() bits: 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA, 16 AVX-512F, 32 AArch64, 64 threads
 #if defined(__SSE4_2__)
   want |= 1;
 #endif
@@ -566,9 +566,7 @@ void check_build_facts(Tally& t) {
 #if defined(__aarch64__)
   want |= 32;
 #endif
-#if defined(_OPENMP)
-  want |= 64;
-#endif
+  want |= 64;  // always multi-threaded (parallel.h)
   const int isa = flashot_isa();
   t.report(isa == want, "isa", std::to_string(isa) + " (driver compiled with " + std::to_string(want) + ")");
 #if defined(__AVX512F__)

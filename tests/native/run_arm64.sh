@@ -2,7 +2,7 @@
 # ARM64 check of the CPU kernels: cross-compile src/flashot/ops/cpu/kernels.cpp for aarch64
 # (as build.py compiles it: the four translation units -DFLASHOT_PART=1..4, linked both as the
 # shared library and into the test driver tests/native/kernel_check.cpp) and run the driver
-# under qemu-user with two OpenMP threads.
+# under qemu-user with a team of two threads.
 #
 # Needs Debian's g++-aarch64-linux-gnu and qemu-user; installs them (apt-get update first) when
 # they are missing and this runs as root.  Where they cannot be had (not root, no apt-get, no
@@ -18,8 +18,8 @@ SRC=src/flashot/ops/cpu
 DRIVER=tests/native/kernel_check.cpp
 CXX=aarch64-linux-gnu-g++
 SYSROOT=/usr/aarch64-linux-gnu
-# the flags of build.py cxxflags("armv8-a") (BASE_FLAGS, -march, -fopenmp)
-FLAGS=(-O3 -fPIC -std=c++17 -fno-math-errno -march=armv8-a -fopenmp)
+# the flags of build.py cxxflags("armv8-a") (BASE_FLAGS, -march)
+FLAGS=(-O3 -fPIC -std=c++17 -fno-math-errno -pthread -march=armv8-a)
 
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
@@ -83,19 +83,19 @@ fi
 cat "$WORK"/part*.err "$WORK/driver.err"  # warnings, if any
 
 # the shared library exactly as build.py links it
-if ! "$CXX" -shared -fPIC -fopenmp -o "$WORK/libflashot_cpu.so" "$WORK"/part?.o 2>"$WORK/link.err"; then
+if ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu.so" "$WORK"/part?.o 2>"$WORK/link.err"; then
   echo "arm64: FAILED to link the shared library:"; cat "$WORK/link.err"; exit 1
 fi
 # the driver: static when the cross toolchain has static libgomp / libc, else dynamic with the sysroot
 QEMU_ARGS=()
-if ! "$CXX" -static -fopenmp -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/part?.o 2>"$WORK/link.err"; then
-  if ! "$CXX" -fopenmp -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/part?.o 2>"$WORK/link.err"; then
+if ! "$CXX" -static -pthread -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/part?.o 2>"$WORK/link.err"; then
+  if ! "$CXX" -pthread -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/part?.o 2>"$WORK/link.err"; then
     echo "arm64: FAILED to link the driver:"; cat "$WORK/link.err"; exit 1
   fi
   QEMU_ARGS=(-L "$SYSROOT")
   echo "arm64: driver linked dynamically (no static libraries); running with -L $SYSROOT"
 fi
-echo "arm64: cross-compiled (4 parts + driver, -march=armv8-a, OpenMP) in $(since "$t0") s"
+echo "arm64: cross-compiled (4 parts + driver, -march=armv8-a, threads) in $(since "$t0") s"
 
 # ---- 3. run under qemu ----------------------------------------------------------------------
 t0=$(now)

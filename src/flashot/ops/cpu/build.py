@@ -10,11 +10,12 @@ Instruction set: ``-march=native`` unless ``FLASHOT_CPU_MARCH`` names another ta
 or any value your compiler accepts for ``-march``); the x86-64 levels are checked against
 the CPU before compiling, so a library the CPU cannot run is never built.
 
-OpenMP: used when the compiler supports it; otherwise (e.g. Apple clang) the kernels are
-built single-threaded with a warning.  ``FLASHOT_CPU_OPENMP=0`` forces that build.
+Threads: the kernels bring their own thread team (``parallel.h``: C++11 threads, dynamic
+tasks, passive waiting), so no OpenMP is needed: the same multi-threaded library builds with
+g++, clang++ and Apple clang.
 
 Cache (see :mod:`.cachedir`): a private directory; the library's name is a hash of the
-sources, flags, target, OpenMP mode, the host CPU's feature flags and the compiler's
+sources, flags, target, the host CPU's feature flags and the compiler's
 identity.  The compiler runs with an environment stripped of the variables that would
 change its output (``CPATH``, ``CPLUS_INCLUDE_PATH``, ``LIBRARY_PATH``, ...).  Concurrent
 first builds wait on a lock and then reuse the library; each build writes into a private
@@ -37,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from importlib import resources
 
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
@@ -45,13 +45,13 @@ from .cachedir import CacheDirError, cache_dir, check_private_file, private_cach
 __all__ = ["BuildError", "build", "load", "BUILD_INFO", "cxxflags", "march", "SOURCES", "ISA_BITS",
            "cache_dir"]
 
-SOURCES = ("kernels.cpp", "fpenv.h")
-BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 10
+SOURCES = ("kernels.cpp", "fpenv.h", "parallel.h")
+BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno", "-pthread"]
+ABI_VERSION = 11
 PARTS = 4  # translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
 LOCK_TIMEOUT_S = 900
 # flashot_isa() bits
-ISA_BITS = {"sse4.2": 1, "avx": 2, "avx2": 4, "fma": 8, "avx512f": 16, "aarch64": 32, "openmp": 64}
+ISA_BITS = {"sse4.2": 1, "avx": 2, "avx2": 4, "fma": 8, "avx512f": 16, "aarch64": 32, "threads": 64}
 # x86-64 micro-architecture levels: the /proc/cpuinfo flags each one needs (cumulative)
 _X86_LEVELS = {
     "x86-64": [],
@@ -67,7 +67,7 @@ _BUILD_ENV = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PAT
 _MARCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 
 # Filled by :func:`load`: {"path", "seconds" (compile wall time, 0 when cached),
-# "cpu_seconds" (compiler CPU time, when compiled here), "cached", "compiler", "march", "openmp"}.
+# "cpu_seconds" (compiler CPU time, when compiled here), "cached", "compiler", "march", "isa"}.
 BUILD_INFO: dict = {}
 _LIB: ctypes.CDLL | None = None
 
@@ -90,17 +90,9 @@ def march() -> str:
     return m
 
 
-def _openmp_wanted() -> bool:
-    v = (os.environ.get("FLASHOT_CPU_OPENMP") or "1").strip().lower()
-    if v not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise BuildError(f"FLASHOT_CPU_OPENMP: expected 0 or 1, got {v!r}")
-    return v in ("1", "true", "yes", "on")
-
-
-def cxxflags(target: str | None = None, openmp: bool = True) -> list[str]:
+def cxxflags(target: str | None = None) -> list[str]:
     """Compiler flags for one translation unit (without ``-c``/``-o``)."""
-    flags = [*BASE_FLAGS, f"-march={target or march()}"]
-    return flags + (["-fopenmp"] if openmp else ["-DFLASHOT_NO_OPENMP"])
+    return [*BASE_FLAGS, f"-march={target or march()}"]
 
 
 def _cpu_flags() -> set[str]:
@@ -150,9 +142,9 @@ def _hash(*parts: str, n: int = 16) -> str:
     return h.hexdigest()[:n]
 
 
-def _base_key(sources: dict[str, str], target: str, openmp: bool) -> str:
-    """Everything but the compiler: sources, flags, target, OpenMP wish, CPU, ABI."""
-    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target, openmp)), str(PARTS),
+def _base_key(sources: dict[str, str], target: str) -> str:
+    """Everything but the compiler: sources, flags, target, CPU, ABI."""
+    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), str(PARTS),
                  platform.machine(), " ".join(sorted(_cpu_flags())) or platform.processor(), str(ABI_VERSION))
 
 
@@ -217,17 +209,8 @@ def _compile_parts(cxx: str, flags: list[str], work: str, objs: list[str], env: 
     return errs
 
 
-def _openmp_works(cxx: str, work: str, env: dict) -> bool:
-    src = os.path.join(work, "omp_probe.cpp")
-    with open(src, "w") as f:
-        f.write('#include <omp.h>\nextern "C" int probe() { return omp_get_max_threads(); }\n')
-    r = subprocess.run([cxx, "-fopenmp", "-fPIC", "-shared", "-o", os.path.join(work, "omp_probe.so"), src],
-                       capture_output=True, timeout=300, env=env)
-    return r.returncode == 0
-
-
-def _compile(cxx: str, sources: dict[str, str], target: str, openmp: bool, path: str, d: str) -> bool:
-    """Build the library at ``path``; returns whether it was built with OpenMP."""
+def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str) -> None:
+    """Build the library at ``path``."""
     env = _clean_env()
     work = tempfile.mkdtemp(prefix=".tmp-build-", dir=d)
     try:
@@ -235,23 +218,16 @@ def _compile(cxx: str, sources: dict[str, str], target: str, openmp: bool, path:
             with open(os.path.join(work, name), "w", encoding="utf-8") as f:
                 f.write(text)
         objs = [f"part{k}.o" for k in range(1, PARTS + 1)]
-        errs = _compile_parts(cxx, cxxflags(target, openmp), work, objs, env)
-        if errs and openmp and not _openmp_works(cxx, work, env):
-            if not _compile_parts(cxx, cxxflags(target, False), work, objs, env):
-                warnings.warn(f"flashot: {os.path.basename(cxx)} has no OpenMP support: the CPU kernels are "
-                              f"built single-threaded (install libomp, or set CXX=g++, for multi-threaded "
-                              f"kernels)", RuntimeWarning, stacklevel=4)
-                openmp, errs = False, []
+        errs = _compile_parts(cxx, cxxflags(target), work, objs, env)
         if errs:
             here = os.path.dirname(os.path.abspath(__file__))
             raise BuildError(f"{os.path.basename(cxx)} failed: " + errs[0].replace(work, here)[-3000:])
-        link = [cxx, "-shared", "-fPIC", *(["-fopenmp"] if openmp else []), "-o", "lib.so", *objs]
+        link = [cxx, "-shared", "-fPIC", "-pthread", "-o", "lib.so", *objs]
         r = subprocess.run(link, cwd=work, capture_output=True, text=True, timeout=300, env=env)
         if r.returncode != 0:
             raise BuildError(f"{os.path.basename(cxx)} (link) failed: {r.stderr.strip()[-2000:]}")
         os.chmod(os.path.join(work, "lib.so"), 0o700)
         os.replace(os.path.join(work, "lib.so"), path)
-        return openmp
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"compiling the CPU kernels failed: {e}") from e
     finally:
@@ -266,18 +242,16 @@ def _estimate_seconds() -> int:
 def build(*, quiet: bool = False) -> tuple[str, float, bool, str]:
     """Compile (or find cached) -> (path, compile wall seconds, was cached, compiler).
 
-    The compiler's CPU time is recorded in ``BUILD_INFO["cpu_seconds"]``, the OpenMP mode in
-    ``BUILD_INFO["openmp"]`` (also readable from the library: ``flashot_isa()``).
+    The compiler's CPU time is recorded in ``BUILD_INFO["cpu_seconds"]``.
     """
     sources = _read_sources()
     target = march()
     _check_cpu_runs(target)
-    openmp = _openmp_wanted()
     try:
         d = private_cache_dir()
     except OSError as e:
         raise BuildError(str(e)) from e
-    base = _base_key(sources, target, openmp)
+    base = _base_key(sources, target)
     cxx = _find_compiler()
     if cxx is None:  # no compiler: any library built here for the same sources, flags and CPU
         found = sorted(glob.glob(os.path.join(d, f"flashot_cpu_{base}_*.so")), key=os.path.getmtime)
@@ -296,7 +270,7 @@ def build(*, quiet: bool = False) -> tuple[str, float, bool, str]:
                   f"{_estimate_seconds()} s) into {d}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        BUILD_INFO["openmp"] = _compile(cxx, sources, target, openmp, path, d)
+        _compile(cxx, sources, target, path, d)
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         BUILD_INFO["cpu_seconds"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         secs = time.perf_counter() - t0
@@ -351,6 +325,6 @@ def load(*, quiet: bool = False) -> ctypes.CDLL:
         raise BuildError(f"{path}: ABI version mismatch")
     isa = lib.flashot_isa()
     BUILD_INFO.update(path=path, seconds=secs, cached=cached, compiler=cxx, march=march(),
-                      openmp=bool(isa & ISA_BITS["openmp"]), isa=sorted(k for k, b in ISA_BITS.items() if isa & b))
+                      isa=sorted(k for k, b in ISA_BITS.items() if isa & b and k != "threads"))
     _LIB = lib
     return lib

@@ -1,13 +1,13 @@
 // flashot CPU kernels: the floating-point environment of the threads that run them.
 //
-// Every thread of every OpenMP region of the kernels holds an FpScope while it works: on entry
+// Every thread of every parallel run of the kernels holds an FpScope while it works: on entry
 // the thread's control register is saved and flush-to-zero (FTZ: denormal results become 0) and
 // denormals-are-zero (DAZ: denormal inputs read as 0) are set; on exit the saved value is
-// restored, so the caller's (and the OpenMP workers') floating-point state is unchanged.
-// The scope is opened INSIDE each region, never around one: threads that the OpenMP runtime
-// creates when a region starts copy the creating thread's control register, so a scope
-// around the region would leave new workers flushing forever (a test checks this).  The
-// short serial merges outside the regions run in the caller's state.
+// restored, so the caller's (and the workers') floating-point state is unchanged.
+// The scope is opened INSIDE each parallel run, never around one: new threads copy the
+// creating thread's control register (x86 MXCSR and AArch64 FPCR alike), so a scope around
+// the run would leave workers created by it flushing forever (a test checks this; it was
+// so with OpenMP).  The short serial merges outside the runs use the caller's state.
 //
 // Why: Intel cores take a microcode assist for each denormal result (or input) of an SSE/AVX
 // operation, 6-20x slowdowns in these kernels (whose exponentials underflow by design); AMD
@@ -18,17 +18,11 @@
 // results of single and double precision alike (reported as FTZ | DAZ).  Other targets: no-op.
 //
 // Probe (tests): while g_fp_probe_on is set, each scope records the thread's FTZ/DAZ bits,
-// after setting them, in the slot of its OpenMP thread number (flashot_fp_probe_*).
+// after setting them, in the slot of its team index (flashot_fp_probe_*).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
-
-#if defined(_OPENMP)
-#include <omp.h>
-#else  // built without OpenMP (e.g. Apple clang): one thread, the pragmas are ignored
-static inline int omp_get_thread_num() { return 0; }
-#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
@@ -68,12 +62,10 @@ inline std::atomic<int> g_fp_probe[PROBE_SLOTS];
 // RAII: FTZ/DAZ on for the lifetime of the scope, the thread's previous state restored after.
 struct FpScope {
   state_t saved;
-  FpScope() : saved(get_state()) {
+  explicit FpScope(int tid) : saved(get_state()) {  // tid: the thread's index in its team (probe slot)
     if ((saved & MASK) != MASK) set_state(saved | MASK);
-    if (g_fp_probe_on.load(std::memory_order_relaxed)) {
-      const int t = omp_get_thread_num();
-      if (t >= 0 && t < PROBE_SLOTS) g_fp_probe[t].store(bits_of(get_state()) | SEEN, std::memory_order_relaxed);
-    }
+    if (g_fp_probe_on.load(std::memory_order_relaxed) && tid >= 0 && tid < PROBE_SLOTS)
+      g_fp_probe[tid].store(bits_of(get_state()) | SEEN, std::memory_order_relaxed);
   }
   ~FpScope() {
     if ((saved & MASK) != MASK) set_state(saved);

@@ -2,7 +2,7 @@
 //
 // Plain C++17 with GCC/Clang vector extensions (512-bit vectors, lowered to
 // AVX-512 / AVX2 / SSE / NEON by -march, default native; FLASHOT_CPU_MARCH picks another),
-// OpenMP over row blocks (optional: without it the kernels run on one thread), exported
+// a thread team over row blocks (parallel.h: dynamic tasks, passive waiting), exported
 // with a C ABI and called through ctypes (no torch headers).  Every exported function and
 // every parallel region runs with flush-to-zero / denormals-are-zero set and the thread's
 // previous state restored after (fpenv.h).
@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 #include "fpenv.h"
+#include "parallel.h"
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -569,11 +570,10 @@ static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* o
   const int RB = R * 16;
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+  Tasks tasks((int64_t)B * nb);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t t; tasks.next(t);) {
       const int64_t b = t / nb, i0 = (t % nb) * RB;
       const int nr = (int)std::min<int64_t>(RB, N - i0);
       T m[RB];
@@ -592,7 +592,7 @@ static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* o
         out[b * N + i0 + r] = oscale * lse;
       }
     }
-  }
+  });
 }
 
 // Symmetric Sinkhorn step in one pass: rsum[b, i] = sum_j E_ij and csum[b, j] = sum_i E_ij with
@@ -610,13 +610,14 @@ static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D, 3, Mp, (int64_t)VT<T>::L * NV, l2, sizeof(T));
   std::fill(csum, csum + (int64_t)B * Mp, (T)0);
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-    std::vector<T> cacc((size_t)B * Mp, (T)0);
+  Tasks tasks((int64_t)B * nb);
+  std::vector<std::vector<T>> caccs((size_t)nth);  // per-thread column sums, added in thread order
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    std::vector<T>& cacc = caccs[(size_t)tid];
+    cacc.assign((size_t)B * Mp, (T)0);
     std::vector<T> scratch(SYM ? (size_t)Mp : 0);  // column sums of diagonal blocks: discarded
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    for (int64_t t; tasks.next(t);) {
       const int64_t b = t / nb, i0 = (t % nb) * RB;
       const int nr = (int)std::min<int64_t>(RB, N - i0);
       T m[RB];
@@ -639,9 +640,9 @@ static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
       }
       for (int r = 0; r < nr; ++r) rsum[b * N + i0 + r] = hsum(sum[r]);
     }
-#pragma omp critical
-    for (int64_t j = 0; j < (int64_t)B * Mp; ++j) csum[j] += cacc[j];
-  }
+  });
+  for (const std::vector<T>& cacc : caccs)
+    for (size_t j = 0; j < cacc.size(); ++j) csum[j] += cacc[j];
 }
 
 // acc[r, :] += sum_j P[r, j] V[j, :] for RR rows; V (w, K) row-major, K a multiple of L.
@@ -717,12 +718,11 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
   const int RB = 32;
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D + K, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
+  Tasks tasks((int64_t)B * nb);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
     std::vector<T> Pbuf((size_t)RB * bm), acc((size_t)RB * K);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    for (int64_t t; tasks.next(t);) {
       const int64_t b = t / nb, i0 = (t % nb) * RB;
       const int nr = (int)std::min<int64_t>(RB, N - i0);
       T m[RB];
@@ -753,7 +753,7 @@ static void plan_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
         mass[b * N + i0 + r] = hsum(msum[r]);
       }
     }
-  }
+  });
 }
 
 // ---- cached-cost passes: C (B, N, M) row-major --------------------------------
@@ -787,12 +787,12 @@ static inline T row_lse2(const T* c, const T* hb, int64_t M, T inv_eps) {
 
 template <typename T>
 static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < (int64_t)B * N; ++t) out[t] = oscale * row_lse2(C + t * M, h + (t / N) * M, M, inv_eps);
-  }
+  Tasks tasks((int64_t)B * N, std::max<int64_t>(1, ((int64_t)B * N) / (8 * (int64_t)nth)));
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t b_, e_; tasks.next(b_, e_);)
+      for (int64_t t = b_; t < e_; ++t) out[t] = oscale * row_lse2(C + t * M, h + (t / N) * M, M, inv_eps);
+  });
 }
 
 // Column-wise (the transposed problem): out[b,j] = oscale * LSE_i (h_i - C_ij / eps)
@@ -805,11 +805,10 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
   int64_t CB = (M + nth - 1) / nth;
   CB = std::max<int64_t>(4 * L, ((CB + L - 1) / L) * L);
   const int64_t nb = (M + CB - 1) / CB;
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+  Tasks tasks((int64_t)B * nb);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t t; tasks.next(t);) {
       const int64_t b = t / nb, j0 = (t % nb) * CB, w = std::min(CB, M - j0);
       const int64_t nv = w / L;
       std::vector<v> mvec(nv + 1), svec(nv + 1);
@@ -878,7 +877,7 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
         out[b * M + j0 + q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log2(ss[u]));
       }
     }
-  }
+  });
 }
 
 template <typename T, int KIND>
@@ -966,13 +965,11 @@ static void cached_alt(const T* C, const T* hs, const T* ha, T lam, T k, T* rlse
   const int64_t nb = (N + RB - 1) / RB;
   const size_t per = (size_t)B * M;
   std::vector<T> cmax((size_t)nth * per, Consts<T>::SENT), csum((size_t)nth * per, (T)0);
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-    const int tid = omp_get_thread_num();
+  Tasks tasks((int64_t)B * nb);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
     std::vector<T> w(RB);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    for (int64_t t; tasks.next(t);) {
       const int64_t b = t / nb, i0 = (t % nb) * RB;
       const int nr = (int)std::min<int64_t>(RB, N - i0);
       const T* Cb = C + (b * N + i0) * M;
@@ -985,7 +982,7 @@ static void cached_alt(const T* C, const T* hs, const T* ha, T lam, T k, T* rlse
       col_states(Cb, M, nr, w.data(), k, M, cmax.data() + (size_t)tid * per + b * M,
                  csum.data() + (size_t)tid * per + b * M);
     }
-  }
+  });
   merge_col_states(cmax, csum, nth, per, clse);
 }
 
@@ -1006,16 +1003,14 @@ static void alt_impl(const T* x, const T* yT, const T* yy, const T* hs, const T*
   const T k = (T)a.kcoef;
   const size_t per = (size_t)B * Mp;
   std::vector<T> cmax((size_t)nth * per, Consts<T>::SENT), csum((size_t)nth * per, (T)0);
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-    const int tid = omp_get_thread_num();
+  Tasks tasks((int64_t)B * nb);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
     std::vector<T> scratch((size_t)RB * Mp);
     T* P = scratch.data();
     T* cm_t = cmax.data() + (size_t)tid * per;
     T* cs_t = csum.data() + (size_t)tid * per;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+    for (int64_t t; tasks.next(t);) {
       const int64_t b = t / nb, i0 = (t % nb) * RB;
       const int nr = (int)std::min<int64_t>(RB, N - i0);
       T m[16 * R], w[16 * R];
@@ -1037,7 +1032,7 @@ static void alt_impl(const T* x, const T* yT, const T* yy, const T* hs, const T*
       }
       col_states(P, Mp, nr, w, k, Mp, cm_t + b * Mp, cs_t + b * Mp);  // pass B
     }
-  }
+  });
   merge_col_states(cmax, csum, nth, per, clse);
 }
 
@@ -1108,11 +1103,10 @@ static void plan_pv_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   const int RB = 64;
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D + K, 2, Mp, (int64_t)VT<T>::L * NV, l2, sizeof(T));
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < (int64_t)B * nb; ++t) {
+  Tasks tasks((int64_t)B * nb);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t t; tasks.next(t);) {
       const int64_t b = t / nb, i0 = (t % nb) * RB;
       const int nr = (int)std::min<int64_t>(RB, N - i0);
       T m[RB];
@@ -1137,7 +1131,7 @@ static void plan_pv_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
         mass[b * N + i0 + r] = hsum(pa[r * (PV_K + 1) + PV_K]);
       }
     }
-  }
+  });
 }
 
 template <typename T>
@@ -1174,11 +1168,11 @@ static void cached_weights(const T* C, int64_t R, int64_t M, const T* rb, const 
   constexpr int L = VT<T>::L;
   const v zero = {};
   const v vthr = vset<v>(wthr);
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < R; ++r) {
+  Tasks tasks(R, std::max<int64_t>(1, (R) / (8 * (int64_t)nth)));
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t b_, e_; tasks.next(b_, e_);)
+      for (int64_t r = b_; r < e_; ++r) {
       const T* c = C + r * M;
       T* p = P + r * M;
       const T s = rb[r];
@@ -1197,7 +1191,7 @@ static void cached_weights(const T* C, int64_t R, int64_t M, const T* rb, const 
         p[j] = e;
       }
     }
-  }
+  });
 }
 
 template <typename T>
@@ -1222,7 +1216,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 10; }
+int flashot_abi_version() { return 11; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -1234,7 +1228,7 @@ int flashot_fp_probe(int on) {
   return 0;
 }
 
-// Copies up to n slots (indexed by OpenMP thread number) to out; returns how many threads were seen.
+// Copies up to n slots (indexed by team index, 0 = the caller) to out; returns how many threads were seen.
 int flashot_fp_probe_read(int* out, int n) {
   int seen = 0;
   for (int t = 0; t < flashot_fp::PROBE_SLOTS; ++t) {
@@ -1251,24 +1245,18 @@ int flashot_vector_bytes() { return FL_VBYTES; }
 // The calling thread's FTZ (1) / DAZ (2) bits, read outside any kernel.
 int flashot_fp_bits() { return flashot_fp::bits_of(flashot_fp::get_state()); }
 
-// The FTZ / DAZ bits of each thread of a parallel region of nth threads opened WITHOUT an
-// FpScope (what the OpenMP workers carry between kernels); returns the team size.
+// The FTZ / DAZ bits of each thread of a team of nth threads running WITHOUT an FpScope
+// (what the workers carry between kernels); returns the team size (1 when the team is busy).
 int flashot_fp_bits_workers(int* out, int nth) {
-  int team = 1;
-#pragma omp parallel num_threads(nth)
-  {
-    const int t = omp_get_thread_num();
-    if (t < nth) out[t] = flashot_fp::bits_of(flashot_fp::get_state());
-#if defined(_OPENMP)
-#pragma omp single
-    team = omp_get_num_threads();
-#endif
-  }
+  for (int t = 0; t < nth; ++t) out[t] = -1;
+  const int team = run_team(nth, [&](int tid) {
+    if (tid < nth) out[tid] = flashot_fp::bits_of(flashot_fp::get_state());
+  });
   return team;
 }
 
 // The instruction set the library was compiled for (bit mask): 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA,
-// 16 AVX-512F, 32 AArch64 (NEON), 64 OpenMP.
+// 16 AVX-512F, 32 AArch64 (NEON), 64 multi-threaded (always: parallel.h needs no OpenMP).
 int flashot_isa() {
   int m = 0;
 #if defined(__SSE4_2__)
@@ -1289,9 +1277,7 @@ int flashot_isa() {
 #if defined(__aarch64__)
   m |= 32;
 #endif
-#if defined(_OPENMP)
   m |= 64;
-#endif
   return m;
 }
 #endif
@@ -1425,12 +1411,12 @@ int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, i
 int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
   typedef VT<float>::v v;
   constexpr int L = VT<float>::L;
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n / L; ++i) vstore(out + i * L, vexp2(vload<v>(a + i * L)));
-  }
+  Tasks tasks(n / L, std::max<int64_t>(1, (n / L) / (8 * (int64_t)nth)));
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t b_, e_; tasks.next(b_, e_);)
+      for (int64_t i = b_; i < e_; ++i) vstore(out + i * L, vexp2(vload<v>(a + i * L)));
+  });
   for (int64_t i = (n / L) * L; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
 }
@@ -1440,12 +1426,12 @@ int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
 int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
   typedef VT<double>::v v;
   constexpr int L = VT<double>::L;
-#pragma omp parallel num_threads(nth)
-  {
-    FpScope fp;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n / L; ++i) vstore(out + i * L, vexp2(vload<v>(a + i * L)));
-  }
+  Tasks tasks(n / L, std::max<int64_t>(1, (n / L) / (8 * (int64_t)nth)));
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t b_, e_; tasks.next(b_, e_);)
+      for (int64_t i = b_; i < e_; ++i) vstore(out + i * L, vexp2(vload<v>(a + i * L)));
+  });
   for (int64_t i = (n / L) * L; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
 }
