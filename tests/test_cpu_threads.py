@@ -1,0 +1,105 @@
+"""The ``cpu`` engine's thread team (``parallel.h``): concurrent callers, fork, one thread.
+
+Row-wise kernels (softmin, plan products) compute each row in one task whatever thread runs
+it, so their results are bitwise identical across runs, thread counts and concurrent calls;
+these tests check that.  Column sums of the fused steps are added per thread and may differ
+in the last bits (checked to 1e-12 relative in float64)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import pytest
+import torch
+
+from flashot.costs import get_cost
+from flashot.ops.dense import DenseEngine
+
+C = get_cost("sqeuclidean")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from flashot.ops.cpu import build
+
+    try:
+        return build.load()
+    except build.BuildError as e:  # pragma: no cover - no toolchain
+        pytest.skip(f"no compiled CPU engine: {str(e)[:200]}")
+
+
+def _problem(seed, n=700, m=650, d=5, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, n, d, generator=g, dtype=dtype), torch.randn(1, m, d, generator=g, dtype=dtype),
+            torch.randn(1, m, generator=g, dtype=dtype))
+
+
+def test_concurrent_python_threads_match_solo_runs_bitwise(lib):
+    from flashot.ops.cpu.engine import CpuEngine
+
+    eng = CpuEngine(lib, mode="stream", threads=2)
+    probs = [_problem(s) for s in range(6)]
+    solo = [eng.softmin(x, y, h, 0.2, C) for x, y, h in probs]
+    out: dict[int, list] = {}
+
+    def work(k):
+        x, y, h = probs[k]
+        out[k] = [eng.softmin(x, y, h, 0.2, C) for _ in range(5)]
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(len(probs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for k, ref in enumerate(solo):
+        assert all(torch.equal(o, ref) for o in out[k]), k
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_thread_count_does_not_change_row_results(lib, threads):
+    from flashot.ops.cpu.engine import CpuEngine
+
+    x, y, h = _problem(1, dtype=torch.float32)
+    ref = CpuEngine(lib, mode="stream", threads=1).softmin(x, y, h, 0.2, C)
+    assert torch.equal(CpuEngine(lib, mode="stream", threads=threads).softmin(x, y, h, 0.2, C), ref)
+    V = torch.randn(1, 650, 7)
+    a = torch.zeros(1, 700)
+    p1 = CpuEngine(lib, mode="stream", threads=1).plan_product(x, y, a, h, 0.2, V, C)
+    assert torch.equal(CpuEngine(lib, mode="stream", threads=threads).plan_product(x, y, a, h, 0.2, V, C), p1)
+
+
+def test_fused_steps_agree_across_thread_counts(lib):
+    from flashot.ops.cpu.engine import CpuEngine
+
+    x, y, h = _problem(2, d=24)
+    hx = torch.zeros(1, 700, dtype=torch.float64)
+    outs = [CpuEngine(lib, mode="stream", threads=t).softmin_pair(x, y, hx, h, 0.5, C) for t in (1, 2, 5)]
+    alts = [CpuEngine(lib, mode="stream", threads=t).softmin_alt(x, y, hx, h, 0.5, C) for t in (1, 2, 5)]
+    for res in (outs, alts):
+        for o in res[1:]:
+            for a, b in zip(o, res[0]):
+                assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _child(q):
+    from flashot.ops.cpu.engine import CpuEngine
+
+    x, y, h = _problem(3)
+    out = CpuEngine(mode="stream", threads=2).softmin(x, y, h, 0.2, C)
+    q.put(float((out - DenseEngine().softmin(x, y, h, 0.2, C)).abs().max()))
+
+
+def test_a_forked_child_gets_a_working_team(lib):
+    """DataLoader workers are forked: the parent's worker threads do not exist in the child."""
+    from flashot.ops.cpu.engine import CpuEngine
+
+    x, y, h = _problem(4)
+    CpuEngine(lib, mode="stream", threads=2).softmin(x, y, h, 0.2, C)  # the parent's team exists
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q,))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0, "the forked child hung or crashed"
+    assert q.get(timeout=5) < 1e-10
