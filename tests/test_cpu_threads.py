@@ -103,3 +103,46 @@ def test_a_forked_child_gets_a_working_team(lib):
     p.join(120)
     assert p.exitcode == 0, "the forked child hung or crashed"
     assert q.get(timeout=5) < 1e-10
+
+
+@pytest.mark.parametrize("mode", ["auto", "cache"])
+def test_concurrent_solves_on_the_cached_path_with_a_tight_budget(lib, mode):
+    """Two Python threads on the shared engine's cached-cost path, with a budget that holds one
+    matrix: each thread's lookups evict the other's matrix and may reuse its buffer (issue 12,
+    item 3).  Every result must equal a solo run's to float32 accuracy (1e-4 of its largest entry: not
+    bitwise, because after an eviction a pair may be rebuilt as (y, x) instead of (x, y), and a
+    cached pass over columns rounds differently from one over rows; a buffer overwritten while
+    read gives errors of order 1; auto may also stream a call that the solo run served cached)."""
+    from flashot.ops.cpu.engine import CpuEngine
+
+    probs = [_problem(10 + k, n=300, m=280, d=32, dtype=torch.float32) for k in range(2)]
+    budget = 300 * 280 * 4 + 1000  # one matrix
+    solo = []
+    for x, y, h in probs:
+        e = CpuEngine(lib, mode=mode, cache_bytes=budget, threads=2)
+        e.expect_reuse(x, y, C)
+        a = torch.zeros(1, 300)
+        V = torch.randn(1, 280, 3, generator=torch.Generator().manual_seed(0))
+        solo.append([e.softmin(x, y, h, 0.5, C), e.softmin(y, x, a, 0.5, C), e.softmin_alt(x, y, a, h, 0.5, C)[1],
+                     e.plan_product(x, y, a, h, 0.5, V, C)])
+    shared = CpuEngine(lib, mode=mode, cache_bytes=budget, threads=2)
+    bad: list = []
+
+    def work(k):
+        x, y, h = probs[k]
+        a = torch.zeros(1, 300)
+        V = torch.randn(1, 280, 3, generator=torch.Generator().manual_seed(0))
+        for _ in range(15):
+            shared.expect_reuse(x, y, C)
+            got = [shared.softmin(x, y, h, 0.5, C), shared.softmin(y, x, a, 0.5, C),
+                   shared.softmin_alt(x, y, a, h, 0.5, C)[1], shared.plan_product(x, y, a, h, 0.5, V, C)]
+            for g, r in zip(got, solo[k]):
+                if (g - r).abs().max() > 1e-4 * float(r.abs().max()):
+                    bad.append((k, float((g - r).abs().max())))
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad and shared.stats["cache_build"] > 2  # the matrices did evict each other

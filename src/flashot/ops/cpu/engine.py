@@ -152,6 +152,10 @@ class CpuEngine:
         self._seen: OrderedDict = OrderedDict()  # pair keys seen once (auto builds on the 2nd call)
         self.stats = {"stream": 0, "cache_hit": 0, "cache_build": 0}
         self._lock = threading.Lock()
+        # Held from a cache lookup until the cached matrix has been read: another thread's lookup
+        # may evict an entry and reuse its buffer for a new matrix, so cached computations (and
+        # builds) are serialised; streaming calls run concurrently.
+        self._use_lock = threading.RLock()
 
     # ------------------------------------------------------------------ contract
     def unsupported(self, device, dtype, cost):
@@ -177,9 +181,10 @@ class CpuEngine:
         h = self._check_vec(h, "h", (B, M), x)
         if N == 0 or M == 0:
             return torch.full((B, N), math.inf, dtype=x.dtype)
-        ent, transposed = self._cached(x, y, cost)
-        if ent is not None:
-            return self._softmin_cached(ent[0], ent[3], transposed, h, eps)
+        with self._use_lock:
+            ent, transposed = self._cached(x, y, cost)
+            if ent is not None:
+                return self._softmin_cached(ent[0], ent[3], transposed, h, eps)
         self.stats["stream"] += 1
         return self._stream_lse(x, y, h, eps, cost, -eps)
 
@@ -233,12 +238,14 @@ class CpuEngine:
             return fx, self.softmin(y, x, ha + lam * fx / eps, eps, cost)
         # ONE cache lookup for the first half (a second one would count this call twice in
         # auto's "build on the second call" rule)
-        ent, transposed = self._cached(x, y, cost)
-        if ent is not None and not transposed:  # one read of the cached matrix for both halves
-            return self._alt_cached(ent[0], ent[3], ha, hy, eps, lam)
-        if ent is not None:  # cached as (y, x): its column pass
-            fx = self._softmin_cached(ent[0], ent[3], True, hy, eps)
-        elif D < ALT_MIN_D or M * (D + 2) * x.element_size() > ALT_MAX_Y_BYTES:  # y: what every block re-reads
+        with self._use_lock:
+            ent, transposed = self._cached(x, y, cost)
+            if ent is not None and not transposed:  # one read of the cached matrix for both halves
+                return self._alt_cached(ent[0], ent[3], ha, hy, eps, lam)
+            if ent is not None:  # cached as (y, x): its column pass, then the row pass
+                fx = self._softmin_cached(ent[0], ent[3], True, hy, eps)
+                return fx, self.softmin(y, x, ha + lam * fx / eps, eps, cost)
+        if D < ALT_MIN_D or M * (D + 2) * x.element_size() > ALT_MAX_Y_BYTES:  # y: what every block re-reads
             self.stats["stream"] += 1
             fx = self._stream_lse(x, y, hy, eps, cost, -eps)
         else:
@@ -312,9 +319,10 @@ class CpuEngine:
         K = V.shape[2]
         if N == 0 or M == 0 or K == 0:
             return torch.zeros(B, N, K, dtype=x.dtype)
-        ent, transposed = self._cached(x, y, cost)
-        if ent is not None:
-            return self._plan_cached(ent[0], ent[3], transposed, alpha, beta, eps, V, cost, weight)
+        with self._use_lock:
+            ent, transposed = self._cached(x, y, cost)
+            if ent is not None:
+                return self._plan_cached(ent[0], ent[3], transposed, alpha, beta, eps, V, cost, weight)
         self.stats["stream"] += 1
         kind, kcoef, minsq = self._cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, beta, kind)
