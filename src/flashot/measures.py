@@ -5,28 +5,55 @@ costs are translation invariant; centring avoids float32 cancellation in the
 GEMM expansion), the weights, their logs (``-inf`` for zero weights) and the
 engine.  The solver only calls :meth:`softmin_x` / :meth:`softmin_y` (or both at once,
 :meth:`softmin_pair`, for symmetric updates) and the
-differentiable variants used in the final step.
+differentiable variants used in the final step, on log-weights built by :meth:`h_a` /
+:meth:`h_b` (``log a + f / eps``).
+
+High temperature.  When ``eps`` is far above the largest cost (``eps > HOT_RATIO * cmax``) a
+float32 softmin is rounding noise: in ``h = log b + g / eps`` the informative part ``g / eps``
+(and ``C / eps``, both ``<= cmax / eps``) sits below the float32 resolution of ``log b``, so each
+potential is off by ``~ eps * 2^-23`` (at blur = 1000 x the diameter that exceeds the Sinkhorn
+divergence itself).  There :meth:`h_a` / :meth:`h_b` build ``h`` in float64 (from the float64 log of
+the float32 weights) and the softmins run in float64, on the engine when it supports float64
+and on ``tiled`` otherwise; the potentials come back in the compute dtype, accurate to its
+precision relative to ``cmax``.  Such steps are few (the iterations contract by ``~cmax / eps``),
+and the epsilon-scaling's first temperature, ``diameter^p``, is below the threshold.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
 from ._checks import check_weights
 from .costs import Cost
-from .ops import prepare_pair
+from .ops import get_engine, prepare_pair
 from .ops.autograd import softmin_fn
 from .ops.base import Engine, self_softmin
+
+
+# float32 softmins at eps > HOT_RATIO * cmax run in float64 (see the module docstring)
+HOT_RATIO = 4.0
 
 
 def log_weights(a: Tensor) -> Tensor:
     with torch.no_grad():
         out = a.log()
         return out.masked_fill_(a <= 0, float("-inf"))
+
+
+def _log64(w: Tensor) -> Tensor:
+    """float64 log-weights of ``w``; a row of weights all equal to ``1/N`` rounded to their dtype
+    is taken as exactly ``1/N`` (mass 1: at a high temperature a mass off by ``d`` moves the
+    uncorrected value ``<a, f> + <b, g>`` by ``~eps d``)."""
+    w = w.detach()
+    n = w.shape[-1]
+    out = log_weights(w.double())
+    uniform = (w == torch.full_like(w[..., :1], 1.0 / n)).all(-1, keepdim=True)
+    return torch.where(uniform, torch.full_like(out, -math.log(n)), out)
 
 
 @dataclass
@@ -73,40 +100,88 @@ class Measures:
         B, N, D = self.x.shape
         return B, N, self.y.shape[1], D
 
+    # -- log-weights (the only way the solver builds softmin inputs) ----------------------
+    def hot(self, eps: float) -> bool:
+        """True when softmins at ``eps`` run in float64: a float32 problem with ``eps > HOT_RATIO * cmax``."""
+        return self.x.dtype != torch.float64 and eps > HOT_RATIO * self.cmax
+
+    def h_a(self, f: Tensor | None, eps: float) -> Tensor:
+        """``log a + f / eps`` (``log a`` for ``f=None``): the input of a softmin over x; float64 when hot."""
+        if self.hot(eps):
+            return self._a_log64 if f is None else self._a_log64 + f.double() / eps
+        return self.a_log if f is None else self.a_log + f / eps
+
+    def h_b(self, g: Tensor | None, eps: float) -> Tensor:
+        """``log b + g / eps``: the input of a softmin over y; float64 when hot."""
+        if self.hot(eps):
+            return self._b_log64 if g is None else self._b_log64 + g.double() / eps
+        return self.b_log if g is None else self.b_log + g / eps
+
+    @cached_property
+    def _a_log64(self) -> Tensor:
+        return _log64(self.a)
+
+    @cached_property
+    def _b_log64(self) -> Tensor:
+        return _log64(self.b)
+
+    @cached_property
+    def _engine64(self) -> Engine:
+        """The engine for float64 softmins: ours if it runs float64 here, else ``tiled``."""
+        if self.engine.unsupported(self.x.device, torch.float64, self.cost) is None:
+            return self.engine
+        return get_engine("tiled", device=self.x.device, dtype=torch.float64, cost=self.cost)
+
+    @cached_property
+    def _xy64(self) -> tuple[Tensor, Tensor]:
+        return self.x.detach().double(), self.y.detach().double()
+
+    def _route(self, h: Tensor) -> tuple[Engine, Tensor, Tensor]:
+        """(engine, x, y) for log-weights ``h``: float64 copies when ``h`` is float64 on a float32 problem."""
+        if h.dtype == self.x.dtype:
+            return self.engine, self.x.detach(), self.y.detach()
+        return (self._engine64, *self._xy64)
+
+    def _back(self, t: Tensor) -> Tensor:
+        return t.to(self.x.dtype)
+
     # -- primitives used by the solver (no autograd) -----------------------------------
     def softmin_x(self, h: Tensor, eps: float) -> Tensor:
         """``f_i = -eps log sum_j exp(h_j - C(x_i, y_j)/eps)``, h: (B, M)."""
-        return self.engine.softmin(self.x.detach(), self.y.detach(), h, eps, self.cost)
+        eng, x, y = self._route(h)
+        return self._back(eng.softmin(x, y, h, eps, self.cost))
 
     def softmin_y(self, h: Tensor, eps: float) -> Tensor:
         """``g_j = -eps log sum_i exp(h_i - C(x_i, y_j)/eps)``, h: (B, N)."""
-        return self.engine.softmin(self.y.detach(), self.x.detach(), h, eps, self.cost)
+        eng, x, y = self._route(h)
+        return self._back(eng.softmin(y, x, h, eps, self.cost))
 
     def softmin_pair(self, hx: Tensor, hy: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         """``(softmin_x(hy), softmin_y(hx))``: one fused pass where the engine has ``softmin_pair``."""
-        pair = getattr(self.engine, "softmin_pair", None)
+        eng, x, y = self._route(hx)
+        pair = getattr(eng, "softmin_pair", None)
         if pair is not None:
-            return pair(self.x.detach(), self.y.detach(), hx, hy, eps, self.cost)
-        return self.softmin_x(hy, eps), self.softmin_y(hx, eps)
+            return tuple(self._back(t) for t in pair(x, y, hx, hy, eps, self.cost))
+        return self._back(eng.softmin(x, y, hy, eps, self.cost)), self._back(eng.softmin(y, x, hx, eps, self.cost))
 
     def softmin_alt(self, ha: Tensor, hy: Tensor, eps: float, lam: float = 1.0) -> tuple[Tensor, Tensor]:
         """Alternating step: ``fx = softmin_x(hy)``, then ``softmin_y(ha + lam fx / eps)``; one fused
         pass where the engine has ``softmin_alt``."""
-        alt = getattr(self.engine, "softmin_alt", None)
+        eng, x, y = self._route(hy)
+        alt = getattr(eng, "softmin_alt", None)
         if alt is not None:
-            return alt(self.x.detach(), self.y.detach(), ha, hy, eps, self.cost, lam)
-        fx = self.softmin_x(hy, eps)
-        return fx, self.softmin_y(ha + lam * fx / eps, eps)
+            return tuple(self._back(t) for t in alt(x, y, ha, hy, eps, self.cost, lam))
+        fx = eng.softmin(x, y, hy, eps, self.cost)  # kept in h's dtype for the second half-step
+        return self._back(fx), self._back(eng.softmin(y, x, ha + lam * fx / eps, eps, self.cost))
 
     def softmin_xx(self, h: Tensor, eps: float) -> Tensor:
         """``softmin(x, x, h)`` (debiasing); the engine's ``softmin_sym`` when it has one."""
-        return self._self_softmin(self.x.detach(), h, eps)
+        eng, x, _ = self._route(h)
+        return self._back(self_softmin(eng, x, h, eps, self.cost))
 
     def softmin_yy(self, h: Tensor, eps: float) -> Tensor:
-        return self._self_softmin(self.y.detach(), h, eps)
-
-    def _self_softmin(self, p: Tensor, h: Tensor, eps: float) -> Tensor:
-        return self_softmin(self.engine, p, h, eps, self.cost)
+        eng, _, y = self._route(h)
+        return self._back(self_softmin(eng, y, h, eps, self.cost))
 
     def expect_reuse(self) -> None:
         """Tell the engine (if it listens) that the solver will call it on (x, y) many times."""
@@ -122,7 +197,11 @@ class Measures:
         """
         pts = {"x": self.x, "y": self.y}
         out, src = pts[side[0]], pts[side[1]].detach()
-        return softmin_fn(out, src, h.detach(), eps, self.cost, self.engine)
+        if h.dtype == self.x.dtype:
+            return softmin_fn(out, src, h.detach(), eps, self.cost, self.engine)
+        # high temperature (see h_a): float64 value; autograd goes back through the cast
+        out64 = softmin_fn(out.double(), src.double(), h.detach(), eps, self.cost, self._engine64)
+        return out64.to(self.x.dtype)
 
     def restore(self, t: Tensor) -> Tensor:
         """Drop the batch axis if the input had none and cast to the input dtype."""

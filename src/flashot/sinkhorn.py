@@ -180,16 +180,16 @@ def sinkhorn_loop(
             if init is not None:
                 f, g = init
             elif symmetric:
-                sx, sy = m.softmin_pair(a_log, b_log, eps)  # = (softmin_x(b_log), softmin_y(a_log))
+                sx, sy = m.softmin_pair(m.h_a(None, eps), m.h_b(None, eps), eps)  # (softmin_x(log b), softmin_y(log a))
                 f, g = lx * sx, ly * sy
             else:
                 f, g = torch.zeros_like(a_log), torch.zeros_like(b_log)
             f_aa = g_bb = g_aa = f_bb = None
             two_sided = debias and rho_x != rho_y
             if debias:
-                f_aa, g_bb = lx * m.softmin_xx(a_log, eps), ly * m.softmin_yy(b_log, eps)
+                f_aa, g_bb = lx * m.softmin_xx(m.h_a(None, eps), eps), ly * m.softmin_yy(m.h_b(None, eps), eps)
             if two_sided:
-                g_aa, f_bb = ly * m.softmin_xx(a_log, eps), lx * m.softmin_yy(b_log, eps)
+                g_aa, f_bb = ly * m.softmin_xx(m.h_a(None, eps), eps), lx * m.softmin_yy(m.h_b(None, eps), eps)
             N = f.shape[-1]
 
             for it, eps in enumerate(eps_list, start=1):
@@ -197,22 +197,22 @@ def sinkhorn_loop(
                 check = it % inner == 0 or it == n_total
                 need_err = acc is not None or (want_err and check)
                 if symmetric:
-                    sx, sy = m.softmin_pair(a_log + f / eps, b_log + g / eps, eps)
+                    sx, sy = m.softmin_pair(m.h_a(f, eps), m.h_b(g, eps), eps)
                     ft, gt = lx * sx, ly * sy
                     if need_err:
                         err_t = torch.maximum(
                             _error(m, f, ft, eps, "x", balanced), _error(m, g, gt, eps, "y", balanced)
                         )
                     if two_sided:
-                        ft_aa = lx * m.softmin_xx(a_log + g_aa / eps, eps)
-                        gt_aa = ly * m.softmin_xx(a_log + f_aa / eps, eps)
-                        ft_bb = lx * m.softmin_yy(b_log + g_bb / eps, eps)
-                        gt_bb = ly * m.softmin_yy(b_log + f_bb / eps, eps)
+                        ft_aa = lx * m.softmin_xx(m.h_a(g_aa, eps), eps)
+                        gt_aa = ly * m.softmin_xx(m.h_a(f_aa, eps), eps)
+                        ft_bb = lx * m.softmin_yy(m.h_b(g_bb, eps), eps)
+                        gt_bb = ly * m.softmin_yy(m.h_b(f_bb, eps), eps)
                         f_aa, g_aa = 0.5 * (f_aa + ft_aa), 0.5 * (g_aa + gt_aa)
                         f_bb, g_bb = 0.5 * (f_bb + ft_bb), 0.5 * (g_bb + gt_bb)
                     elif debias:
-                        ft_aa = lx * m.softmin_xx(a_log + f_aa / eps, eps)
-                        gt_bb = ly * m.softmin_yy(b_log + g_bb / eps, eps)
+                        ft_aa = lx * m.softmin_xx(m.h_a(f_aa, eps), eps)
+                        gt_bb = ly * m.softmin_yy(m.h_b(g_bb, eps), eps)
                         f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
                     fp, gp = 0.5 * (f + ft), 0.5 * (g + gt)
                     if acc is None:
@@ -227,9 +227,9 @@ def sinkhorn_loop(
                 else:
                     relaxed = momentum and it > 1  # g's update then needs the relaxed f
                     if relaxed:
-                        fs = lx * m.softmin_x(b_log + g / eps, eps)
+                        fs = lx * m.softmin_x(m.h_b(g, eps), eps)
                     else:  # both half-steps in one pass where the engine can (cpu: d >= 4)
-                        sx, sy = m.softmin_alt(a_log, b_log + g / eps, eps, lam=lx)
+                        sx, sy = m.softmin_alt(m.h_a(None, eps), m.h_b(g, eps), eps, lam=lx)
                         fs, gs = lx * sx, ly * sy
                     if need_err:
                         err_x = _error(m, f, fs, eps, "x", balanced)
@@ -238,7 +238,7 @@ def sinkhorn_loop(
                         # (at it == 1 the initial f is not a potential yet: plain step)
                         w = acc.omega(err_x, eps)
                         fn = acc.momentum_guard(f + w * (fs - f), fs)
-                        gs = ly * m.softmin_y(a_log + fn / eps, eps)
+                        gs = ly * m.softmin_y(m.h_a(fn, eps), eps)
                     else:
                         fn = fs
                     if need_err:
@@ -299,12 +299,12 @@ def final_step(
     """
     eps = st.eps
     lx, ly = damping(eps, rho_x), damping(eps, rho_y)
-    f = lx * m.softmin_grad("xy", m.b_log + st.g / eps, eps)
-    g = ly * m.softmin_grad("yx", m.a_log + st.f / eps, eps)
+    f = lx * m.softmin_grad("xy", m.h_b(st.g, eps), eps)
+    g = ly * m.softmin_grad("yx", m.h_a(st.f, eps), eps)
     f_aa = g_bb = None
     if st.f_aa is not None:
-        f_aa = lx * m.softmin_grad("xx", m.a_log + st.f_aa / eps, eps)
-        g_bb = ly * m.softmin_grad("yy", m.b_log + st.g_bb / eps, eps)
+        f_aa = lx * m.softmin_grad("xx", m.h_a(st.f_aa, eps), eps)
+        g_bb = ly * m.softmin_grad("yy", m.h_b(st.g_bb, eps), eps)
     check_potentials(m, eps, "in the final step", f.detach(), g.detach(),
                      *(t if t is None else t.detach() for t in (f_aa, g_bb)))
     return f, g, f_aa, g_bb

@@ -157,10 +157,10 @@ def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
 
     eps = st.eps
     lx, ly = damping(eps, rho_x), damping(eps, rho_y)
-    f_aa = lx * m.softmin_grad("xx", m.a_log + st.g_aa / eps, eps)
-    g_aa = ly * m.softmin_grad("xx", m.a_log + st.f_aa / eps, eps)
-    f_bb = lx * m.softmin_grad("yy", m.b_log + st.g_bb / eps, eps)
-    g_bb = ly * m.softmin_grad("yy", m.b_log + st.f_bb / eps, eps)
+    f_aa = lx * m.softmin_grad("xx", m.h_a(st.g_aa, eps), eps)
+    g_aa = ly * m.softmin_grad("xx", m.h_a(st.f_aa, eps), eps)
+    f_bb = lx * m.softmin_grad("yy", m.h_b(st.g_bb, eps), eps)
+    g_bb = ly * m.softmin_grad("yy", m.h_b(st.f_bb, eps), eps)
     check_potentials(m, eps, "in the final step", *(t.detach() for t in (f_aa, g_aa, f_bb, g_bb)))
     return f_aa, g_aa, f_bb, g_bb
 
