@@ -30,6 +30,14 @@ def to_tensor(name: str, v, *, like: Tensor | None = None) -> Tensor:
     raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(v).__name__}")
 
 
+def check_storage(name: str, t: Tensor) -> None:
+    """A dense tensor with data: not on the ``meta`` device (shapes only), not sparse / non-strided."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: is on the 'meta' device (a tensor without data); pass a CPU or CUDA tensor")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}; call .to_dense()")
+
+
 def check_finite(name: str, t: Tensor) -> None:
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name}: contains NaN or Inf values")
@@ -40,6 +48,7 @@ def check_points(name: str, x: Tensor) -> Tensor:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOATS:
         raise TypeError(f"{name}: expected a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+    check_storage(name, x)
     if x.dim() not in (2, 3):
         raise ValueError(f"{name}: expected shape (N, D) or (B, N, D), got {tuple(x.shape)}")
     if x.shape[-2] == 0:
@@ -66,6 +75,7 @@ def check_weights(name: str, a: Tensor | None, x: Tensor, points_name: str) -> T
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(a).__name__}")
     if a.dtype not in FLOATS:
         raise TypeError(f"{name}: expected a floating-point tensor, got {a.dtype}")
+    check_storage(name, a)
     if a.device != x.device:
         raise ValueError(f"{name}: is on {a.device} but {points_name} is on {x.device}")
     if a.shape != lead:

@@ -2,7 +2,8 @@ r"""The entropic transport plan as a lazy linear operator.
 
 :math:`P_{ij} = a_i b_j \exp((f_i + g_j - C(x_i, y_j)) / \varepsilon)` is never
 stored: ``P @ V`` and ``P.T @ U`` are streamed plan products (memory O(n + m)).
-Plan operations are not differentiable (they act on detached potentials).
+``P @ V`` is differentiable w.r.t. ``V`` (linear: the VJP is ``P^T G``); the plan itself is a
+constant (it acts on detached potentials): no gradient flows to the points or weights.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._checks import check_storage
 from .measures import Measures
+from .ops.autograd import plan_apply
 from .ops.base import Weight
 
 # ``to_dense`` refuses above this many entries (B * N * M): 2**26 = 256 MiB of float32.
@@ -55,11 +58,13 @@ class LazyPlan:
         return m.x.detach(), m.y.detach(), alpha, beta
 
     def apply(self, V, weight: Weight = "plan"):
-        """``(P ⊙ W) @ V`` (``weight`` as in :func:`flashot.ops.plan_product`)."""
+        """``(P ⊙ W) @ V`` (``weight`` as in :func:`flashot.ops.plan_product`); differentiable w.r.t. a
+        torch ``V`` that requires grad, returned in ``V``'s dtype."""
         is_np = isinstance(V, np.ndarray)
         Vt = torch.from_numpy(np.ascontiguousarray(V)) if is_np else V
         if not isinstance(Vt, Tensor):
             raise TypeError(f"V: expected a torch.Tensor or numpy.ndarray, got {type(V).__name__}")
+        check_storage("V", Vt)
         if not Vt.is_floating_point():
             Vt = Vt.to(torch.float64 if is_np else self._m.x.dtype)
         x, y, alpha, beta = self._sides()
@@ -74,12 +79,11 @@ class LazyPlan:
                 f"V: expected shape ({cols},) or ({cols}, K)" + (" with a leading batch axis" if batched else "")
                 + f" for a plan of shape {self.shape}, got {tuple(Vt.shape)}"
             )
-        if not bool(torch.isfinite(V3).all()):
+        if not bool(torch.isfinite(V3.detach()).all()):
             raise ValueError("V: contains NaN or Inf values")
         out_dtype = Vt.dtype
-        V3 = V3.to(device=x.device, dtype=x.dtype).contiguous()
-        with torch.no_grad():
-            out = self._m.engine.plan_product(x, y, alpha, beta, self.eps, V3, self._m.cost, weight)
+        V3 = V3.to(device=x.device, dtype=x.dtype)
+        out = plan_apply(V3, x, y, alpha, beta, self.eps, self._m.cost, self._m.engine, weight)
         out = out if batched else out[0]
         out = out[..., 0] if vec else out
         out = out.to(out_dtype)

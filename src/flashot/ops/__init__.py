@@ -18,9 +18,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._checks import check_pair, check_points, check_positive, compute_dtype
+from .._checks import check_finite, check_pair, check_points, check_positive, check_storage, compute_dtype
 from ..costs import Cost, get_cost
-from .autograd import softmin_fn
+from .autograd import plan_apply, softmin_fn
 from .base import WEIGHTS, Engine, Weight
 from .registry import EngineUnavailable, engine_names, get_engine, register_engine, unregister_engine
 
@@ -117,6 +117,7 @@ def prepare_pair(
 def _vec(name: str, v: Tensor, shape, cdt, device) -> Tensor:
     if not isinstance(v, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
+    check_storage(name, v)
     if v.device != device:
         raise ValueError(f"{name}: is on {v.device}, expected {device}")
     if tuple(v.shape) != tuple(shape):
@@ -161,30 +162,53 @@ def plan_product(
     weight: Weight = "plan",
     backend: str = "auto",
 ) -> Tensor:
-    """``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``, streamed (no autograd).
+    """``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``, streamed.
 
-    ``V`` is (M,), (M, K) or (B, M, K); ``weight`` selects ``W`` (``"plan"``: 1,
-    ``"cost"``: C_ij, ``"dcost"``: w with grad_x C = w (x - y)).
+    ``V`` is (M,), (M, K) or (B, M, K), finite; ``weight`` selects ``W`` (``"plan"``: 1,
+    ``"cost"``: C_ij, ``"dcost"``: w with grad_x C = w (x - y)).  Differentiable w.r.t. ``V``
+    (linear: the VJP is the transposed product); ``x``, ``y``, ``alpha`` and ``beta`` are
+    constants, and one that requires grad (with grad mode on) raises rather than having its
+    gradient silently dropped (detach it).
     """
     eps = check_positive("eps", eps)
     if weight not in WEIGHTS:
         raise ValueError(f"weight: expected one of {WEIGHTS}, got {weight!r}")
+    _no_grad_inputs(x=x, y=y, alpha=alpha, beta=beta)
     x_, y_, cost, eng, batched, out_dtype = prepare_pair(x, y, cost=cost, backend=backend)[:6]
     cdt = x_.dtype
     a_ = _vec("alpha", alpha, x.shape[:-1], cdt, x.device)
     b_ = _vec("beta", beta, y.shape[:-1], cdt, x.device)
-    vec = V.dim() == (1 if not batched else 2)
-    V_ = V.unsqueeze(-1) if vec else V
-    if V_.shape[:-1] != y.shape[:-1]:
-        raise ValueError(f"V: expected leading shape {tuple(y.shape[:-1])}, got {tuple(V.shape)}")
+    V_, vec = _values("V", V, y.shape[:-1], batched)
     V_ = V_.to(x.device, cdt)
     if not batched:
         a_, b_, V_ = a_.unsqueeze(0), b_.unsqueeze(0), V_.unsqueeze(0)
-    with torch.no_grad():
-        out = eng.plan_product(x_, y_, a_, b_, eps, V_.contiguous(), cost, weight)
+    out = plan_apply(V_, x_.detach(), y_.detach(), a_.detach(), b_.detach(), eps, cost, eng, weight)
     out = out if batched else out[0]
     out = out[..., 0] if vec else out
     return out.to(out_dtype)
+
+
+def _no_grad_inputs(**tensors: Tensor) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, Tensor) and t.requires_grad:
+            raise ValueError(f"{name}: requires grad, but plan_product is differentiable w.r.t. V only; "
+                             f"detach {name} (or use SamplesLoss / solve_sample for gradients in the points)")
+
+
+def _values(name: str, V, lead, batched: bool) -> tuple[Tensor, bool]:
+    """Right-hand side of a plan product: a finite dense tensor (M,), (M, K) or batched; returns
+    it with a trailing K axis, and whether it had none."""
+    if not isinstance(V, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(V).__name__}")
+    check_storage(name, V)
+    vec = V.dim() == (1 if not batched else 2)
+    V_ = V.unsqueeze(-1) if vec else V
+    if V_.dim() != len(lead) + 1 or V_.shape[:-1] != lead:
+        raise ValueError(f"{name}: expected leading shape {tuple(lead)}, got {tuple(V.shape)}")
+    check_finite(name, V.detach())
+    return V_, vec
 
 
 from .ctransform import c_transform  # noqa: E402  (needs _prepare above)

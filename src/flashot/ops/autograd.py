@@ -81,3 +81,35 @@ def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: 
         # Not for |x - y|, whose autograd derivative at x = y is NaN.
         return engine.softmin(x, y, h, eps, cost)
     return SoftminFn.apply(x, y, h, eps, cost, engine)
+
+
+class PlanVFn(torch.autograd.Function):
+    """``out = (K ⊙ W) V`` with ``K_ij = exp(alpha_i + beta_j - C_ij / eps)``, differentiable in ``V`` only.
+
+    The product is linear in ``V``: its VJP is the transposed product ``(K ⊙ W)^T G`` (the same call
+    with the sides swapped: every cost and weight is symmetric), itself a ``PlanVFn``, so higher
+    derivatives w.r.t. ``V`` work too.  ``x``, ``y``, ``alpha``, ``beta`` are constants here.
+    """
+
+    @staticmethod
+    def forward(ctx, V: Tensor, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: Cost,
+                engine: Engine, weight: str):
+        ctx.save_for_backward(x, y, alpha, beta)
+        ctx.args = (eps, cost, engine, weight)
+        return engine.plan_product(x, y, alpha, beta, eps, V.detach().contiguous(), cost, weight)
+
+    @staticmethod
+    def backward(ctx, G: Tensor):
+        x, y, alpha, beta = ctx.saved_tensors
+        gV = PlanVFn.apply(G.contiguous(), y, x, beta, alpha, *ctx.args) if ctx.needs_input_grad[0] else None
+        return gV, None, None, None, None, None, None, None, None
+
+
+def plan_apply(V: Tensor, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: Cost,
+               engine: Engine, weight: str = "plan") -> Tensor:
+    """``(K ⊙ W) V`` on batched tensors (``x``, ``y``, ``alpha``, ``beta`` detached): differentiable
+    w.r.t. ``V`` when it requires grad (:class:`PlanVFn`), a plain no-grad engine call otherwise."""
+    if torch.is_grad_enabled() and V.requires_grad:
+        return PlanVFn.apply(V, x, y, alpha, beta, eps, cost, engine, weight)
+    with torch.no_grad():
+        return engine.plan_product(x, y, alpha, beta, eps, V.contiguous(), cost, weight)

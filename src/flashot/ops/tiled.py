@@ -95,7 +95,10 @@ class TiledEngine:
 
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
         m, s = self._sweep(x, y, h, eps, cost)
-        return -eps * (m + torch.log(s))
+        # a row whose running max never left its start saw only zero weights (-inf): the clamped
+        # exponentials then sum to ~1e-38 each, so take the empty sum's value, -eps log 0 = +inf
+        empty = m == torch.finfo(m.dtype).min
+        return torch.where(empty, torch.full_like(m, torch.inf), -eps * (m + torch.log(s)))
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
         m, acc = self._sweep(x, y, beta, eps, cost, V, weight)
