@@ -771,3 +771,36 @@ def test_softmin_alt_bad_lam_and_empty(engines):
             engines["stream"].softmin_alt(x, y, ha, hy, 0.5, c, bad)
     fx, fy = engines["stream"].softmin_alt(x[:, :0], y, ha[:, :0], hy, 0.5, c)
     assert fx.shape == (1, 0) and fy.shape == (1, 12) and torch.isinf(fy).all() and (fy > 0).all()
+
+
+@pytest.mark.parametrize("mode", ["stream", "cache"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finite_wherever_dense_is(engines, mode, dtype):
+    """Tiny eps and huge log-weights (a solve at reg ~ 1e-10 has h = log b + g / eps ~ 1e9):
+    when h and C / eps are so large that their float32 ulp exceeds the lazy maximum's headroom,
+    the kernel once returned inf / NaN where dense is finite (issue 12, item 1).  Over eps down
+    to 1e-28 (float32) / 1e-290 (float64) and |h| up to 1e30, the cpu softmin is finite wherever the
+    dense float64 softmin of the same (rounded) inputs is, and agrees with it to 2e-6 (float32)
+    / 1e-12 (float64) of max |ref| + max C + eps max |h| + eps (the scale at which the scores
+    h - C / eps are rounded, times eps)."""
+    eng = engines[mode]
+    c = get_cost("sqeuclidean")
+    g = torch.Generator().manual_seed(7)
+    x = torch.rand(2, 50, 3, generator=g, dtype=torch.float64).to(dtype)
+    y = torch.rand(2, 40, 3, generator=g, dtype=torch.float64).to(dtype)
+    # Not yet covered: eps below ~1e-29 (float32) / ~1e-299 (float64) times the costs, where
+    # every score falls below the kernels' running-max sentinel (-1e30 / -1e300) and rows read
+    # as empty (+inf); dense is finite there.  Known limit, see the closing note of this change.
+    eps_list = [0.1, 1e-6, 1e-10] + ([1e-20, 1e-28] if dtype == torch.float32 else [1e-100, 1e-290])
+    rtol = 2e-6 if dtype == torch.float32 else 1e-12
+    cmax = float(c.matrix(x.double(), y.double()).max())
+    for scale in (0.0, 1e4, 1e9, 1e10, 1e30):
+        h = (scale * torch.randn(2, 40, generator=g, dtype=torch.float64)).to(dtype)
+        for eps in eps_list:
+            out = eng.softmin(x, y, h, eps, c)
+            ref = DENSE.softmin(x.double(), y.double(), h.double(), eps, c)
+            fin = torch.isfinite(ref)
+            assert torch.equal(torch.isfinite(out), fin), (scale, eps)
+            err = (out.double() - ref)[fin].abs().max()
+            scale_ = float(ref[fin].abs().max()) + cmax + eps * float(h.double().abs().max()) + eps
+            assert err <= rtol * scale_, (scale, eps, float(err))

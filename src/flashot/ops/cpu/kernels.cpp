@@ -432,16 +432,24 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
       }
       if (CK && __builtin_expect(any_gt(mx, vset<v>(Consts<T>::TH)), 0)) {
         // rare (O(log M) times per row): raise the running max of the rows that
-        // need it, from the absolute scores (m may still be the sentinel)
+        // need it, from the absolute scores s (m may still be the sentinel).  Every row's
+        // s - m is then recomputed from the same s as nm, so s - m <= TH holds exactly: when
+        // h and k c are so large that their ulp exceeds TH (float32 with |h| ~ 1e9, e.g. eps
+        // ~ 1e-10), (h - m) - k c and (h - k c) - m differ by more than TH, and the first could
+        // overflow exp2 (+inf, then NaN) where dense is finite.
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
+          v sc[NV];
           T nm = Consts<T>::SENT;
-          for (int q = 0; q < NV; ++q) nm = std::max(nm, hmax(vload<v>(hs + j + q * L) - acc[r][q] * k));
+          for (int q = 0; q < NV; ++q) {
+            sc[q] = vload<v>(hs + j + q * L) - acc[r][q] * k;
+            nm = std::max(nm, hmax(sc[q]));
+          }
           if (nm > mr[r] + Consts<T>::TH) {
             sm[r] *= (T)std::exp2(mr[r] - (nm + Consts<T>::H));
             mr[r] = nm + Consts<T>::H;
-            for (int q = 0; q < NV; ++q) am[r][q] = (vload<v>(hs + j + q * L) - mr[r]) - acc[r][q] * k;
           }
+          for (int q = 0; q < NV; ++q) am[r][q] = sc[q] - mr[r];
         }
       }
 #pragma GCC unroll 8
