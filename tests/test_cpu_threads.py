@@ -85,6 +85,7 @@ def test_fused_steps_agree_across_thread_counts(lib):
 def _child(q):
     from flashot.ops.cpu.engine import CpuEngine
 
+    torch.set_num_threads(1)  # as DataLoader workers do: PyTorch's own OpenMP pool is not fork-safe
     x, y, h = _problem(3)
     out = CpuEngine(mode="stream", threads=2).softmin(x, y, h, 0.2, C)
     q.put(float((out - DenseEngine().softmin(x, y, h, 0.2, C)).abs().max()))
@@ -101,6 +102,9 @@ def test_a_forked_child_gets_a_working_team(lib):
     p = ctx.Process(target=_child, args=(q,))
     p.start()
     p.join(120)
+    if p.is_alive():
+        p.kill()
+        p.join()
     assert p.exitcode == 0, "the forked child hung or crashed"
     assert q.get(timeout=5) < 1e-10
 
