@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--loads", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 2])
     ap.add_argument("--policies", default="default,passive,active")
+    ap.add_argument("--cycles", type=int, default=1, help="run the loads in turn this many times and report "
+                                                          "medians per load (evens out a noisy machine)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     args = ap.parse_args(argv)
     if args.n < 1 or args.iters < 1 or args.repeats < 1 or any(d < 1 for d in args.dims):
@@ -121,13 +123,19 @@ def main(argv=None) -> int:
 
     lines = [f"CPU: {_cpu_name()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; n = m = {args.n}, float32, eps = 0.1, {args.iters} alternating "
-             f"iterations per run, median of {args.repeats} runs; s/iter (slowdown vs unloaded, same policy).", "",
+             f"iterations per run, median of {args.repeats} runs (and of {args.cycles} cycles over the loads); s/iter "
+             f"(slowdown vs unloaded, same policy).", "",
              "| policy | load | " + " | ".join(f"cpu d={d} | blocked d={d}" for d in args.dims) + " |",
              "|---|---|" + "---|---|" * len(args.dims)]
     for pol in pols:
+        runs: dict[int, list[dict]] = {ld: [] for ld in args.loads}
+        for _ in range(max(1, args.cycles)):
+            for load in args.loads:
+                runs[load].append(_measure(POLICIES[pol], load, args))
+        med = {ld: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for ld, rs in runs.items()}
         base = None
         for load in args.loads:
-            res = _measure(POLICIES[pol], load, args)
+            res = med[load]
             base = base or res
             cells = []
             for d in args.dims:
