@@ -236,7 +236,8 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str) 
 
 def _estimate_seconds() -> int:
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return int(round(25 * min(PARTS, 2) / max(1, min(n, PARTS)))) + 5  # measured: see README (first use)
+    # measured: 25 s of compiler CPU time in PARTS parallel units (README, "CPUs"; AMD EPYC, g++ 12)
+    return int(round(26 / max(1, min(n, PARTS)))) + 2
 
 
 def build(*, quiet: bool = False) -> tuple[str, float, bool, str]:
