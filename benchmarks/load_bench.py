@@ -88,19 +88,6 @@ def _measure(env_extra: dict, load: int, args, **kw) -> dict:
     return json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=8000)
@@ -121,7 +108,9 @@ def main(argv=None) -> int:
         ap.error(f"--policies: unknown {bad}; choose from {list(POLICIES)}")
     import torch
 
-    lines = [f"CPU: {_cpu_name()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+    from flashot.cli import cpu_model
+
+    lines = [f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; n = m = {args.n}, float32, eps = 0.1, {args.iters} alternating "
              f"iterations per run, median of {args.repeats} runs (and of {args.cycles} cycles over the loads); s/iter "
              f"(slowdown vs unloaded, same policy).", "",

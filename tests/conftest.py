@@ -26,3 +26,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def cpu_lib():
+    """The compiled ``cpu`` engine's library (skips only where it cannot be built)."""
+    from flashot.ops.cpu import build
+
+    try:
+        return build.load()
+    except build.BuildError as e:  # pragma: no cover - no toolchain
+        pytest.skip(f"no compiled CPU engine: {str(e)[:200]}")

@@ -28,13 +28,8 @@ DENSE = DenseEngine()
 
 
 @pytest.fixture(scope="module")
-def lib():
-    from flashot.ops.cpu import build
-
-    try:
-        return build.load()
-    except build.BuildError as e:  # pragma: no cover - no toolchain
-        pytest.skip(f"no compiled CPU engine: {str(e)[:200]}")
+def lib(cpu_lib):
+    return cpu_lib
 
 
 def _probe(lib) -> list[int]:

@@ -20,13 +20,8 @@ C = get_cost("sqeuclidean")
 
 
 @pytest.fixture(scope="module")
-def lib():
-    from flashot.ops.cpu import build
-
-    try:
-        return build.load()
-    except build.BuildError as e:  # pragma: no cover - no toolchain
-        pytest.skip(f"no compiled CPU engine: {str(e)[:200]}")
+def lib(cpu_lib):
+    return cpu_lib
 
 
 def _problem(seed, n=700, m=650, d=5, dtype=torch.float64):
@@ -131,12 +126,14 @@ def test_concurrent_solves_on_the_cached_path_with_a_tight_budget(lib, mode):
                      e.plan_product(x, y, a, h, 0.5, V, C)])
     shared = CpuEngine(lib, mode=mode, cache_bytes=budget, threads=2)
     bad: list = []
+    step = threading.Barrier(2)  # interleave the two threads' solves
 
     def work(k):
         x, y, h = probs[k]
         a = torch.zeros(1, 300)
         V = torch.randn(1, 280, 3, generator=torch.Generator().manual_seed(0))
         for _ in range(15):
+            step.wait(timeout=60)
             shared.expect_reuse(x, y, C)
             got = [shared.softmin(x, y, h, 0.5, C), shared.softmin(y, x, a, 0.5, C),
                    shared.softmin_alt(x, y, a, h, 0.5, C)[1], shared.plan_product(x, y, a, h, 0.5, V, C)]
@@ -149,4 +146,6 @@ def test_concurrent_solves_on_the_cached_path_with_a_tight_budget(lib, mode):
         t.start()
     for t in ts:
         t.join()
-    assert not bad and shared.stats["cache_build"] > 2  # the matrices did evict each other
+    assert not bad
+    if mode == "cache":  # forced mode evicts whatever is in the way: the matrices did evict each other
+        assert shared.stats["cache_build"] > 2
