@@ -432,11 +432,12 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
       }
       if (CK && __builtin_expect(any_gt(mx, vset<v>(Consts<T>::TH)), 0)) {
         // rare (O(log M) times per row): raise the running max of the rows that
-        // need it, from the absolute scores s (m may still be the sentinel).  Every row's
-        // s - m is then recomputed from the same s as nm, so s - m <= TH holds exactly: when
-        // h and k c are so large that their ulp exceeds TH (float32 with |h| ~ 1e9, e.g. eps
-        // ~ 1e-10), (h - m) - k c and (h - k c) - m differ by more than TH, and the first could
-        // overflow exp2 (+inf, then NaN) where dense is finite.
+        // need it, from the absolute scores s = h - k c (m may still be the sentinel).  Then
+        // s - m is recomputed as (h - m) - k c (more accurate: h - m is exact for h near m),
+        // unless that disagrees with the maximum by more than rounding: when h and k c are so
+        // large that their ulp exceeds the headroom (float32 with |h| ~ 1e9, e.g. eps ~ 1e-10),
+        // it could exceed TH (exp2 overflow: inf, then NaN) or fall far below (every term 0,
+        // +inf out) where dense is finite; the row then uses s - m from the same s as the max.
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           v sc[NV];
@@ -449,7 +450,13 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
             sm[r] *= (T)std::exp2(mr[r] - (nm + Consts<T>::H));
             mr[r] = nm + Consts<T>::H;
           }
-          for (int q = 0; q < NV; ++q) am[r][q] = sc[q] - mr[r];
+          T amax = Consts<T>::SENT;
+          for (int q = 0; q < NV; ++q) {
+            am[r][q] = (vload<v>(hs + j + q * L) - mr[r]) - acc[r][q] * k;
+            amax = std::max(amax, hmax(am[r][q]));
+          }
+          if (!(amax <= Consts<T>::TH && amax >= (nm - mr[r]) - 1))
+            for (int q = 0; q < NV; ++q) am[r][q] = sc[q] - mr[r];
         }
       }
 #pragma GCC unroll 8
