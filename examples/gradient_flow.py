@@ -12,8 +12,7 @@ crescent) by explicit Euler steps on ``W(x) = OT_eps(x, y)`` with the cost
 * at the end, the lazy plan's barycentric map ``T(x_i) = sum_j P_ij y_j / sum_j P_ij``
   (one streamed plan product) shows where each particle would still go (arrows).
 
-Run ``python examples/gradient_flow.py --n 2000 --steps 40 --out flow.png``.  The figure
-needs matplotlib: ``pip install "flashot[examples]"``.
+Run ``python examples/gradient_flow.py --n 2000 --steps 40 --out flow.png``.
 """
 
 from __future__ import annotations
@@ -22,10 +21,7 @@ import argparse
 import math
 import time
 
-try:
-    import matplotlib
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise SystemExit(f'this example needs matplotlib: pip install "flashot[examples]" ({e})') from e
+import matplotlib
 
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
