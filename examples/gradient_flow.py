@@ -12,7 +12,8 @@ crescent) by explicit Euler steps on ``W(x) = OT_eps(x, y)`` with the cost
 * at the end, the lazy plan's barycentric map ``T(x_i) = sum_j P_ij y_j / sum_j P_ij``
   (one streamed plan product) shows where each particle would still go (arrows).
 
-Run ``python examples/gradient_flow.py --n 2000 --steps 40 --out flow.png``.
+Run ``python examples/gradient_flow.py --n 2000 --steps 40 --out flow.png``.  The figure
+needs matplotlib: ``pip install "flashot[examples]"``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import argparse
 import math
 import time
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise SystemExit(f'this example needs matplotlib: pip install "flashot[examples]" ({e})') from e
 
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402

@@ -4,6 +4,31 @@ Engines are registered by name with a loader, so optional engines (``triton``,
 the compiled CPU engine) are imported only when used.  A loader that raises
 :class:`EngineUnavailable` makes the engine unavailable with a reason; ``auto``
 then falls back, and forcing it raises a clear error.
+
+``auto`` on CPU tensors follows measured speed (``benchmarks/AUTO_CROSSOVER.md``,
+``benchmarks/auto_crossover.py``: one softmin, and a full ``SamplesLoss`` value and
+gradient, float32 and float64, d = 1..64, N = M = 8..4096, engines dense / tiled / cpu,
+at 2552477 on the 2-core development machine): ``dense`` for tiny problems, then the
+``cpu`` engine (when built; float32 / float64 and its costs), else ``tiled``.  The cpu
+engine's fixed cost per call depends on its thread count, so the crossover does:
+
+* one thread: ``dense`` only for B N M <= 32^2 and d < 16, where solves were up to 9% faster
+  than on ``cpu`` (within 1% at N = M = 32 in float64; a single softmin was still 1.1-1.3x
+  faster on ``cpu``; at d = 64, where the cpu engine works from a cached cost matrix
+  (d >= 16), ``cpu`` won every size);
+* more threads (2 measured): ``dense`` for B N M <= 128^2 (solves 1.05-2.2x faster than on
+  ``cpu``, whose thread team costs ~0.05 ms per call), ``cpu`` above: solves 1.03-1.6x faster
+  at N = M = 256 (a single softmin at d >= 10 up to 15% slower than ``dense`` there),
+  1.1-16x at 512-1024, 3-100x at 2048-4096.
+
+The old rule (``dense`` up to B N M = 2^21, N = M = 1448) ran ``dense`` up to 16x (two
+threads) and 27x (one thread) slower than ``cpu`` at N = M = 1024.  Without the cpu engine
+(no compiler, other costs): ``dense`` up to B N M = 128^2 (5-30% faster than ``tiled``),
+``tiled`` above.  Re-run the script after changing an engine's per-call cost or threading:
+it moves these limits.
+
+Other devices keep ``dense`` up to ``DENSE_AUTO_LIMIT`` (not re-measured: no GPU here),
+then ``triton`` / ``tiled``.
 """
 
 from __future__ import annotations
@@ -15,10 +40,17 @@ import torch
 from ..costs import Cost
 from .base import Engine
 
-__all__ = ["EngineUnavailable", "register_engine", "get_engine", "engine_names", "DENSE_AUTO_LIMIT"]
+__all__ = ["EngineUnavailable", "register_engine", "get_engine", "engine_names", "DENSE_AUTO_LIMIT",
+           "CPU_DENSE_LIMIT", "CPU_DENSE_LIMIT_1T", "CPU_DENSE_MAX_D_1T"]
 
-# ``auto`` uses the dense engine when B * N * M is at most this (8 MiB of float32).
+# ``auto`` on non-CPU devices uses the dense engine when B * N * M is at most this (8 MiB of float32).
 DENSE_AUTO_LIMIT = 2**21
+# ``auto`` on CPU tensors (measured crossovers, see the module docstring): dense when
+# B * N * M <= CPU_DENSE_LIMIT, or, when torch runs one thread, only when B * N * M <=
+# CPU_DENSE_LIMIT_1T and d < CPU_DENSE_MAX_D_1T; then the cpu engine (tiled without it).
+CPU_DENSE_LIMIT = 128 * 128
+CPU_DENSE_LIMIT_1T = 32 * 32
+CPU_DENSE_MAX_D_1T = 16
 
 
 class EngineUnavailable(RuntimeError):
@@ -28,7 +60,7 @@ class EngineUnavailable(RuntimeError):
 _LOADERS: dict[str, Callable[[], Engine]] = {}
 _CACHE: dict[str, Engine] = {}
 # Order in which ``auto`` tries streaming engines, per device type.
-_AUTO_ORDER: dict[str, list[str]] = {"cuda": ["triton", "tiled"], "cpu": ["cpu", "tiled"]}
+_AUTO_ORDER: dict[str, list[str]] = {"cuda": ["triton", "tiled"]}
 
 
 def register_engine(name: str, loader: Callable[[], Engine]) -> None:
@@ -94,7 +126,17 @@ def get_engine(
                              f"Use backend='auto' or 'tiled'.")
         return eng
     B, N, M, D = size
-    if allow_dense and B * N * M <= DENSE_AUTO_LIMIT:
+    pairs = B * N * M
+    if device.type == "cpu":
+        if allow_dense and pairs <= CPU_DENSE_LIMIT:
+            if torch.get_num_threads() > 1 or (pairs <= CPU_DENSE_LIMIT_1T and D < CPU_DENSE_MAX_D_1T):
+                return _load("dense")
+        eng, _ = _try("cpu", device, dtype, cost)
+        if eng is not None and eng.name == "cpu":
+            return eng
+        # no cpu engine (or the tiled fallback of a failed build): dense vs tiled
+        return _load("dense") if allow_dense and pairs <= CPU_DENSE_LIMIT else _load("tiled")
+    if allow_dense and pairs <= DENSE_AUTO_LIMIT:
         return _load("dense")
     for name in _AUTO_ORDER.get(device.type, ["tiled"]):
         eng, _ = _try(name, device, dtype, cost)
