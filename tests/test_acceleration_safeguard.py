@@ -6,9 +6,8 @@ showed errors up to 4e19 and ended at 3.03 against 0.76 without acceleration.  C
 alternating updates Anderson extrapolates ``g`` alone and drifts along constants (the map
 ``g -> S_y(S_x(g))`` commutes with them); the loop reported, and returned, the pair of the
 previous plain ``f`` with the extrapolated ``g``, whose plan has a mass of up to 1e20.  The
-fix is in ``sinkhorn.py`` (report the error of the plan ``(S_x(g), g)`` and return the last
-plain half-step); the tests that need it are marked ``xfail(strict=True)`` until it lands:
-remove the markers then.
+fix is in ``sinkhorn.py``: report the error of the plan ``(S_x(g), g)`` and return the last
+plain half-step.
 
 Errors compared: ``res.error`` (what the loop reports) and the L1 marginal error of the
 returned plan, measured here from ``res.plan`` (an independent check of the solution).
@@ -28,12 +27,6 @@ from flashot.acceleration import STALL, Accelerator
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-NEEDS_LOOP_FIX = pytest.mark.xfail(
-    strict=True,
-    reason="needs the sinkhorn.py change: alternating Anderson reports err_y and returns the last plain "
-    "half-step (see the module docstring)",
-)
 
 
 def _plan_error(res, n: int, m: int) -> float:
@@ -57,7 +50,6 @@ def _reported_case():
     return torch.randn(1000, 3), torch.randn(800, 3) + 1
 
 
-@NEEDS_LOOP_FIX
 def test_anderson_reported_case_not_worse_than_plain():
     x, y = _reported_case()
     kw = dict(reg=1e-3, tol=1e-6, inner_iterations=10)  # max_iter: the default 1000
@@ -118,7 +110,6 @@ def _check(acc, method: str, eps: float, budget: int, seed: int, reported: bool)
 PROPERTY = settings(max_examples=12, deadline=None, derandomize=True)
 
 
-@NEEDS_LOOP_FIX
 @PROPERTY
 @given(eps=EPS, budget=st.sampled_from([20, 100, 300]), seed=st.integers(0, 3))
 def test_alternating_anderson_within_small_factor_of_plain(eps, budget, seed):

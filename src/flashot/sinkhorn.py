@@ -292,11 +292,14 @@ def sinkhorn_loop(
                     if need_err:
                         err_y = _error(m, g, gs, eps, "y", balanced)
                         # at it == 1 the initial f (zeros) is not a potential: use the g-side error only
-                        err_t = err_y if it == 1 else torch.maximum(err_x, err_y)
+                        # Anderson: f = S_x(g) with the extrapolated g, so (f, g) has exact rows and err_y
+                        # is its whole error; err_x would compare the previous f with an extrapolated g
+                        err_t = err_y if it == 1 or anderson else torch.maximum(err_x, err_y)
                     if relaxed:
                         gn = acc.momentum_guard(g + w * (gs - g), gs)
                     elif anderson:
                         gn = acc.extrapolate(g, gs, err_y, eps)
+                        g_plain = gs  # returned instead of gn: (fs, gs) is a plain, consistent pair
                     else:
                         gn = gs
                     f, g = fn, gn
@@ -322,6 +325,8 @@ def sinkhorn_loop(
                     break
         if err_t is not None and err is None:
             err = float(err_t.max())
+        if anderson and not symmetric and n_total > 0:
+            g = g_plain  # an extrapolated g paired with f = S_x(previous g) can carry any mass
         check_potentials(m, eps, f"after {it} iterations", f, g, f_aa, g_bb, g_aa, f_bb)
     finally:
         status = "converged" if converged else ("stopped by callback" if stopped else "")

@@ -166,6 +166,7 @@ def solve_sample(
         if cost != "sqeuclidean" and metric != cost:
             raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
         cost = metric
+    _check_positional_scalars(a, b, reg)
     if reg is None:
         raise ValueError("reg: flashot solves entropic OT and needs reg > 0 (the epsilon); "
                          "for exact (unregularised) OT use POT's ot.solve_sample")
@@ -222,6 +223,18 @@ def solve_sample(
     res.value_dual = res._out(m.restore(value_dual))
     res.potentials = (res._out(m.restore(f)), res._out(m.restore(g)))
     return res
+
+
+def _check_positional_scalars(a, b, reg) -> None:
+    """A number passed third or fourth was taken as the weights ``a`` / ``b``: say so."""
+    for name, v, pos in (("a", a, "third"), ("b", b, "fourth")):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            hint = f"solve_sample(X_a, X_b, reg={v!r})" if reg is None else "keywords"
+            raise TypeError(
+                f"{name}: the {pos} positional argument ({v!r}) was taken as the weights {name!r} of "
+                f"{'X_a' if name == 'a' else 'X_b'}, which must be a tensor or array; reg and the other "
+                f"options are keyword-only: use {hint}"
+            )
 
 
 def _check_init(init, m: Measures) -> tuple[Tensor, Tensor]:
