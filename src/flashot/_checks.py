@@ -2,6 +2,20 @@
 
 Errors name the argument and what was expected.  Points become (B, N, D)
 tensors and weights (B, N) tensors of one floating dtype on one device.
+
+Exception types (``tests/test_bad_input.py`` holds the table of cases):
+
+* ``TypeError``: an argument of the wrong kind: not a tensor / array, a tensor of a
+  non-floating dtype (int, bool, complex) where real numbers are computed with, a string or
+  ``bool`` where a number or an integer is expected, a non-string option name, points
+  ``x`` and ``y`` of different dtypes.
+* ``ValueError``: a value outside the contract: shapes and batch sizes, empty clouds,
+  NaN / Inf, negative weights or a zero total mass, numbers out of range (``eps``,
+  ``reg``, ``blur``, ``tol``, ``max_iter`` ...), unknown option names (backend, cost,
+  method, weight), tensors on the ``meta`` device or on different devices, an engine that
+  cannot run the problem, an ``eps`` the compute dtype cannot represent at this cost scale.
+* ``NotImplementedError``: GeomLoss / POT options that flashot does not implement.
+* ``MemoryError``: :meth:`~flashot.plan.LazyPlan.to_dense` above ``max_elems``.
 """
 
 from __future__ import annotations
@@ -36,6 +50,16 @@ def check_storage(name: str, t: Tensor) -> None:
         raise ValueError(f"{name}: is on the 'meta' device (a tensor without data); pass a CPU or CUDA tensor")
     if t.layout != torch.strided:
         raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}; call .to_dense()")
+
+
+def check_dtype(name: str, t: Tensor, *, allow_int: bool = False) -> None:
+    """``t`` holds real numbers: floating point (``allow_int``: integer and bool too, cast later)."""
+    if t.is_floating_point():
+        return
+    if allow_int and not t.is_complex():
+        return
+    want = "a real-valued tensor" if allow_int else "a floating-point tensor"
+    raise TypeError(f"{name}: expected {want}, got dtype {t.dtype}")
 
 
 def check_finite(name: str, t: Tensor) -> None:
@@ -116,6 +140,47 @@ def check_positive(name: str, v, *, allow_none: bool = False) -> float | None:
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name}: expected a positive finite number, got {v}")
     return v
+
+
+def check_bool(name: str, v) -> bool:
+    """A flag: ``bool`` (or numpy bool, or the integers 0 / 1); a string or None is an error, not truthy."""
+    if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and v in (0, 1)):
+        return bool(v)
+    raise TypeError(f"{name}: expected True or False, got {v!r}")
+
+
+def check_choice(name: str, v, choices) -> str:
+    """One of the option names ``choices``: TypeError for a non-string, ValueError for an unknown one."""
+    if not isinstance(v, str):
+        raise TypeError(f"{name}: expected a string, one of {sorted(choices)}, got {type(v).__name__}")
+    if v not in choices:
+        raise ValueError(f"{name}: expected one of {sorted(choices)}, got {v!r}")
+    return v
+
+
+def check_power(name: str, v: float, p: int) -> float:
+    """``v ** p`` (a temperature ``blur^p`` or a scale ``diameter^p``), positive and finite in float64."""
+    try:
+        out = float(v) ** p
+    except OverflowError:
+        out = math.inf
+    if not (0 < out < math.inf):
+        raise ValueError(f"{name}: {name}**{p} = {out:g} is not a positive finite float64 (got {name}={v!r}); "
+                         "rescale the points and this parameter together")
+    return out
+
+
+def check_eps_scale(name: str, eps: float, cmax: float, dtype: torch.dtype) -> None:
+    """The temperature ``eps`` (given as ``name``: eps, reg or blur) is usable in the compute ``dtype``:
+    a normal number there, and ``cmax / eps`` (the largest cost over ``eps``) finite in it.  Below
+    that ``C / eps`` is 0 / 0 or overflows and the outputs are NaN."""
+    fi = torch.finfo(dtype)
+    if eps < fi.tiny or not cmax / eps < fi.max:
+        raise ValueError(
+            f"{name}: eps = {eps:g} is too small for {dtype} at this cost scale (largest cost {cmax:.3g}, "
+            f"largest cost / eps = {cmax / eps:.3g}; {dtype} needs eps >= {fi.tiny:.3g} and a ratio below "
+            f"{fi.max:.3g}); use a larger {name}, float64, or rescale the points"
+        )
 
 
 def check_int(name: str, v, *, minimum: int = 1, allow_none: bool = False) -> int | None:

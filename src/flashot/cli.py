@@ -12,31 +12,56 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {s!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {s}")
+    return v
+
+
 def demo(argv: list[str] | None = None) -> int:
+    """Bad options exit with status 2 and an argparse message naming the option, before any work."""
     p = argparse.ArgumentParser(prog="flashot demo", description="Solve a built-in entropic OT problem.")
-    p.add_argument("--n", type=int, default=20_000, help="points per cloud (default 20000)")
-    p.add_argument("--reg", type=float, default=1e-2, help="epsilon for solve_sample (cost |x-y|^2)")
-    p.add_argument("--blur", type=float, default=0.05, help="blur for the Sinkhorn divergence")
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--n", type=_positive_int, default=20_000, help="points per cloud (default 20000)")
+    p.add_argument("--reg", type=_positive_float, default=1e-2, help="epsilon for solve_sample (cost |x-y|^2)")
+    p.add_argument("--blur", type=_positive_float, default=0.05, help="blur for the Sinkhorn divergence")
+    p.add_argument("--backend", default="auto", help="'auto' or an engine name (dense, tiled, cpu, triton)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     import torch
 
     import flashot
+    from flashot.costs import get_cost
     from flashot.data import two_moons_3d
+    from flashot.ops import engine_names, get_engine
 
+    if args.backend != "auto" and args.backend not in engine_names():
+        p.error(f"argument --backend: expected 'auto' or one of {engine_names()}, got {args.backend!r}")
     x, y = two_moons_3d(args.n, seed=args.seed)
     rss0 = _peak_rss_mib()
     print(f"flashot {flashot.__version__} demo: helix vs torus knot, n = m = {args.n:,}, d = 3, float32")
 
     # resolve the engine first, so that a first-use compile is reported on its own line
-    from flashot.costs import get_cost
-    from flashot.ops import get_engine
-
     tp = time.perf_counter()
-    eng = get_engine(args.backend, device=x.device, dtype=x.dtype, cost=get_cost("sqeuclidean"),
-                     size=(1, args.n, args.n, x.shape[-1]))
+    try:
+        eng = get_engine(args.backend, device=x.device, dtype=x.dtype, cost=get_cost("sqeuclidean"),
+                         size=(1, args.n, args.n, x.shape[-1]))
+    except ValueError as e:  # an engine that cannot run here (e.g. triton without a GPU)
+        p.error(f"argument --backend: {e}")
     if eng.name == "cpu":
         from flashot.ops.cpu.build import BUILD_INFO, cache_dir
 

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import check_storage
+from ._checks import check_choice, check_dtype, check_int, check_storage
 from .measures import Measures
 from .ops.autograd import plan_apply
-from .ops.base import Weight
+from .ops.base import WEIGHTS, Weight
 
 # ``to_dense`` refuses above this many entries (B * N * M): 2**26 = 256 MiB of float32.
 DENSE_PLAN_LIMIT = 2**26
@@ -60,10 +60,14 @@ class LazyPlan:
     def apply(self, V, weight: Weight = "plan"):
         """``(P ⊙ W) @ V`` (``weight`` as in :func:`flashot.ops.plan_product`); differentiable w.r.t. a
         torch ``V`` that requires grad, returned in ``V``'s dtype."""
+        check_choice("weight", weight, WEIGHTS)
         is_np = isinstance(V, np.ndarray)
+        if is_np and V.dtype.kind not in "fiub":
+            raise TypeError(f"V: expected a real-valued array, got dtype {V.dtype}")
         Vt = torch.from_numpy(np.ascontiguousarray(V)) if is_np else V
         if not isinstance(Vt, Tensor):
             raise TypeError(f"V: expected a torch.Tensor or numpy.ndarray, got {type(V).__name__}")
+        check_dtype("V", Vt, allow_int=True)  # integer / bool values are cast (float64 from numpy)
         check_storage("V", Vt)
         if not Vt.is_floating_point():
             Vt = Vt.to(torch.float64 if is_np else self._m.x.dtype)
@@ -116,7 +120,8 @@ class LazyPlan:
         return self._apply_raw(self._ones(), "cost")[..., 0].sum(-1)
 
     def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT):
-        """Materialise ``P``; refuses above ``max_elems`` entries."""
+        """Materialise ``P``; refuses above ``max_elems`` entries (``MemoryError``)."""
+        max_elems = check_int("max_elems", max_elems, minimum=0)
         n = int(np.prod(self.shape))
         if n > max_elems:
             raise MemoryError(
@@ -156,7 +161,6 @@ class LazyPlan:
         on every engine; no N x M matrix.  ``plan.T.topk(k)`` gives the largest
         entries of each column.
         """
-        from ._checks import check_int
         from .ops.rowtopk import row_topk
 
         k = check_int("k", k, minimum=1)
@@ -208,7 +212,7 @@ def plan_from_potentials(
         x, y: (N, D) / (M, D) or batched (B, N, D) / (B, M, D) torch tensors.
         f, g: (N,) / (M,) (or batched) potentials.  a, b: weights (uniform if None).
     """
-    from ._checks import check_positive, to_tensor
+    from ._checks import check_eps_scale, check_positive, check_power, to_tensor
     from .measures import Measures
 
     if reg is not None and blur is not None:
@@ -219,19 +223,25 @@ def plan_from_potentials(
     else:
         if blur is None:
             raise ValueError("blur: required (GeomLoss convention, eps = blur^p), or give reg= (POT convention)")
-        if p not in _P_COSTS or isinstance(p, bool):
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
+            raise TypeError(f"p: expected the integer 1 or 2, got {type(p).__name__}")
+        if p not in _P_COSTS:
             raise ValueError(f"p: expected 1 or 2, got {p!r}")
+        p = int(p)
         if cost is not None:
             raise ValueError("cost: use it with reg= (POT convention); with blur= the cost follows p")
-        eps = check_positive("blur", blur) ** p
+        eps = check_power("blur", check_positive("blur", blur), p)
         cost = _P_COSTS[p]
     is_np = isinstance(x, np.ndarray)
     x, y = to_tensor("x", x), to_tensor("y", y)
     m = Measures.build(x, y, None if a is None else to_tensor("a", a, like=x),
                        None if b is None else to_tensor("b", b, like=y), cost=cost, backend=backend)
+    check_eps_scale("reg" if reg is not None else "blur", eps, m.cmax, m.x.dtype)
     pots = []
     for name, v, ref in (("f", f, m.a_log), ("g", g, m.b_log)):
         t = to_tensor(name, v)
+        check_dtype(name, t)
+        check_storage(name, t)
         t = t.unsqueeze(0) if not m.batched else t
         if tuple(t.shape) != tuple(ref.shape):
             want = tuple(ref.shape) if m.batched else tuple(ref.shape[1:])

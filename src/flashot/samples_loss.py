@@ -8,12 +8,14 @@ divergence ``S(a, b) = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` by default.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import check_positive
+from ._checks import check_bool, check_eps_scale, check_positive, check_power
 from .implicit import check_implicit, sinkhorn_value
 from .measures import Measures
 from .warmstart import check_warm_start, warm_loop
@@ -29,6 +31,26 @@ from .unbalanced import (
 
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
+
+
+# balanced problems: weights whose total masses differ by more than this (relative) get a warning
+MASS_RTOL = 1e-3
+
+
+def _warn_unequal_masses(m: Measures) -> None:
+    """Balanced OT between measures of different total masses has no coupling: GeomLoss returns a
+    number anyway (its symmetric iterations stop after a fixed schedule), and so do we, with a
+    ``RuntimeWarning``.  Uniform weights never trigger it; half-precision weights of equal
+    intended mass differ by ~5e-4 at most (below ``MASS_RTOL``)."""
+    with torch.no_grad():
+        ma, mb = m.a.double().sum(-1), m.b.double().sum(-1)
+        gap = (ma - mb).abs() / torch.maximum(ma, mb)
+        k = int(gap.argmax())
+        if float(gap[k]) > MASS_RTOL:
+            warnings.warn(
+                f"α and β: total masses differ ({float(ma[k]):.6g} vs {float(mb[k]):.6g}): balanced OT assumes "
+                "equal masses, and the value returned (GeomLoss' schedule) is not a transport cost; normalise "
+                "the weights, or use reach= (unbalanced OT)", RuntimeWarning, stacklevel=3)
 
 
 class SamplesLoss(torch.nn.Module):
@@ -63,7 +85,11 @@ class SamplesLoss(torch.nn.Module):
             number); see :mod:`flashot.warmstart`.  ``L.last_n_iter`` counts the iterations.
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
-    (B, N, D) points and (N,) / (B, N) weights.
+    (B, N, D) points and (N,) / (B, N) weights.  Balanced (no ``reach``) weights whose total
+    masses differ by more than ``MASS_RTOL`` (relative) give a ``RuntimeWarning`` and GeomLoss'
+    value.  Bad input raises before any work: ``TypeError`` (wrong kind of argument),
+    ``ValueError`` (bad value), ``NotImplementedError`` (a GeomLoss option not implemented);
+    see :mod:`flashot._checks`.
     """
 
     def __init__(
@@ -89,13 +115,21 @@ class SamplesLoss(torch.nn.Module):
         warm_start: bool | float = False,
     ):
         super().__init__()
+        if not isinstance(loss, str):
+            raise TypeError(f"loss: expected a string ('sinkhorn'), got {type(loss).__name__}")
         if loss != "sinkhorn":
             raise NotImplementedError(
                 f"loss={loss!r} is not supported yet; flashot implements loss='sinkhorn'"
             )
-        if p not in (1, 2) or isinstance(p, bool):
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
+            raise TypeError(f"p: expected the integer 1 or 2, got {type(p).__name__}")
+        if p not in (1, 2):
             raise ValueError(f"p: expected 1 or 2, got {p!r}")
-        self.rho_x, self.rho_y = parse_reach(reach, reach_x, reach_y, int(p))
+        p = int(p)
+        for name, v in (("reach", reach), ("reach_x", reach_x), ("reach_y", reach_y)):
+            if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and 0 < v < float("inf"):
+                check_power(name, v, p)  # rho = reach^p: neither 0 nor inf in float64
+        self.rho_x, self.rho_y = parse_reach(reach, reach_x, reach_y, p)
         if cost is not None:
             raise NotImplementedError("cost: custom cost functions are not supported; use p=1 or p=2")
         if kernel is not None:
@@ -105,16 +139,22 @@ class SamplesLoss(torch.nn.Module):
                 "the 'multiscale' backend (cluster_scale) is not supported yet; use backend='online'"
             )
         self.blur = check_positive("blur", blur)
+        check_power("blur", self.blur, p)  # eps = blur^p: neither 0 nor inf in float64
         if diameter is not None:
             diameter = check_positive("diameter", diameter)
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < 1:
+            check_power("diameter", diameter, p)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scaling: expected a number in (0, 1), got {type(scaling).__name__}")
+        if not 0 < scaling < 1:
             raise ValueError(f"scaling: expected a number in (0, 1), got {scaling!r}")
+        truncate = check_positive("truncate", truncate, allow_none=True)  # multiscale only: checked, unused
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
-        self.loss, self.p, self.reach, self.diameter = loss, int(p), reach, diameter
+        self.loss, self.p, self.reach, self.diameter = loss, p, reach, diameter
         self.reach_x, self.reach_y = reach_x, reach_y
-        self.scaling, self.truncate, self.debias = float(scaling), truncate, bool(debias)
-        self.potentials, self.verbose, self.backend = bool(potentials), bool(verbose), backend
+        self.scaling, self.truncate, self.debias = float(scaling), truncate, check_bool("debias", debias)
+        self.potentials, self.verbose = check_bool("potentials", potentials), check_bool("verbose", verbose)
+        self.backend = backend
         self.implicit = check_implicit(implicit)
         self.warm_start = check_warm_start(warm_start)
         if (self.rho_x is not None or self.rho_y is not None) and (implicit is not None or self.warm_start is not None):
@@ -156,11 +196,14 @@ class SamplesLoss(torch.nn.Module):
             allow_dense=self.backend != "online",
             names=("α", "x", "β", "y"),
         )
+        check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
         diameter = self.diameter if self.diameter is not None else max_diameter(m.x + m.center, m.y + m.center)
         diameter = max(diameter, self.blur)
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
         rx, ry = self.rho_x, self.rho_y
+        if rx is None and ry is None and (a_in is not None or b_in is not None):  # uniform: mass 1, no sync
+            _warn_unequal_masses(m)
         if rx is not None or ry is not None:
             return self._unbalanced(m, eps_list, rx, ry, a_in, b_in)
         if self.warm_start is not None:
@@ -198,9 +241,12 @@ class SamplesLoss(torch.nn.Module):
         until the L1 marginal error is below ``tol`` (at most ``max_iter``);
         ``tol=None`` keeps the raw GeomLoss potentials.  Not differentiable.
         """
+        from ._checks import check_int
         from .plan import plan_from_potentials
         from .solve import solve_sample
 
+        tol = check_positive("tol", tol, allow_none=True)  # before the loss runs
+        max_iter = check_int("max_iter", max_iter)
         a_in, x, b_in, y = self._split_args(args)
         L = SamplesLoss(p=self.p, blur=self.blur, diameter=self.diameter, scaling=self.scaling,
                         debias=False, potentials=True, backend=self.backend)

@@ -10,6 +10,7 @@ With ``unbalanced=`` the marginal constraints become KL penalties
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
@@ -18,7 +19,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import check_int, check_positive, to_tensor
+from ._checks import (
+    check_bool,
+    check_choice,
+    check_dtype,
+    check_eps_scale,
+    check_int,
+    check_positive,
+    check_storage,
+    to_tensor,
+)
 from .measures import Measures
 from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
 from .plan import LazyPlan
@@ -163,6 +173,8 @@ def solve_sample(
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
     """
     if metric is not None:
+        if not isinstance(metric, str):
+            raise TypeError(f"metric: expected a cost name (string), got {type(metric).__name__}")
         if cost != "sqeuclidean" and metric != cost:
             raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
         cost = metric
@@ -173,8 +185,10 @@ def solve_sample(
     reg = check_positive("reg", reg)
     max_iter = check_int("max_iter", 1000 if max_iter is None else max_iter)
     tol = check_positive("tol", tol, allow_none=True)
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method: expected one of {sorted(METHODS)}, got {method!r}")
+    check_choice("method", method, METHODS)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback: expected a callable (or None), got {type(callback).__name__}")
+    verbose = check_bool("verbose", verbose)
     rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type)
     is_unbalanced = rho_a is not None or rho_b is not None
     inner_iterations = check_int("inner_iterations", inner_iterations)
@@ -192,11 +206,12 @@ def solve_sample(
         b = to_tensor("b", b, like=X_b)
 
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+    check_eps_scale("reg", reg, m.cmax, m.x.dtype)
     init = None
     if potentials_init is not None:
         init = _check_init(potentials_init, m)
     st: SinkhornState = sinkhorn_loop(
-        m, [reg] * max_iter, symmetric=METHODS[method], tol=tol, init=init, callback=callback,
+        m, _Repeat(reg, max_iter), symmetric=METHODS[method], tol=tol, init=init, callback=callback,
         rho_x=rho_a, rho_y=rho_b, inner_iterations=inner_iterations, acceleration=acceleration,
         verbose=verbose,
     )
@@ -225,6 +240,23 @@ def solve_sample(
     return res
 
 
+class _Repeat(Sequence):
+    """``[value] * n`` without the list (``max_iter`` may be large)."""
+
+    def __init__(self, value: float, n: int):
+        self.value, self.n = value, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.value] * len(range(*i.indices(self.n)))
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.value
+
+
 def _check_positional_scalars(a, b, reg) -> None:
     """A number passed third or fourth was taken as the weights ``a`` / ``b``: say so."""
     for name, v, pos in (("a", a, "third"), ("b", b, "fourth")):
@@ -243,6 +275,8 @@ def _check_init(init, m: Measures) -> tuple[Tensor, Tensor]:
     out = []
     for name, v, ref in (("potentials_init[0]", init[0], m.a_log), ("potentials_init[1]", init[1], m.b_log)):
         t = to_tensor(name, v)
+        check_dtype(name, t)
+        check_storage(name, t)
         t = t.unsqueeze(0) if not m.batched else t
         if t.shape != ref.shape:
             shape = tuple(ref.shape) if m.batched else tuple(ref.shape[1:])

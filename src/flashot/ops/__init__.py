@@ -18,7 +18,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._checks import check_finite, check_pair, check_points, check_positive, check_storage, compute_dtype
+from .._checks import (
+    check_choice,
+    check_dtype,
+    check_eps_scale,
+    check_finite,
+    check_pair,
+    check_points,
+    check_positive,
+    check_storage,
+    compute_dtype,
+)
 from ..costs import Cost, get_cost
 from .autograd import plan_apply, softmin_fn
 from .base import WEIGHTS, Engine, Weight
@@ -98,6 +108,8 @@ def prepare_pair(
     check_points(xn, x)
     check_points(yn, y)
     check_pair(x, y, xn, yn)
+    if not isinstance(cost, (str, Cost)):
+        raise TypeError(f"cost: expected a cost name (string) or a flashot.Cost, got {type(cost).__name__}")
     cost = get_cost(cost)
     batched = x.dim() == 3
     if not batched:
@@ -117,6 +129,7 @@ def prepare_pair(
 def _vec(name: str, v: Tensor, shape, cdt, device) -> Tensor:
     if not isinstance(v, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
+    check_dtype(name, v)
     check_storage(name, v)
     if v.device != device:
         raise ValueError(f"{name}: is on {v.device}, expected {device}")
@@ -140,8 +153,10 @@ def softmin(
         (N,) or (B, N), differentiable w.r.t. ``x``, ``y`` and ``h``.
     """
     eps = check_positive("eps", eps)
-    x_, y_, cost, eng, batched, out_dtype = prepare_pair(x, y, cost=cost, backend=backend)[:6]
+    pp = prepare_pair(x, y, cost=cost, backend=backend)
+    x_, y_, cost, eng, batched, out_dtype = pp[:6]
     cdt = x_.dtype
+    check_eps_scale("eps", eps, pp.cmax, cdt)
     h_ = _vec("h", h, y.shape[:-1], cdt, x.device)
     if not batched:
         h_ = h_.unsqueeze(0)
@@ -171,11 +186,12 @@ def plan_product(
     gradient silently dropped (detach it).
     """
     eps = check_positive("eps", eps)
-    if weight not in WEIGHTS:
-        raise ValueError(f"weight: expected one of {WEIGHTS}, got {weight!r}")
+    check_choice("weight", weight, WEIGHTS)
     _no_grad_inputs(x=x, y=y, alpha=alpha, beta=beta)
-    x_, y_, cost, eng, batched, out_dtype = prepare_pair(x, y, cost=cost, backend=backend)[:6]
+    pp = prepare_pair(x, y, cost=cost, backend=backend)
+    x_, y_, cost, eng, batched, out_dtype = pp[:6]
     cdt = x_.dtype
+    check_eps_scale("eps", eps, pp.cmax, cdt)
     a_ = _vec("alpha", alpha, x.shape[:-1], cdt, x.device)
     b_ = _vec("beta", beta, y.shape[:-1], cdt, x.device)
     V_, vec = _values("V", V, y.shape[:-1], batched)
@@ -202,6 +218,7 @@ def _values(name: str, V, lead, batched: bool) -> tuple[Tensor, bool]:
     it with a trailing K axis, and whether it had none."""
     if not isinstance(V, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(V).__name__}")
+    check_dtype(name, V, allow_int=True)  # integer / bool values are cast to the compute dtype
     check_storage(name, V)
     vec = V.dim() == (1 if not batched else 2)
     V_ = V.unsqueeze(-1) if vec else V
