@@ -284,6 +284,9 @@ CASES = [
     Case("cli-demo-backend-unknown", lambda: cli("demo", "--n", "50", "--backend", "gpu"), SystemExit,
          r"argument --backend: expected 'auto' or one of"),
     Case("cli-build-unknown-flag", lambda: cli("build", "--bogus"), SystemExit, r"unrecognized arguments: --bogus"),
+    Case("cli-no-command", lambda: cli(), SystemExit, r"usage: flashot \[--version\]"),
+    Case("cli-bench-sizes-zero", lambda: cli("bench", "--sizes", "0"), SystemExit, r"argument --sizes: .*positive"),
+    Case("cli-bench-peer-unknown", lambda: cli("bench", "--peers", "nope"), SystemExit, r"--peers: unknown peer 'nope'"),
     Case("cli-bench-unknown-flag", lambda: cli("bench", "--bogus"), SystemExit, r"unrecognized arguments: --bogus"),
 ]
 
