@@ -116,7 +116,7 @@ CASES = [
     Case("SL-debias-str", lambda: flashot.SamplesLoss(debias="no"), TypeError, r"^debias: expected True or False"),
     Case("SL-potentials-none", lambda: flashot.SamplesLoss(potentials=None), TypeError, r"^potentials: "),
     Case("SL-backend-int", lambda: flashot.SamplesLoss(backend=3), TypeError, r"^backend: expected a string"),
-    Case("SL-loss-unknown", lambda: flashot.SamplesLoss(loss="gaussian"), NotImplementedError, r"loss='gaussian'"),
+    Case("SL-loss-unknown", lambda: flashot.SamplesLoss(loss="mmd"), ValueError, r"^loss: expected one of .*got .mmd."),
     Case("SL-loss-int", lambda: flashot.SamplesLoss(loss=1), TypeError, r"^loss: "),
     Case("SL-cost-callable", lambda: flashot.SamplesLoss(cost=lambda u, v: u), NotImplementedError, r"^cost: "),
     Case("SL-multiscale", lambda: flashot.SamplesLoss(backend="multiscale"), NotImplementedError, r"multiscale"),

@@ -94,8 +94,8 @@ def test_call_forms_and_defaults():
 
 
 def test_unsupported_arguments_are_named():
-    with pytest.raises(NotImplementedError, match="loss"):
-        flashot.SamplesLoss("energy")
+    with pytest.raises(ValueError, match="loss: expected one of"):
+        flashot.SamplesLoss("wasserstein")
     with pytest.raises(NotImplementedError, match="multiscale"):
         flashot.SamplesLoss(backend="multiscale")
     with pytest.raises(NotImplementedError, match="cost"):

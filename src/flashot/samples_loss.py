@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ._checks import check_bool, check_eps_scale, check_positive, check_power
 from .implicit import check_implicit, sinkhorn_value
+from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss
 from .measures import Measures
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
@@ -29,6 +30,7 @@ from .unbalanced import (
     self_terms_final,
 )
 
+LOSSES = ("sinkhorn", "hausdorff", *KERNELS)
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
 
@@ -57,7 +59,12 @@ class SamplesLoss(torch.nn.Module):
     """Sinkhorn divergence between sampled measures (GeomLoss' arguments and defaults).
 
     Args:
-        loss: only ``"sinkhorn"`` for now.
+        loss: ``"sinkhorn"`` (debiased Sinkhorn divergence, the default), the kernel norms
+            ``"gaussian"``, ``"laplacian"``, ``"energy"`` (MMDs, ``1/2 |a - b|_k^2`` with
+            ``k = exp(-|x-y|^2 / 2 blur^2)``, ``exp(-|x-y| / blur)``, ``-|x-y|``) or
+            ``"hausdorff"`` (``1/2 <a - b, s_b - s_a>`` with the softmins ``s`` at ``eps =
+            blur^p``); see :mod:`flashot.kernel_losses`.  Kernel norms use only ``blur``,
+            ``potentials`` and ``backend``; hausdorff also ``p`` (no ``reach``).
         p: 1 (``C = |x - y|``) or 2 (``C = |x - y|^2 / 2``).
         blur: final temperature ``eps = blur^p`` (> 0).
         reach: unbalanced OT: KL marginal penalties of strength ``rho = reach^p`` on both
@@ -117,10 +124,8 @@ class SamplesLoss(torch.nn.Module):
         super().__init__()
         if not isinstance(loss, str):
             raise TypeError(f"loss: expected a string ('sinkhorn'), got {type(loss).__name__}")
-        if loss != "sinkhorn":
-            raise NotImplementedError(
-                f"loss={loss!r} is not supported yet; flashot implements loss='sinkhorn'"
-            )
+        if loss not in LOSSES:
+            raise ValueError(f"loss: expected one of {LOSSES}, got {loss!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
             raise TypeError(f"p: expected the integer 1 or 2, got {type(p).__name__}")
         if p not in (1, 2):
@@ -133,7 +138,11 @@ class SamplesLoss(torch.nn.Module):
         if cost is not None:
             raise NotImplementedError("cost: custom cost functions are not supported; use p=1 or p=2")
         if kernel is not None:
-            raise NotImplementedError("kernel: only loss='sinkhorn' is supported, which takes no kernel")
+            raise NotImplementedError(
+                "kernel: custom kernel functions are not supported; use loss='gaussian', 'laplacian' or 'energy'"
+            )
+        if loss == "hausdorff" and (reach is not None or reach_x is not None or reach_y is not None):
+            raise NotImplementedError("reach: loss='hausdorff' is implemented for reach=None only")
         if cluster_scale is not None or backend == "multiscale":
             raise NotImplementedError(
                 "the 'multiscale' backend (cluster_scale) is not supported yet; use backend='online'"
@@ -185,6 +194,8 @@ class SamplesLoss(torch.nn.Module):
 
     def forward(self, *args: Tensor):
         a_in, x, b_in, y = self._split_args(args)
+        if self.loss != "sinkhorn":
+            return self._other_loss(a_in, x, b_in, y)
         backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
         cost = _P_COSTS[self.p]
         if self.p == 1 and self.backend == "tensorized":
@@ -217,6 +228,20 @@ class SamplesLoss(torch.nn.Module):
         if self.debias:
             f, g = f - f_aa, g - g_bb
         return self._potentials(m, f, g, a_in, b_in)
+
+    def _other_loss(self, a_in, x, b_in, y):
+        """Kernel norms and the Hausdorff divergence (:mod:`flashot.kernel_losses`): no Sinkhorn loop."""
+        backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
+        kernel = self.loss in KERNELS
+        cost = ("half_sqeuclidean" if self.loss == "gaussian" else "euclidean") if kernel else _P_COSTS[self.p]
+        m = Measures.build(x, y, a_in, b_in, cost=cost, backend=backend, allow_dense=self.backend != "online",
+                           names=("α", "x", "β", "y"))
+        if kernel:
+            out = kernel_loss(self.loss, m, self.blur, self.backend, self.potentials, clamp=self.backend == "tensorized")
+        else:
+            check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
+            out = hausdorff_loss(m, self.blur**self.p, self.potentials)
+        return self._potentials(m, *out, a_in, b_in) if self.potentials else m.restore(out)
 
     @staticmethod
     def _potentials(m: Measures, f: Tensor, g: Tensor, a_in, b_in):
