@@ -192,7 +192,10 @@ def test_hausdorff_float32_and_high_temperature():
         assert abs(v32 - ref) <= 1e-4 * abs(ref) + 1e-6, (blur, v32, ref)
 
 
-def test_hausdorff_reach_is_refused_with_the_alternative():
+def test_hausdorff_reach_and_plans_are_refused():
     a, x, b, y = _problem()
     with pytest.raises(NotImplementedError, match=r"reach.*hausdorff"):
         flashot.SamplesLoss("hausdorff", reach=0.5)(a, x, b, y)
+    for loss in ("hausdorff", *KERNEL_LOSSES):
+        with pytest.raises(ValueError, match=f"plan: loss='{loss}' defines no transport plan"):
+            flashot.SamplesLoss(loss).plan(a, x, b, y)

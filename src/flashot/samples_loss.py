@@ -270,6 +270,8 @@ class SamplesLoss(torch.nn.Module):
         from .plan import plan_from_potentials
         from .solve import solve_sample
 
+        if self.loss != "sinkhorn":
+            raise ValueError(f"plan: loss={self.loss!r} defines no transport plan; use loss='sinkhorn'")
         tol = check_positive("tol", tol, allow_none=True)  # before the loss runs
         max_iter = check_int("max_iter", max_iter)
         a_in, x, b_in, y = self._split_args(args)
