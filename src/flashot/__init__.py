@@ -1,12 +1,14 @@
 """flashot: IO-aware entropic optimal transport that never materialises the cost matrix.
 
 Public API:
-    SamplesLoss   drop-in for ``geomloss.SamplesLoss(loss="sinkhorn")``
+    SamplesLoss   drop-in for ``geomloss.SamplesLoss`` (sinkhorn, hausdorff, gaussian, laplacian, energy)
     solve_sample  POT/GeomLoss-style solver returning an :class:`OTResult` with a lazy plan
+    free_support_barycenter  POT's entropic free-support barycenter, streamed
     ops           the two streamed primitives (softmin, plan product) and the engine registry
 """
 
 from .acceleration import Anderson, Momentum
+from .barycenter import BarycenterResult, free_support_barycenter
 from .costs import Cost, get_cost
 from .implicit import ImplicitDiff
 from .plan import LazyPlan, plan_from_potentials
@@ -26,5 +28,7 @@ __all__ = [
     "ImplicitDiff",
     "LazyPlan",
     "plan_from_potentials",
+    "free_support_barycenter",
+    "BarycenterResult",
     "__version__",
 ]
