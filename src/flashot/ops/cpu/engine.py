@@ -31,6 +31,18 @@ reused as the next one's buffer (a fresh 1.6 GB buffer costs ~0.25 s of page fau
 Options (constructor or environment): ``mode`` = ``"auto"`` | ``"stream"`` |
 ``"cache"`` (``FLASHOT_CPU_MODE``); ``cache_bytes``; ``threads`` (default
 ``torch.get_num_threads()``).
+
+Determinism (``tests/test_determinism.py``, ``benchmarks/CPU_ENGINE.md``): every kernel returns
+the same bits on every call, for any thread count and schedule: a row is computed whole by one
+task, and the column sums of the fused steps (pair, sym, alt, cached alt) are reduced per fixed
+group of row blocks and combined in group order (``col_groups`` in kernels.cpp), never per
+thread.  Two things can still change bits, by rounding only: (1) the path: ``auto`` streams a
+pair's first call and switches to the cached matrix (cost from a GEMM) on the second call (or the
+first after the solver's hint), and what fits the cache depends on what else it holds
+(``mode="stream"`` or ``"cache"`` fixes the path; public calls centre their inputs into new tensors,
+so repeated identical calls take the same path); (2) torch's GEMMs (the cached matrix, the
+cached plan products) may round differently with another torch thread count
+(``MKL_CBWR=AUTO,STRICT`` makes them reproducible).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -123,6 +136,14 @@ def _tkey(t: Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
 
 
+def _storage_ref(t: Tensor):
+    """A weak reference to ``t``'s storage (torch keeps one Python object per live storage), or None."""
+    try:
+        return weakref.ref(t.untyped_storage())
+    except (TypeError, RuntimeError, AttributeError):  # pragma: no cover - old torch
+        return None
+
+
 class CpuEngine:
     name = "cpu"
 
@@ -149,7 +170,8 @@ class CpuEngine:
         self._cache: OrderedDict = OrderedDict()  # key -> (C, x, y, scale)
         self._last_use: dict = {}  # key -> value of self._calls when the entry was last hit / built
         self._calls = 0
-        self._seen: OrderedDict = OrderedDict()  # pair keys seen once (auto builds on the 2nd call)
+        # pair keys seen once (auto builds on the 2nd call) -> weak references to the pair's storages
+        self._seen: OrderedDict = OrderedDict()
         self.stats = {"stream": 0, "cache_hit": 0, "cache_build": 0}
         self._lock = threading.Lock()
         # Held from a cache lookup until the cached matrix has been read: another thread's lookup
@@ -468,15 +490,36 @@ class CpuEngine:
         with self._lock:
             if (kx, ky, cost.name) in self._cache or (ky, kx, cost.name) in self._cache:
                 return
-            self._seen[(kx, ky, cost.name)] = True
-            while len(self._seen) > 16:
-                self._seen.popitem(last=False)
+            self._remember(kx, ky, x, y, cost)
             # A new solve starts: the pairs of earlier solves count as cold, so they may be evicted
             # to make room (their buffer is then reused).  Without this, a loop of solves on fresh
             # tensors (a training loop) found the previous, still "hot" matrix holding the budget
             # and streamed every other solve.
             for key in self._cache:
                 self._last_use[key] = -HOT_CALLS - 1
+
+    def _remember(self, kx, ky, x: Tensor, y: Tensor, cost: Cost) -> None:
+        """Record the pair as seen once (``_lock`` held), with weak references to its storages."""
+        key = (kx, ky, cost.name)
+        self._seen[key] = (_storage_ref(x), _storage_ref(y))
+        self._seen.move_to_end(key)
+        while len(self._seen) > 16:
+            self._seen.popitem(last=False)
+
+    def _seen_alive(self, key, x: Tensor, y: Tensor) -> bool:
+        """Was this pair seen, and are its tensors' storages still the ones seen?  A key is made of
+        data pointers: once a tensor is freed, a new tensor of the same shape can get its address
+        (the allocator reuses it), and a stale key would make the new pair build its matrix on its
+        FIRST call: the path (streamed or cached, whose results differ by rounding) then depended
+        on the allocation history (a SamplesLoss gradient changed between identical calls)."""
+        refs = self._seen.get(key)
+        if refs is None:
+            return False
+        for ref, t in zip(refs, (x, y)):
+            if ref is not None and ref() is not t.untyped_storage():
+                del self._seen[key]  # stale: its tensor is gone
+                return False
+        return True
 
     def _cached(self, x: Tensor, y: Tensor, cost: Cost):
         """(C, transposed) when the cached path applies, else (None, False)."""
@@ -509,10 +552,8 @@ class CpuEngine:
                 return None, False
             pk = (kx, ky, cost.name)
             pkt = (ky, kx, cost.name)
-            if pk not in self._seen and pkt not in self._seen:
-                self._seen[pk] = True
-                while len(self._seen) > 16:
-                    self._seen.popitem(last=False)
+            if not (self._seen_alive(pk, x, y) or self._seen_alive(pkt, y, x)):
+                self._remember(kx, ky, x, y, cost)
                 return None, False
         # build, evicting least-recently used entries to stay in budget.  In auto mode only
         # *cold* entries (no hit in the last HOT_CALLS calls) may go: a solver that cycles over

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #include "fpenv.h"
@@ -610,9 +611,47 @@ static void softmin_impl(const T* x, const T* yT, const T* yy, const T* hs, T* o
   });
 }
 
+// Column partials in a fixed order (results independent of the thread count and of scheduling):
+// the flat row blocks t in [0, nt) are dealt into G groups (block t -> group t % G; strided, so a
+// triangle's heavy and light blocks mix); one task is one group, whose blocks are processed in
+// ascending order into the group's own column buffer, and the buffers are then combined in group
+// order.  G depends on the problem only, never on nth: at most COL_GROUPS, at most nt, and the
+// buffers within COL_GROUP_BYTES (at least COL_GROUPS_MIN groups).  Per-thread buffers (the
+// previous scheme) gave column sums that changed with the thread count and, under dynamic
+// scheduling, from run to run (float32 ~1e-7 relative).  Cost: benchmarks/CPU_ENGINE.md,
+// "Determinism" (-DFL_COL_GROUPS=16 or 256 measured no faster than 64; the value changes the bits).
+#ifndef FL_COL_GROUPS
+#define FL_COL_GROUPS 64
+#endif
+constexpr int64_t COL_GROUPS = FL_COL_GROUPS, COL_GROUPS_MIN = 4;
+constexpr int64_t COL_GROUP_BYTES = (int64_t)64 << 20;
+static inline int64_t col_groups(int64_t nt, int64_t group_bytes) {
+  int64_t g = std::min<int64_t>(COL_GROUPS, std::max<int64_t>(COL_GROUPS_MIN, COL_GROUP_BYTES / std::max<int64_t>(1, group_bytes)));
+  return std::max<int64_t>(1, std::min<int64_t>(g, nt));
+}
+constexpr int64_t MERGE_CHUNK = 2048;  // columns per merge task (a multiple of every vector width)
+
+// out[u] = sum_g parts[g * per + u] in group order, u < per, in parallel over columns.
+template <typename T>
+static void merge_col_sums(const T* parts, int64_t G, size_t per, T* out, int nth) {
+  const int64_t nc = ((int64_t)per + MERGE_CHUNK - 1) / MERGE_CHUNK;
+  Tasks tasks(nc);
+  run_team((int)std::min<int64_t>(nth, nc), [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t c; tasks.next(c);) {
+      const size_t u0 = (size_t)c * MERGE_CHUNK, u1 = std::min(per, u0 + MERGE_CHUNK);
+      std::copy(parts + u0, parts + u1, out + u0);
+      for (int64_t g = 1; g < G; ++g) {
+        const T* pg = parts + (size_t)g * per;
+        for (size_t u = u0; u < u1; ++u) out[u] += pg[u];
+      }
+    }
+  });
+}
+
 // Symmetric Sinkhorn step in one pass: rsum[b, i] = sum_j E_ij and csum[b, j] = sum_i E_ij with
-// E_ij = 2^(hx_i + hs_j - k c_ij) (base-2 log-weights, no running max).  Each thread keeps its own
-// column sums (B * Mp values), added up at the end.
+// E_ij = 2^(hx_i + hs_j - k c_ij) (base-2 log-weights, no running max).  Column sums: per group of
+// row blocks, combined in group order (col_groups: the same bits for any thread count).
 // SYM (y is x, hs is hx padded): E is symmetric, so only the upper triangle is computed, by
 // blocks: a row block takes its diagonal block (row sums only) and the columns right of it
 // (row and column sums); the full row sum is then rsum + csum: half the exponentials.
@@ -624,40 +663,43 @@ static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
   const int RB = R * 16;
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D, 3, Mp, (int64_t)VT<T>::L * NV, l2, sizeof(T));
-  std::fill(csum, csum + (int64_t)B * Mp, (T)0);
-  Tasks tasks((int64_t)B * nb);
-  std::vector<std::vector<T>> caccs((size_t)nth);  // per-thread column sums, added in thread order
+  const int64_t nt = (int64_t)B * nb;
+  const size_t per = (size_t)B * Mp;
+  const int64_t G = col_groups(nt, (int64_t)(per * sizeof(T)));
+  std::unique_ptr<T[]> parts(new T[(size_t)G * per]);  // zeroed by each group's task
+  Tasks tasks(G);
   run_team(nth, [&](int tid) {
     FpScope fp(tid);
-    std::vector<T>& cacc = caccs[(size_t)tid];
-    cacc.assign((size_t)B * Mp, (T)0);
     std::vector<T> scratch(SYM ? (size_t)Mp : 0);  // column sums of diagonal blocks: discarded
-    for (int64_t t; tasks.next(t);) {
-      const int64_t b = t / nb, i0 = (t % nb) * RB;
-      const int nr = (int)std::min<int64_t>(RB, N - i0);
-      T m[RB];
-      v sum[RB];
-      for (int r = 0; r < nr; ++r) { m[r] = hx[b * N + i0 + r]; sum[r] = v{}; }
-      const T* xb = x + (b * N + i0) * D;
-      const T* yTb = yT + b * (int64_t)D * Mp;
-      const T* yyb = yy + b * Mp;
-      const T* hb = hs + b * Mp;
-      int64_t jstart = 0;
-      if (SYM) {
-        jstart = std::min<int64_t>(Mp, i0 + RB);
-        panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, i0, jstart, a, m, sum,
-                                                         scratch.data(), 0);
+    for (int64_t g; tasks.next(g);) {
+      T* cacc = parts.get() + (size_t)g * per;
+      std::fill(cacc, cacc + per, (T)0);
+      for (int64_t t = g; t < nt; t += G) {
+        const int64_t b = t / nb, i0 = (t % nb) * RB;
+        const int nr = (int)std::min<int64_t>(RB, N - i0);
+        T m[RB];
+        v sum[RB];
+        for (int r = 0; r < nr; ++r) { m[r] = hx[b * N + i0 + r]; sum[r] = v{}; }
+        const T* xb = x + (b * N + i0) * D;
+        const T* yTb = yT + b * (int64_t)D * Mp;
+        const T* yyb = yy + b * Mp;
+        const T* hb = hs + b * Mp;
+        int64_t jstart = 0;
+        if (SYM) {
+          jstart = std::min<int64_t>(Mp, i0 + RB);
+          panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, i0, jstart, a, m, sum,
+                                                           scratch.data(), 0);
+        }
+        for (int64_t j0 = jstart; j0 < Mp; j0 += bm) {
+          const int64_t j1 = std::min(Mp, j0 + bm);
+          panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum,
+                                                           cacc + b * Mp, 0);
+        }
+        for (int r = 0; r < nr; ++r) rsum[b * N + i0 + r] = hsum(sum[r]);
       }
-      for (int64_t j0 = jstart; j0 < Mp; j0 += bm) {
-        const int64_t j1 = std::min(Mp, j0 + bm);
-        panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum,
-                                                         cacc.data() + b * Mp, 0);
-      }
-      for (int r = 0; r < nr; ++r) rsum[b * N + i0 + r] = hsum(sum[r]);
     }
   });
-  for (const std::vector<T>& cacc : caccs)
-    for (size_t j = 0; j < cacc.size(); ++j) csum[j] += cacc[j];
+  merge_col_sums(parts.get(), G, per, csum, nth);
 }
 
 // acc[r, :] += sum_j P[r, j] V[j, :] for RR rows; V (w, K) row-major, K a multiple of L.
@@ -949,16 +991,41 @@ static inline void col_states(const T* P, int64_t ldp, int nr, const T* w, T k, 
     }
 }
 
-// clse[u] = LSE2 over the threads' column states (nth copies of `per` values each).
+// clse[u] = LSE2 over the groups' column states (G copies of `per` values each, combined in group
+// order), in parallel over columns, vectorised (a column's bits do not depend on the thread count).
 template <typename T>
-static void merge_col_states(const std::vector<T>& cmax, const std::vector<T>& csum, int nth, size_t per, T* clse) {
-  for (size_t u = 0; u < per; ++u) {
-    T mx = Consts<T>::SENT;
-    for (int t = 0; t < nth; ++t) mx = std::max(mx, cmax[(size_t)t * per + u]);
-    T sm = 0;
-    for (int t = 0; t < nth; ++t) sm += csum[(size_t)t * per + u] * std::exp2(cmax[(size_t)t * per + u] - mx);
-    clse[u] = (mx == Consts<T>::SENT || !(sm > 0)) ? -std::numeric_limits<T>::infinity() : mx + std::log2(sm);
-  }
+static void merge_col_states(const T* cmax, const T* csum, int64_t G, size_t per, T* clse, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  const int64_t nc = ((int64_t)per + MERGE_CHUNK - 1) / MERGE_CHUNK;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  Tasks tasks(nc);
+  run_team((int)std::min<int64_t>(nth, nc), [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t c; tasks.next(c);) {
+      const size_t u0 = (size_t)c * MERGE_CHUNK, u1 = std::min(per, u0 + MERGE_CHUNK);
+      size_t u = u0;
+      for (; u + L <= u1; u += L) {
+        v mx = vset<v>(Consts<T>::SENT);
+        for (int64_t g = 0; g < G; ++g) {
+          const v cm = vload<v>(cmax + (size_t)g * per + u);
+          mx = cm > mx ? cm : mx;
+        }
+        v sm = {};
+        for (int64_t g = 0; g < G; ++g)
+          sm += vload<v>(csum + (size_t)g * per + u) * vexp2(vload<v>(cmax + (size_t)g * per + u) - mx);
+        for (int l = 0; l < L; ++l)
+          clse[u + l] = (mx[l] == Consts<T>::SENT || !(sm[l] > 0)) ? ninf : mx[l] + std::log2(sm[l]);
+      }
+      for (; u < u1; ++u) {  // the last per % L columns (the same ones for any thread count)
+        T mx = Consts<T>::SENT;
+        for (int64_t g = 0; g < G; ++g) mx = std::max(mx, cmax[(size_t)g * per + u]);
+        T sm = 0;
+        for (int64_t g = 0; g < G; ++g) sm += csum[(size_t)g * per + u] * std::exp2(cmax[(size_t)g * per + u] - mx);
+        clse[u] = (mx == Consts<T>::SENT || !(sm > 0)) ? ninf : mx + std::log2(sm);
+      }
+    }
+  });
 }
 
 // Row weight of the column pass after a row LSE: ha_i - lam lse_i, or the finite "zero weight"
@@ -978,27 +1045,34 @@ static void cached_alt(const T* C, const T* hs, const T* ha, T lam, T k, T* rlse
                        int64_t M, int nth) {
   const int RB = (int)std::max<int64_t>(1, std::min<int64_t>(32, (int64_t)(512 * 1024) / (M * (int64_t)sizeof(T))));
   const int64_t nb = (N + RB - 1) / RB;
+  const int64_t nt = (int64_t)B * nb;
   const size_t per = (size_t)B * M;
-  std::vector<T> cmax((size_t)nth * per, Consts<T>::SENT), csum((size_t)nth * per, (T)0);
-  Tasks tasks((int64_t)B * nb);
+  const int64_t G = col_groups(nt, (int64_t)(2 * per * sizeof(T)));  // column states per group (col_groups)
+  std::unique_ptr<T[]> cmax(new T[(size_t)G * per]), csum(new T[(size_t)G * per]);
+  Tasks tasks(G);
   run_team(nth, [&](int tid) {
     FpScope fp(tid);
     std::vector<T> w(RB);
-    for (int64_t t; tasks.next(t);) {
-      const int64_t b = t / nb, i0 = (t % nb) * RB;
-      const int nr = (int)std::min<int64_t>(RB, N - i0);
-      const T* Cb = C + (b * N + i0) * M;
-      for (int r = 0; r < nr; ++r) {
-        const int64_t i = b * N + i0 + r;
-        const T lse = row_lse2(Cb + (int64_t)r * M, hs + b * M, M, k);
-        rlse[i] = lse;
-        w[r] = alt_row_weight(ha[i], lse, lam);
+    for (int64_t g; tasks.next(g);) {
+      T* cm_g = cmax.get() + (size_t)g * per;
+      T* cs_g = csum.get() + (size_t)g * per;
+      std::fill(cm_g, cm_g + per, Consts<T>::SENT);
+      std::fill(cs_g, cs_g + per, (T)0);
+      for (int64_t t = g; t < nt; t += G) {
+        const int64_t b = t / nb, i0 = (t % nb) * RB;
+        const int nr = (int)std::min<int64_t>(RB, N - i0);
+        const T* Cb = C + (b * N + i0) * M;
+        for (int r = 0; r < nr; ++r) {
+          const int64_t i = b * N + i0 + r;
+          const T lse = row_lse2(Cb + (int64_t)r * M, hs + b * M, M, k);
+          rlse[i] = lse;
+          w[r] = alt_row_weight(ha[i], lse, lam);
+        }
+        col_states(Cb, M, nr, w.data(), k, M, cm_g + b * M, cs_g + b * M);
       }
-      col_states(Cb, M, nr, w.data(), k, M, cmax.data() + (size_t)tid * per + b * M,
-                 csum.data() + (size_t)tid * per + b * M);
     }
   });
-  merge_col_states(cmax, csum, nth, per, clse);
+  merge_col_states(cmax.get(), csum.get(), G, per, clse, nth);
 }
 
 constexpr size_t ALT_SCRATCH_BYTES = 1280 * 1024;
@@ -1016,39 +1090,45 @@ static void alt_impl(const T* x, const T* yT, const T* yy, const T* hs, const T*
   const int64_t nb = (N + RB - 1) / RB;
   const int64_t bm = col_chunk(D, 2, Mp, (int64_t)L * NV, l2, sizeof(T));
   const T k = (T)a.kcoef;
+  const int64_t nt = (int64_t)B * nb;
   const size_t per = (size_t)B * Mp;
-  std::vector<T> cmax((size_t)nth * per, Consts<T>::SENT), csum((size_t)nth * per, (T)0);
-  Tasks tasks((int64_t)B * nb);
+  const int64_t G = col_groups(nt, (int64_t)(2 * per * sizeof(T)));  // column states per group (col_groups)
+  std::unique_ptr<T[]> cmax(new T[(size_t)G * per]), csum(new T[(size_t)G * per]);
+  Tasks tasks(G);
   run_team(nth, [&](int tid) {
     FpScope fp(tid);
     std::vector<T> scratch((size_t)RB * Mp);
     T* P = scratch.data();
-    T* cm_t = cmax.data() + (size_t)tid * per;
-    T* cs_t = csum.data() + (size_t)tid * per;
-    for (int64_t t; tasks.next(t);) {
-      const int64_t b = t / nb, i0 = (t % nb) * RB;
-      const int nr = (int)std::min<int64_t>(RB, N - i0);
-      T m[16 * R], w[16 * R];
-      v sum[16 * R];
-      for (int r = 0; r < nr; ++r) { m[r] = Consts<T>::SENT; sum[r] = v{}; }
-      const T* xb = x + (b * N + i0) * D;
-      const T* yTb = yT + b * (int64_t)D * Mp;
-      const T* yyb = yy + b * Mp;
-      const T* hb = hs + b * Mp;
-      for (int64_t j0 = 0; j0 < Mp; j0 += bm) {  // pass A: row LSEs, costs kept
-        const int64_t j1 = std::min(Mp, j0 + bm);
-        lse_rows<T, R, NV, KIND, 0>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum, P, Mp);
+    for (int64_t g; tasks.next(g);) {
+      T* cm_g = cmax.get() + (size_t)g * per;
+      T* cs_g = csum.get() + (size_t)g * per;
+      std::fill(cm_g, cm_g + per, Consts<T>::SENT);
+      std::fill(cs_g, cs_g + per, (T)0);
+      for (int64_t t = g; t < nt; t += G) {
+        const int64_t b = t / nb, i0 = (t % nb) * RB;
+        const int nr = (int)std::min<int64_t>(RB, N - i0);
+        T m[16 * R], w[16 * R];
+        v sum[16 * R];
+        for (int r = 0; r < nr; ++r) { m[r] = Consts<T>::SENT; sum[r] = v{}; }
+        const T* xb = x + (b * N + i0) * D;
+        const T* yTb = yT + b * (int64_t)D * Mp;
+        const T* yyb = yy + b * Mp;
+        const T* hb = hs + b * Mp;
+        for (int64_t j0 = 0; j0 < Mp; j0 += bm) {  // pass A: row LSEs, costs kept
+          const int64_t j1 = std::min(Mp, j0 + bm);
+          lse_rows<T, R, NV, KIND, 0>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum, P, Mp);
+        }
+        for (int r = 0; r < nr; ++r) {
+          const int64_t i = b * N + i0 + r;
+          const T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log2(hsum(sum[r]));
+          rlse[i] = lse;
+          w[r] = alt_row_weight(ha[i], lse, lam);
+        }
+        col_states(P, Mp, nr, w, k, Mp, cm_g + b * Mp, cs_g + b * Mp);  // pass B
       }
-      for (int r = 0; r < nr; ++r) {
-        const int64_t i = b * N + i0 + r;
-        const T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log2(hsum(sum[r]));
-        rlse[i] = lse;
-        w[r] = alt_row_weight(ha[i], lse, lam);
-      }
-      col_states(P, Mp, nr, w, k, Mp, cm_t + b * Mp, cs_t + b * Mp);  // pass B
     }
   });
-  merge_col_states(cmax, csum, nth, per, clse);
+  merge_col_states(cmax.get(), csum.get(), G, per, clse, nth);
 }
 
 template <typename T>
