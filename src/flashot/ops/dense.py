@@ -12,17 +12,89 @@ clamp).  Those terms are set to exactly 0 instead, and every other term loses
 1.001 exp(floor): next to the row's largest term, which is 1, that is < 2^-125 in float32
 and < 2^-1021 in float64, so nothing representable changes, and zero weights (``-inf``)
 still contribute exactly nothing.
+
+Memory guard: before materialising a (B, N, M) matrix the engine checks its size against
+:func:`dense_max_bytes` (``FLASHOT_DENSE_MAX_BYTES``; default 1/16 of the machine's (or
+cgroup's) memory, or of the GPU's, at least 256 MiB: a differentiable call keeps a few such
+matrices alive) and raises :class:`DenseBudgetError` (a ``MemoryError``) that names the size,
+the budget, the variable and the streaming engines, instead of running the machine out of
+memory.  ``backend="auto"`` never picks ``dense`` above the budget (``ops/registry.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 from torch import Tensor
 
 from ..costs import Cost
 from .base import Weight, exp_floor
+
+
+DENSE_MAX_BYTES_ENV = "FLASHOT_DENSE_MAX_BYTES"
+MIN_DEFAULT_DENSE_BYTES = 256 << 20
+
+
+class DenseBudgetError(MemoryError):
+    """The dense engine would materialise a matrix above its memory budget."""
+
+
+def default_dense_max_bytes(device: torch.device | str = "cpu") -> int:
+    """1/16 of the memory of ``device`` (CPU: the machine's or the cgroup limit; CUDA: the GPU's), at
+    least 256 MiB; 1 GiB when unknown."""
+    device = torch.device(device)
+    return _default_bytes(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_bytes(kind: str, index) -> int:
+    device = torch.device(kind, index) if index is not None else torch.device(kind)
+    mem = None
+    if device.type == "cuda":
+        try:
+            mem = torch.cuda.get_device_properties(device).total_memory
+        except Exception:  # pragma: no cover - no CUDA here
+            mem = None
+    else:
+        from .cpu.engine import _memory_bytes
+
+        mem = _memory_bytes()
+    return 1 << 30 if mem is None else max(MIN_DEFAULT_DENSE_BYTES, mem // 16)
+
+
+def dense_max_bytes(device: torch.device | str = "cpu") -> int:
+    """The dense engine's budget for one (B, N, M) matrix, in bytes: ``FLASHOT_DENSE_MAX_BYTES`` (an
+    integer; read at each call) or :func:`default_dense_max_bytes`."""
+    v = os.environ.get(DENSE_MAX_BYTES_ENV)
+    if v is None or v.strip() == "":
+        return default_dense_max_bytes(device)
+    try:
+        n = int(float(v))
+    except ValueError:
+        raise ValueError(f"{DENSE_MAX_BYTES_ENV}: expected an integer number of bytes, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"{DENSE_MAX_BYTES_ENV}: expected a number of bytes >= 0, got {v!r}")
+    return n
+
+
+def dense_bytes(B: int, N: int, M: int, dtype: torch.dtype) -> int:
+    """Bytes of one (B, N, M) matrix of ``dtype``."""
+    return int(B) * int(N) * int(M) * dtype.itemsize
+
+
+def check_dense_budget(B: int, N: int, M: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    """Raise :class:`DenseBudgetError` when a (B, N, M) matrix of ``dtype`` exceeds :func:`dense_max_bytes`."""
+    need = dense_bytes(B, N, M, dtype)
+    budget = dense_max_bytes(device)
+    if need > budget:
+        raise DenseBudgetError(
+            f"backend='dense' (GeomLoss' 'tensorized') would materialise a {B} x {N} x {M} {dtype} matrix "
+            f"({need:,} bytes, several alive at once), above its budget of {budget:,} bytes; raise it with "
+            f"{DENSE_MAX_BYTES_ENV}=<bytes>, or use a streaming engine (memory O(N + M)): backend='auto' "
+            f"(SamplesLoss: 'online'), 'cpu', 'tiled' or 'triton'")
 
 
 def _exp_shifted(S: Tensor, m: Tensor) -> Tensor:
@@ -54,10 +126,12 @@ class DenseEngine:
         return None
 
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+        check_dense_budget(x.shape[0], x.shape[1], y.shape[1], x.dtype, x.device)
         C = cost.matrix(x, y)
         return -eps * _lse_last(h.unsqueeze(-2) - C / eps).squeeze(-1)
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
+        check_dense_budget(x.shape[0], x.shape[1], y.shape[1], x.dtype, x.device)
         C = cost.matrix(x, y)
         # row max taken out before exp (and put back after): exp(alpha + beta - C/eps)
         # directly loses ~1e-7 |alpha| in the exponent, which debiased p=1 gradients amplify.

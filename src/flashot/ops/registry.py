@@ -29,6 +29,11 @@ it moves these limits.
 
 Other devices keep ``dense`` up to ``DENSE_AUTO_LIMIT`` (not re-measured: no GPU here),
 then ``triton`` / ``tiled``.
+
+Memory: ``auto`` never picks ``dense`` for a (B, N, M) matrix above the dense engine's budget
+(``FLASHOT_DENSE_MAX_BYTES``, :func:`~flashot.ops.dense.dense_max_bytes`), and a forced
+``backend="dense"`` above it raises :class:`~flashot.ops.dense.DenseBudgetError` here, before any
+work (the engine checks again before each matrix, e.g. the N x N debiasing terms).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 
 from ..costs import Cost
 from .base import Engine
+from .dense import check_dense_budget, dense_bytes, dense_max_bytes
 
 __all__ = ["EngineUnavailable", "register_engine", "get_engine", "engine_names", "DENSE_AUTO_LIMIT",
            "CPU_DENSE_LIMIT", "CPU_DENSE_LIMIT_1T", "CPU_DENSE_MAX_D_1T"]
@@ -117,6 +123,7 @@ def get_engine(
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    B, N, M, D = size
     if backend != "auto":
         if backend not in _LOADERS:
             raise ValueError(f"backend: expected 'auto' or one of {engine_names()}, got {backend!r}")
@@ -124,9 +131,12 @@ def get_engine(
         if eng is None:
             raise ValueError(f"backend={backend!r} cannot run this problem: {why}. "
                              f"Use backend='auto' or 'tiled'.")
+        if backend == "dense":
+            check_dense_budget(B, N, M, dtype, device)  # before any work
         return eng
-    B, N, M, D = size
     pairs = B * N * M
+    # never materialise above the dense engine's memory budget, whatever the size rules say
+    allow_dense = allow_dense and dense_bytes(B, N, M, dtype) <= dense_max_bytes(device)
     if device.type == "cpu":
         if allow_dense and pairs <= CPU_DENSE_LIMIT:
             if torch.get_num_threads() > 1 or (pairs <= CPU_DENSE_LIMIT_1T and D < CPU_DENSE_MAX_D_1T):
