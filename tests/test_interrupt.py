@@ -124,7 +124,8 @@ def engine(request, lib, torch_threads):
 @pytest.mark.parametrize("at", [1, 7])
 def test_callback_interrupt(lib, engine, fresh, caller_flush, at):
     mode, eng = engine
-    prev = torch.set_flush_denormal(caller_flush)
+    was_flushing = lib.flashot_fp_bits() != 0  # (torch.set_flush_denormal returns support, not the old mode)
+    assert torch.set_flush_denormal(caller_flush) or not caller_flush
     try:
         before = lib.flashot_fp_bits()
 
@@ -139,7 +140,8 @@ def test_callback_interrupt(lib, engine, fresh, caller_flush, at):
         assert _same(_loss("int-cpu"), fresh[mode][1])
         _assert_state_clean(lib, eng, before)
     finally:
-        torch.set_flush_denormal(prev)
+        torch.set_flush_denormal(was_flushing)
+    assert (lib.flashot_fp_bits() != 0) == was_flushing
 
 
 @pytest.mark.parametrize("method", ["softmin_pair", "softmin_alt", "softmin_sym", "plan_product"])
