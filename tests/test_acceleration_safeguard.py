@@ -37,6 +37,7 @@ def _plan_error(res, n: int, m: int) -> float:
 
 
 def _solve(x, y, **kw):
+    kw.setdefault("eps_scaling", False)  # "plain" = plain steps at reg (no epsilon-scaling schedule)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # tol not reached: expected here
         return solve_sample(x, y, **kw)

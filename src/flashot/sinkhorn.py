@@ -207,6 +207,7 @@ def sinkhorn_loop(
     balanced = rho_x is None and rho_y is None
     a_log, b_log = m.a_log, m.b_log
     n_total = len(eps_list)
+    eps_final = eps_list[n_total - 1] if n_total else None
     progress = make_progress(verbose, n_total)
     want_err = tol is not None or callback is not None or progress.active
     B = a_log.shape[0]
@@ -242,7 +243,8 @@ def sinkhorn_loop(
 
             for it, eps in enumerate(eps_list, start=1):
                 lx, ly = damping(eps, rho_x), damping(eps, rho_y)
-                check = it % inner == 0 or it == n_total
+                # read the error every `inner` steps, at the end, and at the end of each eps level
+                check = it % inner == 0 or it == n_total or eps_list[it] != eps
                 need_err = acc is not None or (want_err and check)
                 if symmetric:
                     sx, sy = m.softmin_pair(m.h_a(f, eps), m.h_b(g, eps), eps)
@@ -316,7 +318,7 @@ def sinkhorn_loop(
                 if callback is not None:
                     if callback(IterationRecord(it, eps, err, time.perf_counter() - t0)) is True:
                         stopped = True
-                if tol is not None and err is not None:
+                if tol is not None and err is not None and eps == eps_final:  # not during eps-scaling
                     stop_at = stop_tol(tol, floor)
                     if stop_at is not None and err < stop_at:
                         converged = True

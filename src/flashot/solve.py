@@ -10,6 +10,8 @@ With ``unbalanced=`` the marginal constraints become KL penalties
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -125,6 +127,7 @@ def solve_sample(
     acceleration=None,
     verbose: bool = False,
     implicit: ImplicitDiff | None = None,
+    eps_scaling: bool | float | None = None,
 ) -> OTResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
@@ -165,6 +168,14 @@ def solve_sample(
         acceleration: None, :class:`flashot.Momentum` ``(omega)`` or :class:`flashot.Anderson` ``(m)``
             (log-domain, safeguarded; see :mod:`flashot.acceleration`).
         verbose: progress bar (tqdm if installed, else stderr lines) with iteration, eps, error.
+        eps_scaling: epsilon-scaling: iterations at ``eps = cmax, cmax/2, cmax/4, ...`` (3 at each,
+            ``cmax`` the largest cost) warm-start the ones at ``reg``; they count in ``max_iter``
+            and ``tol`` is only checked at ``reg`` (also after the first two steps, which run at
+            ``reg``: a problem they solve stops there).  ``None`` (default): on when ``reg < 3e-3
+            cmax`` with alternating updates, no ``potentials_init`` and no ``acceleration`` (there it needed up to 2.5x fewer
+            iterations and fixed 21 of 24 GeomLoss convex-gradient plans at reg = 1e-3; above it
+            it costs iterations); ``True``/``False``: on/off; a number in (0, 1): on, with that
+            ratio.  Not with ``acceleration``.
         implicit: :class:`~flashot.ImplicitDiff` settings (CG tolerance, iterations, ridge) of the
             second derivatives of ``value`` (``create_graph=True``, e.g. Hessian-vector products;
             balanced problems).
@@ -192,6 +203,7 @@ def solve_sample(
     rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type)
     is_unbalanced = rho_a is not None or rho_b is not None
     inner_iterations = check_int("inner_iterations", inner_iterations)
+    eps_scaling = _check_eps_scaling(eps_scaling)
     acceleration = check_acceleration(acceleration)
     if is_unbalanced and implicit is not None:
         raise NotImplementedError("implicit= (second derivatives) supports balanced OT only; use unbalanced=None")
@@ -211,7 +223,8 @@ def solve_sample(
     if potentials_init is not None:
         init = _check_init(potentials_init, m)
     st: SinkhornState = sinkhorn_loop(
-        m, _Repeat(reg, max_iter), symmetric=METHODS[method], tol=tol, init=init, callback=callback,
+        m, _Schedule(reg, max_iter, _scaling_head(m, reg, eps_scaling, init, acceleration, METHODS[method])),
+        symmetric=METHODS[method], tol=tol, init=init, callback=callback,
         rho_x=rho_a, rho_y=rho_b, inner_iterations=inner_iterations, acceleration=acceleration,
         verbose=verbose,
     )
@@ -240,21 +253,62 @@ def solve_sample(
     return res
 
 
-class _Repeat(Sequence):
-    """``[value] * n`` without the list (``max_iter`` may be large)."""
+class _Schedule(Sequence):
+    """``head + [value] * (n - len(head))`` without the list (``max_iter`` may be large): an
+    epsilon-scaling ``head`` (possibly empty), then ``value`` = reg."""
 
-    def __init__(self, value: float, n: int):
-        self.value, self.n = value, n
+    def __init__(self, value: float, n: int, head: Sequence[float] = ()):
+        self.value, self.n, self.head = value, n, list(head)[: max(n - 1, 0)]
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self.value] * len(range(*i.indices(self.n)))
+            return [self[k] for k in range(*i.indices(self.n))]
         if not -self.n <= i < self.n:
             raise IndexError(i)
-        return self.value
+        i = i % self.n
+        return self.head[i] if i < len(self.head) else self.value
+
+
+# eps-scaling: the first eps is the largest cost (an upper bound, Measures.cmax), each next one
+# EPS_SCALING_RATIO times the previous, EPS_SCALING_STEPS iterations each, until reg; with
+# eps_scaling=None it is used when reg < EPS_SCALING_AUTO * cmax and no potentials_init is given.
+# Measured (tests/test_eps_scaling.py, the solve_sample docstring): ratio 0.5 x 3 steps left no
+# GeomLoss convex-gradient plan wrong (1 step per level: 2 of 24; plain: 21 of 24) and needs no
+# more iterations than plain Sinkhorn from reg = 3e-3 cmax down (more above it: off there).
+EPS_SCALING_RATIO = 0.5
+EPS_SCALING_STEPS = 3
+EPS_SCALING_AUTO = 3e-3
+
+
+def _check_eps_scaling(v) -> float | None:
+    """None (auto) stays None; False -> 0 (off); True -> the default ratio; a ratio in (0, 1)."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return EPS_SCALING_RATIO if v else 0.0
+    if not isinstance(v, (int, float)) or not 0 < v < 1:
+        raise ValueError(f"eps_scaling: expected None (auto), True, False or a ratio in (0, 1), got {v!r}")
+    return float(v)
+
+
+def _scaling_head(m: Measures, reg: float, ratio: float | None, init, acceleration, symmetric: bool) -> list[float]:
+    """The temperatures run before the ones at ``reg`` (empty when eps-scaling is off)."""
+    if ratio is None:  # auto
+        auto = init is None and acceleration is None and not symmetric and reg < EPS_SCALING_AUTO * m.cmax
+        ratio = EPS_SCALING_RATIO if auto else 0.0
+    elif ratio > 0 and acceleration is not None:
+        raise ValueError("eps_scaling and acceleration: use one of them (extrapolating across changes of eps "
+                         "diverges); eps_scaling=None picks the schedule only without acceleration")
+    if ratio == 0.0 or not math.isfinite(m.cmax) or m.cmax <= reg:
+        return []
+    head, eps = [reg, reg], float(m.cmax)  # two steps at reg first: a problem they solve stops there
+    while eps > reg:
+        head += [eps] * EPS_SCALING_STEPS
+        eps *= ratio
+    return head
 
 
 def _check_positional_scalars(a, b, reg) -> None:
