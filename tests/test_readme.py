@@ -61,6 +61,9 @@ def test_readme_block_runs_as_written(src):
         finally:
             torch.set_num_threads(threads)
     results = _results(ns)
+    for name, v in ns.items():
+        if isinstance(v, flashot.BarycenterResult):
+            assert v.converged, f"README barycenter {name!r} did not converge in {v.n_iter} steps"
     for name, r in results.items():
         assert r.converged or r.stopped, f"README result {name!r} did not converge: {r.n_iter} iterations, error {r.error}"
     if "acceleration=" in src:  # the README says acceleration cuts the iterations: show it
