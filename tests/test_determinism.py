@@ -20,6 +20,9 @@ Claims checked here (measurements: benchmarks/CPU_ENGINE.md, "Determinism"):
   - ``auto`` on a pair used twice through the engine directly: the first call streams, the
     second builds the cached matrix (cost by a GEMM), whose rounding differs (<= 2e-6 (max C + eps)
     in float32, 1e-14 in float64).  ``FLASHOT_CPU_MODE=stream`` (or ``cache``) fixes the path.
+  - ``auto``'s engine for tiny problems depends on the thread count (``dense`` or ``cpu``).
+  - Not tested here (too slow at the size): torch's reductions over more than 32,768 elements
+    (front-end sums such as ``<a, f>``) split by thread count (7e-8 - 1.4e-7 relative, N = 1e5).
 """
 
 from __future__ import annotations
