@@ -92,7 +92,7 @@ if PROFILE == "long":
 import torch  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, event, given, note, settings, target  # noqa: E402
+from hypothesis import HealthCheck, assume, event, given, note, settings, target  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flashot  # noqa: E402
@@ -164,9 +164,13 @@ ENGINE_CHOICES = st.sampled_from(ENGINES + sorted(VARIANTS))
 
 
 def sized(engine: str, p: dict) -> str:
-    """Tiles of 1 or 37 elements loop in Python over every row: only for small problems (time)."""
-    if engine in ("tiled~1", "tiled~37") and (p["B"] or 1) * p["n"] * p["m"] > 2000:
+    """Tiles of 1 or 37 elements loop in Python over every row: only for small problems (time).
+    The Triton interpreter takes ~2.5 s per softmin at 300 x 300 (0.03 s at 20 x 20): triton
+    examples are limited to B N M <= 400 (larger draws are rejected)."""
+    pairs = (p["B"] or 1) * p["n"] * p["m"]
+    if engine in ("tiled~1", "tiled~37") and pairs > 2000:
         return "tiled~777"
+    assume(not (base(engine) == "triton" and pairs > 400))
     return engine
 
 
@@ -447,7 +451,7 @@ LOG_BLUR = st.floats(-4.0, 3.0)  # blur = 1e-4 .. 1e3 x the diameter
 # softmin
 
 
-@fuzz_settings(400, 10000)
+@fuzz_settings(600, 10000)
 @given(p=problems(), engine=ENGINE_CHOICES, cost=st.sampled_from(COSTS_OPS), log_blur=LOG_BLUR,
        hmode=st.sampled_from(["logw", "potential", "wild"]))
 def test_softmin(p, engine, cost, log_blur, hmode):
@@ -482,7 +486,7 @@ def test_softmin(p, engine, cost, log_blur, hmode):
     check_close(out, ref, tol, f"softmin[{engine}]")
 
 
-@fuzz_settings(200, 5000)
+@fuzz_settings(250, 5000)
 @given(p=problems(big_n=100), engine=ENGINE_CHOICES, cost=st.sampled_from(COSTS_OPS[:3]), log_blur=LOG_BLUR,
        hmode=st.sampled_from(["logw", "potential"]))
 def test_softmin_grad(p, engine, cost, log_blur, hmode):
@@ -543,7 +547,7 @@ def test_softmin_grad(p, engine, cost, log_blur, hmode):
 # plan products
 
 
-@fuzz_settings(400, 10000)
+@fuzz_settings(600, 10000)
 @given(p=problems(), engine=ENGINE_CHOICES, cost=st.sampled_from(COSTS_OPS), log_blur=LOG_BLUR,
        weight=st.sampled_from(["plan", "cost", "dcost"]), k=st.sampled_from([None, 1, 3]),
        noise=st.sampled_from([0.0, 1.0, 5.0]))
@@ -653,13 +657,19 @@ def ref_sinkhorn(C, la, lb, eps, iters: int, symmetric: bool):
     return f, g, max(big, finite_max(f), finite_max(g))
 
 
-@fuzz_settings(250, 4000)
+@fuzz_settings(300, 4000)
 @given(p=problems(max_n=16, big_n=100), engine=ENGINE_CHOICES,
        cost=st.sampled_from(["sqeuclidean", "half_sqeuclidean", "euclidean"]), log_blur=LOG_BLUR,
-       method=st.sampled_from(["sinkhorn_log", "symmetric"]), iters=st.integers(1, 12))
-def test_solve_sample(p, engine, cost, log_blur, method, iters):
+       method=st.sampled_from(["sinkhorn_log", "symmetric"]), iters=st.integers(1, 12),
+       scaling=st.sampled_from([False, False, None]))
+def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
+    """``eps_scaling=False``: iterate for iterate against the reference.  ``None`` (the default: an
+    epsilon-scaling schedule for alternating solves at small reg) is not replayed here: then only
+    the schedule-free facts are checked (finite potentials, ``value = <a, f> + <b, g>``, marginals of
+    the returned potentials' plan)."""
     engine = sized(engine, p)
-    note(p["desc"] + f" engine={engine} cost={cost} log_blur={log_blur:.3f} method={method} iters={iters}")
+    note(p["desc"] + f" engine={engine} cost={cost} log_blur={log_blur:.3f} method={method} iters={iters} "
+         f"eps_scaling={scaling}")
     dtype, isb = p["dtype"], p["B"] is not None
     eps, _ = temperature(p, cost, log_blur)
     x, x64 = cast(p["x"], dtype, isb, p["strided"])
@@ -670,8 +680,10 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters):
     def run():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # tol=None: no warning is expected
+            # eps_scaling=False: exactly ``iters`` plain iterations at ``reg`` (the reference below); the
+            # default switches alternating solves at small reg to an epsilon-scaling schedule
             return flashot.solve_sample(x, y, a, b, cost=cost, reg=eps, tol=None, max_iter=iters, method=method,
-                                        backend=engine)
+                                        backend=engine, eps_scaling=scaling)
 
     bad = nonfinite_inputs(X_a=x, X_b=y)
     if bad:
@@ -679,7 +691,14 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters):
         return
     if not (bool((a64.sum(-1) > 0).all()) and bool((b64.sum(-1) > 0).all())):
         return  # the rounding of skewed weights to a half-precision dtype left no mass
-    res = run()
+    gap = float(((a64.sum(-1) - b64.sum(-1)).abs() / torch.maximum(a64.sum(-1), b64.sum(-1))).max())
+    try:
+        res = run()
+    except ValueError as e:
+        # documented: balanced masses that differ by more than 1e-3 (weights rounded to bfloat16)
+        assert gap > 1e-3 and "a and b" in str(e) and "masses" in str(e), str(e)
+        event("outcome: documented ValueError (unequal masses after the cast)")
+        return
     assert res.backend == base(engine)
     C = ref_cost(x64, y64, cost)
     la, lb = a64.log(), b64.log()
@@ -693,11 +712,22 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters):
     note(f"eps={eps:.3g} cbox={cbox:.3g} big={big:.3g} e_pot={e_pot:.3g}")
     f, g = (batched(t, isb) for t in res.potentials)
     uo = _U_OUT[dtype]
-    check_close(f, f_ref, e_pot + 2 * uo * f_ref.abs(), f"solve_sample[{engine}] f")
-    check_close(g, g_ref, e_pot + 2 * uo * g_ref.abs(), f"solve_sample[{engine}] g")
     mass = a64.sum(-1) + b64.sum(-1)
-    check_close(batched(res.value, isb), value_ref, mass * e_pot + 2 * uo * value_ref.abs(),
-                f"solve_sample[{engine}] value")
+    if scaling is False:
+        check_close(f, f_ref, e_pot + 2 * uo * f_ref.abs(), f"solve_sample[{engine}] f")
+        check_close(g, g_ref, e_pot + 2 * uo * g_ref.abs(), f"solve_sample[{engine}] g")
+        check_close(batched(res.value, isb), value_ref, mass * e_pot + 2 * uo * value_ref.abs(),
+                    f"solve_sample[{engine}] value")
+    else:
+        fo = torch.finfo(dtype)
+        if dtype in (torch.float32, torch.float64):  # (float16 potentials may exceed 65504)
+            assert bool(torch.isfinite(f).all()) and bool(torch.isfinite(g).all()), "non-finite potentials"
+        pot = max(finite_max(f), finite_max(g))
+        if bool(torch.isfinite(f.double()).all()) and bool(torch.isfinite(g.double()).all()):
+            v64 = (a64 * f.double()).sum(-1) + (b64 * g.double()).sum(-1)
+            # the library sums the compute-dtype potentials, we the output-dtype ones: both roundings
+            check_close(batched(res.value, isb), v64, mass * (K_SOFTMIN * u + 2 * uo) * pot + 2 * fo.tiny * fo.eps * mass
+                        + 2 * uo * v64.abs(), f"solve_sample[{engine}] value = <a, f> + <b, g>")
     # marginals of the plan of the returned potentials (streamed by the engine) against the same
     # plan in float64; float16 outputs also round the potentials (by uo |f|)
     f64, g64 = f.double(), g.double()
@@ -718,7 +748,8 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters):
         lref = torch.logsumexp(lp, -1)
         refm = lref.exp()
         drop = DROP[cdt] * (lp.shape[-1] + 1) * lp.amax(-1).exp()
-        tol = (lref + log_amp).exp() + drop + 2 * uo * refm
+        ftz = (lp.shape[-1] + 2) * torch.finfo(cdt).tiny  # results below the smallest normal: flushed (cpu)
+        tol = (lref + log_amp).exp() + drop + ftz + 2 * uo * refm
         keep = torch.ones_like(refm, dtype=torch.bool)
         if base(engine) == "dense":
             # KNOWN BUG, not fixed here (ops/dense.py is not ours): a marginal whose exact value
@@ -728,8 +759,9 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters):
             #   y = (torch.randn(1, 4, 1, generator=g, dtype=torch.float64) + 0.5)[0]; reg = 1.3070698e-05
             #   flashot.solve_sample(x, y, reg=reg, tol=None, max_iter=1, method="symmetric",
             #                        backend="dense").marginals[0]  ->  [0.194, 0.224, 0.224, nan, 0.194]
-            # Excluded region: dense marginals whose reference overflows the compute dtype.
-            keep = lref <= math.log(torch.finfo(cdt).max)
+            # Excluded region: dense marginals that may overflow the compute dtype (reference times
+            # its uncertainty exp(rel): the library's own potentials are the unrounded ones).
+            keep = lref + max(log_amp, 0.0) <= math.log(torch.finfo(cdt).max)
         check_close(got[keep], refm[keep], tol[keep], f"solve_sample[{engine}] marginal {side}")
 
 
@@ -737,7 +769,7 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters):
 # SamplesLoss
 
 
-@fuzz_settings(200, 3000)
+@fuzz_settings(250, 3000)
 @given(p=problems(max_n=12, big_n=64), engine=ENGINE_CHOICES, pp=st.sampled_from([1, 2]), log_blur=LOG_BLUR,
        scaling=st.sampled_from([0.5, 0.7]), debias=st.booleans(), weighted=st.booleans())
 def test_samples_loss(p, engine, pp, log_blur, scaling, debias, weighted):
