@@ -130,16 +130,19 @@ def test_tiny_reg_converged_only_if_right(backend):
 @pytest.mark.parametrize("backend", ["dense", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_unequal_masses_advice(backend, dtype):
-    """Balanced OT between measures of masses 1 and 0.9: the L1 error is at least the gap / 2
-    (closed form lower bound), so the advice names the masses, not max_iter."""
+    """Balanced OT between measures of masses 1 and 0.9995 (below the ValueError threshold
+    MASS_RTOL = 1e-3): the L1 error is at least the gap / 2 (closed form lower bound), so the
+    advice names the masses, not max_iter.  Masses 1 and 0.9 are refused upfront (issue 14)."""
     x, y = _cloud(30, 8).to(dtype), _cloud(20, 9).to(dtype)
     a = torch.full((30,), 1 / 30, dtype=dtype)
-    b = torch.full((20,), 0.9 / 20, dtype=dtype)
+    b = torch.full((20,), 0.9995 / 20, dtype=dtype)
     with pytest.warns(RuntimeWarning, match="did not reach tol") as rec:
         res = solve_sample(x, y, a, b, reg=0.1, backend=backend, max_iter=200)
     msg = str(rec[-1].message)
     assert "mass" in msg and "unbalanced" in msg and "raise max_iter" not in msg, msg
-    assert res.error >= 0.05 - 1e-6  # |P 1 - a|_1 + ... >= |m(a) - m(b)| / 2
+    assert res.error >= 2.5e-4 * 0.99  # |P 1 - a|_1 + ... >= |m(a) - m(b)| / 2
+    with pytest.raises(ValueError, match=r"a and b: balanced OT needs equal total masses, got 1 and 0\.9"):
+        solve_sample(x, y, a, torch.full((20,), 0.9 / 20, dtype=dtype), reg=0.1, backend=backend)
 
 
 def test_floor_cap_is_small():

@@ -78,7 +78,7 @@ class OTResult:
         if not self._numpy:
             return t
         t = t.detach().cpu()
-        return float(t) if t.dim() == 0 else t.numpy()
+        return t.numpy()[()] if t.dim() == 0 else t.numpy()  # a numpy scalar of the input's dtype
 
     @cached_property
     def value_linear(self):
@@ -111,17 +111,22 @@ def solve_sample(
     X_b,
     a=None,
     b=None,
-    *,
-    cost: str = "sqeuclidean",
     metric: str | None = None,
     reg: float | None = None,
-    max_iter: int | None = None,
-    tol: float | None = 1e-6,
-    method: str = "auto",
-    backend: str = "auto",
-    potentials_init: tuple | None = None,
+    *,
+    cost: str = "sqeuclidean",
+    reg_type: str = "KL",
     unbalanced=None,
     unbalanced_type: str = "KL",
+    lazy: bool | None = None,
+    batch_size: int | None = None,
+    method: str | None = "auto",
+    n_threads: int | None = None,
+    max_iter: int | None = None,
+    potentials_init: tuple | None = None,
+    tol: float | None = 1e-6,
+    grad: str = "autodiff",
+    backend: str = "auto",
     callback: Callable[[IterationRecord], bool | None] | None = None,
     inner_iterations: int = 10,
     acceleration=None,
@@ -135,7 +140,20 @@ def solve_sample(
         X_a, X_b: (N, D) and (M, D) points, or (B, N, D) / (B, M, D); torch or numpy.
         a, b: weights (N,), (M,) (or batched); uniform when None.
         cost: ``"sqeuclidean"`` (|x-y|^2), ``"half_sqeuclidean"`` or ``"euclidean"``.
-            ``metric`` is POT's name for the same argument.
+            ``metric`` is POT's name for the same argument.  POT's positional order works:
+            ``solve_sample(X_a, X_b, a, b, metric, reg)``; ``a=[]`` / ``b=[]`` mean uniform.
+        reg_type, lazy, batch_size, n_threads: POT's options, accepted: the regulariser is
+            ``KL(P | a x b)`` (POT's default ``"KL"``; ``"entropy"`` differs by a constant),
+            the plan is always lazy, the engines choose their tiles and threads.
+        method: ``"auto"`` / ``"sinkhorn"`` / ``"sinkhorn_log"`` / ``"alternating"`` (alternating
+            log-domain updates) or ``"symmetric"`` (averaged, GeomLoss-style); POT's
+            ``"sinkhorn_stabilized"`` and ``"sinkhorn_epsilon_scaling"`` map to alternating updates
+            (the latter with ``eps_scaling=True``), ``"geomloss*"`` to ``"symmetric"``.
+        grad: POT's ``"autodiff"``, ``"envelope"`` and ``"last_step"`` all give flashot's analytic
+            gradients (envelope theorem at the returned potentials; equal to autodiff through the
+            iterations at convergence); ``"detach"`` returns detached outputs.
+        a, b balanced: total masses that differ by more than ``MASS_RTOL`` (1e-3, relative) raise
+            ``ValueError`` (no coupling exists; use ``unbalanced=``).
         reg: the entropic regularisation epsilon (> 0, required).
         max_iter: iterations (default 1000).  With ``tol=None`` exactly ``max_iter`` run.
         tol: stop when the error drops below it (default 1e-6): the L1 marginal violation
@@ -183,9 +201,13 @@ def solve_sample(
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
     """
+    method, eps_scaling = _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad)
+    a, b = (None if _pot_uniform(w) else w for w in (a, b))
     if metric is not None:
         if not isinstance(metric, str):
-            raise TypeError(f"metric: expected a cost name (string), got {type(metric).__name__}")
+            hint = f"; POT's order is (X_a, X_b, a, b, metric, reg): did you mean reg={metric!r}?" \
+                if isinstance(metric, (int, float)) and not isinstance(metric, bool) else ""
+            raise TypeError(f"metric: expected a cost name (string), got {type(metric).__name__}{hint}")
         if cost != "sqeuclidean" and metric != cost:
             raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
         cost = metric
@@ -200,7 +222,7 @@ def solve_sample(
     if callback is not None and not callable(callback):
         raise TypeError(f"callback: expected a callable (or None), got {type(callback).__name__}")
     verbose = check_bool("verbose", verbose)
-    rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type)
+    rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type) if unbalanced is not None else (None, None)
     is_unbalanced = rho_a is not None or rho_b is not None
     inner_iterations = check_int("inner_iterations", inner_iterations)
     eps_scaling = _check_eps_scaling(eps_scaling)
@@ -219,6 +241,8 @@ def solve_sample(
 
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
     check_eps_scale("reg", reg, m.cmax, m.x.dtype)
+    if not is_unbalanced:
+        _check_equal_masses(m)
     init = None
     if potentials_init is not None:
         init = _check_init(potentials_init, m)
@@ -247,10 +271,62 @@ def solve_sample(
         stopped=st.stopped,
         unbalanced=(rho_a, rho_b) if is_unbalanced else None,
     )
+    if grad == "detach":
+        value, value_dual, f, g = value.detach(), value_dual.detach(), f.detach(), g.detach()
     res.value = res._out(m.restore(value))
     res.value_dual = res._out(m.restore(value_dual))
     res.potentials = (res._out(m.restore(f)), res._out(m.restore(g)))
     return res
+
+
+# POT's method names (ot.solve_sample / ot.sinkhorn) -> ours; eps_scaling forced where the name says so
+POT_METHODS = {"sinkhorn_stabilized": ("sinkhorn", None), "sinkhorn_epsilon_scaling": ("sinkhorn", True),
+               "geomloss": ("symmetric", None), "geomloss_auto": ("symmetric", None),
+               "geomloss_tensorized": ("symmetric", None), "geomloss_online": ("symmetric", None)}
+GRADS = ("autodiff", "envelope", "last_step", "detach")
+# a balanced problem whose masses differ by more than this (relative) has no coupling: ValueError
+MASS_RTOL = 1e-3
+
+
+def _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad):
+    """POT's solve_sample options: map or accept them, or raise naming the mapping."""
+    if method is None:
+        method = "auto"
+    if isinstance(method, str) and method in POT_METHODS:
+        method, forced = POT_METHODS[method]
+        eps_scaling = forced if eps_scaling is None else eps_scaling
+    elif isinstance(method, str) and method not in METHODS:
+        raise ValueError(f"method: expected one of {sorted(METHODS) + sorted(POT_METHODS)}, got {method!r} "
+                         "(greenkhorn / screenkhorn / exact solvers: use POT; every flashot method is a "
+                         "log-domain Sinkhorn)")
+    if not isinstance(reg_type, str) or reg_type.lower() not in ("kl", "entropy"):
+        raise ValueError(f"reg_type: flashot regularises with KL(P | a x b) ('KL', POT's default; 'entropy' "
+                         f"differs by a constant for fixed a, b), got {reg_type!r}")
+    if lazy is not None and not isinstance(lazy, bool):
+        raise TypeError(f"lazy: expected a bool (flashot's plan is always lazy), got {type(lazy).__name__}")
+    for name, v in (("batch_size", batch_size), ("n_threads", n_threads)):
+        if v is not None:
+            check_int(name, v)  # accepted for POT compatibility; the engines choose tiles and threads
+    if grad not in GRADS:
+        raise ValueError(f"grad: expected one of {GRADS}, got {grad!r}")
+    return method, eps_scaling
+
+
+def _pot_uniform(w) -> bool:
+    """POT's ``a=[]`` / ``b=[]`` (an empty list or array) means uniform weights."""
+    return (isinstance(w, (list, tuple)) and len(w) == 0) or (isinstance(w, np.ndarray) and w.size == 0)
+
+
+def _check_equal_masses(m: Measures) -> None:
+    """Balanced OT needs sum(a) = sum(b); masses that differ beyond rounding have no coupling."""
+    ma, mb = m.a.detach().double().sum(-1), m.b.detach().double().sum(-1)
+    gap = (ma - mb).abs() / torch.maximum(ma, mb)
+    if bool((gap > MASS_RTOL).any()):
+        k = int(gap.argmax())
+        raise ValueError(
+            f"a and b: balanced OT needs equal total masses, got {float(ma[k]):.6g} and {float(mb[k]):.6g}; "
+            "normalise the weights, or use unbalanced= (KL marginal penalties)"
+        )
 
 
 class _Schedule(Sequence):
