@@ -136,3 +136,13 @@ def test_to_dense_refuses_above_its_limit(monkeypatch):
                                        blur=0.5, backend="tiled")
     with pytest.raises(MemoryError, match=f"{n * n:,} entries"):
         big.to_dense()
+
+
+def test_to_dense_also_respects_the_byte_budget(monkeypatch):
+    """A plan under max_elems but above FLASHOT_DENSE_MAX_BYTES is refused before any matrix is built."""
+    x, y = torch.randn(40, 2), torch.randn(30, 2)
+    plan = flashot.SamplesLoss("sinkhorn", blur=0.5).plan(x, y)
+    monkeypatch.setenv(DENSE_MAX_BYTES_ENV, str(40 * 30 * 4 - 1))
+    monkeypatch.setattr(Cost, "matrix", lambda *a, **k: (_ for _ in ()).throw(AssertionError("built")))
+    with pytest.raises(MemoryError, match=DENSE_MAX_BYTES_ENV):
+        plan.to_dense()

@@ -120,7 +120,8 @@ class LazyPlan:
         return self._apply_raw(self._ones(), "cost")[..., 0].sum(-1)
 
     def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT):
-        """Materialise ``P``; refuses above ``max_elems`` entries (``MemoryError``)."""
+        """Materialise ``P``; refuses above ``max_elems`` entries, or above the dense engine's byte
+        budget ``FLASHOT_DENSE_MAX_BYTES`` (both ``MemoryError``)."""
         max_elems = check_int("max_elems", max_elems, minimum=0)
         n = int(np.prod(self.shape))
         if n > max_elems:
@@ -129,6 +130,9 @@ class LazyPlan:
                 "use plan @ V, plan.T @ U or raise max_elems explicitly"
             )
         x, y, alpha, beta = self._sides()
+        from .ops.dense import check_dense_budget  # the dense engine's byte budget (FLASHOT_DENSE_MAX_BYTES)
+
+        check_dense_budget(x.shape[0], x.shape[1], y.shape[1], x.dtype, x.device)
         with torch.no_grad():
             C = self._m.cost.matrix(x, y)
             P = torch.exp(alpha.unsqueeze(-1) + beta.unsqueeze(-2) - C / self.eps)
