@@ -38,13 +38,13 @@ __all__ = ["KERNELS", "kernel_loss", "hausdorff_loss"]
 
 
 def _engine_for(name: str, m: Measures, backend: str):
-    """The energy kernel needs eps = +inf (no exponential), which the compiled engines refuse."""
-    if name != "energy" or m.engine.name in ("dense", "tiled"):
+    """The energy kernel needs eps = +inf (no exponential): the dense, tiled and cpu engines take it."""
+    if name != "energy" or m.engine.name in ("dense", "tiled", "cpu"):
         return m.engine
     if backend not in ("auto", "online"):
         raise ValueError(
             f"loss='energy' does not run on backend={backend!r} (its kernel -|x - y| has no exponential, "
-            "which that engine's kernels assume); use backend='tiled' or 'auto'"
+            "which that engine's kernels assume); use backend='cpu', 'tiled' or 'auto'"
         )
     return get_engine("tiled", device=m.x.device, dtype=m.x.dtype, cost=m.cost)
 

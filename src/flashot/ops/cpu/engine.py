@@ -328,7 +328,7 @@ class CpuEngine:
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
         if weight not in WEIGHTS:
             raise ValueError(f"weight: expected one of {WEIGHTS}, got {weight!r}")
-        x, y, eps = self._check_xy(x, y, eps, cost)
+        x, y, eps = self._check_xy(x, y, eps, cost, allow_inf=True)  # eps = inf: the energy kernel
         B, N, D = x.shape
         M = y.shape[1]
         alpha = self._check_vec(alpha, "alpha", (B, N), x)
@@ -407,7 +407,7 @@ class CpuEngine:
     def _nthreads(self) -> int:
         return int(self.threads or torch.get_num_threads())
 
-    def _check_xy(self, x, y, eps, cost):
+    def _check_xy(self, x, y, eps, cost, allow_inf: bool = False):
         for nm, t in (("x", x), ("y", y)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{nm}: expected a torch.Tensor, got {type(t).__name__}")
@@ -422,7 +422,7 @@ class CpuEngine:
             raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)}: batch and feature sizes differ")
         if isinstance(eps, Tensor):
             eps = float(eps)
-        if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        if not isinstance(eps, (int, float)) or not (math.isfinite(eps) or (allow_inf and eps == math.inf)) or eps <= 0:
             raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
         if x.requires_grad or y.requires_grad:
             x, y = x.detach(), y.detach()
