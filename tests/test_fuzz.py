@@ -1,13 +1,15 @@
 """Property-based fuzzing (hypothesis) of every engine against a float64 dense reference.
 
-Targets: ``flashot.ops.softmin``, ``flashot.ops.plan_product`` (weights plan / cost / dcost),
-``flashot.solve_sample`` (value, potentials, marginals) and ``flashot.SamplesLoss`` (value and
-gradients in both clouds), on the engines ``dense``, ``tiled`` and ``cpu`` (and ``triton``
-through its interpreter in the long profile).
+Targets: ``flashot.ops.softmin`` (value, and gradients in x, y, h), ``flashot.ops.plan_product``
+(weights plan / cost / dcost), ``flashot.solve_sample`` (value, potentials, marginals) and
+``flashot.SamplesLoss`` (value and gradients in both clouds), on the engines ``dense``, ``tiled``
+and ``cpu`` plus variants registered for this module only (``tiled`` with 1-, 37- and
+777-element tiles; ``cpu`` streamed-only, cached-matrix, and either micro-kernel shape), and
+``triton`` through its interpreter in the long profile.
 
-Problems (:func:`problems`): batched or not (B = 1..3), N and M from 1 (often exactly 1),
-d in {1, 2, 3, 5, 16, 1000}, dtypes float64 / float32 / float16 / bfloat16 (half precision is
-computed in float32), coordinate scales 1e-4..1e4, offsets up to 1e5, blur 1e-4..1e3 x the
+Problems (:func:`problems`): batched or not (B = 1..3), N and M from 1 (often exactly 1) to 300,
+d in {1, 2, 3, 5, 16, 1000}, contiguous or strided views, dtypes float64 / float32 / float16 /
+bfloat16 (half precision is computed in float32), coordinate scales 1e-4..1e4, offsets up to 1e5, blur 1e-4..1e3 x the
 diameter (temperature ``eps = blur^p``: 1e-8..1e6 x the squared diameter for squared costs),
 weights spread over up to 30 decades, zero weights, duplicated points (within a cloud and
 across the clouds).
@@ -19,9 +21,13 @@ solvers are compared iterate for iterate: the reference replays the documented i
 updates from the softmins of the log-weights, then one parallel final update;
 ``SamplesLoss``: the same symmetric loop over the epsilon-scaling schedule, debiasing
 potentials alongside, final step differentiable w.r.t. the output side's points only).
+``solve_sample`` runs with ``tol=None`` (exactly ``max_iter`` = 1..12 iterations) and
+``eps_scaling=False`` for that comparison; with the default ``eps_scaling=None`` (a schedule
+not replayed here) only the schedule-free facts are checked.
 
 Allowed outcomes: agreement within the tolerance below, or a documented ``ValueError`` naming
-the argument (only for inputs that the cast to the dtype under test made non-finite).  NaN or
+the argument (only for inputs that the cast to the dtype under test made non-finite, and for
+balanced weights whose masses the rounding to bfloat16 made differ by more than 1e-3).  NaN or
 Inf in an output of valid input is a failure, except +-Inf where the reference plus its
 tolerance overflows the output dtype (IEEE overflow of the requested type: float16 outputs
 above 65504, marginals of an early Sinkhorn iterate above 1e308).  Two regions are excluded, each
@@ -56,13 +62,15 @@ inputs) plus the output dtype's own rounding (and subnormal spacing):
   ``|grad_i| <= 2 sum_j pi_ij |w_ij| |x_i - y_j|`` (true for the exact gradient): the honest
   float32 limit, not a loosened test.
 * Measured (``--hypothesis-show-statistics`` prints the ``max err/tol`` buckets; the search is
-  steered towards the worst ratio with ``hypothesis.target``): the largest error seen in
-  thousands of random examples per target is ~0.1-0.5 of these bounds.
+  steered towards the worst ratio with ``hypothesis.target``): the largest errors seen in
+  thousands of random examples per target are 0.1-0.7 of these bounds (the safety factors
+  ``K_* = 16`` cover the constants the first-order bounds leave out).
 
-Profiles: ``ci`` (default: 400-1000 examples per target, derandomized so CI is deterministic,
-no example database, one intra-op thread; the file runs in ~11 s here) and ``long``
-(``FLASHOT_FUZZ=long``: 3,000-10,000 fresh random examples per target, default threads, the
-``triton`` engine through its interpreter when Triton is installed).  The profiles are
+Profiles: ``ci`` (default: 250-600 examples per target, derandomized so CI is deterministic,
+no example database, one intra-op thread; the file runs in ~11 s on two cores at load 3, 45 s
+at load 8) and ``long`` (``FLASHOT_FUZZ=long``: 3,000-10,000 fresh random examples per target,
+default threads, the ``triton`` engine through its interpreter when Triton is installed, its
+examples limited to B N M <= 400; expect an hour or more).  The profiles are
 registered here and applied per test, not loaded globally, so other test files keep their own
 hypothesis settings.  Run the long one with::
 
