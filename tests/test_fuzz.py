@@ -30,10 +30,10 @@ the argument (only for inputs that the cast to the dtype under test made non-fin
 balanced weights whose masses the rounding to bfloat16 made differ by more than 1e-3).  NaN or
 Inf in an output of valid input is a failure, except +-Inf where the reference plus its
 tolerance overflows the output dtype (IEEE overflow of the requested type: float16 outputs
-above 65504, marginals of an early Sinkhorn iterate above 1e308).  Two regions are excluded, each
-with a comment at the check: plan products whose plan *entries* overflow the compute dtype, and
-the ``dense`` engine's NaN (instead of +-Inf) where an exact plan product overflows (a known
-bug outside this file's scope; the repro is in the comment).
+above 65504, marginals of an early Sinkhorn iterate above 1e308).  One region is excluded, with a
+comment at the check: plan products whose plan *entries* overflow the compute dtype.  (The
+``dense`` engine's NaN instead of +-Inf where an exact plan product overflows, found here, is
+fixed: tests/test_dense_overflow.py.)
 
 Tolerances (one place: the constants below), as absolute bounds derived from the rounding unit
 ``u`` of the *compute* dtype (2^-53 float64, 2^-24 float32, also for float16 / bfloat16
@@ -626,12 +626,8 @@ def test_plan_product(p, engine, cost, log_blur, weight, k, noise):
     # dtype's largest number (unrealistic for a Sinkhorn plan, whose entries are <= 1; reached here
     # by alpha rounded to bfloat16 at eps ~ 1e-7 cbox).  There the intermediate overflows and every
     # engine may return +-inf (or NaN from inf - inf) even where the sum with V is representable.
-    # This region also holds a KNOWN BUG of the dense engine (ops/dense.py, not ours to fix): where
-    # the exact product overflows, dense returns NaN instead of +-inf (its row factor
-    # exp(alpha_i + max_j) is inf and multiplies a term that underflowed to exactly 0).  Repro:
-    #   x = [[0.], [1.]], y = [[0.], [3.]], alpha = [800., 0.], beta = [0., 0.], V = [1., -1.] (float64),
-    #   ops.plan_product(x, y, alpha, beta, 0.01, V, backend="dense")  ->  [nan, 3.7e-44]
-    #   (tiled, cpu and the float64 reference: [inf, 3.7e-44])
+    # (The dense engine returned NaN instead of +-inf where the exact product overflows; fixed,
+    # regression test in tests/test_dense_overflow.py.)
     log_big = math.log(torch.finfo(cdt).max) - 1.0
     expo = alpha64.unsqueeze(-1) + beta64.unsqueeze(-2) - C / eps
     keep = (expo.amax(-1) <= log_big).unsqueeze(-1).expand_as(ref)
@@ -758,18 +754,7 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
         drop = DROP[cdt] * (lp.shape[-1] + 1) * lp.amax(-1).exp()
         ftz = (lp.shape[-1] + 2) * torch.finfo(cdt).tiny  # results below the smallest normal: flushed (cpu)
         tol = (lref + log_amp).exp() + drop + ftz + 2 * uo * refm
-        keep = torch.ones_like(refm, dtype=torch.bool)
-        if base(engine) == "dense":
-            # KNOWN BUG, not fixed here (ops/dense.py is not ours): a marginal whose exact value
-            # overflows the compute dtype comes back NaN from dense (tiled / cpu: +inf), e.g. after
-            # one symmetric iteration at a small reg.  Repro (float64):
-            #   g = torch.Generator().manual_seed(230); x = torch.randn(1, 5, 1, generator=g, dtype=torch.float64)[0]
-            #   y = (torch.randn(1, 4, 1, generator=g, dtype=torch.float64) + 0.5)[0]; reg = 1.3070698e-05
-            #   flashot.solve_sample(x, y, reg=reg, tol=None, max_iter=1, method="symmetric",
-            #                        backend="dense").marginals[0]  ->  [0.194, 0.224, 0.224, nan, 0.194]
-            # Excluded region: dense marginals that may overflow the compute dtype (reference times
-            # its uncertainty exp(rel): the library's own potentials are the unrounded ones).
-            keep = lref + max(log_amp, 0.0) <= math.log(torch.finfo(cdt).max)
+        keep = torch.ones_like(refm, dtype=torch.bool)  # (dense's NaN here was fixed: tests/test_dense_overflow.py)
         check_close(got[keep], refm[keep], tol[keep], f"solve_sample[{engine}] marginal {side}")
 
 

@@ -56,6 +56,10 @@ def _log64(w: Tensor) -> Tensor:
     return torch.where(uniform, torch.full_like(out, -math.log(n)), out)
 
 
+# balanced problems: total masses that differ by more than this (relative) have no coupling
+MASS_RTOL = 1e-3
+
+
 @dataclass
 class Measures:
     x: Tensor  # (B, N, D), centred, compute dtype (keeps autograd history)
@@ -202,6 +206,19 @@ class Measures:
         # high temperature (see h_a): float64 value; autograd goes back through the cast
         out64 = softmin_fn(out.double(), src.double(), h.detach(), eps, self.cost, self._engine64)
         return out64.to(self.x.dtype)
+
+    def unequal_masses(self) -> tuple[float, float] | None:
+        """``(sum a, sum b)`` of the first problem whose total masses differ by more than
+        ``MASS_RTOL`` (relative; 8 rounding units for float16 / bfloat16 inputs: bfloat16 weights
+        of 1/3 sum to 1.00195), else None.  Balanced OT has no coupling between such measures."""
+        with torch.no_grad():
+            ma, mb = self.a.double().sum(-1), self.b.double().sum(-1)
+            gap = (ma - mb).abs() / torch.maximum(ma, mb)
+        rtol = MASS_RTOL
+        if self.out_dtype in (torch.float16, torch.bfloat16):
+            rtol = max(rtol, 8 * torch.finfo(self.out_dtype).eps)
+        k = int(gap.argmax())
+        return (float(ma[k]), float(mb[k])) if float(gap[k]) > rtol else None
 
     def restore(self, t: Tensor) -> Tensor:
         """Drop the batch axis if the input had none and cast to the input dtype."""

@@ -18,7 +18,7 @@ from torch import Tensor
 from ._checks import check_bool, check_eps_scale, check_positive, check_power
 from .implicit import check_implicit, sinkhorn_value
 from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss
-from .measures import Measures
+from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
 from .sinkhorn import final_step, sinkhorn_loop
@@ -35,24 +35,18 @@ _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
 
 
-# balanced problems: weights whose total masses differ by more than this (relative) get a warning
-MASS_RTOL = 1e-3
 
 
 def _warn_unequal_masses(m: Measures) -> None:
     """Balanced OT between measures of different total masses has no coupling: GeomLoss returns a
     number anyway (its symmetric iterations stop after a fixed schedule), and so do we, with a
-    ``RuntimeWarning``.  Uniform weights never trigger it; half-precision weights of equal
-    intended mass differ by ~5e-4 at most (below ``MASS_RTOL``)."""
-    with torch.no_grad():
-        ma, mb = m.a.double().sum(-1), m.b.double().sum(-1)
-        gap = (ma - mb).abs() / torch.maximum(ma, mb)
-        k = int(gap.argmax())
-        if float(gap[k]) > MASS_RTOL:
-            warnings.warn(
-                f"α and β: total masses differ ({float(ma[k]):.6g} vs {float(mb[k]):.6g}): balanced OT assumes "
-                "equal masses, and the value returned (GeomLoss' schedule) is not a transport cost; normalise "
-                "the weights, or use reach= (unbalanced OT)", RuntimeWarning, stacklevel=3)
+    ``RuntimeWarning`` (threshold: :meth:`Measures.unequal_masses`).  Uniform weights never trigger it."""
+    masses = m.unequal_masses()
+    if masses is not None:
+        warnings.warn(
+            f"α and β: total masses differ ({masses[0]:.6g} vs {masses[1]:.6g}): balanced OT assumes "
+            "equal masses, and the value returned (GeomLoss' schedule) is not a transport cost; normalise "
+            "the weights, or use reach= (unbalanced OT)", RuntimeWarning, stacklevel=3)
 
 
 class SamplesLoss(torch.nn.Module):

@@ -137,9 +137,11 @@ class DenseEngine:
         # directly loses ~1e-7 |alpha| in the exponent, which debiased p=1 gradients amplify.
         S = beta.unsqueeze(-2) - C / eps
         m = S.amax(-1, keepdim=True).clamp_min(torch.finfo(S.dtype).min)
-        P = _exp_shifted(S, m) * torch.exp(alpha.unsqueeze(-1) + m)
+        P = _exp_shifted(S, m)
         if weight == "cost":
             P = P * C
         elif weight == "dcost":
             P = P * cost.dcost_weight(C)
-        return P @ V
+        # the row factor exp(alpha + m) goes on after the sum: where it overflows, the row is +-inf
+        # (as in the streaming engines), not inf * 0 = NaN from the terms that underflowed
+        return (P @ V) * torch.exp(alpha.unsqueeze(-1) + m)
