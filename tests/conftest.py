@@ -37,3 +37,9 @@ def cpu_lib():
         return build.load()
     except build.BuildError as e:  # pragma: no cover - no toolchain
         pytest.skip(f"no compiled CPU engine: {str(e)[:200]}")
+
+
+@pytest.fixture(scope="module")
+def lib(cpu_lib):
+    """Short name of :func:`cpu_lib` (the kernel-level tests call it ``lib``)."""
+    return cpu_lib

@@ -27,10 +27,6 @@ FTZ, DAZ, SEEN = 1, 2, 4
 DENSE = DenseEngine()
 
 
-@pytest.fixture(scope="module")
-def lib(cpu_lib):
-    return cpu_lib
-
 
 def _probe(lib) -> list[int]:
     buf = (ctypes.c_int * 256)()

@@ -19,11 +19,6 @@ from flashot.ops.dense import DenseEngine
 C = get_cost("sqeuclidean")
 
 
-@pytest.fixture(scope="module")
-def lib(cpu_lib):
-    return cpu_lib
-
-
 def _problem(seed, n=700, m=650, d=5, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(1, n, d, generator=g, dtype=dtype), torch.randn(1, m, d, generator=g, dtype=dtype),

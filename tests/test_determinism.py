@@ -40,11 +40,6 @@ from flashot.costs import get_cost
 SQ, EU = get_cost("sqeuclidean"), get_cost("euclidean")
 
 
-@pytest.fixture(scope="module")
-def lib(cpu_lib):
-    return cpu_lib
-
-
 @pytest.fixture
 def torch_threads():
     n = torch.get_num_threads()

@@ -35,11 +35,6 @@ REG = 0.5
 THREADS = 2
 
 
-@pytest.fixture(scope="module")
-def lib(cpu_lib):
-    return cpu_lib
-
-
 @pytest.fixture
 def torch_threads():
     n = torch.get_num_threads()

@@ -119,6 +119,11 @@ def free_support_barycenter(
     numItermax, numInnerItermax = check_int("numItermax", numItermax), check_int("numInnerItermax", numInnerItermax)
     is_np, X, Ys, As, b, lam = _check_inputs(measures_locations, measures_weights, X_init, b, weights)
     groups = _groups(Ys, As)
+    # each group's lambda_k / b_i, (B, M, 1): T = sum_k lambda_k (P_k Y_k) / b
+    M = X.shape[0]
+    b_col = (torch.full((M,), 1.0 / M, dtype=X.dtype, device=X.device) if b is None else b).view(1, -1, 1)
+    scales = [torch.tensor([lam[k] for k in idx], dtype=X.dtype, device=X.device).view(-1, 1, 1) / b_col
+              for idx, _, _ in groups]
     inits: dict[int, tuple | None] = {i: None for i in range(len(groups))}
     res = BarycenterResult(X, 0, False)
     with torch.no_grad(), warnings.catch_warnings():
@@ -133,11 +138,7 @@ def free_support_barycenter(
                                  potentials_init=inits[gi], backend=backend)
                 inits[gi] = r.potentials
                 inner += r.n_iter
-                PY = r.plan @ Yg  # (B, M, D): streamed
-                w = torch.tensor([lam[k] for k in idx], dtype=X.dtype, device=X.device).view(B, 1, 1)
-                bw = (torch.full((X.shape[0],), 1.0 / X.shape[0], dtype=X.dtype, device=X.device)
-                      if b is None else b).view(1, -1, 1)
-                T = T + (w * PY / bw).sum(0)
+                T = T + (scales[gi] * (r.plan @ Yg)).sum(0)  # plan @ Yg: (B, M, D), streamed
             disp = float(((T - X) ** 2).sum())
             X = T
             res.displacement_square_norms.append(disp)
