@@ -74,6 +74,9 @@ def test_float32_torch_and_stopping():
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, X, 0.5, weights=[1, -1, 1, 1]), ValueError, "weights"),
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, X, 0.5, numItermax=0), ValueError, "numItermax"),
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, "X", 0.5), TypeError, "X_init"),
+        (lambda Y, A, X: flashot.free_support_barycenter(Y, [A[0][:-1]] + A[1:], X, 0.5), ValueError,
+         r"measures_weights\[0\]: expected shape \(30,\)"),
+        (lambda Y, A, X: flashot.free_support_barycenter(Y, A, X, 0.5, inner_tol=-1.0), ValueError, "inner_tol"),
     ],
 )
 def test_bad_input(call, exc, msg):

@@ -75,6 +75,10 @@ def _check_inputs(measures_locations, measures_weights, X_init, b, weights):
             raise ValueError(f"measures_weights: expected a list of {K} weight vectors (or None), "
                              f"got {type(measures_weights).__name__}")
         As = [_as_tensor(f"measures_weights[{k}]", a, X) for k, a in enumerate(measures_weights)]
+        for k, (a, Y) in enumerate(zip(As, Ys)):
+            if a.shape != Y.shape[:1]:
+                raise ValueError(f"measures_weights[{k}]: expected shape ({Y.shape[0]},) like "
+                                 f"measures_locations[{k}], got {tuple(a.shape)}")
     b = None if b is None else _as_tensor("b", b, X)
     lam = torch.full((K,), 1.0 / K, dtype=torch.float64) if weights is None else _as_tensor("weights", weights).double()
     if lam.shape != (K,) or not bool(torch.isfinite(lam).all()) or bool((lam < 0).any()) or float(lam.sum()) <= 0:
@@ -116,6 +120,7 @@ def free_support_barycenter(
     """
     reg = check_positive("reg", reg)
     stopThr = check_positive("stopThr", stopThr)
+    inner_tol = check_positive("inner_tol", inner_tol)
     numItermax, numInnerItermax = check_int("numItermax", numItermax), check_int("numInnerItermax", numInnerItermax)
     is_np, X, Ys, As, b, lam = _check_inputs(measures_locations, measures_weights, X_init, b, weights)
     groups = _groups(Ys, As)
