@@ -207,13 +207,16 @@ class Measures:
         out64 = softmin_fn(out.double(), src.double(), h.detach(), eps, self.cost, self._engine64)
         return out64.to(self.x.dtype)
 
+    def masses(self) -> tuple[Tensor, Tensor]:
+        """``(sum a, sum b)`` per problem, (B,) each, in float64 (detached)."""
+        return self.a.detach().double().sum(-1), self.b.detach().double().sum(-1)
+
     def unequal_masses(self) -> tuple[float, float] | None:
         """``(sum a, sum b)`` of the first problem whose total masses differ by more than
         ``MASS_RTOL`` (relative; 8 rounding units for float16 / bfloat16 inputs: bfloat16 weights
         of 1/3 sum to 1.00195), else None.  Balanced OT has no coupling between such measures."""
-        with torch.no_grad():
-            ma, mb = self.a.double().sum(-1), self.b.double().sum(-1)
-            gap = (ma - mb).abs() / torch.maximum(ma, mb)
+        ma, mb = self.masses()
+        gap = (ma - mb).abs() / torch.maximum(ma, mb)
         rtol = MASS_RTOL
         if self.out_dtype in (torch.float16, torch.bfloat16):
             rtol = max(rtol, 8 * torch.finfo(self.out_dtype).eps)

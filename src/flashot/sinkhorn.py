@@ -138,7 +138,7 @@ def stop_tol(tol: float, floor: float) -> float | None:
 def _advice(m: Measures, tol: float, eps: float, floor: float | None, balanced: bool) -> str:
     """Why a solve did not reach ``tol``: unequal masses, the rounding floor, or too few iterations."""
     if balanced:
-        ma, mb = m.a.detach().double().sum(-1), m.b.detach().double().sum(-1)
+        ma, mb = m.masses()
         k = int((ma - mb).abs().argmax())
         gap = float((ma - mb).abs()[k])
         if gap >= max(tol, floor or 0.0):  # the L1 error is at least gap / 2 whatever the iterations
