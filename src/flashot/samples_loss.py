@@ -190,17 +190,10 @@ class SamplesLoss(torch.nn.Module):
         a_in, x, b_in, y = self._split_args(args)
         if self.loss != "sinkhorn":
             return self._other_loss(a_in, x, b_in, y)
-        backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
         cost = _P_COSTS[self.p]
         if self.p == 1 and self.backend == "tensorized":
             cost = "euclidean_geomloss"  # reproduce GeomLoss' clamp of |x-y|^2 at 1e-8
-        m = Measures.build(
-            x, y, a_in, b_in,
-            cost=cost,
-            backend=backend,
-            allow_dense=self.backend != "online",
-            names=("α", "x", "β", "y"),
-        )
+        m = self._measures(x, y, a_in, b_in, cost)
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
         diameter = self.diameter if self.diameter is not None else max_diameter(m.x + m.center, m.y + m.center)
@@ -223,13 +216,17 @@ class SamplesLoss(torch.nn.Module):
             f, g = f - f_aa, g - g_bb
         return self._potentials(m, f, g, a_in, b_in)
 
+    def _measures(self, x, y, a_in, b_in, cost: str) -> Measures:
+        """The validated, centred pair on the engine this loss's ``backend`` names (GeomLoss' names mapped)."""
+        backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
+        return Measures.build(x, y, a_in, b_in, cost=cost, backend=backend, allow_dense=self.backend != "online",
+                              names=("α", "x", "β", "y"))
+
     def _other_loss(self, a_in, x, b_in, y):
         """Kernel norms and the Hausdorff divergence (:mod:`flashot.kernel_losses`): no Sinkhorn loop."""
-        backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
         kernel = self.loss in KERNELS
         cost = ("half_sqeuclidean" if self.loss == "gaussian" else "euclidean") if kernel else _P_COSTS[self.p]
-        m = Measures.build(x, y, a_in, b_in, cost=cost, backend=backend, allow_dense=self.backend != "online",
-                           names=("α", "x", "β", "y"))
+        m = self._measures(x, y, a_in, b_in, cost)
         if kernel:
             out = kernel_loss(self.loss, m, self.blur, self.backend, self.potentials, clamp=self.backend == "tensorized")
         else:
