@@ -170,7 +170,7 @@ def solve_loop(lib, n, d=64, solves=4, iters=3):
     """A loop of solves on fresh tensors (as in training): Measures.build + one sinkhorn_loop each."""
     from flashot.measures import Measures
     from flashot.ops import register_engine
-    from flashot.sinkhorn import sinkhorn_loop
+    from flashot.solver import sinkhorn_loop
 
     eng = CpuEngine(lib, mode="auto")
     register_engine("bench-cpu-loop", lambda: eng)

@@ -124,7 +124,7 @@ def test_anderson_history_resets_when_eps_changes():
 def test_acceleration_with_epsilon_scaling_samples_loss_path():
     """The loop accepts acceleration with a changing eps (history reset at each change)."""
     from flashot.measures import Measures
-    from flashot.sinkhorn import sinkhorn_loop
+    from flashot.solver import sinkhorn_loop
 
     x, y = _data(30)
     m = Measures.build(x, y, None, None, cost="sqeuclidean", backend="dense")

@@ -6,7 +6,7 @@ showed errors up to 4e19 and ended at 3.03 against 0.76 without acceleration.  C
 alternating updates Anderson extrapolates ``g`` alone and drifts along constants (the map
 ``g -> S_y(S_x(g))`` commutes with them); the loop reported, and returned, the pair of the
 previous plain ``f`` with the extrapolated ``g``, whose plan has a mass of up to 1e20.  The
-fix is in ``sinkhorn.py``: report the error of the plan ``(S_x(g), g)`` and return the last
+fix is in ``solver.py``: report the error of the plan ``(S_x(g), g)`` and return the last
 plain half-step.
 
 Errors compared: ``res.error`` (what the loop reports) and the L1 marginal error of the

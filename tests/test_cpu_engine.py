@@ -327,7 +327,7 @@ def test_softmin_alt_fallbacks_and_solver(lib, monkeypatch):
     from flashot.ops import register_engine, unregister_engine
     from flashot.ops.cpu import engine as cpu_engine
     from flashot.ops.cpu.engine import CpuEngine
-    from flashot.sinkhorn import sinkhorn_loop
+    from flashot.solver import sinkhorn_loop
 
     c = get_cost("sqeuclidean")
     x, y, hy = _problem(1, 70, 90, 20, torch.float64, neg_inf=False)
@@ -467,7 +467,7 @@ def test_solver_hint_builds_the_cache_on_the_first_call(lib):
     from flashot.measures import Measures
     from flashot.ops import register_engine, unregister_engine
     from flashot.ops.cpu.engine import CACHE_MIN_D, CpuEngine
-    from flashot.sinkhorn import sinkhorn_loop
+    from flashot.solver import sinkhorn_loop
 
     x, y, _ = _problem(1, 60, 80, max(CACHE_MIN_D, 20), torch.float64)
     res = {}

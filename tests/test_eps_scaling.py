@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flashot
-from flashot.solve import EPS_SCALING_AUTO, EPS_SCALING_STEPS, _Schedule
+from flashot.ot_samples import EPS_SCALING_AUTO, EPS_SCALING_STEPS, _Schedule
 
 
 def convex_gradient_case(seed: int, B: int, N: int, D: int):

@@ -17,7 +17,7 @@ across the clouds).
 The reference is written here, independently of the library: the explicit float64 cost
 matrix of the points *as rounded to the dtype under test* and ``torch.logsumexp``.  The
 solvers are compared iterate for iterate: the reference replays the documented iteration
-(``sinkhorn.py``: alternating updates from zero potentials, or GeomLoss' averaged symmetric
+(``solver.py``: alternating updates from zero potentials, or GeomLoss' averaged symmetric
 updates from the softmins of the log-weights, then one parallel final update;
 ``SamplesLoss``: the same symmetric loop over the epsilon-scaling schedule, debiasing
 potentials alongside, final step differentiable w.r.t. the output side's points only).

@@ -21,7 +21,7 @@ from flashot import SamplesLoss, ops, solve_sample
 from flashot.measures import Measures
 from flashot.ops import register_engine, unregister_engine
 from flashot.ops.dense import DenseEngine
-from flashot.sinkhorn import _error
+from flashot.solver import _error
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

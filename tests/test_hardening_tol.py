@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from flashot import solve_sample
-import flashot.sinkhorn as sk
+import flashot.solver as sk
 
 ot = pytest.importorskip("ot")
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import flashot
-from flashot.solve import OTResult
+from flashot.ot_samples import OTResult
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -13,7 +13,7 @@ from .costs import Cost, get_cost
 from .implicit import ImplicitDiff
 from .plan import LazyPlan, plan_from_potentials
 from .samples_loss import SamplesLoss
-from .solve import OTResult, solve_sample
+from .ot_samples import OTResult, solve_sample
 
 __version__ = "0.1.0"
 

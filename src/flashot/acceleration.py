@@ -1,7 +1,7 @@
 r"""Optional accelerations of the Sinkhorn loop (log-domain, safeguarded).
 
 Two small frozen configs, passed as ``acceleration=`` to :func:`flashot.solve_sample`
-(or to :func:`flashot.sinkhorn.sinkhorn_loop`):
+(or to :func:`flashot.solver.sinkhorn_loop`):
 
 * :class:`Momentum` ``(omega)``: over-relaxation of the potentials.  For the
   alternating (POT) updates it relaxes each half-step,

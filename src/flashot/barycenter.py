@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_int, check_positive
-from .solve import solve_sample
+from .ot_samples import solve_sample
 
 __all__ = ["free_support_barycenter", "BarycenterResult"]
 

@@ -343,7 +343,7 @@ def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb
                    implicit: ImplicitDiff | None = None) -> Tensor:
     """``<a, f> + <b, g>`` (minus ``<a, f_aa> + <b, g_bb>`` when given), (B,), balanced problems.
 
-    ``f, g, f_aa, g_bb`` come from :func:`~flashot.sinkhorn.final_step` (their values
+    ``f, g, f_aa, g_bb`` come from :func:`~flashot.solver.final_step` (their values
     only are used) and ``st`` is the loop state (the previous potentials).  First
     derivatives are those of the final step; second derivatives use implicit
     differentiation with the ``implicit`` settings.

@@ -21,7 +21,7 @@ from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
-from .sinkhorn import final_step, sinkhorn_loop
+from .solver import final_step, sinkhorn_loop
 from .unbalanced import (
     geomloss_debiased,
     geomloss_debiased_two_sided,
@@ -259,7 +259,7 @@ class SamplesLoss(torch.nn.Module):
         """
         from ._checks import check_int
         from .plan import plan_from_potentials
-        from .solve import solve_sample
+        from .ot_samples import solve_sample
 
         if self.loss != "sinkhorn":
             raise ValueError(f"plan: loss={self.loss!r} defines no transport plan; use loss='sinkhorn'")

@@ -2,7 +2,7 @@
 
 GeomLoss' epsilon-scaling: ``eps`` goes from ``diameter^p`` down to ``blur^p``
 geometrically with ratio ``scaling^p``; the listed values are all visited once
-and a final extrapolation step at ``blur^p`` follows (see :mod:`flashot.sinkhorn`).
+and a final extrapolation step at ``blur^p`` follows (see :mod:`flashot.solver`).
 """
 
 from __future__ import annotations

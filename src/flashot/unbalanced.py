@@ -153,7 +153,7 @@ def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
     """Final (differentiable) step of the two-sided self problems ``OT(a, a)``, ``OT(b, b)``
     used for debiasing when ``rho_x != rho_y``: returns ``(f_aa, g_aa, f_bb, g_bb)``, the
     potentials on the first copy (penalty ``rho_x``) and second copy (``rho_y``) of each cloud."""
-    from .sinkhorn import check_potentials, damping
+    from .solver import check_potentials, damping
 
     eps = st.eps
     lx, ly = damping(eps, rho_x), damping(eps, rho_y)

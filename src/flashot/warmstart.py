@@ -42,7 +42,7 @@ import dataclasses
 
 import torch
 
-from .sinkhorn import SinkhornState, sinkhorn_loop
+from .solver import SinkhornState, sinkhorn_loop
 
 DEFAULT_WARM_SCALE = 8.0
 

@@ -165,7 +165,7 @@ class FlashotRunner(Runner):
 
     def solve(self, st, iters, record=False):
         from ..measures import Measures
-        from ..sinkhorn import sinkhorn_loop
+        from ..solver import sinkhorn_loop
 
         m = Measures.build(st["x"], st["y"], st["a"], st["b"], cost="sqeuclidean", backend=self.engine)
         if iters > 1:

@@ -35,7 +35,7 @@ from .measures import Measures
 from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
 from .plan import LazyPlan
 from .acceleration import check_acceleration
-from .sinkhorn import IterationRecord, SinkhornState, final_step, sinkhorn_loop
+from .solver import IterationRecord, SinkhornState, final_step, sinkhorn_loop
 from .unbalanced import dual_value, parse_unbalanced, pot_value
 
 METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
@@ -178,7 +178,7 @@ def solve_sample(
             KL terms (exact envelope gradients).  ``potentials`` are ``(f, g)`` = ``reg`` times
             POT's ``(log u, log v)``; the plan is POT's ``u_i a_i K_ij b_j v_j``.
         unbalanced_type: only ``"KL"``.
-        callback: called with an :class:`~flashot.sinkhorn.IterationRecord` after each
+        callback: called with an :class:`~flashot.solver.IterationRecord` after each
             iteration (``error`` is None between checks); returning ``True`` stops the
             solve (``converged=False``, ``stopped=True``, no warning).
         inner_iterations: read the error (one device sync) every this many iterations (>= 1,
