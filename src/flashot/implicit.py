@@ -35,6 +35,13 @@ product is two plan products, so memory stays O(N + M).  The partial
 derivatives come from :class:`PlanProductFn`, a plan product whose backward is
 again plan products (with ``V ⊗ y``-shaped right-hand sides, O(K D) columns).
 
+**The linear value** :math:`\langle C, P\rangle` (``OTResult.value_linear``, :func:`linear_value`) is
+not stationary in :math:`(f, g)`: its first derivatives need the same implicit correction,
+:math:`H w = \varepsilon\, \partial_{(f, g)} \langle C, P\rangle = ((P \odot C) 1, (P \odot C)^\top 1)`,
+then :math:`- \partial_\theta \langle w, E\rangle` (:class:`LinearValueFn`; plan products with the
+``plan``, ``cost`` and ``dcost`` weights, so ``euclidean`` works too).  This is what POT's
+autodiff through the iterations converges to.
+
 The second derivatives w.r.t. the weights ``a``, ``b`` are defined up to that
 gauge (a constant); the ones w.r.t. the points are not affected.  Only balanced
 problems and dot-product costs (``p=2``, ``sqeuclidean``, ``half_sqeuclidean``)
@@ -54,12 +61,14 @@ from torch.autograd.function import once_differentiable
 from .costs import Cost
 from .ops.base import Engine
 
-__all__ = ["ImplicitDiff", "PlanProductFn", "OTValueFn", "ImplicitGradFn", "sinkhorn_value"]
+__all__ = ["ImplicitDiff", "PlanProductFn", "OTValueFn", "ImplicitGradFn", "LinearValueFn", "sinkhorn_value",
+           "linear_value"]
 
 
 @dataclass(frozen=True)
 class ImplicitDiff:
-    """Settings of the implicit differentiation behind second derivatives (Hessian-vector products).
+    """Settings of the implicit differentiation behind second derivatives (Hessian-vector products)
+    and the gradient of ``OTResult.value_linear``.
 
     Attributes:
         tol: relative residual at which conjugate gradients stop (``|r| <= tol |b|``).  In
@@ -70,7 +79,9 @@ class ImplicitDiff:
         max_iter: most CG iterations (each costs two streamed plan products);
             a :class:`RuntimeWarning` is raised when ``tol`` is not met.
         ridge: Tikhonov term added to the (preconditioned, unit-diagonal) system;
-            keeps CG stable when the plan is close to degenerate.
+            keeps CG stable when the plan is close to degenerate.  It biases the solution: the
+            default 1e-8 moved float64 ``value_linear`` gradients by ~1e-7 (relative) against POT's
+            autodiff (reg = 0.5, 30 x 25 points); ``ridge=0`` agreed to ~1e-11.
     """
 
     tol: float = 1e-6
@@ -194,6 +205,49 @@ def _cg(matvec, rhs: Tensor, tol: float, max_iter: int) -> tuple[Tensor, int, fl
 last_cg_info: dict = {}
 
 
+def _solve_h(x, y, alpha, beta, r, c, rhs_f, rhs_g, eps, cost, engine, cfg) -> tuple[Tensor, Tensor]:
+    """``w = (w1, w2)`` with ``H w = (rhs_f, rhs_g)``, ``H = [[diag(r), P], [P^T, diag(c)]]``.
+
+    ``P = exp(alpha + beta - C / eps)`` with marginals ``r``, ``c``; the right-hand side is projected
+    off the gauge null vector ``(1, -1)`` and the system solved by CG, Jacobi (``diag(r, c)``)
+    preconditioned, with ``cfg``'s ridge and tolerance (a RuntimeWarning when it is not met).
+    Every matrix-vector product is two plan products.
+    """
+    N = r.shape[-1]
+    Dg = torch.cat([r, c], -1)
+    live = Dg > torch.finfo(Dg.dtype).tiny
+    Dinv_sqrt = torch.where(live, Dg.clamp_min(torch.finfo(Dg.dtype).tiny).rsqrt(), torch.zeros_like(Dg))
+    null = torch.cat([r.sqrt(), -c.sqrt()], -1)  # K's null vector D^1/2 (1, -1)
+    null = null / null.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(Dg.dtype).tiny)
+
+    def proj(v):
+        return v - (v * null).sum(-1, keepdim=True) * null
+
+    def matvec(zv):
+        w = zv * Dinv_sqrt
+        w1, w2 = w[..., :N], w[..., N:]
+        Pw2 = engine.plan_product(x, y, alpha, beta, eps, w2.unsqueeze(-1).contiguous(), cost, "plan")[..., 0]
+        Ptw1 = engine.plan_product(y, x, beta, alpha, eps, w1.unsqueeze(-1).contiguous(), cost, "plan")[..., 0]
+        Hw = torch.cat([r * w1 + Pw2, Ptw1 + c * w2], -1)
+        return proj(Hw * Dinv_sqrt) + cfg.ridge * zv
+
+    rhs = proj(torch.cat([rhs_f, rhs_g], -1) * Dinv_sqrt)
+    with torch.no_grad():
+        tol = cfg.tol
+        zsol, iters, res = _cg(matvec, rhs, tol, cfg.max_iter)
+    last_cg_info.update(iterations=iters, residual=res, tol=tol)
+    if res > tol:
+        warnings.warn(
+            f"implicit differentiation: conjugate gradients reached a relative residual of {res:.2e} "
+            f"after {iters} iterations (tol={tol:g}); raise ImplicitDiff(max_iter=...) or the blur/reg"
+            + (", or use float64 (float32 rounding can floor the residual above 1e-6)" if rhs.dtype == torch.float32 else ""),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    w = proj(zsol) * Dinv_sqrt
+    return w[..., :N], w[..., N:]
+
+
 class ImplicitGradFn(torch.autograd.Function):
     """``(grad_x W, grad_y W, grad_a W, grad_b W)`` as a function of ``(x, y, a, b)``.
 
@@ -224,43 +278,10 @@ class ImplicitGradFn(torch.autograd.Function):
             dX, dY, dA, dB, dF, dG = torch.autograd.grad(L, (X, Y, A, Bw, F, Gp), allow_unused=True)
         r, c = r.detach(), c.detach()
         alpha, beta = alpha.detach(), beta.detach()
-        N = r.shape[-1]
         z = lambda t, ref: torch.zeros_like(ref) if t is None else t  # noqa: E731
         dX, dY, dA, dB, dF, dG = z(dX, x), z(dY, y), z(dA, a), z(dB, b), z(dF, f), z(dG, g)
 
-        # Solve H w = eps * (dF, dG), preconditioned: K = D^-1/2 H D^-1/2, D = diag(r, c).
-        Dg = torch.cat([r, c], -1)
-        live = Dg > torch.finfo(Dg.dtype).tiny
-        Dinv_sqrt = torch.where(live, Dg.clamp_min(torch.finfo(Dg.dtype).tiny).rsqrt(), torch.zeros_like(Dg))
-        null = torch.cat([r.sqrt(), -c.sqrt()], -1)  # K's null vector D^1/2 (1, -1)
-        null = null / null.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(Dg.dtype).tiny)
-
-        def proj(v):
-            return v - (v * null).sum(-1, keepdim=True) * null
-
-        def matvec(zv):
-            w = zv * Dinv_sqrt
-            w1, w2 = w[..., :N], w[..., N:]
-            Pw2 = engine.plan_product(x, y, alpha, beta, eps, w2.unsqueeze(-1).contiguous(), cost, "plan")[..., 0]
-            Ptw1 = engine.plan_product(y, x, beta, alpha, eps, w1.unsqueeze(-1).contiguous(), cost, "plan")[..., 0]
-            Hw = torch.cat([r * w1 + Pw2, Ptw1 + c * w2], -1)
-            return proj(Hw * Dinv_sqrt) + cfg.ridge * zv
-
-        rhs = proj(eps * torch.cat([dF, dG], -1) * Dinv_sqrt)
-        with torch.no_grad():
-            tol = cfg.tol
-            zsol, iters, res = _cg(matvec, rhs, tol, cfg.max_iter)
-        last_cg_info.update(iterations=iters, residual=res, tol=tol)
-        if res > tol:
-            warnings.warn(
-                f"implicit differentiation: conjugate gradients reached a relative residual of {res:.2e} "
-                f"after {iters} iterations (tol={tol:g}); raise ImplicitDiff(max_iter=...) or the blur/reg"
-                + (", or use float64 (float32 rounding can floor the residual above 1e-6)" if rhs.dtype == torch.float32 else ""),
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        w = proj(zsol) * Dinv_sqrt
-        w1, w2 = w[..., :N], w[..., N:]
+        w1, w2 = _solve_h(x, y, alpha, beta, r, c, eps * dF, eps * dG, eps, cost, engine, cfg)
 
         # - d/dtheta <w, E(theta, f, g)>,  <w, E> = sum_ij P_ij (w1_i + w2_j) - <w1, a> - <w2, b>
         with torch.enable_grad():
@@ -349,6 +370,7 @@ def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb
     differentiation with the ``implicit`` settings.
     """
     cfg = check_implicit(implicit)
+    m.implicit_diff = cfg  # OTResult.value_linear's gradient (linear_value) uses the same settings
     eps = st.eps
     d = lambda t: t.detach()  # noqa: E731
     x, y, a, b = m.x, m.y, m.a, m.b
@@ -360,3 +382,149 @@ def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb
         v = v - 0.5 * OTValueFn.apply(y, y, b, b, d(g_bb), d(g_bb), d(st.g_bb), d(st.g_bb),
                                       eps, m.cost, m.engine, cfg, True)
     return v
+
+
+# ----------------------------------------------------------------------------------------------
+# <C, P> (OTResult.value_linear) as a differentiable function of (x, y, a, b).
+# ----------------------------------------------------------------------------------------------
+def _linear_grad_side(x, y, al0, be, a, r0, u0, w_own, w_other, eps, cost, engine, need_pts):
+    r"""One side's gradients of ``<C, P>`` (implicit correction included), per unit cotangent.
+
+    ``K0 = exp(al0 + be - C / eps)`` is the plan without this side's weights (``P = diag(a) K0``),
+    ``r0 = K0 1``, ``u0 = (K0 ⊙ C) 1``, ``(w_own, w_other)`` the solution of ``H w = (u, v)``.
+    With ``grad_x C_ij = W_ij (x_i - y_j)`` (``W`` the ``dcost`` weight)::
+
+        grad_x_i = a_i sum_j K0_ij [ (1 + (w_own_i + w_other_j) / eps) W_ij - (C W)_ij / eps ] (x_i - y_j)
+        grad_a_i = u0_i + w_own_i (1 - r0_i) - (K0 w_other)_i
+
+    (the partial derivatives at fixed potentials minus those of ``<w, E>``).  ``C W = 2 s C`` for
+    the dot-product costs (``cost`` weight), ``1`` for ``euclidean`` (``plan`` weight, where
+    ``C > 0``; at ``x_i = y_j`` the factor ``x_i - y_j`` vanishes anyway).
+    """
+    D = x.shape[-1]
+    wo = w_other.unsqueeze(-1)
+    gx = None
+    if cost.is_dot:
+        two_s = 2.0 * cost.scale
+        cols = [wo, y, wo * y] if need_pts else [wo]
+        S = engine.plan_product(x, y, al0, be, eps, torch.cat(cols, -1).contiguous(), cost, "plan")
+        Kw = S[..., 0]
+        if need_pts:
+            Ky, Kwy = S[..., 1:D + 1], S[..., D + 1:]
+            Cy = engine.plan_product(x, y, al0, be, eps, y, cost, "cost")
+            t = (1.0 + w_own / eps).unsqueeze(-1) * (x * r0.unsqueeze(-1) - Ky)
+            t = t + (x * Kw.unsqueeze(-1) - Kwy) / eps - (x * u0.unsqueeze(-1) - Cy) / eps
+            gx = (two_s * a).unsqueeze(-1) * t
+    else:
+        cols = [wo, y] if need_pts else [wo]
+        S = engine.plan_product(x, y, al0, be, eps, torch.cat(cols, -1).contiguous(), cost, "plan")
+        Kw = S[..., 0]
+        if need_pts:
+            Ky = S[..., 1:]
+            ones = torch.ones_like(wo)
+            T = engine.plan_product(x, y, al0, be, eps, torch.cat([ones, y, wo, wo * y], -1).contiguous(),
+                                    cost, "dcost")
+            d1, dy, dw, dwy = T[..., :1], T[..., 1:D + 1], T[..., D + 1:D + 2], T[..., D + 2:]
+            t = (1.0 + w_own / eps).unsqueeze(-1) * (x * d1 - dy)
+            t = t + (x * dw - dwy) / eps - (x * r0.unsqueeze(-1) - Ky) / eps
+            gx = a.unsqueeze(-1) * t
+    ga = u0 + w_own * (1.0 - r0) - Kw
+    return gx, ga
+
+
+def _cost_sum(x, y, a, b, f, g, eps, cost, engine) -> Tensor:
+    """``<C, P>``, (B,): one ``cost`` plan product (no autograd)."""
+    with torch.no_grad():
+        alpha, beta = f.detach() / eps + _safe_log(a.detach()), g.detach() / eps + _safe_log(b.detach())
+        ones = torch.ones_like(y[..., :1]).detach()
+        return engine.plan_product(x.detach(), y.detach(), alpha, beta, eps, ones, cost, "cost")[..., 0].sum(-1)
+
+
+class LinearValueFn(torch.autograd.Function):
+    r"""``<C, P>`` per problem, (B,), as a function of ``(x, y, a, b)`` at the Sinkhorn fixed point.
+
+    Forward: one streamed ``cost`` plan product (as :meth:`LazyPlan.cost_sum`).  Backward: the
+    partial derivatives at fixed ``(f, g)`` plus the implicit correction: ``H w = eps
+    d<C,P>/d(f, g) = ((P ⊙ C) 1, (P ⊙ C)^T 1)`` solved by :func:`_solve_h` (CG, ``cfg``), then
+    ``- d/dtheta <w, E>``, ``E = (P 1 - a, P^T 1 - b)``.  Plan products only: memory O(N + M).
+    The weight gradients are defined up to the gauge (a constant added to ``grad_a`` and
+    subtracted from ``grad_b``): only mass-preserving changes of ``a``, ``b`` have a meaning.
+    Once differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, a, b, f, g, eps, cost, engine, cfg):
+        out = _cost_sum(x, y, a, b, f, g, eps, cost, engine)
+        ctx.save_for_backward(x, y, a, b, f, g)
+        ctx.eps, ctx.cost, ctx.engine, ctx.cfg = eps, cost, engine, cfg
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, G: Tensor):
+        x, y, a, b, f, g = (t.detach() for t in ctx.saved_tensors)
+        eps, cost, engine, cfg = ctx.eps, ctx.cost, ctx.engine, ctx.cfg
+        nx, ny, na, nb = ctx.needs_input_grad[:4]
+        if cost.min_sqdist > 0:
+            raise NotImplementedError(
+                f"value_linear: gradients with cost={cost.name!r} (clamped distances) are not implemented; "
+                "use cost='euclidean', 'sqeuclidean' or 'half_sqeuclidean'"
+            )
+        al0, be0 = f / eps, g / eps  # the plan without the weights of one side: P = diag(a) K0 = K0' diag(b)
+        al, be = al0 + _safe_log(a), be0 + _safe_log(b)
+        ones_y, ones_x = torch.ones_like(y[..., :1]), torch.ones_like(x[..., :1])
+        r0 = engine.plan_product(x, y, al0, be, eps, ones_y, cost, "plan")[..., 0]
+        u0 = engine.plan_product(x, y, al0, be, eps, ones_y, cost, "cost")[..., 0]
+        c0 = engine.plan_product(y, x, be0, al, eps, ones_x, cost, "plan")[..., 0]
+        v0 = engine.plan_product(y, x, be0, al, eps, ones_x, cost, "cost")[..., 0]
+        w1, w2 = _solve_h(x, y, al, be, a * r0, b * c0, a * u0, b * v0, eps, cost, engine, cfg)
+        gx = gy = ga = gb = None
+        Gv = G.unsqueeze(-1)
+        if nx or na:
+            px, pa = _linear_grad_side(x, y, al0, be, a, r0, u0, w1, w2, eps, cost, engine, nx)
+            gx = Gv.unsqueeze(-1) * px if nx else None
+            ga = Gv * pa if na else None
+        if ny or nb:
+            py, pb = _linear_grad_side(y, x, be0, al, b, c0, v0, w2, w1, eps, cost, engine, ny)
+            gy = Gv.unsqueeze(-1) * py if ny else None
+            gb = Gv * pb if nb else None
+        return gx, gy, ga, gb, None, None, None, None, None, None
+
+
+class _NoGradFn(torch.autograd.Function):
+    """Passes a value through and raises ``NotImplementedError(reason)`` if it is differentiated."""
+
+    @staticmethod
+    def forward(ctx, value, reason, *inputs):
+        ctx.reason = reason
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(ctx.reason)
+
+
+def linear_value(m, f: Tensor, g: Tensor, eps: float, *, unbalanced=None, differentiable: bool = True,
+                 implicit: ImplicitDiff | None = None) -> Tensor:
+    r"""``<C, P>`` per problem, (B,), for the plan of the potentials ``(f, g)`` (streamed).
+
+    With ``differentiable=True`` and inputs (``m.x``, ``m.y``, ``m.a``, ``m.b``) that require grad,
+    balanced problems get :class:`LinearValueFn` (implicit differentiation through the fixed point,
+    ``implicit`` settings; default: those given to :func:`sinkhorn_value` on ``m``, else
+    :class:`ImplicitDiff` ``()``); unbalanced ones a value whose backward raises
+    ``NotImplementedError``.  Otherwise a plain (detached) value.
+    """
+    x, y, a, b = m.x, m.y, m.a, m.b
+    f, g = f.detach(), g.detach()
+    needs = differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, a, b))
+    if not needs:
+        return _cost_sum(x, y, a, b, f, g, eps, m.cost, m.engine)
+    if unbalanced is not None:
+        v = _cost_sum(x, y, a, b, f, g, eps, m.cost, m.engine)
+        return _NoGradFn.apply(
+            v, "value_linear: gradients of <C, P> are implemented for balanced problems only (unbalanced="
+            f"{tuple(unbalanced)!r} was given); use value / value_dual (differentiable), or grad='detach'",
+            x, y, a, b)
+    cfg = check_implicit(implicit if implicit is not None else getattr(m, "implicit_diff", None))
+    return LinearValueFn.apply(x, y, a, b, f, g, eps, m.cost, m.engine, cfg)
+

@@ -82,9 +82,18 @@ class OTResult:
 
     @cached_property
     def value_linear(self):
-        """``<C, P>``, streamed (one plan-product pass)."""
-        v = self.plan.cost_sum()
-        return self._out(v if self.plan._m.batched else v[0])
+        """``<C, P>``, streamed (plan products only).  Differentiable like ``value`` (torch inputs that
+        require grad, ``grad`` not ``"detach"``): implicit differentiation through the fixed point
+        (:func:`flashot.implicit.linear_value`, the ``implicit=`` settings); balanced problems only, an
+        unbalanced one's backward raises ``NotImplementedError``."""
+        from .implicit import linear_value
+
+        p = self.plan
+        if isinstance(self.value, Tensor) and self.value.requires_grad:
+            v = linear_value(p._m, p._f, p._g, p.eps, unbalanced=self.unbalanced)
+        else:
+            v = p.cost_sum()
+        return self._out(v if p._m.batched else v[0])
 
     @cached_property
     def marginals(self):
