@@ -3,6 +3,7 @@
 Public API:
     SamplesLoss   drop-in for ``geomloss.SamplesLoss`` (sinkhorn, hausdorff, gaussian, laplacian, energy)
     solve_sample  POT/GeomLoss-style solver returning an :class:`OTResult` with a lazy plan
+    solve, sinkhorn, sinkhorn2  POT's ot.solve / ot.sinkhorn / ot.sinkhorn2 on a precomputed cost matrix
     free_support_barycenter  POT's entropic free-support barycenter, streamed
     ops           the two streamed primitives (softmin, plan product) and the engine registry
 """
@@ -14,12 +15,16 @@ from .implicit import ImplicitDiff
 from .plan import LazyPlan, plan_from_potentials
 from .samples_loss import SamplesLoss
 from .ot_samples import OTResult, solve_sample
+from .ot_matrix import sinkhorn, sinkhorn2, solve
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SamplesLoss",
     "solve_sample",
+    "solve",
+    "sinkhorn",
+    "sinkhorn2",
     "OTResult",
     "Cost",
     "get_cost",

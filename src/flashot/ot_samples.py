@@ -210,7 +210,6 @@ def solve_sample(
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
     """
-    method, eps_scaling = _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad)
     a, b = (None if _pot_uniform(w) else w for w in (a, b))
     if metric is not None:
         if not isinstance(metric, str):
@@ -221,24 +220,11 @@ def solve_sample(
             raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
         cost = metric
     _check_positional_scalars(a, b, reg)
-    if reg is None:
-        raise ValueError("reg: flashot solves entropic OT and needs reg > 0 (the epsilon); "
-                         "for exact (unregularised) OT use POT's ot.solve_sample")
-    reg = check_positive("reg", reg)
-    max_iter = check_int("max_iter", 1000 if max_iter is None else max_iter)
-    tol = check_positive("tol", tol, allow_none=True)
-    check_choice("method", method, METHODS)
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback: expected a callable (or None), got {type(callback).__name__}")
-    verbose = check_bool("verbose", verbose)
-    rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type) if unbalanced is not None else (None, None)
-    is_unbalanced = rho_a is not None or rho_b is not None
-    inner_iterations = check_int("inner_iterations", inner_iterations)
-    eps_scaling = _check_eps_scaling(eps_scaling)
-    acceleration = check_acceleration(acceleration)
-    if is_unbalanced and implicit is not None:
-        raise NotImplementedError("implicit= (second derivatives) supports balanced OT only; use unbalanced=None")
-    implicit = check_implicit(implicit)
+    opts = solve_options(
+        reg, reg_type=reg_type, unbalanced=unbalanced, unbalanced_type=unbalanced_type, lazy=lazy,
+        batch_size=batch_size, method=method, n_threads=n_threads, max_iter=max_iter, tol=tol, grad=grad,
+        callback=callback, inner_iterations=inner_iterations, acceleration=acceleration, verbose=verbose,
+        implicit=implicit, eps_scaling=eps_scaling, exact_hint="POT's ot.solve_sample")
     is_np = isinstance(X_a, np.ndarray)
     if is_np != isinstance(X_b, np.ndarray):
         raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
@@ -247,40 +233,95 @@ def solve_sample(
         a = to_tensor("a", a, like=X_a)
     if b is not None:
         b = to_tensor("b", b, like=X_b)
-
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+    return solve_measures(m, opts, potentials_init, numpy=is_np)
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """The validated options of one balanced or (semi-)unbalanced solve (see :func:`solve_sample`)."""
+
+    reg: float
+    max_iter: int
+    tol: float | None
+    method: str
+    eps_scaling: float | None  # None: auto; 0: off; else the ratio
+    rho_a: float | None  # None: strict marginal
+    rho_b: float | None
+    inner_iterations: int
+    acceleration: Any
+    implicit: ImplicitDiff
+    callback: Callable[[IterationRecord], bool | None] | None
+    verbose: bool
+    grad: str
+
+    @property
+    def unbalanced(self) -> bool:
+        return self.rho_a is not None or self.rho_b is not None
+
+
+def solve_options(reg, *, reg_type="KL", unbalanced=None, unbalanced_type="KL", lazy=None, batch_size=None,
+                  method="auto", n_threads=None, max_iter=None, tol=1e-6, grad="autodiff", callback=None,
+                  inner_iterations=10, acceleration=None, verbose=False, implicit=None, eps_scaling=None,
+                  exact_hint: str = "POT") -> SolveOptions:
+    """Validate and map the options shared by :func:`solve_sample` and :func:`flashot.solve` (POT's
+    names accepted), before any heavy work."""
+    method, eps_scaling = _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad)
+    if reg is None:
+        raise ValueError("reg: flashot solves entropic OT and needs reg > 0 (the epsilon); "
+                         f"for exact (unregularised) OT use {exact_hint}")
+    reg = check_positive("reg", reg)
+    max_iter = check_int("max_iter", 1000 if max_iter is None else max_iter)
+    tol = check_positive("tol", tol, allow_none=True)
+    check_choice("method", method, METHODS)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback: expected a callable (or None), got {type(callback).__name__}")
+    verbose = check_bool("verbose", verbose)
+    rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type) if unbalanced is not None else (None, None)
+    inner_iterations = check_int("inner_iterations", inner_iterations)
+    eps_scaling = _check_eps_scaling(eps_scaling)
+    acceleration = check_acceleration(acceleration)
+    if (rho_a is not None or rho_b is not None) and implicit is not None:
+        raise NotImplementedError("implicit= (second derivatives) supports balanced OT only; use unbalanced=None")
+    implicit = check_implicit(implicit)
+    return SolveOptions(reg, max_iter, tol, method, eps_scaling, rho_a, rho_b, inner_iterations, acceleration,
+                        implicit, callback, verbose, grad)
+
+
+def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy: bool = False) -> OTResult:
+    """Run the solver on prepared measures with validated options; the :class:`OTResult` of both front ends."""
+    reg = o.reg
     check_eps_scale("reg", reg, m.cmax, m.x.dtype)
-    if not is_unbalanced:
+    if not o.unbalanced:
         _check_equal_masses(m)
-    init = None
-    if potentials_init is not None:
-        init = _check_init(potentials_init, m)
+    init = None if potentials_init is None else _check_init(potentials_init, m)
+    symmetric = METHODS[o.method]
+    head = _scaling_head(m, reg, o.eps_scaling, init, o.acceleration, symmetric)
     st: SinkhornState = sinkhorn_loop(
-        m, _Schedule(reg, max_iter, _scaling_head(m, reg, eps_scaling, init, acceleration, METHODS[method])),
-        symmetric=METHODS[method], tol=tol, init=init, callback=callback,
-        rho_x=rho_a, rho_y=rho_b, inner_iterations=inner_iterations, acceleration=acceleration,
-        verbose=verbose,
+        m, _Schedule(reg, o.max_iter, head), symmetric=symmetric, tol=o.tol, init=init, callback=o.callback,
+        rho_x=o.rho_a, rho_y=o.rho_b, inner_iterations=o.inner_iterations, acceleration=o.acceleration,
+        verbose=o.verbose,
     )
-    f, g, _, _ = final_step(m, st, rho_x=rho_a, rho_y=rho_b)
-    if is_unbalanced:
-        value = pot_value(m.a, m.b, f, g, reg, rho_a, rho_b)
-        value_dual = dual_value(m.a, m.b, f, g, reg, rho_a, rho_b)
+    f, g, _, _ = final_step(m, st, rho_x=o.rho_a, rho_y=o.rho_b)
+    if o.unbalanced:
+        value = pot_value(m.a, m.b, f, g, reg, o.rho_a, o.rho_b)
+        value_dual = dual_value(m.a, m.b, f, g, reg, o.rho_a, o.rho_b)
     else:
-        value = value_dual = sinkhorn_value(m, st, f, g, implicit=implicit)
+        value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
     res = OTResult(
         value=None,
         potentials=(None, None),
-        plan=LazyPlan(m, f, g, reg, numpy=is_np),
+        plan=LazyPlan(m, f, g, reg, numpy=numpy),
         n_iter=st.n_iter,
         converged=st.converged,
         error=st.error,
         reg=reg,
         backend=m.engine.name,
-        _numpy=is_np,
+        _numpy=numpy,
         stopped=st.stopped,
-        unbalanced=(rho_a, rho_b) if is_unbalanced else None,
+        unbalanced=(o.rho_a, o.rho_b) if o.unbalanced else None,
     )
-    if grad == "detach":
+    if o.grad == "detach":
         value, value_dual, f, g = value.detach(), value_dual.detach(), f.detach(), g.detach()
     res.value = res._out(m.restore(value))
     res.value_dual = res._out(m.restore(value_dual))

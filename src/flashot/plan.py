@@ -115,6 +115,25 @@ class LazyPlan:
         t = self._m.restore(t)
         return t.cpu().numpy() if self._numpy else t
 
+    def sum(self, axis: int | None = None):
+        """NumPy's ``P.sum(axis)``: the total mass (``None``), the column sums ``P^T 1`` (``axis=0``) or
+        the row sums ``P 1`` (``axis=1``), per problem for batched plans (axes count from the last two)."""
+        if axis is None:
+            rows = self.row_sums()
+            return rows.sum(-1)
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or int(axis) not in (0, 1, -1, -2):
+            raise ValueError(f"axis: expected None, 0 (column sums) or 1 (row sums), got {axis!r}")
+        return self.row_sums() if int(axis) in (1, -1) else self.T.row_sums()
+
+    def __array__(self, dtype=None, copy=None):
+        """``np.asarray(plan)``: the dense plan (:meth:`to_dense`; ``MemoryError`` above its limits)."""
+        try:
+            P = self.to_dense()
+        except MemoryError as e:
+            raise MemoryError(f"np.asarray(plan): {e}; for a larger dense plan call plan.to_dense(max_elems=...)") from None
+        P = P if isinstance(P, np.ndarray) else P.detach().cpu().numpy()
+        return P.astype(dtype, copy=False) if dtype is not None else P
+
     def cost_sum(self) -> Tensor:
         """``<C, P>`` per problem, (B,) (streamed)."""
         return self._apply_raw(self._ones(), "cost")[..., 0].sum(-1)

@@ -130,7 +130,9 @@ class SamplesLoss(torch.nn.Module):
                 check_power(name, v, p)  # rho = reach^p: neither 0 nor inf in float64
         self.rho_x, self.rho_y = parse_reach(reach, reach_x, reach_y, p)
         if cost is not None:
-            raise NotImplementedError("cost: custom cost functions are not supported; use p=1 or p=2")
+            hint = ("; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...)"
+                    if hasattr(cost, "shape") else "")
+            raise NotImplementedError(f"cost: custom cost functions are not supported; use p=1 or p=2{hint}")
         if kernel is not None:
             raise NotImplementedError(
                 "kernel: custom kernel functions are not supported; use loss='gaussian', 'laplacian' or 'energy'"

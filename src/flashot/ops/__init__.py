@@ -109,7 +109,9 @@ def prepare_pair(
     check_points(yn, y)
     check_pair(x, y, xn, yn)
     if not isinstance(cost, (str, Cost)):
-        raise TypeError(f"cost: expected a cost name (string) or a flashot.Cost, got {type(cost).__name__}")
+        hint = ("; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...) (POT's ot.solve)"
+                if hasattr(cost, "shape") else "")
+        raise TypeError(f"cost: expected a cost name (string) or a flashot.Cost, got {type(cost).__name__}{hint}")
     cost = get_cost(cost)
     batched = x.dim() == 3
     if not batched:

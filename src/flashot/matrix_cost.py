@@ -1,0 +1,213 @@
+r"""A precomputed cost matrix, streamed by the same engines as the point-cloud costs.
+
+:math:`C(x_i, y_j) = M_{ij}` for a given (N, M) or (B, N, M) matrix, dense (a torch tensor or
+numpy array) or *lazy*: any object with ``.shape`` (N, M) and ``__getitem__`` on a pair of
+slices returning that block as an array (``numpy.memmap``, an h5py or zarr dataset, POT's
+``ot.utils.LazyTensor``), so a matrix larger than memory is read one tile at a time.
+
+The engines see a cost between *index points*: row ``i`` is the 1-D point ``i`` and column
+``j`` the point ``N + j`` (exact in float32 up to ``N + M = 2^24``), and :meth:`MatrixCost.tile`
+returns the block of ``M`` (or of ``M^T``, for the transposed softmin) that a tile of index
+points addresses.  The ``tiled`` engine streams contiguous row and column ranges, so a lazy
+matrix is read block by block; ``dense`` reads it whole.  There is no cost between two rows
+or two columns (no debiasing) and no gradient with respect to the index points; gradients
+with respect to a dense ``M`` come from :func:`flashot.solve` (envelope theorem).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ._checks import FLOATS, check_storage, check_weights, compute_dtype
+from .measures import Measures, log_weights
+from .ops import get_engine
+
+# rows + columns addressable by float32 index points without rounding
+MAX_FLOAT32_INDEX = 2**24
+# rows read per block when scanning a lazy matrix for its range (NaN / Inf check, cmax)
+SCAN_ROWS = 1024
+
+_ids = itertools.count()
+
+
+def is_lazy_matrix(M) -> bool:
+    """An object with a 2-D ``shape`` that can be sliced (not a tensor or numpy array)."""
+    shape = getattr(M, "shape", None)
+    if isinstance(M, np.memmap):  # on disk: read one tile at a time, never loaded whole
+        return M.ndim == 2
+    return (not isinstance(M, (Tensor, np.ndarray)) and hasattr(M, "__getitem__") and shape is not None
+            and len(tuple(shape)) == 2)
+
+
+@dataclass(frozen=True, eq=False)
+class MatrixCost:
+    """``C(i, N + j) = M[b, i, j]`` between index points (see the module docstring).
+
+    ``M`` is a (B, N, M) tensor of the compute dtype, or a lazy 2-D matrix (``B = 1``) whose
+    blocks are converted on the fly.
+    """
+
+    M: object
+    n_rows: int
+    n_cols: int
+    dtype: torch.dtype
+    device: torch.device
+    name: str = ""
+    scale = None  # not a dot-product cost
+    power = 0
+    min_sqdist = 0.0
+
+    is_dot = False
+    direct = True  # the engines call tile() / matrix(), never the GEMM expansion
+
+    @property
+    def lazy(self) -> bool:
+        return not isinstance(self.M, Tensor)
+
+    def _block(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        if not self.lazy:
+            return self.M[:, r0:r1, c0:c1]
+        blk = np.asarray(self.M[r0:r1, c0:c1])
+        if blk.shape != (r1 - r0, c1 - c0):
+            raise ValueError(f"M: the lazy matrix returned a block of shape {blk.shape} for rows {r0}:{r1} and "
+                             f"columns {c0}:{c1} (expected {(r1 - r0, c1 - c0)})")
+        blk = np.array(blk, dtype=np.float32 if self.dtype == torch.float32 else np.float64)  # a writable copy
+        return torch.from_numpy(blk).to(self.device).unsqueeze(0)
+
+    def tile(self, u: Tensor, v: Tensor) -> Tensor:
+        """Cost block between index points ``u`` (B, n, 1) and ``v`` (B, m, 1): a fresh (B, n, m)
+        tensor of ``u``'s dtype (the engines overwrite it)."""
+        (u0, u1), (v0, v1) = _span(u), _span(v)
+        N = self.n_rows
+        if (u0 < N) == (v0 < N):
+            raise NotImplementedError("a precomputed cost matrix has no cost between two rows or two columns "
+                                      "(debiasing / self-transport): use point clouds (solve_sample, SamplesLoss)")
+        if u0 < N:
+            blk = self._block(u0, u1, v0 - N, v1 - N)
+        else:
+            blk = self._block(v0, v1, u0 - N, u1 - N).transpose(-1, -2)
+        return blk.to(u.dtype, copy=not self.lazy)  # a lazy block is already a fresh tensor
+
+    matrix = tile
+
+    def dcost_weight(self, c: Tensor) -> Tensor:
+        raise NotImplementedError("a precomputed cost matrix has no points to differentiate with respect to")
+
+    def from_sqdist(self, d2: Tensor) -> Tensor:
+        raise NotImplementedError("a precomputed cost matrix is not a function of distances")
+
+
+def _span(u: Tensor) -> tuple[int, int]:
+    """The contiguous index range ``[first, last + 1)`` that the index points ``u`` hold."""
+    n = u.shape[1]
+    first, last = (int(t) for t in u[0, [0, n - 1], 0].tolist())
+    if last - first + 1 != n:
+        raise NotImplementedError("a precomputed cost matrix is read by contiguous tiles of rows and columns; "
+                                  "this engine asked for a scattered set (use backend='tiled' or 'dense')")
+    return first, last + 1
+
+
+def _scan(M, dtype: torch.dtype) -> tuple[float, float]:
+    """``(min, max)`` of a lazy matrix, read in blocks of rows; raises on NaN / Inf."""
+    lo, hi = math.inf, -math.inf
+    for r0 in range(0, M.shape[0], SCAN_ROWS):
+        blk = np.asarray(M[r0:r0 + SCAN_ROWS, :], dtype=np.float64)
+        if not np.isfinite(blk).all():
+            raise ValueError(f"M: contains NaN or Inf values (in rows {r0}:{r0 + blk.shape[0]})")
+        lo, hi = min(lo, float(blk.min())), max(hi, float(blk.max()))
+    return lo, hi
+
+
+def _lazy_dtype(M) -> torch.dtype:
+    dt = getattr(M, "dtype", None)
+    if isinstance(dt, torch.dtype):
+        return dt
+    try:
+        kind = np.dtype(dt) if dt is not None else np.asarray(M[0:1, 0:1]).dtype
+    except TypeError:
+        kind = np.asarray(M[0:1, 0:1]).dtype
+    if kind.kind not in "fiu":
+        raise TypeError(f"M: expected real numbers, got dtype {kind}")
+    return torch.float32 if kind == np.float32 or kind.itemsize <= 2 and kind.kind == "f" else torch.float64
+
+
+def matrix_measures(M, a, b, *, backend: str = "auto") -> Measures:
+    """:class:`~flashot.measures.Measures` over the cost matrix ``M`` ((N, M) or (B, N, M); torch,
+    numpy or lazy) with weights ``a`` (rows) and ``b`` (columns), uniform when None."""
+    if backend not in ("auto", "tiled", "dense"):
+        raise ValueError(f"backend: a precomputed cost matrix runs on 'tiled' (the default, streamed) or 'dense', "
+                         f"got {backend!r}; the 'cpu' and 'triton' engines compute costs from points "
+                         "(use solve_sample)")
+    lazy = is_lazy_matrix(M)
+    if lazy:
+        shape = tuple(int(s) for s in M.shape)
+        cdt = compute_dtype(_lazy_dtype(M))
+        device = torch.device("cpu") if not isinstance(a, Tensor) else a.device
+        lo, hi = _scan(M, cdt)
+        B, batched, out_dtype, Mt = 1, False, cdt, M
+    else:
+        Mt = _check_dense(M)
+        batched = Mt.dim() == 3
+        Mt = Mt if batched else Mt.unsqueeze(0)
+        shape, out_dtype, device = tuple(Mt.shape[1:]), Mt.dtype, Mt.device
+        cdt = compute_dtype(Mt.dtype)
+        Mt = Mt.to(cdt)
+        B = Mt.shape[0]
+        with torch.no_grad():
+            lo, hi = float(Mt.min()), float(Mt.max())
+    N, K = shape
+    if N == 0 or K == 0:
+        raise ValueError(f"M: the cost matrix is empty (shape {shape})")
+    if cdt == torch.float32 and N + K > MAX_FLOAT32_INDEX:
+        raise ValueError(f"M: {N} rows + {K} columns exceed what float32 index points address exactly "
+                         f"({MAX_FLOAT32_INDEX:,}); give M in float64")
+    ar = torch.arange(N + K, device=device, dtype=cdt).view(1, -1, 1).expand(B, -1, -1)
+    x, y = ar[:, :N].contiguous(), ar[:, N:].contiguous()
+    names = ("a", "M's rows", "b", "M's columns")
+    a = check_weights("a", _weights(a, device), x if batched else x[0], names[1])
+    b = check_weights("b", _weights(b, device), y if batched else y[0], names[3])
+    if not batched:
+        a, b = a.unsqueeze(0), b.unsqueeze(0)
+    a, b = a.to(cdt), b.to(cdt)
+    cost = MatrixCost(Mt if lazy else Mt.detach(), N, K, cdt, device, name=f"matrix#{next(_ids)}")
+    engine = get_engine("tiled" if backend == "auto" else backend, device=device, dtype=cdt, cost=cost,
+                        size=(B, N, K, 1))
+    # the spread of the costs bounds every C / eps that matters (a softmin is shift-equivariant)
+    cmax = max(hi - lo, abs(hi), abs(lo))
+    return Measures(x, y, a, b, log_weights(a), log_weights(b), cost, engine, batched, out_dtype,
+                    torch.zeros(B, 1, 1, dtype=cdt, device=device), cmax)
+
+
+def _weights(w, device: torch.device):
+    if w is None or isinstance(w, Tensor):
+        return w
+    if isinstance(w, np.ndarray):
+        if w.dtype.kind not in "fiu":
+            raise TypeError(f"weights: expected a real-valued array, got dtype {w.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float64)).to(device)
+    return w  # check_weights names the wrong type
+
+
+def _check_dense(M) -> Tensor:
+    if isinstance(M, np.ndarray):
+        if M.dtype.kind not in "fiu":
+            raise TypeError(f"M: expected a real-valued array, got dtype {M.dtype}")
+        M = M if M.dtype.kind == "f" else M.astype(np.float64)
+        M = torch.from_numpy(np.ascontiguousarray(M) if M.flags.writeable else np.array(M))
+    if not isinstance(M, Tensor):
+        raise TypeError(f"M: expected a torch.Tensor, a numpy.ndarray or a lazy matrix (an object with a 2-D "
+                        f".shape and slicing, e.g. numpy.memmap), got {type(M).__name__}")
+    if M.dtype not in FLOATS:
+        raise TypeError(f"M: expected a floating-point matrix, got dtype {M.dtype}")
+    check_storage("M", M)
+    if M.dim() not in (2, 3):
+        raise ValueError(f"M: expected shape (N, M) or (B, N, M), got {tuple(M.shape)}")
+    if not bool(torch.isfinite(M.detach()).all()):
+        raise ValueError("M: contains NaN or Inf values")
+    return M
