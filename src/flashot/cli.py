@@ -1,8 +1,10 @@
-"""``flashot`` command line: ``flashot demo``, ``flashot build`` and ``flashot bench``."""
+"""``flashot`` command line: ``flashot solve``, ``flashot demo``, ``flashot build`` and ``flashot bench``."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import resource
 import sys
 import time
@@ -40,6 +42,10 @@ def demo(argv: list[str] | None = None) -> int:
     p.add_argument("--blur", type=_positive_float, default=0.05, help="blur for the Sinkhorn divergence")
     p.add_argument("--backend", default="auto", help="'auto' or an engine name (dense, tiled, cpu, triton)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--png", default=DEMO_PNG, metavar="PATH",
+                   help=f"write a picture of a 2-D transport (points and barycentric-map arrows) here "
+                        f"(default {DEMO_PNG}; needs matplotlib)")
+    p.add_argument("--no-png", action="store_true", help="do not write the picture")
     args = p.parse_args(argv)
 
     import torch
@@ -90,6 +96,72 @@ def demo(argv: list[str] | None = None) -> int:
     peak = _peak_rss_mib()
     dense_gib = args.n * args.n * 4 / 2**30
     print(f"peak RSS = {peak:.0f} MiB (+{peak - rss0:.0f} MiB during the solves; a dense float32 cost matrix would be {dense_gib:.1f} GiB)")
+    if not args.no_png:
+        return _demo_png(args.png, args.backend, args.seed)
+    return 0
+
+
+DEMO_PNG = "flashot_demo.png"
+
+
+def _demo_png(path: str, backend: str, seed: int) -> int:
+    """A 2-D picture that shows what the plan's barycentric map is and what ``reg`` does to it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # before the solves
+        print(f"flashot demo: error: cannot write {path}: the directory {folder} does not exist", file=sys.stderr)
+        return 1
+    try:
+        import matplotlib
+    except ImportError:
+        print("picture: skipped (matplotlib is not installed: pip install matplotlib, "
+              "or pip install 'flashot[examples]')")
+        return 0
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    import flashot
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 300
+    x = torch.randn(n, 2, generator=gen, dtype=torch.float64) * 0.35 + torch.tensor([-1.5, 0.0], dtype=torch.float64)
+    t = torch.rand(n, generator=gen, dtype=torch.float64) * math.pi  # a half-ring (crescent) on the right
+    y = torch.stack([1.0 + torch.sin(t), torch.cos(t)], -1) + 0.06 * torch.randn(n, 2, generator=gen, dtype=torch.float64)
+    regs = (0.01, 1.0)
+    cmax = float(((x[:, None] - y[None]) ** 2).sum(-1).max())
+    shown = torch.randperm(n, generator=gen)[:70]  # arrows for some points (all would hide the picture)
+    color = x[:, 1]  # colour = the source point's height: the map keeps the order (top goes to top)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.9), sharex=True, sharey=True)
+    for k, (ax, reg) in enumerate(zip(axes, regs)):
+        res = flashot.solve_sample(x, y, reg=reg, tol=1e-6, max_iter=5000, backend=backend)
+        T = res.plan.barycentric_map()
+        ax.scatter(y[:, 0], y[:, 1], s=14, c="0.72", label="target points y_j", zorder=1)
+        ax.scatter(x[:, 0], x[:, 1], s=14, c=color, cmap="viridis", label="source points x_i", zorder=3)
+        d = T - x
+        ax.quiver(x[shown, 0], x[shown, 1], d[shown, 0], d[shown, 1], color[shown], cmap="viridis",
+                  angles="xy", scale_units="xy", scale=1, width=0.003, headwidth=4, alpha=0.75, zorder=2)
+        ax.scatter(T[:, 0], T[:, 1], s=16, c=color, cmap="viridis", marker="x", linewidths=1.0,
+                   label="images T(x_i) = sum_j P_ij y_j / sum_j P_ij", zorder=4)
+        what = ("small reg: the plan is close to a matching; each x_i\nlands on the crescent, "
+                "and the order (colour) is kept" if k == 0 else
+                "large reg: each row of the plan spreads over many y_j,\nso every T(x_i) is pulled "
+                "towards the target's mean")
+        ax.set_title(f"reg = {reg:g} (largest cost {cmax:.0f}): value {float(res.value):.3f}, "
+                     f"{res.n_iter} iterations\n{what}", fontsize=10)
+        ax.set_aspect("equal")
+        ax.grid(alpha=0.25)
+    axes[0].legend(loc="lower left", fontsize=8, framealpha=0.9)
+    fig.suptitle(f"res = flashot.solve_sample(x, y, reg) on 2-D clouds ({n} + {n} points, cost |x - y|^2); "
+                 f"arrows: res.plan.barycentric_map() for {len(shown)} of the points", fontsize=11)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    except OSError as e:
+        print(f"flashot demo: error: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    finally:
+        plt.close(fig)
+    print(f"picture: {os.path.abspath(path)} (2-D transport: points and barycentric-map arrows at two reg values)")
     return 0
 
 
@@ -141,6 +213,260 @@ def build_cmd(argv: list[str] | None = None) -> int:
     return 0
 
 
+PROGRESS_MIN_PAIRS = 1_000_000  # n * m from which `flashot solve` shows a progress bar (unless --quiet)
+
+_SOLVE_DESC = """\
+Entropic optimal transport between two point clouds read from files, streamed (no n x m matrix).
+
+Files: .npy (a 2-D array, n x d), .npz (an array named 'points', or the only array; an array
+named 'weights' beside it gives the weights), .csv / .txt (one point per row; comma or whitespace
+separated; '#' comments; a first row of names is a header), .ply (ASCII or binary_little_endian;
+the vertex x, y, z properties). Weights: --weights-column (a column index or header name, or a
+.ply vertex property, removed from the coordinates) or --source-weights / --target-weights files;
+uniform otherwise. Balanced problems normalise each side's weights to total mass 1; --unbalanced
+keeps them as given.
+
+Temperature, one of:
+  --reg EPS    cost C = |x - y|^2 (POT's solve_sample; --cost changes it), epsilon = EPS;
+               the value is POT's <C, P> + EPS KL(P | a x b).
+  --blur B     GeomLoss' convention for p = 2: cost C = |x - y|^2 / 2 and epsilon = B^2
+               (B is a length, in the units of the points); the value is the entropic OT
+               cost OT_eps with that cost (not the debiased Sinkhorn divergence).
+
+Files are untrusted: shapes and sizes are checked from the headers before any data is read,
+nothing is unpickled, and paths that are not regular files are refused. Errors are one line
+on stderr with exit status 1 (2 for bad options)."""
+
+_SOLVE_EPILOG = """\
+--out writes an .npz (numpy.load(path) reads it, no pickle): value, f, g (the potentials,
+numpy float64), a, b (the weights used), n_iter, converged, error, reg (the epsilon), cost,
+backend, time_s, version; with --map: barycentric_map (n x d, T(x_i) = sum_j P_ij y_j /
+sum_j P_ij); with --topk K: topk_values and topk_indices (n x K, the K largest plan entries of
+each row and their target indices).
+
+example:
+  flashot solve source.ply target.csv --weights-column w --blur 0.05 --out result.npz --map"""
+
+
+class _CliError(Exception):
+    """A one-line error for the user (exit status 1)."""
+
+
+def _unbalanced_arg(s: str):
+    parts = [t.strip() for t in s.split(",")]
+    if len(parts) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"expected RHO or RHO_A,RHO_B, got {s!r}")
+    out = []
+    for t in parts:
+        if t.lower() in ("inf", "none", "strict"):
+            out.append(None)
+            continue
+        try:
+            v = float(t)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {t!r} (a positive number, or inf for a strict side)") from None
+        if not 0 < v < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive number (or inf), got {t}")
+        out.append(v)
+    if all(v is None for v in out):
+        raise argparse.ArgumentTypeError("both sides strict is balanced OT: leave out --unbalanced")
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _solve_parser() -> argparse.ArgumentParser:
+    from .io import DEFAULT_MAX_BYTES, DEFAULT_MAX_POINTS
+
+    p = argparse.ArgumentParser(prog="flashot solve", description=_SOLVE_DESC, epilog=_SOLVE_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="source points x (.npy, .npz, .csv, .txt or .ply)")
+    p.add_argument("target", help="target points y (same formats; same dimension d)")
+    t = p.add_mutually_exclusive_group(required=True)
+    t.add_argument("--reg", type=_positive_float, help="epsilon, with the cost --cost (default |x - y|^2)")
+    t.add_argument("--blur", type=_positive_float,
+                   help="GeomLoss' blur: cost |x - y|^2 / 2 and epsilon = blur^2")
+    p.add_argument("--cost", choices=("sqeuclidean", "half_sqeuclidean", "euclidean"), default=None,
+                   help="with --reg: sqeuclidean |x-y|^2 (default), half_sqeuclidean |x-y|^2/2 or euclidean |x-y|")
+    p.add_argument("--unbalanced", type=_unbalanced_arg, metavar="RHO[,RHO_B]",
+                   help="KL marginal penalties (POT's reg_m): one value for both sides, or two; "
+                        "'inf' keeps that side strict (semi-unbalanced)")
+    p.add_argument("--tol", type=_positive_float, default=1e-6,
+                   help="stop when the marginal error is below this (default 1e-6)")
+    p.add_argument("--max-iter", type=_positive_int, default=1000, help="iteration limit (default 1000)")
+    p.add_argument("--backend", default="auto", help="'auto' or an engine name (dense, tiled, cpu, triton)")
+    p.add_argument("--float32", action="store_true",
+                   help="compute in float32 (faster; default float64)")
+    p.add_argument("--weights-column", metavar="COL",
+                   help="take the weights from this column of both files (index, negative from the end, "
+                        "or header name / .ply property)")
+    p.add_argument("--source-weights", metavar="FILE", help="weights of the source points (one per point)")
+    p.add_argument("--target-weights", metavar="FILE", help="weights of the target points (one per point)")
+    p.add_argument("--out", metavar="FILE.npz", help="write the results to this .npz (see below)")
+    p.add_argument("--map", action="store_true", help="with --out: also the barycentric map T(x_i)")
+    p.add_argument("--topk", type=_nonneg_int, metavar="K",
+                   help="with --out: also the K largest plan entries of each row and their columns")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help=f"no progress bar (shown on stderr when n * m >= {PROGRESS_MIN_PAIRS:,})")
+    p.add_argument("--max-points", type=_positive_int, default=DEFAULT_MAX_POINTS,
+                   help=f"refuse files with more points (default {DEFAULT_MAX_POINTS:,})")
+    p.add_argument("--max-bytes", type=_positive_int, default=DEFAULT_MAX_BYTES,
+                   help=f"refuse arrays (or text files) larger than this many bytes (default {DEFAULT_MAX_BYTES:,})")
+    return p
+
+
+def solve_cmd(argv: list[str] | None = None) -> int:
+    """``flashot solve``: exit 0 on success (also when ``tol`` was not reached: see ``converged``),
+    1 on an input or solver error (one line on stderr), 2 on a bad option (argparse)."""
+    p = _solve_parser()
+    args = p.parse_args(argv)
+    if args.blur is not None and args.cost is not None:
+        p.error("argument --cost: not with --blur (which means the cost |x - y|^2 / 2)")
+    if (args.map or args.topk) and not args.out:
+        p.error("arguments --map / --topk: need --out FILE.npz")
+    if args.weights_column is not None and (args.source_weights or args.target_weights):
+        p.error("argument --weights-column: not with --source-weights / --target-weights")
+    try:
+        return _solve(args, p)
+    except _CliError as e:
+        print(f"flashot solve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("flashot solve: interrupted", file=sys.stderr)
+        return 130
+
+
+def _solve(args, p) -> int:
+    import json
+    import warnings
+
+    import numpy as np
+
+    from . import __version__, io as fio
+
+    t_read = time.perf_counter()
+    limits = fio.Limits(max_points=args.max_points, max_bytes=args.max_bytes)
+    if args.out:
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out):
+            raise _CliError(f"--out {args.out}: is a directory")
+        if not os.path.isdir(out_dir):
+            raise _CliError(f"--out {args.out}: the directory {out_dir} does not exist")
+    try:
+        xs = fio.read_points(args.source, limits, args.weights_column)
+        ys = fio.read_points(args.target, limits, args.weights_column)
+        a, b = xs.weights, ys.weights
+        if args.source_weights:
+            a = fio.read_weights(args.source_weights, xs.points.shape[0], limits)
+        if args.target_weights:
+            b = fio.read_weights(args.target_weights, ys.points.shape[0], limits)
+    except fio.InputError as e:
+        raise _CliError(str(e)) from None
+    x, y = xs.points, ys.points
+    if x.shape[1] != y.shape[1]:
+        raise _CliError(f"dimensions differ: {args.source} has d = {x.shape[1]}, {args.target} has "
+                        f"d = {y.shape[1]} (points of both clouds need the same number of coordinates)")
+    if args.backend != "auto":
+        from .ops import engine_names
+
+        if args.backend not in engine_names() + ["tensorized", "online"]:
+            p.error(f"argument --backend: expected 'auto' or one of {engine_names()}, got {args.backend!r}")
+    t_read = time.perf_counter() - t_read
+    n, m, d = x.shape[0], y.shape[0], x.shape[1]
+    if args.unbalanced is None:  # balanced OT compares distributions: total mass 1 on each side
+        a = None if a is None else a / a.sum()
+        b = None if b is None else b / b.sum()
+    dtype = np.float32 if args.float32 else np.float64
+    cast = (lambda v: None if v is None else v.astype(dtype))
+    if args.blur is not None:
+        cost, reg, temp = "half_sqeuclidean", args.blur ** 2, f"blur = {args.blur:g}: cost |x-y|^2/2, eps = blur^2 = {args.blur ** 2:g}"
+    else:
+        cost, reg = args.cost or "sqeuclidean", args.reg
+        temp = f"cost {dict(sqeuclidean='|x-y|^2', half_sqeuclidean='|x-y|^2/2', euclidean='|x-y|')[cost]}, eps = reg = {reg:g}"
+    verbose = not args.quiet and n * m >= PROGRESS_MIN_PAIRS
+
+    import flashot
+
+    caught = []
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = flashot.solve_sample(x.astype(dtype), y.astype(dtype), cast(a), cast(b), reg=reg, cost=cost,
+                                       unbalanced=args.unbalanced, tol=args.tol, max_iter=args.max_iter,
+                                       backend=args.backend, verbose=verbose)
+    except (ValueError, TypeError, FloatingPointError, MemoryError, NotImplementedError) as e:
+        raise _CliError(_one_line(e)) from None
+    t_solve = time.perf_counter() - t0
+    for w in caught:
+        print(f"flashot solve: warning: {_one_line(w.message)}", file=sys.stderr)
+    f, g = res.potentials
+    value = float(res.value)
+    result = {
+        "value": value, "n_iter": int(res.n_iter), "converged": bool(res.converged),
+        "error": None if res.error is None else float(res.error), "time_s": t_solve, "read_s": t_read,
+        "reg": reg, "cost": cost, "backend": res.backend, "dtype": np.dtype(dtype).name,
+        "unbalanced": args.unbalanced, "n": n, "m": m, "d": d,
+        "source": args.source, "target": args.target, "out": args.out, "version": __version__,
+    }
+    if args.out:
+        arrays = {
+            "value": np.float64(value), "f": np.asarray(f, dtype=np.float64), "g": np.asarray(g, dtype=np.float64),
+            "a": np.full(n, 1.0 / n) if a is None else np.asarray(a, dtype=np.float64),
+            "b": np.full(m, 1.0 / m) if b is None else np.asarray(b, dtype=np.float64),
+            "n_iter": np.int64(res.n_iter), "converged": np.bool_(res.converged),
+            "error": np.float64(np.nan if res.error is None else res.error), "reg": np.float64(reg),
+            "cost": np.str_(cost), "backend": np.str_(res.backend), "time_s": np.float64(t_solve),
+            "version": np.str_(__version__),
+        }
+        t1 = time.perf_counter()
+        try:
+            if args.map:
+                arrays["barycentric_map"] = np.asarray(res.plan.barycentric_map(), dtype=np.float64)
+            if args.topk:
+                if args.topk > m:
+                    raise _CliError(f"--topk {args.topk}: above the number of target points ({m})")
+                vals, idx = res.plan.topk(args.topk)
+                arrays["topk_values"], arrays["topk_indices"] = np.asarray(vals, dtype=np.float64), np.asarray(idx)
+        except (ValueError, FloatingPointError, MemoryError) as e:
+            raise _CliError(_one_line(e)) from None
+        result["extras_s"] = time.perf_counter() - t1
+        try:
+            with open(args.out, "wb") as fh:
+                np.savez(fh, **arrays)
+        except OSError as e:
+            raise _CliError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
+        result["written"] = sorted(arrays)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    wsrc = [s for s in (xs.source or args.source_weights, ys.source or args.target_weights) if s]
+    print(f"flashot {__version__} solve: {args.source} ({n:,} points) -> {args.target} ({m:,} points), d = {d}")
+    print(f"  {temp}" + (f", unbalanced rho = {args.unbalanced}" if args.unbalanced is not None else "")
+          + (f"; weights from {', '.join(wsrc)}" if wsrc else "; uniform weights"))
+    print(f"  value = {value:.10g}")
+    err = "n/a" if res.error is None else f"{res.error:.3e}"
+    print(f"  iterations = {res.n_iter}  converged = {res.converged}  error = {err}")
+    print(f"  time = {t_solve:.3f} s (engine {res.backend}, {np.dtype(dtype).name}; reading the files {t_read:.3f} s)")
+    if args.out:
+        print(f"  wrote {args.out}: {', '.join(result['written'])}")
+    return 0
+
+
+def _one_line(e) -> str:
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:500]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("--version", "-V"):
@@ -148,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"flashot {__version__}")
         return 0
-    cmds = {"demo": demo, "build": build_cmd}
+    cmds = {"solve": solve_cmd, "demo": demo, "build": build_cmd}
     try:
         from .bench import main as bench_main
 
@@ -161,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"flashot: unknown command {argv[0]!r} (choose from {', '.join(cmds)})", file=out)
         print("usage: flashot [--version] {" + ",".join(cmds) + "} [options]\n"
-              "  demo   solve a built-in problem (20,000 points per cloud) and print value, iterations, time, memory\n"
+              "  solve  entropic OT between two point-cloud files (.npy .npz .csv .txt .ply); see flashot solve --help\n"
+              "  demo   solve a built-in problem (20,000 points per cloud) and print value, iterations, time, memory;\n"
+              "         writes a PNG of a 2-D transport (barycentric-map arrows) when matplotlib is installed\n"
               "  build  compile the CPU kernels now (first use would) and print the instruction set and cache path\n"
               + ("  bench  time flashot against installed peers (see flashot bench --help)\n" if "bench" in cmds else ""),
               file=out)
