@@ -118,7 +118,9 @@ CASES = [
     Case("SL-backend-int", lambda: flashot.SamplesLoss(backend=3), TypeError, r"^backend: expected a string"),
     Case("SL-loss-unknown", lambda: flashot.SamplesLoss(loss="mmd"), ValueError, r"^loss: expected one of .*got .mmd."),
     Case("SL-loss-int", lambda: flashot.SamplesLoss(loss=1), TypeError, r"^loss: "),
-    Case("SL-cost-callable", lambda: flashot.SamplesLoss(cost=lambda u, v: u), NotImplementedError, r"^cost: "),
+    Case("SL-cost-keops-formula", lambda: flashot.SamplesLoss(cost="SqDist(X,Y)"), NotImplementedError, r"^cost: "),
+    Case("SL-cost-not-callable", lambda: flashot.SamplesLoss(cost=2.0), TypeError, r"^cost: "),
+    Case("SL-cost-online", lambda: flashot.SamplesLoss(cost=lambda u, v: u, backend="online"), ValueError, r"^cost: "),
     Case("SL-multiscale", lambda: flashot.SamplesLoss(backend="multiscale"), NotImplementedError, r"multiscale"),
     # a string is a ValueError here (flashot.warmstart.check_warm_start; tests/test_warmstart.py relies on it)
     Case("SL-warm_start-str", lambda: flashot.SamplesLoss(warm_start="yes"), ValueError, r"^warm_start: "),

@@ -34,7 +34,7 @@ from .ops.autograd import softmin_fn
 from .ops.kernel_sum import KERNELS, kernel_spec, kernel_sum
 from .ops.registry import get_engine
 
-__all__ = ["KERNELS", "kernel_loss", "hausdorff_loss"]
+__all__ = ["KERNELS", "kernel_loss", "hausdorff_loss", "kernel_matrix_loss"]
 
 
 def _engine_for(name: str, m: Measures, backend: str):
@@ -64,8 +64,15 @@ def kernel_loss(name: str, m: Measures, blur: float, backend: str, potentials: b
 
 def _hausdorff(x: Tensor, y: Tensor, a: Tensor, b: Tensor, eps: float, cost, eng) -> Tensor:
     la, lb = _safe_log(a), _safe_log(b)
-    s_bx, s_ax = softmin_fn(x, y, lb, eps, cost, eng), softmin_fn(x, x, la, eps, cost, eng)
-    s_ay, s_by = softmin_fn(y, x, la, eps, cost, eng), softmin_fn(y, y, lb, eps, cost, eng)
+    if getattr(cost, "graph", None) is not None:  # a user's cost function: its matrices, by autograd
+        def sm(side, h):
+            return cost.softmin_graph(side, h, eps).to(a.dtype)
+    else:
+        pts = {"x": x, "y": y}
+
+        def sm(side, h):
+            return softmin_fn(pts[side[0]], pts[side[1]], h, eps, cost, eng)
+    s_bx, s_ax, s_ay, s_by = sm("xy", lb), sm("xx", la), sm("yx", la), sm("yy", lb)
     return 0.5 * (a * (s_bx - s_ax)).sum(-1) + 0.5 * (b * (s_ay - s_by)).sum(-1)
 
 
@@ -82,3 +89,19 @@ def hausdorff_loss(m: Measures, eps: float, potentials: bool):
         H = _hausdorff(x.detach(), y.detach(), a, b, eps, cost, eng)
         F, G = torch.autograd.grad(H.sum(), (a, b))
     return F.to(m.x.dtype), G.to(m.x.dtype)
+
+
+def kernel_matrix_loss(m: Measures, potentials: bool):
+    """GeomLoss' kernel norm for a user's kernel function, on its (B, N, M) matrices ``K_xy``, ``K_yx``,
+    ``K_xx``, ``K_yy`` (``m.cost.graph``, with autograd history in both arguments):
+    ``1/2 <a, K_xx a> + 1/2 <b, K_yy b> - <a, K_xy b>``, or its weight gradients
+    ``(K_xx a - K_xy b, K_yy b - K_yx a)``."""
+    K, a, b = m.cost.graph, m.a, m.b
+
+    def mv(side: str, w: Tensor) -> Tensor:
+        return (K[side] @ w.unsqueeze(-1)).squeeze(-1)
+
+    if potentials:
+        a, b = a.detach(), b.detach()
+        return mv("xx", a) - mv("xy", b), mv("yy", b) - mv("yx", a)
+    return 0.5 * (a * mv("xx", a)).sum(-1) + 0.5 * (b * mv("yy", b)).sum(-1) - (a * mv("xy", b)).sum(-1)

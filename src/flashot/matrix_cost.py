@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,12 +45,18 @@ def is_lazy_matrix(M) -> bool:
             and len(tuple(shape)) == 2)
 
 
+SIDES = ("xy", "yx", "xx", "yy")
+
+
 @dataclass(frozen=True, eq=False)
 class MatrixCost:
     """``C(i, N + j) = M[b, i, j]`` between index points (see the module docstring).
 
-    ``M`` is a (B, N, M) tensor of the compute dtype, or a lazy 2-D matrix (``B = 1``) whose
-    blocks are converted on the fly.
+    ``M`` is the (B, N, M) ``xy`` block in the compute dtype, or a lazy 2-D matrix (``B = 1``) whose
+    blocks are converted on the fly.  ``extra`` may hold the ``"yx"`` (B, M, N) block (else ``M^T``)
+    and the ``"xx"`` (B, N, N) / ``"yy"`` (B, M, M) blocks of the debiasing problems.  ``graph``
+    holds the same blocks with their autograd history (a user's cost function): the final,
+    differentiable step (:meth:`softmin_graph`) goes through them.
     """
 
     M: object
@@ -59,6 +65,8 @@ class MatrixCost:
     dtype: torch.dtype
     device: torch.device
     name: str = ""
+    extra: dict = field(default_factory=dict)
+    graph: dict | None = None
     scale = None  # not a dot-product cost
     power = 0
     min_sqdist = 0.0
@@ -80,21 +88,37 @@ class MatrixCost:
         blk = np.array(blk, dtype=np.float32 if self.dtype == torch.float32 else np.float64)  # a writable copy
         return torch.from_numpy(blk).to(self.device).unsqueeze(0)
 
+    def _side(self, lo: int) -> tuple[str, int]:
+        return ("x", 0) if lo < self.n_rows else ("y", self.n_rows)
+
     def tile(self, u: Tensor, v: Tensor) -> Tensor:
         """Cost block between index points ``u`` (B, n, 1) and ``v`` (B, m, 1): a fresh (B, n, m)
         tensor of ``u``'s dtype (the engines overwrite it)."""
         (u0, u1), (v0, v1) = _span(u), _span(v)
-        N = self.n_rows
-        if (u0 < N) == (v0 < N):
+        (su, ou), (sv, ov) = self._side(u0), self._side(v0)
+        r0, r1, c0, c1 = u0 - ou, u1 - ou, v0 - ov, v1 - ov
+        key = su + sv
+        if key in self.extra:
+            return self.extra[key][:, r0:r1, c0:c1].to(u.dtype, copy=True)
+        if key == "xy":
+            blk = self._block(r0, r1, c0, c1)
+        elif key == "yx":
+            blk = self._block(c0, c1, r0, r1).transpose(-1, -2)
+        else:
             raise NotImplementedError("a precomputed cost matrix has no cost between two rows or two columns "
                                       "(debiasing / self-transport): use point clouds (solve_sample, SamplesLoss)")
-        if u0 < N:
-            blk = self._block(u0, u1, v0 - N, v1 - N)
-        else:
-            blk = self._block(v0, v1, u0 - N, u1 - N).transpose(-1, -2)
         return blk.to(u.dtype, copy=not self.lazy)  # a lazy block is already a fresh tensor
 
     matrix = tile
+
+    def softmin_graph(self, side: str, h: Tensor, eps: float) -> Tensor:
+        """``-eps log sum_k exp(h_k - C_side / eps)`` through the blocks' autograd history (dense)."""
+        C = self.graph.get(side)
+        if C is None and side == "yx":
+            C = self.graph["xy"].transpose(-1, -2)
+        if C is None:
+            raise NotImplementedError(f"no {side!r} cost block (debiasing needs the cost within each cloud)")
+        return -eps * torch.logsumexp(h.unsqueeze(-2) - C.to(h.dtype) / eps, -1)
 
     def dcost_weight(self, c: Tensor) -> Tensor:
         raise NotImplementedError("a precomputed cost matrix has no points to differentiate with respect to")
@@ -211,3 +235,65 @@ def _check_dense(M) -> Tensor:
     if not bool(torch.isfinite(M.detach()).all()):
         raise ValueError("M: contains NaN or Inf values")
     return M
+
+
+def _cost_block(fn, u: Tensor, v: Tensor, what: str) -> Tensor:
+    """``fn(u, v)``, checked: a finite floating (B, n, m) tensor (memory budget checked first)."""
+    from .ops.dense import check_dense_budget
+
+    B, n, m = u.shape[0], u.shape[1], v.shape[1]
+    check_dense_budget(B, n, m, compute_dtype(u.dtype), u.device)
+    C = fn(u, v)
+    if not isinstance(C, Tensor):
+        raise TypeError(f"cost: the cost function returned a {type(C).__name__} for {what}, expected a (B, N, M) "
+                        "torch.Tensor")
+    if tuple(C.shape) != (B, n, m):
+        raise ValueError(f"cost: the cost function returned shape {tuple(C.shape)} for {what}, expected {(B, n, m)}")
+    if not C.is_floating_point():
+        raise TypeError(f"cost: the cost function returned dtype {C.dtype} for {what}, expected floating point")
+    if not bool(torch.isfinite(C.detach()).all()):
+        raise ValueError(f"cost: the cost function returned NaN or Inf values for {what}")
+    return C
+
+
+def function_measures(fn, x: Tensor, y: Tensor, a, b, *, sides: tuple[str, ...], detach_second: bool,
+                      backend: str = "auto", names: tuple[str, str, str, str] = ("a", "x", "b", "y")) -> Measures:
+    """:class:`~flashot.measures.Measures` over the blocks of a user's cost function (GeomLoss' tensorized
+    ``cost``): ``fn(x, y)`` maps (B, N, D), (B, M, D) points to a (B, N, M) matrix.
+
+    ``sides`` lists the blocks to compute (``"xy"`` always; ``"yx"``, ``"xx"``, ``"yy"``), with the second
+    argument detached when ``detach_second`` (GeomLoss' Sinkhorn convention: gradients through the first
+    slot only, the envelope theorem doing the rest).  The iterations stream the detached blocks; the
+    final step goes through their autograd history (:meth:`MatrixCost.softmin_graph`)."""
+    from ._checks import check_pair, check_points
+
+    an, xn, bn, yn = names
+    check_points(xn, x)
+    check_points(yn, y)
+    check_pair(x, y, xn, yn)
+    batched = x.dim() == 3
+    xb, yb = (x, y) if batched else (x.unsqueeze(0), y.unsqueeze(0))
+    a = check_weights(an, a, x, xn)
+    b = check_weights(bn, b, y, yn)
+    if not batched:
+        a, b = a.unsqueeze(0), b.unsqueeze(0)
+    cdt = compute_dtype(x.dtype)
+    pts = {"x": xb, "y": yb}
+    graph = {}
+    for side in sides:
+        u, v = pts[side[0]], pts[side[1]]
+        graph[side] = _cost_block(fn, u, v.detach() if detach_second else v, f"C({side[0]}, {side[1]})").to(cdt)
+    blocks = {k: t.detach().contiguous() for k, t in graph.items()}
+    B, N, K = blocks["xy"].shape
+    with torch.no_grad():
+        lo = min(float(t.min()) for t in blocks.values())
+        hi = max(float(t.max()) for t in blocks.values())
+    M = blocks.pop("xy")
+    ar = torch.arange(N + K, device=x.device, dtype=cdt).view(1, -1, 1).expand(B, -1, -1)
+    ix, iy = ar[:, :N].contiguous(), ar[:, N:].contiguous()
+    cost = MatrixCost(M, N, K, cdt, x.device, name=f"matrix#{next(_ids)}", extra=blocks, graph=graph)
+    engine = get_engine("tiled" if backend == "auto" else backend, device=x.device, dtype=cdt, cost=cost,
+                        size=(B, N, K, 1))
+    a, b = a.to(cdt), b.to(cdt)
+    return Measures(ix, iy, a, b, log_weights(a), log_weights(b), cost, engine, batched, x.dtype,
+                    torch.zeros(B, 1, 1, dtype=cdt, device=x.device), max(hi - lo, abs(hi), abs(lo)))

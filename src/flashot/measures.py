@@ -199,6 +199,8 @@ class Measures:
 
         ``side`` is ``"xy"`` (f on x from y), ``"yx"``, ``"xx"`` or ``"yy"``.
         """
+        if getattr(self.cost, "graph", None) is not None:  # a user's cost function: through its matrices
+            return self.cost.softmin_graph(side, h.detach(), eps).to(self.x.dtype)
         pts = {"x": self.x, "y": self.y}
         out, src = pts[side[0]], pts[side[1]].detach()
         if h.dtype == self.x.dtype:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -17,7 +18,8 @@ from torch import Tensor
 
 from ._checks import check_bool, check_eps_scale, check_positive, check_power
 from .implicit import check_implicit, sinkhorn_value
-from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss
+from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_loss
+from .matrix_cost import function_measures
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
@@ -35,6 +37,30 @@ _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
 
 
+
+
+_FUNCTION_BACKENDS = ("auto", "tensorized", "dense", "tiled")
+
+
+def _check_custom(loss: str, cost, kernel, backend, implicit, warm_start) -> None:
+    """GeomLoss' ``cost`` / ``kernel`` functions (tensorized backend); KeOps formula strings are refused."""
+    for name, v, losses in (("cost", cost, ("sinkhorn", "hausdorff")), ("kernel", kernel, KERNELS)):
+        if v is None:
+            continue
+        if isinstance(v, str):
+            raise NotImplementedError(f"{name}: KeOps formula strings are not supported (they belong to GeomLoss' "
+                                      f"online backend); pass a python function {name}(x, y) -> (B, N, M) tensor")
+        if not callable(v):
+            hint = ("; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...)"
+                    if hasattr(v, "shape") else "")
+            raise TypeError(f"{name}: expected a function (x, y) -> (B, N, M) tensor, got {type(v).__name__}{hint}")
+        if loss not in losses:
+            raise ValueError(f"{name}: applies to loss in {losses}, not loss={loss!r}")
+        if backend not in _FUNCTION_BACKENDS:
+            raise ValueError(f"{name}: a {name} function materialises its matrices (GeomLoss' 'tensorized' backend); "
+                             f"use backend='auto' or 'tensorized', not {backend!r}")
+        if implicit is not None or (warm_start is not False and warm_start is not None):
+            raise NotImplementedError(f"implicit= and warm_start= are not implemented with a {name} function")
 
 
 def _warn_unequal_masses(m: Measures) -> None:
@@ -75,6 +101,14 @@ class SamplesLoss(torch.nn.Module):
         debias: return ``S(a, b)`` (True) or ``OT_eps(a, b)`` (False).  Unbalanced:
             GeomLoss' ``sinkhorn_cost`` formulas.
         potentials: return the dual potentials ``(F, G)`` instead of the value.
+        cost: GeomLoss' tensorized cost function (``"sinkhorn"``, ``"hausdorff"``): ``cost(x, y)`` maps
+            (B, N, D) and (B, M, D) points to a (B, N, M) matrix (``p`` then only sets ``eps = blur^p``
+            and the scaling).  Its matrices are materialised (memory guard of the ``dense`` engine)
+            and the iterations stream them; gradients go through the function by autograd, with
+            GeomLoss' convention (``cost(x, y.detach())``, envelope theorem).  KeOps formula strings
+            raise ``NotImplementedError``.
+        kernel: GeomLoss' kernel function for the kernel norms: ``kernel(x, y, blur=, use_keops=,
+            ranges=)`` -> (B, N, M), materialised.
         backend: ``"auto"``, GeomLoss' ``"tensorized"`` (= our ``dense``) or
             ``"online"`` (our best streaming engine), or one of our engine names.
         verbose: show a progress bar (tqdm if installed) over the epsilon-scaling steps.
@@ -129,14 +163,7 @@ class SamplesLoss(torch.nn.Module):
             if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and 0 < v < float("inf"):
                 check_power(name, v, p)  # rho = reach^p: neither 0 nor inf in float64
         self.rho_x, self.rho_y = parse_reach(reach, reach_x, reach_y, p)
-        if cost is not None:
-            hint = ("; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...)"
-                    if hasattr(cost, "shape") else "")
-            raise NotImplementedError(f"cost: custom cost functions are not supported; use p=1 or p=2{hint}")
-        if kernel is not None:
-            raise NotImplementedError(
-                "kernel: custom kernel functions are not supported; use loss='gaussian', 'laplacian' or 'energy'"
-            )
+        _check_custom(loss, cost, kernel, backend, implicit, warm_start)
         if loss == "hausdorff" and (reach is not None or reach_x is not None or reach_y is not None):
             raise NotImplementedError("reach: loss='hausdorff' is implemented for reach=None only")
         if cluster_scale is not None or backend == "multiscale":
@@ -160,6 +187,7 @@ class SamplesLoss(torch.nn.Module):
         self.scaling, self.truncate, self.debias = float(scaling), truncate, check_bool("debias", debias)
         self.potentials, self.verbose = check_bool("potentials", potentials), check_bool("verbose", verbose)
         self.backend = backend
+        self.cost, self.kernel = cost, kernel
         self.implicit = check_implicit(implicit)
         self.warm_start = check_warm_start(warm_start)
         if (self.rho_x is not None or self.rho_y is not None) and (implicit is not None or self.warm_start is not None):
@@ -192,13 +220,19 @@ class SamplesLoss(torch.nn.Module):
         a_in, x, b_in, y = self._split_args(args)
         if self.loss != "sinkhorn":
             return self._other_loss(a_in, x, b_in, y)
-        cost = _P_COSTS[self.p]
-        if self.p == 1 and self.backend == "tensorized":
-            cost = "euclidean_geomloss"  # reproduce GeomLoss' clamp of |x-y|^2 at 1e-8
-        m = self._measures(x, y, a_in, b_in, cost)
+        if self.cost is not None:  # a user's cost function (GeomLoss' tensorized ``cost``)
+            sides = ("xy", "yx", "xx", "yy") if self.debias else ("xy", "yx")
+            m = function_measures(self.cost, x, y, a_in, b_in, sides=sides, detach_second=True,
+                                  names=("α", "x", "β", "y"))
+        else:
+            cost = _P_COSTS[self.p]
+            if self.p == 1 and self.backend == "tensorized":
+                cost = "euclidean_geomloss"  # reproduce GeomLoss' clamp of |x-y|^2 at 1e-8
+            m = self._measures(x, y, a_in, b_in, cost)
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
-        diameter = self.diameter if self.diameter is not None else max_diameter(m.x + m.center, m.y + m.center)
+        diameter = self.diameter if self.diameter is not None else (
+            max_diameter(x, y) if self.cost is not None else max_diameter(m.x + m.center, m.y + m.center))
         diameter = max(diameter, self.blur)
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
         rx, ry = self.rho_x, self.rho_y
@@ -212,6 +246,9 @@ class SamplesLoss(torch.nn.Module):
             st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias, verbose=self.verbose)
             self.last_n_iter = st.n_iter
         f, g, f_aa, g_bb = final_step(m, st)
+        if not self.potentials and self.cost is not None:  # autograd through the cost function's matrices
+            value = (m.a * f).sum(-1) + (m.b * g).sum(-1)
+            return m.restore(value - (m.a * f_aa).sum(-1) - (m.b * g_bb).sum(-1) if self.debias else value)
         if not self.potentials:
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
         if self.debias:
@@ -227,6 +264,17 @@ class SamplesLoss(torch.nn.Module):
     def _other_loss(self, a_in, x, b_in, y):
         """Kernel norms and the Hausdorff divergence (:mod:`flashot.kernel_losses`): no Sinkhorn loop."""
         kernel = self.loss in KERNELS
+        if kernel and self.kernel is not None:
+            m = function_measures(partial(self.kernel, blur=self.blur, use_keops=False, ranges=None), x, y, a_in,
+                                  b_in, sides=("xy", "yx", "xx", "yy"), detach_second=False, names=("α", "x", "β", "y"))
+            out = kernel_matrix_loss(m, self.potentials)
+            return self._potentials(m, *out, a_in, b_in) if self.potentials else m.restore(out)
+        if self.cost is not None:  # hausdorff with a user's cost function
+            m = function_measures(self.cost, x, y, a_in, b_in, sides=("xy", "yx", "xx", "yy"), detach_second=False,
+                                  names=("α", "x", "β", "y"))
+            check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
+            out = hausdorff_loss(m, self.blur**self.p, self.potentials)
+            return self._potentials(m, *out, a_in, b_in) if self.potentials else m.restore(out)
         cost = ("half_sqeuclidean" if self.loss == "gaussian" else "euclidean") if kernel else _P_COSTS[self.p]
         m = self._measures(x, y, a_in, b_in, cost)
         if kernel:
@@ -265,6 +313,9 @@ class SamplesLoss(torch.nn.Module):
 
         if self.loss != "sinkhorn":
             raise ValueError(f"plan: loss={self.loss!r} defines no transport plan; use loss='sinkhorn'")
+        if self.cost is not None:
+            raise NotImplementedError("plan: not implemented with a cost function; build the matrix and call "
+                                      "flashot.solve(M, a, b, reg=blur**p) (its result has the plan)")
         tol = check_positive("tol", tol, allow_none=True)  # before the loss runs
         max_iter = check_int("max_iter", max_iter)
         a_in, x, b_in, y = self._split_args(args)
