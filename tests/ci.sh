@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (README: "set up and run the test suite").
-#   1. set up .venv (CPU build of torch, the package editable, the test extras)
+#   1. set up .venv (CPU build of torch, the package editable, the test extras, the docs
+#      requirements) and Debian's chromium for the docs site's browser test (as root; where it
+#      cannot be installed, tests/test_docs_site.py skips its browser checks with a message)
 #   2. the default run: everything but the slow tests
 #   3. AArch64: the kernels cross-compiled and checked under qemu-user (skipped, with a message,
 #      where the Debian packages cannot be installed)
@@ -8,7 +10,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/pip install -q torch==2.13.0 -e ".[test]"
+.venv/bin/pip install -q torch==2.13.0 -e ".[test]" -r docs/requirements.txt
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing chromium (apt-get) for tests/test_docs_site.py"
+    t0=$(date +%s)
+    { DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } \
+      >/tmp/flashot-ci-chromium.log 2>&1 \
+      && echo "   chromium installed in $(( $(date +%s) - t0 )) s" \
+      || echo "   chromium could not be installed ($(tail -n 1 /tmp/flashot-ci-chromium.log)): the docs browser test will skip"
+  else
+    echo "== chromium missing and not root: the docs browser test will skip"
+  fi
+fi
 start=$(date +%s)
 echo "== default run (pytest -q)"
 .venv/bin/python -m pytest -q
