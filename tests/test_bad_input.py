@@ -121,7 +121,11 @@ CASES = [
     Case("SL-cost-keops-formula", lambda: flashot.SamplesLoss(cost="SqDist(X,Y)"), NotImplementedError, r"^cost: "),
     Case("SL-cost-not-callable", lambda: flashot.SamplesLoss(cost=2.0), TypeError, r"^cost: "),
     Case("SL-cost-online", lambda: flashot.SamplesLoss(cost=lambda u, v: u, backend="online"), ValueError, r"^cost: "),
-    Case("SL-multiscale", lambda: flashot.SamplesLoss(backend="multiscale"), NotImplementedError, r"multiscale"),
+    Case("SL-multiscale-reach", lambda: flashot.SamplesLoss(backend="multiscale", reach=1.0), NotImplementedError,
+         r"multiscale"),
+    Case("SL-cluster-scale-alone", lambda: flashot.SamplesLoss(cluster_scale=0.1), ValueError, r"^cluster_scale: "),
+    Case("SL-cluster-scale-negative", lambda: flashot.SamplesLoss(backend="multiscale", cluster_scale=-1.0), ValueError,
+         r"^cluster_scale: "),
     # a string is a ValueError here (flashot.warmstart.check_warm_start; tests/test_warmstart.py relies on it)
     Case("SL-warm_start-str", lambda: flashot.SamplesLoss(warm_start="yes"), ValueError, r"^warm_start: "),
     Case("SL-warm_start-below-1", lambda: flashot.SamplesLoss(warm_start=0.5), ValueError, r"^warm_start: "),

@@ -97,6 +97,6 @@ def test_unsupported_arguments_are_named():
     with pytest.raises(ValueError, match="loss: expected one of"):
         flashot.SamplesLoss("wasserstein")
     with pytest.raises(NotImplementedError, match="multiscale"):
-        flashot.SamplesLoss(backend="multiscale")
+        flashot.SamplesLoss(backend="multiscale", reach=1.0)  # balanced multiscale works (test_multiscale.py)
     with pytest.raises(NotImplementedError, match="KeOps formula"):
         flashot.SamplesLoss(cost="SqDist(X,Y)")  # cost functions work (tests/test_custom_cost.py)

@@ -20,6 +20,7 @@ from ._checks import check_bool, check_eps_scale, check_positive, check_power
 from .implicit import check_implicit, sinkhorn_value
 from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_loss
 from .matrix_cost import function_measures
+from .multiscale import MultiscaleConfig, MultiscaleRun, multiscale_loop
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
@@ -33,7 +34,7 @@ from .unbalanced import (
 )
 
 LOSSES = ("sinkhorn", "hausdorff", *KERNELS)
-_GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto"}
+_GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto", "multiscale": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
 
 
@@ -61,6 +62,23 @@ def _check_custom(loss: str, cost, kernel, backend, implicit, warm_start) -> Non
                              f"use backend='auto' or 'tensorized', not {backend!r}")
         if implicit is not None or (warm_start is not False and warm_start is not None):
             raise NotImplementedError(f"implicit= and warm_start= are not implemented with a {name} function")
+
+
+def _check_labels(name: str, lab, x: Tensor) -> Tensor:
+    """Cluster labels of the six-argument call: an integer tensor with one label per point."""
+    if not isinstance(lab, Tensor) or lab.is_floating_point() or lab.is_complex() or lab.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor of cluster labels, got "
+                        f"{type(lab).__name__ if not isinstance(lab, Tensor) else lab.dtype}")
+    if tuple(lab.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{name}: expected shape {tuple(x.shape[:-1])} (one label per point), got {tuple(lab.shape)}")
+    return lab
+
+
+def _unsort(t: Tensor, perm: Tensor) -> Tensor:
+    """Values of sorted points (B, N) back in the input order: ``out[:, perm] = t``."""
+    out = torch.empty_like(t)
+    out[:, perm] = t
+    return out
 
 
 def _warn_unequal_masses(m: Measures) -> None:
@@ -109,6 +127,15 @@ class SamplesLoss(torch.nn.Module):
             raise ``NotImplementedError``.
         kernel: GeomLoss' kernel function for the kernel norms: ``kernel(x, y, blur=, use_keops=,
             ranges=)`` -> (B, N, M), materialised.
+        backend="multiscale", cluster_scale, truncate: GeomLoss' coarse-to-fine solver
+            (:mod:`flashot.multiscale`): clusters of side ``cluster_scale`` (default from the diameter
+            and the dimension, as GeomLoss), the coarse schedule on their centroids, then the points
+            with only the blocks of clusters whose bound on ``C - f - g`` is within ``truncate * eps``
+            (re-pruned at every temperature; ``truncate=None`` keeps all).  One pair of clouds (no
+            batch), balanced, ``loss="sinkhorn"``; the six-argument call ``L(labels_x, a, x,
+            labels_y, b, y)`` gives the clusters.  ``L.last_multiscale.kept`` lists the kept fractions
+            of the pairs.  Today its fine iterations run in PyTorch (any device); ``auto`` does not
+            pick it.
         backend: ``"auto"``, GeomLoss' ``"tensorized"`` (= our ``dense``) or
             ``"online"`` (our best streaming engine), or one of our engine names.
         verbose: show a progress bar (tqdm if installed) over the epsilon-scaling steps.
@@ -166,10 +193,17 @@ class SamplesLoss(torch.nn.Module):
         _check_custom(loss, cost, kernel, backend, implicit, warm_start)
         if loss == "hausdorff" and (reach is not None or reach_x is not None or reach_y is not None):
             raise NotImplementedError("reach: loss='hausdorff' is implemented for reach=None only")
-        if cluster_scale is not None or backend == "multiscale":
-            raise NotImplementedError(
-                "the 'multiscale' backend (cluster_scale) is not supported yet; use backend='online'"
-            )
+        multiscale = backend == "multiscale"
+        if cluster_scale is not None and not multiscale:
+            raise ValueError("cluster_scale: used by backend='multiscale' only (GeomLoss' clustering scale)")
+        if multiscale and (loss != "sinkhorn" or cost is not None or implicit is not None
+                           or (warm_start is not False and warm_start is not None)):
+            raise NotImplementedError("backend='multiscale' runs loss='sinkhorn' with the built-in costs (p=1 or 2), "
+                                      "without implicit= or warm_start=; use backend='auto' for the others")
+        if multiscale and (reach is not None or reach_x is not None or reach_y is not None):
+            raise NotImplementedError("backend='multiscale' with reach (unbalanced OT) is not implemented yet; "
+                                      "use backend='auto'")
+        self.cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
         self.blur = check_positive("blur", blur)
         check_power("blur", self.blur, p)  # eps = blur^p: neither 0 nor inf in float64
         if diameter is not None:
@@ -179,7 +213,7 @@ class SamplesLoss(torch.nn.Module):
             raise TypeError(f"scaling: expected a number in (0, 1), got {type(scaling).__name__}")
         if not 0 < scaling < 1:
             raise ValueError(f"scaling: expected a number in (0, 1), got {scaling!r}")
-        truncate = check_positive("truncate", truncate, allow_none=True)  # multiscale only: checked, unused
+        truncate = check_positive("truncate", truncate, allow_none=True)  # multiscale pruning margin (x eps)
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
         self.loss, self.p, self.reach, self.diameter = loss, p, reach, diameter
@@ -197,21 +231,26 @@ class SamplesLoss(torch.nn.Module):
             )
         self._warm_cache = None
         self.last_n_iter = None
+        self.last_multiscale = None
 
     def reset_warm_start(self) -> None:
         """Forget the cached potentials (the next call runs the full schedule)."""
         self._warm_cache = None
 
     def _split_args(self, args):
+        """``(x, y)``, ``(a, x, b, y)`` or GeomLoss' multiscale ``(labels_x, a, x, labels_y, b, y)``: returns
+        ``(a, x, b, y)`` and stores the labels (None without them)."""
+        self._labels = (None, None)
         if len(args) == 2:
             return None, args[0], None, args[1]
         if len(args) == 4:
             return args
         if len(args) == 6:
-            raise NotImplementedError(
-                "cluster labels (six-argument call) belong to the 'multiscale' backend, "
-                "which is not supported yet; call L(a, x, b, y)"
-            )
+            if self.backend != "multiscale":
+                raise ValueError("cluster labels (six-argument call) belong to backend='multiscale'; call L(a, x, b, y)")
+            lx, a, x, ly, b, y = args
+            self._labels = (_check_labels("labels_x", lx, x), _check_labels("labels_y", ly, y))
+            return a, x, b, y
         raise ValueError(
             f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments"
         )
@@ -240,7 +279,10 @@ class SamplesLoss(torch.nn.Module):
             _warn_unequal_masses(m)
         if rx is not None or ry is not None:
             return self._unbalanced(m, eps_list, rx, ry, a_in, b_in)
-        if self.warm_start is not None:
+        if self.backend == "multiscale":
+            run = self._multiscale(m, eps_list, diameter)
+            m, st = run.m, run.state
+        elif self.warm_start is not None:
             st = warm_loop(self, m, eps_list)
         else:
             st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias, verbose=self.verbose)
@@ -253,7 +295,20 @@ class SamplesLoss(torch.nn.Module):
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
         if self.debias:
             f, g = f - f_aa, g - g_bb
+        if self.backend == "multiscale":  # back to the input order
+            f, g = _unsort(f, run.cx.perm), _unsort(g, run.cy.perm)
         return self._potentials(m, f, g, a_in, b_in)
+
+    def _multiscale(self, m: Measures, eps_list, diameter: float) -> MultiscaleRun:
+        """GeomLoss' coarse-to-fine schedule (:mod:`flashot.multiscale`); ``L.last_multiscale`` keeps the run
+        (clusters, kept fractions of the pairs)."""
+        if m.batched:
+            raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
+                                      "use backend='auto' for batches")
+        run = multiscale_loop(m, eps_list, self.p, MultiscaleConfig(self.cluster_scale, self.truncate),
+                              debias=self.debias, diameter=diameter, labels=self._labels, verbose=self.verbose)
+        self.last_multiscale, self.last_n_iter = run, len(eps_list)
+        return run
 
     def _measures(self, x, y, a_in, b_in, cost: str) -> Measures:
         """The validated, centred pair on the engine this loss's ``backend`` names (GeomLoss' names mapped)."""

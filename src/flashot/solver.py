@@ -182,6 +182,7 @@ def sinkhorn_loop(
     rho_y: float | None = None,
     tol: float | None = None,
     init: tuple[Tensor, Tensor] | None = None,
+    init_self: tuple[Tensor, Tensor] | None = None,
     callback: Callable[[IterationRecord], bool | None] | None = None,
     warn: bool = True,
     inner_iterations: int = 10,
@@ -196,8 +197,8 @@ def sinkhorn_loop(
     ``inner_iterations`` steps and at the last one; the loop stops early there when
     ``tol`` is given and the error is below ``max(tol, rounding floor)`` (:func:`stop_tol`;
     never where the floor exceeds ``max(tol, FLOOR_CAP)``).  ``init = (f, g)`` warm-starts the cross
-    potentials.  ``callback(record)`` runs after every iteration (``record.error`` is None
-    between checks); returning ``True`` stops the solve (``stopped=True``, no warning).
+    potentials and ``init_self = (f_aa, g_bb)`` the debiasing ones (``rho_x == rho_y``).
+    ``callback(record)`` runs after every iteration (``record.error`` is None between checks); returning ``True`` stops the solve (``stopped=True``, no warning).
     ``acceleration``: None, :class:`~flashot.acceleration.Momentum` or
     :class:`~flashot.acceleration.Anderson` (cross potentials only).  ``verbose`` shows a
     progress bar updated at the checks.  Runs without autograd.
@@ -235,7 +236,9 @@ def sinkhorn_loop(
                 f, g = torch.zeros_like(a_log), torch.zeros_like(b_log)
             f_aa = g_bb = g_aa = f_bb = None
             two_sided = debias and rho_x != rho_y
-            if debias:
+            if debias and init_self is not None:
+                f_aa, g_bb = init_self
+            elif debias:
                 f_aa, g_bb = lx * m.softmin_xx(m.h_a(None, eps), eps), ly * m.softmin_yy(m.h_b(None, eps), eps)
             if two_sided:
                 g_aa, f_bb = ly * m.softmin_xx(m.h_a(None, eps), eps), lx * m.softmin_yy(m.h_b(None, eps), eps)

@@ -1,0 +1,101 @@
+r"""Voxel-grid clustering of a weighted cloud, for the multiscale solver (:mod:`flashot.multiscale`).
+
+Points are put in cubic cells of side ``scale`` (GeomLoss' ``cluster_scale``; or given labels),
+the cells are ordered along a Morton (Z-order) curve so that neighbouring cells are close in
+memory, and the points are sorted by cell: cluster ``k`` is the contiguous slice
+``offsets[k]:offsets[k + 1]`` of the sorted cloud.  Each cluster has its total weight, its
+centre of mass :math:`c_k = \sum_{i \in k} a_i x_i / \sum_{i \in k} a_i` (the plain mean for a
+cluster of zero mass) and its radius :math:`r_k = \max_{i \in k} |x_i - c_k|`, from which
+:func:`block_cost_bounds` bounds the cost between two clusters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# bits per coordinate of the Morton code: 3 * 21 = 63 bits in an int64
+MORTON_BITS = 21
+
+
+@dataclass(frozen=True)
+class Clusters:
+    perm: Tensor  # (N,) int64: sorted cloud = cloud[perm]
+    offsets: Tensor  # (K + 1,) int64: cluster k = sorted[offsets[k]:offsets[k + 1]]
+    centroids: Tensor  # (K, D)
+    weights: Tensor  # (K,)
+    radius: Tensor  # (K,)
+
+    @property
+    def n_clusters(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    @property
+    def sizes(self) -> Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+
+def default_cluster_scale(diameter: float, dim: int) -> float:
+    """GeomLoss' default: ``diameter / (sqrt(D) 2000^(1/D))``, about 2,000 cells over the bounding box."""
+    return diameter / (dim**0.5 * 2000 ** (1.0 / dim))
+
+
+def _spread(v: Tensor, dim: int) -> Tensor:
+    """Bits of ``v`` (< 2^MORTON_BITS) spread ``dim`` apart: bit k moves to bit k * dim."""
+    out = torch.zeros_like(v)
+    for k in range(MORTON_BITS):
+        out |= ((v >> k) & 1) << (k * dim)
+    return out
+
+
+def grid_labels(x: Tensor, scale: float) -> Tensor:
+    """(N,) int64 cell labels of ``x`` (N, D) for cells of side ``scale``, in Morton order for D <= 3
+    (row-major order of the cell coordinates above)."""
+    with torch.no_grad():
+        q = torch.floor((x - x.amin(0)) / scale).long()  # (N, D) >= 0
+        N, D = q.shape
+        if D <= 3 and int(q.max()) < 2**MORTON_BITS:
+            code = torch.zeros(N, dtype=torch.long, device=x.device)
+            for d in range(D):
+                code |= _spread(q[:, d], D) << d
+            return code
+        extent = q.amax(0) + 1
+        code = torch.zeros(N, dtype=torch.long, device=x.device)
+        for d in range(D):
+            code = code * extent[d] + q[:, d]
+        return code
+
+
+def cluster(x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | None = None) -> Clusters:
+    """Cluster the cloud ``x`` (N, D) with weights ``a`` (N,) in cells of side ``scale``, or by the
+    integer ``labels`` (N,) (GeomLoss' six-argument call); clusters are ordered by label."""
+    with torch.no_grad():
+        x, a = x.detach(), a.detach()
+        lab = grid_labels(x, scale) if labels is None else labels.to(x.device).long()
+        lab_sorted, perm = torch.sort(lab, stable=True)
+        uniq, counts = torch.unique_consecutive(lab_sorted, return_counts=True)
+        K = uniq.shape[0]
+        offsets = torch.zeros(K + 1, dtype=torch.long, device=x.device)
+        offsets[1:] = torch.cumsum(counts, 0)
+        cid = torch.repeat_interleave(torch.arange(K, device=x.device), counts)  # cluster of each sorted point
+        xs, as_ = x[perm], a[perm]
+        w = torch.zeros(K, dtype=a.dtype, device=x.device).index_add_(0, cid, as_)
+        sx = torch.zeros(K, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, cid, as_.unsqueeze(-1) * xs)
+        mean = torch.zeros_like(sx).index_add_(0, cid, xs) / counts.unsqueeze(-1).to(x.dtype)
+        pos = (w > 0).unsqueeze(-1)
+        cent = torch.where(pos, sx / torch.where(pos, w.unsqueeze(-1), torch.ones_like(sx)), mean)
+        dist = (xs - cent[cid]).norm(dim=-1)
+        radius = torch.zeros(K, dtype=x.dtype, device=x.device).scatter_reduce_(0, cid, dist, "amax")
+        return Clusters(perm, offsets, cent, w, radius)
+
+
+def block_cost_bounds(cx: Clusters, cy: Clusters, cost) -> Tensor:
+    """(Kx, Ky) lower bounds of ``C(x_i, y_j)`` over ``i`` in cluster ``I``, ``j`` in cluster ``J``:
+    the cost of the gap ``max(0, |c_I - c_J| - r_I - r_J)`` (every supported cost increases with
+    the distance)."""
+    with torch.no_grad():
+        d = torch.cdist(cx.centroids.double(), cy.centroids.double())
+        gap = (d - cx.radius.double().unsqueeze(-1) - cy.radius.double().unsqueeze(0)).clamp_min(0.0)
+        return cost.from_sqdist(gap * gap)

@@ -1,0 +1,165 @@
+r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backend="multiscale"``).
+
+1. Both clouds are clustered on a voxel grid of side ``cluster_scale`` (:mod:`flashot.clusters`;
+   default ``diameter / (sqrt(D) 2000^(1/D))`` as GeomLoss) and sorted by cluster.
+2. The epsilon-scaling runs on the cluster centroids with the cluster weights while
+   ``eps >= cluster_scale^p`` (GeomLoss' jump rule), with the ordinary engines.
+3. The coarse potentials are extrapolated to the points (one softmin against the centroids),
+   and the blocks ``(I, J)`` of clusters are pruned: a block is kept when the lower bound
+   :math:`\underline{C}_{IJ} - \max_{i \in I} f_i - \max_{j \in J} g_j` of
+   :math:`C(x_i, y_j) - f_i - g_j` over the block is at most ``truncate * eps`` (GeomLoss'
+   ``truncate``, default 5), :math:`\underline{C}_{IJ}` being the cost of the gap between the
+   clusters' balls (:func:`~flashot.clusters.block_cost_bounds`).  A dropped entry thus has
+   :math:`P_{ij} < a_i b_j e^{-\mathrm{truncate}}`.  Each row and column cluster keeps at least
+   its best block.  The debiasing problems are pruned alike (``f_aa``, ``g_bb``).
+4. The rest of the schedule runs on the points with the block-sparse engine
+   (:mod:`flashot.ops.blocksparse`), and the pruning is refreshed from the current potentials
+   at every temperature (it can only tighten as eps decreases).
+
+The returned fine :class:`~flashot.measures.Measures` hold the sorted clouds (gathered from the
+inputs, so gradients flow back to them) and the engine of the last pruning: the final step,
+values and gradients are those of the ordinary solver on the pruned plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from .clusters import Clusters, block_cost_bounds, cluster, default_cluster_scale
+from .measures import Measures, log_weights
+from .ops import softmin as ops_softmin
+from .ops.blocksparse import BlockPattern, BlockSparseEngine
+from .solver import SinkhornState, sinkhorn_loop
+
+
+@dataclass(frozen=True)
+class MultiscaleConfig:
+    """GeomLoss' multiscale options: ``cluster_scale`` (None: from the diameter and the dimension) and
+    ``truncate`` (pruning margin in units of eps; None keeps every block)."""
+
+    cluster_scale: float | None = None
+    truncate: float | None = 5.0
+
+
+@dataclass
+class MultiscaleRun:
+    """What a multiscale solve leaves behind: the fine measures (sorted clouds, last engine), the
+    loop state, the clusterings, and the kept fraction of pairs (x-y problem) at each pruning."""
+
+    m: Measures
+    state: SinkhornState
+    cx: Clusters
+    cy: Clusters
+    kept: list[float]
+    jump: int  # index in eps_list of the last coarse temperature
+
+
+def jump_index(eps_list: list[float], scale: float, p: int) -> int:
+    """GeomLoss' rule: the coarse iterations stop before the first ``eps`` (from the third on) below
+    ``cluster_scale^p``.  Where none is, GeomLoss jumps after the last iteration (the coarse-to-fine
+    extrapolation is then its final step); here at least the last temperature runs on the points, so
+    the final step is always the ordinary one on converging fine potentials."""
+    for i, eps in enumerate(eps_list[2:]):
+        if scale**p > eps:
+            return i + 1
+    return max(len(eps_list) - 2, 0)
+
+
+def _segment_max(v: Tensor, c: Clusters) -> Tensor:
+    """(K,) maximum of the sorted values ``v`` (N,) over each cluster."""
+    cid = torch.repeat_interleave(torch.arange(c.n_clusters, device=v.device), c.sizes)
+    return torch.full((c.n_clusters,), float("-inf"), dtype=v.dtype, device=v.device).scatter_reduce_(
+        0, cid, v, "amax")
+
+
+def prune(cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, eps: float, truncate: float | None,
+          lower: Tensor) -> Tensor:
+    """(Kx, Ky) kept blocks: ``lower - max_I f - max_J g <= truncate * eps``, plus each row's and column's
+    best block (``lower`` from :func:`~flashot.clusters.block_cost_bounds`)."""
+    if truncate is None:
+        return torch.ones_like(lower, dtype=torch.bool)
+    gap = lower - _segment_max(f.double(), cx).unsqueeze(-1) - _segment_max(g.double(), cy).unsqueeze(0)
+    keep = gap <= truncate * eps
+    keep[torch.arange(gap.shape[0]), gap.argmin(1)] = True
+    keep[gap.argmin(0), torch.arange(gap.shape[1])] = True
+    return keep
+
+
+def _coarse_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
+    """The centroids with the cluster weights, on the engine ``auto`` picks for their size."""
+    return Measures.build(cx.centroids, cy.centroids, cx.weights, cy.weights, cost=m.cost, backend="auto")
+
+
+def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps: float, lam: float, cost) -> Tensor:
+    """Fine potential from a coarse one: ``lam * softmin_J (log w_J + pot_J / eps)`` at the points."""
+    with torch.no_grad():
+        return lam * ops_softmin(pts, centroids, w_log + pot / eps, eps, cost=cost, backend="tiled")
+
+
+def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleConfig, *, debias: bool,
+                    diameter: float, labels: tuple[Tensor | None, Tensor | None] = (None, None),
+                    verbose: bool = False) -> MultiscaleRun:
+    """Run GeomLoss' symmetric, debiased-or-not schedule ``eps_list`` coarse-to-fine on ``m`` (B = 1)."""
+    D = m.x.shape[-1]
+    scale = cfg.cluster_scale if cfg.cluster_scale is not None else default_cluster_scale(diameter, D)
+    x, y = m.x[0], m.y[0]
+    cx, cy = cluster(x, m.a[0], scale, labels[0]), cluster(y, m.b[0], scale, labels[1])
+    jump = jump_index(eps_list, scale, p)
+    mc = _coarse_measures(m, cx, cy)
+    st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, verbose=verbose)
+    fine = _fine_measures(m, cx, cy)
+    eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
+    state = replace(_extrapolated_state(fine, mc, cx, cy, st, eps, debias), eps=eps)
+    kept: list[float] = []
+    pairs = {"xy": (cx, cy), "xx": (cx, cx), "yy": (cy, cy)} if debias else {"xy": (cx, cy)}
+    lower = {k: block_cost_bounds(*c, m.cost) for k, c in pairs.items()}
+    tail = eps_list[jump + 1:]
+    for level in sorted(set(tail), reverse=True) or [eps]:
+        # pruned with the margin of the temperature the potentials were computed at (the larger one)
+        fine = _with_patterns(fine, cx, cy, state, max(state.eps, level), cfg.truncate, lower, debias, kept)
+        if not tail:  # extrapolation only: the final step reads the potentials at this temperature
+            break
+        steps = [e for e in tail if e == level]
+        state = sinkhorn_loop(fine, steps, symmetric=True, debias=debias, init=(state.f, state.g),
+                              init_self=(state.f_aa, state.g_bb) if debias else None)
+    return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump)
+
+
+def _fine_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
+    """``m`` with both clouds (and weights) sorted by cluster; gathers keep the autograd history."""
+    x, y = m.x[:, cx.perm].contiguous(), m.y[:, cy.perm].contiguous()
+    a, b = m.a[:, cx.perm], m.b[:, cy.perm]
+    return replace(m, x=x, y=y, a=a, b=b, a_log=log_weights(a), b_log=log_weights(b))
+
+
+def _extrapolated_state(fine: Measures, mc: Measures, cx, cy, st: SinkhornState, eps: float,
+                        debias: bool) -> SinkhornState:
+    """Coarse potentials (cluster centroids) carried to the sorted points."""
+    cost = fine.cost
+    x, y = fine.x.detach(), fine.y.detach()
+    xc, yc = mc.x.detach() + mc.center, mc.y.detach() + mc.center  # back in fine's coordinates
+    f = _extrapolate(x, yc, mc.b_log, st.g, eps, 1.0, cost)
+    g = _extrapolate(y, xc, mc.a_log, st.f, eps, 1.0, cost)
+    f_aa = g_bb = None
+    if debias:
+        f_aa = _extrapolate(x, xc, mc.a_log, st.f_aa, eps, 1.0, cost)
+        g_bb = _extrapolate(y, yc, mc.b_log, st.g_bb, eps, 1.0, cost)
+    return replace(st, f=f, g=g, f_aa=f_aa, g_bb=g_bb)
+
+
+def _with_patterns(fine: Measures, cx, cy, st: SinkhornState, eps: float, truncate, lower, debias: bool,
+                   kept: list[float]) -> Measures:
+    """``fine`` on a block-sparse engine pruned from the potentials of ``st`` at temperature ``eps``."""
+    x, y = fine.x.detach(), fine.y.detach()
+    pxy = BlockPattern(cx.offsets, cy.offsets, prune(cx, cy, st.f[0], st.g[0], eps, truncate, lower["xy"]))
+    pats = [(x, y, pxy), (y, x, pxy.T)]
+    if debias:
+        pats.append((x, x, BlockPattern(cx.offsets, cx.offsets,
+                                        prune(cx, cx, st.f_aa[0], st.f_aa[0], eps, truncate, lower["xx"]))))
+        pats.append((y, y, BlockPattern(cy.offsets, cy.offsets,
+                                        prune(cy, cy, st.g_bb[0], st.g_bb[0], eps, truncate, lower["yy"]))))
+    kept.append(pxy.fraction)
+    return replace(fine, engine=BlockSparseEngine(pats))

@@ -1,0 +1,221 @@
+"""Multiscale (coarse-to-fine, block-sparse) Sinkhorn: clusters, block bounds, block-sparse primitives,
+pruning, and ``SamplesLoss(backend="multiscale")``.
+
+References: dense torch computations (masked LogSumExp / plan products, all-pairs cost bounds) and
+the same coarse-to-fine schedule without pruning (``truncate=None``).  The pruning is the only
+approximation the block-sparse engine adds: pruned and unpruned runs agree to 1e-6 relative in
+float64 (values, gradients in points and weights, potentials), measured ~1e-12.  The schedule
+itself (GeomLoss' multiscale) differs from the single-scale one by the coarse stage, as GeomLoss'
+does: ``test_kept_fraction_and_trajectory_report`` prints both differences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashot
+from flashot.clusters import block_cost_bounds, cluster, grid_labels
+from flashot.costs import get_cost
+from flashot.multiscale import prune
+from flashot.ops.blocksparse import BlockPattern, BlockSparseEngine
+
+F64 = torch.float64
+
+
+def _blobs(n, d, seed, centers=((0.0,) * 3, (3.0, 0.5, 0.0)), spread=(0.3, 0.05)):
+    """Separated components of very different densities (in d <= 3)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for k, (c, s) in enumerate(zip(centers, spread)):
+        m = n // len(centers) + (n % len(centers) if k == 0 else 0)
+        centre = torch.zeros(d, dtype=F64)
+        centre[: min(d, 3)] = torch.tensor(c[: min(d, 3)], dtype=F64)
+        parts.append(torch.randn(m, d, generator=g, dtype=F64) * s + centre)
+    return torch.cat(parts)
+
+
+def _torus(n, seed, shift=(0.0, 0.0, 0.0)):
+    g = torch.Generator().manual_seed(seed)
+    t, u = torch.rand(n, generator=g, dtype=F64) * 2 * math.pi, torch.rand(n, generator=g, dtype=F64) * 2 * math.pi
+    x = torch.stack([(1 + 0.35 * torch.cos(u)) * torch.cos(t), (1 + 0.35 * torch.cos(u)) * torch.sin(t),
+                     0.35 * torch.sin(u)], -1)
+    return x + torch.tensor(shift, dtype=F64)
+
+
+# --- clusters -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [1, 2, 3, 5])
+def test_clusters_partition_and_centroids(d):
+    x = _blobs(500, d, 0)
+    a = torch.rand(500, dtype=F64)
+    c = cluster(x, a, 0.2)
+    assert torch.equal(torch.sort(c.perm).values, torch.arange(500))
+    lab = grid_labels(x, 0.2)[c.perm]
+    for k in range(c.n_clusters):
+        sl = slice(int(c.offsets[k]), int(c.offsets[k + 1]))
+        assert (lab[sl] == lab[sl][0]).all() and sl.stop > sl.start
+        pts, w = x[c.perm][sl], a[c.perm][sl]
+        assert torch.allclose(c.weights[k], w.sum())
+        assert torch.allclose(c.centroids[k], (w[:, None] * pts).sum(0) / w.sum())
+        assert float((pts - c.centroids[k]).norm(dim=-1).max()) <= float(c.radius[k]) * (1 + 1e-12)
+    assert len(torch.unique(lab)) == c.n_clusters  # one cluster per cell, cells never split
+
+
+def test_block_cost_bounds_are_lower_bounds():
+    x, y = _blobs(300, 3, 1), _blobs(200, 3, 2)
+    cx, cy = cluster(x, torch.ones(300, dtype=F64), 0.3), cluster(y, torch.ones(200, dtype=F64), 0.5)
+    for name in ("sqeuclidean", "half_sqeuclidean", "euclidean"):
+        cost = get_cost(name)
+        lb = block_cost_bounds(cx, cy, cost)
+        C = cost.matrix(x[cx.perm], y[cy.perm])
+        for i in range(cx.n_clusters):
+            for j in range(cy.n_clusters):
+                blk = C[cx.offsets[i]:cx.offsets[i + 1], cy.offsets[j]:cy.offsets[j + 1]]
+                assert float(blk.min()) >= float(lb[i, j]) - 1e-12
+
+
+# --- the block-sparse primitives against masked dense ones ----------------------------------------------
+def _pattern_case(seed=3, tile_elems=4096):
+    x, y = _blobs(240, 3, seed), _blobs(180, 3, seed + 1)
+    cx, cy = cluster(x, torch.ones(240, dtype=F64), 0.25), cluster(y, torch.ones(180, dtype=F64), 0.25)
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(cx.n_clusters, cy.n_clusters, generator=g) < 0.3
+    keep[torch.arange(cx.n_clusters), torch.randint(cy.n_clusters, (cx.n_clusters,), generator=g)] = True
+    keep[torch.randint(cx.n_clusters, (cy.n_clusters,), generator=g), torch.arange(cy.n_clusters)] = True
+    xs, ys = x[cx.perm][None].contiguous(), y[cy.perm][None].contiguous()
+    pat = BlockPattern(cx.offsets, cy.offsets, keep, tile_elems=tile_elems)
+    mask = torch.repeat_interleave(torch.repeat_interleave(keep, cx.sizes, 0), cy.sizes, 1)
+    return xs, ys, pat, mask
+
+
+@pytest.mark.parametrize("cost_name", ["sqeuclidean", "euclidean"])
+def test_blocksparse_primitives_match_masked_dense(cost_name):
+    xs, ys, pat, mask = _pattern_case()
+    assert len(pat.batches) > 1  # several padded batches at this tile size
+    eng = BlockSparseEngine([(xs, ys, pat), (ys, xs, pat.T)])
+    cost, eps = get_cost(cost_name), 0.05
+    g = torch.Generator().manual_seed(0)
+    hy, hx = torch.randn(1, 180, generator=g, dtype=F64), torch.randn(1, 240, generator=g, dtype=F64)
+    hy[0, 5] = -math.inf  # a zero weight
+    C = cost.matrix(xs, ys)[0]
+    S = torch.where(mask, hy[0][None] - C / eps, torch.tensor(-math.inf, dtype=F64))
+    torch.testing.assert_close(eng.softmin(xs, ys, hy, eps, cost)[0], -eps * torch.logsumexp(S, -1),
+                               rtol=1e-12, atol=1e-12)
+    St = torch.where(mask.T, hx[0][None] - C.T / eps, torch.tensor(-math.inf, dtype=F64))
+    torch.testing.assert_close(eng.softmin(ys, xs, hx, eps, cost)[0], -eps * torch.logsumexp(St, -1),
+                               rtol=1e-12, atol=1e-12)
+    V = torch.randn(1, 180, 4, generator=g, dtype=F64)
+    P = torch.where(mask, torch.exp(hx[0][:, None] + hy[0][None] - C / eps), torch.zeros((), dtype=F64))
+    for weight, W in (("plan", torch.ones_like(C)), ("cost", C), ("dcost", cost.dcost_weight(C))):
+        out = eng.plan_product(xs, ys, hx, hy, eps, V, cost, weight)[0]
+        torch.testing.assert_close(out, (P * W) @ V[0], rtol=1e-11, atol=1e-14)
+    with pytest.raises(RuntimeError, match="no block pattern"):
+        eng.softmin(xs, xs, hx, eps, cost)
+
+
+def test_pattern_needs_a_block_per_row_and_reports_its_fraction():
+    xs, ys, pat, mask = _pattern_case()
+    assert pat.fraction == pytest.approx(float(mask.double().mean()))
+    keep = pat.keep.clone()
+    keep[0] = False
+    with pytest.raises(ValueError, match="at least one"):
+        BlockPattern(pat.row_offsets, pat.col_offsets, keep)
+
+
+def test_prune_only_drops_blocks_above_the_margin():
+    x, y = _blobs(300, 2, 5), _blobs(250, 2, 6)
+    cx, cy = cluster(x, torch.ones(300, dtype=F64), 0.2), cluster(y, torch.ones(250, dtype=F64), 0.2)
+    cost, eps, trunc = get_cost("half_sqeuclidean"), 0.01, 5.0
+    xs, ys = x[cx.perm], y[cy.perm]
+    lb = torch.log(torch.full((1, 250), 1 / 250, dtype=F64))
+    f = flashot.ops.softmin(xs, ys, lb[0], eps, cost="half_sqeuclidean")
+    g = flashot.ops.softmin(ys, xs, torch.full((300,), -math.log(300), dtype=F64), eps, cost="half_sqeuclidean")
+    keep = prune(cx, cy, f, g, eps, trunc, block_cost_bounds(cx, cy, cost))
+    gap = cost.matrix(xs, ys) - f[:, None] - g[None]
+    for i in range(cx.n_clusters):
+        for j in range(cy.n_clusters):
+            if not keep[i, j]:
+                blk = gap[cx.offsets[i]:cx.offsets[i + 1], cy.offsets[j]:cy.offsets[j + 1]]
+                assert float(blk.min()) > trunc * eps
+    assert 0 < float(keep.double().mean()) < 0.5
+
+
+# --- SamplesLoss(backend="multiscale") ----------------------------------------------------------------
+def _loss_and_grads(x, y, a, b, **kw):
+    xs, ys, as_ = x.clone().requires_grad_(), y.clone().requires_grad_(), a.clone().requires_grad_()
+    L = flashot.SamplesLoss(**kw)
+    v = L(as_, xs, b, ys)
+    return v.detach(), torch.autograd.grad(v, (xs, ys, as_)), L
+
+
+def _rel(u, v):
+    return float((u - v).abs().max()) / max(float(v.abs().max()), 1e-300)
+
+
+@pytest.mark.parametrize("d, p, debias, blur", [(2, 2, True, 0.02), (3, 2, True, 0.05), (3, 2, False, 0.05),
+                                                (3, 1, True, 0.05)])
+def test_pruned_matches_unpruned(d, p, debias, blur):
+    x, y = _blobs(1500, d, 7), _blobs(1200, d, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)), spread=(0.2, 0.1))
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.rand(1500, generator=g, dtype=F64) + 0.2, torch.rand(1200, generator=g, dtype=F64) + 0.2
+    a, b = a / a.sum(), b / b.sum()
+    kw = dict(p=p, blur=blur, debias=debias, backend="multiscale", cluster_scale=0.1)
+    v0, g0, _ = _loss_and_grads(x, y, a, b, truncate=None, **kw)
+    v5, g5, L = _loss_and_grads(x, y, a, b, truncate=5, **kw)
+    assert L.last_multiscale.kept[-1] < 0.5  # pruning happened
+    assert abs(float(v5 - v0)) <= 1e-6 * abs(float(v0))
+    for u, w in zip(g5, g0):
+        assert _rel(u - u.mean(), w - w.mean()) <= 1e-6
+    F0, G0 = flashot.SamplesLoss(potentials=True, truncate=None, **kw)(a, x, b, y)
+    F5, G5 = flashot.SamplesLoss(potentials=True, truncate=5, **kw)(a, x, b, y)
+    assert _rel(F5, F0) <= 1e-6 and _rel(G5, G0) <= 1e-6
+
+
+def test_kept_fraction_and_trajectory_report(capsys):
+    """Reports the kept fraction per pruning, and how far the coarse-to-fine schedule lands from the
+    single-scale one (GeomLoss' multiscale has the same property) and from a much finer schedule."""
+    x, y = _torus(3000, 0), _torus(3000, 1, (0.3, 0.1, 0.0))
+    ones = torch.full((3000,), 1 / 3000, dtype=F64)
+    vm, gm, L = _loss_and_grads(x, y, ones, ones, blur=0.02, backend="multiscale")
+    vc, gc, _ = _loss_and_grads(x, y, ones, ones, blur=0.02, backend="tiled")
+    vf, gf, _ = _loss_and_grads(x, y, ones, ones, blur=0.02, backend="tiled", scaling=0.95)
+    kept = L.last_multiscale.kept
+    with capsys.disabled():
+        print(f"\nmultiscale torus n=3000 blur=0.02: kept fractions {[round(k, 4) for k in kept]}; value vs "
+              f"single-scale {abs(float(vm - vc)) / float(vc):.2e}, vs scaling=0.95 {abs(float(vm - vf)) / float(vf):.2e} "
+              f"(single-scale vs scaling=0.95: {abs(float(vc - vf)) / float(vf):.2e})")
+    assert all(b <= a + 1e-12 for a, b in zip(kept, kept[1:])) and kept[-1] < 0.2
+    # the two schedules are both GeomLoss' (not converged at the last temperature): within 1% here
+    assert abs(float(vm - vc)) <= 1e-2 * float(vc)
+
+
+def test_float32_and_labels_call():
+    x, y = _blobs(800, 3, 11).float(), _blobs(700, 3, 12).float()
+    kw = dict(blur=0.05, backend="multiscale", cluster_scale=0.2)
+    v32 = flashot.SamplesLoss(**kw)(x, y)
+    v64 = flashot.SamplesLoss(**kw)(x.double(), y.double())
+    assert v32.dtype == torch.float32 and abs(float(v32) - float(v64)) <= 1e-4 * abs(float(v64))
+    lx, ly = grid_labels(x.double(), 0.2), grid_labels(y.double(), 0.2)
+    a, b = torch.full((800,), 1 / 800), torch.full((700,), 1 / 700)
+    v6 = flashot.SamplesLoss(**kw)(lx, a, x, ly, b, y)
+    assert abs(float(v6) - float(v32)) <= 1e-6 * abs(float(v32))
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: flashot.SamplesLoss(backend="multiscale", reach=0.5), NotImplementedError, "reach"),
+    (lambda: flashot.SamplesLoss("hausdorff", backend="multiscale"), NotImplementedError, "sinkhorn"),
+    (lambda: flashot.SamplesLoss(cluster_scale=0.1), ValueError, "multiscale"),
+    (lambda: flashot.SamplesLoss(backend="multiscale")(torch.randn(2, 30, 3), torch.randn(2, 20, 3)),
+     NotImplementedError, "batch"),
+    (lambda: flashot.SamplesLoss()(torch.zeros(30, dtype=torch.long), torch.ones(30) / 30, torch.randn(30, 3),
+                                   torch.zeros(20, dtype=torch.long), torch.ones(20) / 20, torch.randn(20, 3)),
+     ValueError, "multiscale"),
+    (lambda: flashot.SamplesLoss(backend="multiscale")(torch.zeros(30), torch.ones(30) / 30, torch.randn(30, 3),
+                                                       torch.zeros(20, dtype=torch.long), torch.ones(20) / 20,
+                                                       torch.randn(20, 3)), TypeError, "labels_x"),
+])
+def test_multiscale_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
