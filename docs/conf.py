@@ -83,11 +83,7 @@ def _escape_bars(app, what, name, obj, options, lines):
 # Warnings from docstrings in src/ that docs/ cannot fix (docs/README.md, "Suppressed
 # warnings"): (location suffix, start of the message).  Each is dropped before -W sees it; every
 # other warning fails the build.
-SUPPRESSED_WARNINGS: list[tuple[str, str]] = [
-    # "Args:" of flashot.solve (src/flashot/ot_matrix.py) ends with two unindented prose lines
-    # ("The other options are ..."), which napoleon leaves after the field list
-    ("docstring of flashot.ot_matrix.solve:9", "Field list ends without a blank line"),
-]
+SUPPRESSED_WARNINGS: list[tuple[str, str]] = []  # (location, message); none today
 
 
 class _DropListed(logging.Filter):

@@ -60,9 +60,9 @@ def solve(
         a, b: row / column weights (uniform when None or ``[]``).
         reg: epsilon (> 0, required: flashot is entropic; exact OT is POT's ``ot.solve``).
         backend: ``"auto"`` (= ``"tiled"``: streamed, memory O(N + M) beyond the matrix) or ``"dense"``.
-        The other options are :func:`~flashot.solve_sample`'s (POT's names and conventions).
-        ``c`` (a reference measure other than ``a b^T``) and ``plan_init`` are not implemented
-        (``NotImplementedError``; warm-start with ``potentials_init``).
+        others: :func:`~flashot.solve_sample`'s options (POT's names and conventions).  ``c`` (a
+            reference measure other than ``a b^T``) and ``plan_init`` are not implemented
+            (``NotImplementedError``; warm-start with ``potentials_init``).
 
     Returns:
         :class:`~flashot.OTResult`: ``value``, ``value_linear`` (``<M, P>``), ``potentials``, the
