@@ -142,6 +142,7 @@ def solve_sample(
     verbose: bool = False,
     implicit: ImplicitDiff | None = None,
     eps_scaling: bool | float | None = None,
+    group=None,
 ) -> OTResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
@@ -206,6 +207,11 @@ def solve_sample(
         implicit: :class:`~flashot.ImplicitDiff` settings (CG tolerance, iterations, ridge) of the
             second derivatives of ``value`` (``create_graph=True``, e.g. Hessian-vector products;
             balanced problems).
+        group: a ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD``): solve ONE
+            problem over its ranks, each computing a slice of the rows and all-gathering the
+            potentials (:mod:`flashot.distributed`; every rank passes the same points and options,
+            checked at the start).  Later plan products (``plan @ V``, ``marginals``, gradients) are
+            collective: call them on every rank.
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
@@ -234,6 +240,10 @@ def solve_sample(
     if b is not None:
         b = to_tensor("b", b, like=X_b)
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+    if group is not None:  # one problem over the ranks of a torch.distributed group
+        from .distributed import distribute_solve
+
+        opts = distribute_solve(m, opts, group, potentials_init)
     return solve_measures(m, opts, potentials_init, numpy=is_np)
 
 

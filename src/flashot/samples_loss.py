@@ -145,6 +145,9 @@ class SamplesLoss(torch.nn.Module):
         warm_start: reuse the previous call's potentials and run only the tail of the
             epsilon-scaling (from ``(4 blur)^p``, or ``(warm_start * blur)^p`` for a
             number); see :mod:`flashot.warmstart`.  ``L.last_n_iter`` counts the iterations.
+        group: a ``torch.distributed`` process group: each call solves ONE problem over its ranks
+            (:mod:`flashot.distributed`; every rank passes the same points, checked at the start);
+            ``loss="sinkhorn"`` with the built-in costs, not ``backend="multiscale"``.
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.  Balanced (no ``reach``) weights whose total
@@ -175,6 +178,7 @@ class SamplesLoss(torch.nn.Module):
         reach_y: float | None = None,
         implicit=None,
         warm_start: bool | float = False,
+        group=None,
     ):
         super().__init__()
         if not isinstance(loss, str):
@@ -229,6 +233,13 @@ class SamplesLoss(torch.nn.Module):
                 "implicit= and warm_start= support balanced OT only; use reach=None (reach_x/reach_y=None) "
                 "or drop implicit/warm_start"
             )
+        if group is not None:
+            if loss != "sinkhorn" or cost is not None or multiscale:
+                raise NotImplementedError("group: distributed solves support loss='sinkhorn' with the built-in costs "
+                                          "(p=1 or 2), not cost functions, kernel norms or backend='multiscale'")
+            from .distributed import check_group
+            check_group(group)
+        self.group = group
         self._warm_cache = None
         self.last_n_iter = None
         self.last_multiscale = None
@@ -268,6 +279,12 @@ class SamplesLoss(torch.nn.Module):
             if self.p == 1 and self.backend == "tensorized":
                 cost = "euclidean_geomloss"  # reproduce GeomLoss' clamp of |x-y|^2 at 1e-8
             m = self._measures(x, y, a_in, b_in, cost)
+            if self.group is not None:  # one problem over the ranks of a torch.distributed group
+                from .distributed import distribute_measures
+
+                distribute_measures(m, self.group, {k: repr(getattr(self, k)) for k in (
+                    "p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling", "debias", "potentials",
+                    "backend", "warm_start")})
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
         diameter = self.diameter if self.diameter is not None else (
