@@ -90,11 +90,14 @@ def _pattern_case(seed=3, tile_elems=4096):
     return xs, ys, pat, mask
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "torch"])
 @pytest.mark.parametrize("cost_name", ["sqeuclidean", "euclidean"])
-def test_blocksparse_primitives_match_masked_dense(cost_name):
+def test_blocksparse_primitives_match_masked_dense(cost_name, native):
+    """Both softmin paths (the C++ kernels on the padded column layout, and PyTorch's gathered batches)."""
     xs, ys, pat, mask = _pattern_case()
     assert len(pat.batches) > 1  # several padded batches at this tile size
-    eng = BlockSparseEngine([(xs, ys, pat), (ys, xs, pat.T)])
+    eng = BlockSparseEngine([(xs, ys, pat), (ys, xs, pat.T)], native=native)
+    assert (eng._lib is not None) == native  # CI builds the cpu engine's kernels
     cost, eps = get_cost(cost_name), 0.05
     g = torch.Generator().manual_seed(0)
     hy, hx = torch.randn(1, 180, generator=g, dtype=F64), torch.randn(1, 240, generator=g, dtype=F64)
@@ -113,6 +116,17 @@ def test_blocksparse_primitives_match_masked_dense(cost_name):
         torch.testing.assert_close(out, (P * W) @ V[0], rtol=1e-11, atol=1e-14)
     with pytest.raises(RuntimeError, match="no block pattern"):
         eng.softmin(xs, xs, hx, eps, cost)
+
+
+def test_native_softmin_float32():
+    xs, ys, pat, mask = _pattern_case(seed=4)
+    xs, ys = xs.float(), ys.float()
+    cost, eps = get_cost("half_sqeuclidean"), 0.02
+    h = torch.randn(1, 180, generator=torch.Generator().manual_seed(1))
+    out = BlockSparseEngine([(xs, ys, pat)]).softmin(xs, ys, h, eps, cost)
+    C = cost.matrix(xs.double(), ys.double())[0]
+    S = torch.where(mask, h[0].double()[None] - C / eps, torch.tensor(-math.inf, dtype=F64))
+    torch.testing.assert_close(out[0].double(), -eps * torch.logsumexp(S, -1), rtol=0, atol=2e-5 * float(C.max()))
 
 
 def test_pattern_needs_a_block_per_row_and_reports_its_fraction():

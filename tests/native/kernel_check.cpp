@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-// ---- the exported C ABI under test (signatures of ABI version 11, see engine.py _SIGS) ----
+// ---- the exported C ABI under test (signatures of ABI version 12, see engine.py _SIGS) ----
 extern "C" {
 int flashot_abi_version();
 int flashot_isa();
@@ -70,11 +70,17 @@ int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, i
                          double oscale, int nth);
 int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth);
 int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth);
+int flashot_softmin_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int64_t Mp,
+                           int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                           double kcoef, double minsq, int kind, double oscale, int cfg, int nth);
+int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out,
+                           int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                           const int64_t* cr, double kcoef, double minsq, int kind, double oscale, int cfg, int nth);
 }
 
 namespace {
 
-constexpr int EXPECTED_ABI = 11;  // the declarations above; update both together
+constexpr int EXPECTED_ABI = 12;  // the declarations above; update both together
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -302,6 +308,75 @@ template <typename T> void check_softmin(Tally& t, int D, int N, int M, double e
     }
   const std::string extra = l2 < L2 ? " cfg=" + std::to_string(cfg_for(D)) + " chunks=64" : " cfg=" + std::to_string(cfg_for(D));
   t.error_check(describe("softmin", tname<T>(), D, N, M, eps_rel, extra.c_str()), rc, e.worst, TOL<T>);
+}
+
+// ---- block-sparse softmin (multiscale engine): each row cluster sums over its kept column clusters --
+// Columns of problem b = 0 are cut into clusters of 1..150 points, each padded to a multiple of PAD
+// with zero-weight slots (engine: blocksparse.py's padded layout); rows into clusters of 1..40 rows;
+// each row cluster keeps a random subset of the column clusters (at least one).  Reference: the LSE
+// over the kept columns only.
+int softmin_bs(const Problem<float>& p, const std::vector<float>& yT, const std::vector<float>& yy,
+               const std::vector<float>& hs, int64_t Mp, float* out, const std::vector<int64_t>& tasks,
+               const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr, double oscale, int cfg) {
+  return flashot_softmin_bs_f32(p.x.data(), yT.data(), yy.data(), hs.data(), out, Mp, p.D, tasks.data(),
+                                (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, oscale, cfg, NTH);
+}
+int softmin_bs(const Problem<double>& p, const std::vector<double>& yT, const std::vector<double>& yy,
+               const std::vector<double>& hs, int64_t Mp, double* out, const std::vector<int64_t>& tasks,
+               const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr, double oscale, int cfg) {
+  return flashot_softmin_bs_f64(p.x.data(), yT.data(), yy.data(), hs.data(), out, Mp, p.D, tasks.data(),
+                                (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, oscale, cfg, NTH);
+}
+
+template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, double eps_rel, uint64_t seed) {
+  const Problem<T> p = make_problem<T>(seed, N, M, D, eps_rel);
+  Rng g(seed + 7);
+  std::vector<int64_t> coff{0}, poff{0};  // column clusters: point offsets, padded offsets
+  while (coff.back() < M) {
+    const int64_t n = std::min<int64_t>(M - coff.back(), 1 + (int64_t)(g.next() % 150));
+    coff.push_back(coff.back() + n);
+    poff.push_back(poff.back() + (n + PAD - 1) / PAD * PAD);
+  }
+  const int64_t Kc = (int64_t)coff.size() - 1, Mp = poff.back();
+  std::vector<T> yT((size_t)D * Mp, (T)0), yy((size_t)Mp, (T)0), hs((size_t)Mp, zero_weight<T>());
+  std::vector<int64_t> col_of(Mp, -1);
+  for (int64_t c = 0; c < Kc; ++c)
+    for (int64_t j = coff[c]; j < coff[c + 1]; ++j) {
+      const int64_t q = poff[c] + (j - coff[c]);
+      for (int d = 0; d < D; ++d) yT[(size_t)d * Mp + q] = p.yT[(size_t)d * p.Mp + j];
+      yy[q] = p.yy[j];
+      hs[q] = p.hs[j];
+      col_of[q] = j;
+    }
+  std::vector<int64_t> tasks, cptr{0}, cr;
+  std::vector<std::vector<char>> kept;
+  for (int64_t i0 = 0, k = 0; i0 < N; ++k) {
+    const int64_t i1 = std::min<int64_t>(N, i0 + 1 + (int64_t)(g.next() % 40));
+    tasks.insert(tasks.end(), {i0, i1, k});
+    std::vector<char> kk(Kc, 0);
+    kk[g.next() % Kc] = 1;
+    for (int64_t c = 0; c < Kc; ++c) kk[c] |= (g.next() % 3) == 0;
+    for (int64_t c = 0; c < Kc; ++c)
+      if (kk[c]) cr.insert(cr.end(), {poff[c], poff[c + 1]});
+    cptr.push_back((int64_t)cr.size() / 2);
+    kept.push_back(kk);
+    i0 = i1;
+  }
+  std::vector<T> out((size_t)N);
+  const int rc = softmin_bs(p, yT, yy, hs, Mp, out.data(), tasks, cptr, cr, -p.eps * LN2, cfg_for(D));
+  MaxErr e;
+  for (size_t u = 0; u < tasks.size() / 3; ++u)
+    for (int64_t i = tasks[3 * u]; i < tasks[3 * u + 1]; ++i) {
+      const auto& kk = kept[tasks[3 * u + 2]];
+      const double ref = -p.eps * ref_lse(M, [&](int j) {
+        int64_t c = 0;
+        while (coff[c + 1] <= j) ++c;
+        return kk[c] ? p.h[j] - p.c(0, (int)i, j) / p.eps : -INF;
+      });
+      e.add(out[(size_t)i], ref, p.eps * p.expo_scale());
+    }
+  t.error_check(describe("softmin_bs", tname<T>(), D, N, M, eps_rel, (" clusters=" + std::to_string(Kc)).c_str()),
+                rc, e.worst, TOL<T>);
 }
 
 // ---- pair (sym = 0): rs_i = sum_j E_ij, cs_j = sum_i E_ij, E_ij = e^{a_i + h_j - C_ij / eps} --
@@ -594,6 +669,8 @@ void run_all(Tally& t) {
     check_softmin<float>(t, D, n, m, 0.002, 64 * (D + 2) * 4, 20 + u);
     check_softmin<double>(t, D, N, M, 0.05, L2, 30 + u);
     check_softmin<double>(t, D, n, m, 0.002, 64 * (D + 2) * 8, 40 + u);
+    check_softmin_bs<float>(t, D, n, m, 0.05, 50 + u);
+    check_softmin_bs<double>(t, D, n, m, 0.002, 60 + u);
   }
   check_pair<float>(t, 3, 37, 131, 50);
   check_pair<float>(t, 17, 131, 70, 51);

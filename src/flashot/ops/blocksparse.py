@@ -10,7 +10,10 @@ clusters ``J`` whose block is kept; the primitives then sum over kept blocks onl
 For speed in PyTorch, row clusters with similar numbers of kept columns are packed into padded
 batches (at most ``TILE_ELEMS`` scores each): the rows and the gathered columns of one batch are
 one batched GEMM and one LogSumExp, padding entering as ``-inf`` log-weights (exactly nothing).
-The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
+On the CPU the softmin runs in the C++ kernels of the ``cpu`` engine (``flashot_softmin_bs``:
+each row cluster streams its kept column ranges with the dense LSE micro-kernels, the columns of
+each cluster padded to the kernels' step); the plan products (final step, gradients) stay in
+PyTorch.  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
 pairs that the solver passes (identified by their storage) to their patterns, and raises on any
 other pair rather than computing a different sum.
 """
@@ -61,6 +64,15 @@ class BlockPattern:
     def T(self) -> "BlockPattern":
         return BlockPattern(self.col_offsets, self.row_offsets, self.keep.T, self.tile_elems)
 
+    def padded(self, unit: int) -> "PaddedColumns":
+        """The columns laid out cluster by cluster, each cluster padded to a multiple of ``unit`` (the C++
+        kernels' column step), and each row cluster's kept column ranges in that layout (runs of
+        consecutive kept clusters merged into one range).  Cached per ``unit``."""
+        cache = self.__dict__.setdefault("_padded", {})
+        if unit not in cache:
+            cache[unit] = PaddedColumns.build(self, unit)
+        return cache[unit]
+
     def _pack(self, rs: Tensor, k_row: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Padded ``(rows, cols)`` index batches, (G, n) and (G, k), ``-1`` = padding."""
         order = torch.argsort(k_row, descending=True).tolist()
@@ -88,6 +100,76 @@ class BlockPattern:
         return rows, cols
 
 
+class PaddedColumns:
+    """The C++ block-sparse softmin's view of a :class:`BlockPattern` (see :meth:`BlockPattern.padded`):
+    ``pos`` (M,) padded position of each column, ``width`` the padded number of columns, ``tasks``
+    (3 Kx,) ``(first row, end row, row cluster)`` per row cluster, ``cptr`` (Kx + 1,) and ``ranges``
+    (2 R,) the kept column ranges ``[start, end)`` of each row cluster."""
+
+    def __init__(self, pos: Tensor, width: int, tasks: Tensor, cptr: Tensor, ranges: Tensor):
+        self.pos, self.width, self.tasks, self.cptr, self.ranges = pos, width, tasks, cptr, ranges
+
+    @classmethod
+    def build(cls, pat: BlockPattern, unit: int) -> "PaddedColumns":
+        co, ro, keep = pat.col_offsets.cpu(), pat.row_offsets.cpu(), pat.keep.cpu()
+        sizes = co[1:] - co[:-1]
+        padded = (sizes + unit - 1) // unit * unit
+        poff = torch.zeros_like(co)
+        poff[1:] = torch.cumsum(padded, 0)
+        cid = torch.repeat_interleave(torch.arange(sizes.shape[0]), sizes)
+        pos = poff[cid] + torch.arange(int(co[-1])) - co[cid]
+        prev = torch.nn.functional.pad(keep[:, :-1], (1, 0))
+        nxt = torch.nn.functional.pad(keep[:, 1:], (0, 1))
+        si, sj = (keep & ~prev).nonzero(as_tuple=True)  # run starts, row-major order
+        _, ej = (keep & ~nxt).nonzero(as_tuple=True)  # run ends, same order
+        ranges = torch.stack([poff[sj], poff[ej + 1]], -1).reshape(-1).contiguous()
+        cptr = torch.zeros(keep.shape[0] + 1, dtype=torch.long)
+        cptr[1:] = torch.cumsum(torch.bincount(si, minlength=keep.shape[0]), 0)
+        K = keep.shape[0]
+        tasks = torch.stack([ro[:-1], ro[1:], torch.arange(K)], -1).reshape(-1).contiguous()
+        return cls(pos, int(poff[-1]), tasks, cptr, ranges)
+
+
+def _cpu_lib():
+    """The compiled CPU kernels, or None where they cannot be built (the PyTorch path then runs)."""
+    try:
+        from .cpu.build import BuildError, load
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return load()
+    except BuildError:
+        return None
+
+
+def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+    """The block-sparse softmin by the C++ kernels (B = 1, CPU, float32 / float64)."""
+    from .cpu.engine import KIND_DOT, LARGE_D_CFG, LN2, LOG2E, SMALL_D, CpuEngine, _encode_zero_weights
+
+    N, D = x.shape[1], x.shape[2]
+    lanes = lib.flashot_vector_bytes() // x.element_size()
+    lay = pat.padded(lanes if D <= 3 else 4 * lanes)  # the micro-kernels' column step (1 or <= 4 vectors)
+    kind, kcoef, minsq = CpuEngine._cost_args(cost, eps)
+    y0 = y[0]
+    yT = torch.zeros(D, lay.width, dtype=x.dtype)
+    yT[:, lay.pos] = y0.T
+    yy = torch.zeros(lay.width, dtype=x.dtype)
+    if kind == KIND_DOT:
+        yy[lay.pos] = (y0 * y0).sum(-1)
+    hs = torch.full((lay.width,), float("-inf"), dtype=x.dtype)
+    hs[lay.pos] = h[0] * LOG2E
+    _encode_zero_weights(hs)
+    xc = x[0].contiguous()
+    out = torch.empty(N, dtype=x.dtype)
+    fn = lib.flashot_softmin_bs_f32 if x.dtype == torch.float32 else lib.flashot_softmin_bs_f64
+    rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), out.data_ptr(), lay.width, D,
+            lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
+            -eps * LN2, 0 if D <= SMALL_D else LARGE_D_CFG, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"multiscale engine: block-sparse softmin kernel returned {rc}")
+    return out.unsqueeze(0)
+
+
 def _gather(t: Tensor, idx: Tensor) -> Tensor:
     """``t[idx]`` along dim 0 with ``-1`` entries reading row 0 (masked by the caller)."""
     return t[idx.clamp_min(0)]
@@ -101,8 +183,10 @@ class BlockSparseEngine:
 
     name = "multiscale"
 
-    def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]]):
+    def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool = True):
         self._patterns = {(self._key(u), self._key(v)): p for u, v, p in patterns}
+        on_cpu = all(u.device.type == "cpu" and u.dtype in (torch.float32, torch.float64) for u, _, _ in patterns)
+        self._lib = _cpu_lib() if native and on_cpu else None
 
     @staticmethod
     def _key(t: Tensor):
@@ -127,6 +211,8 @@ class BlockSparseEngine:
 
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
         pat = self.pattern(x, y)
+        if self._lib is not None and h.dtype == x.dtype:
+            return _softmin_cpu(self._lib, pat, x, y, h.contiguous(), eps, cost)
         out = torch.empty(1, x.shape[1], dtype=x.dtype, device=x.device)
         for rows, cols in pat.batches:
             S, _ = self._scores(x, y, h, rows, cols, eps, cost)

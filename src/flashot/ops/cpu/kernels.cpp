@@ -1186,6 +1186,67 @@ static int softmin_entry(const T* x, const T* yT, const T* yy, const T* hs, T* o
   return -2;
 }
 
+// Block-sparse softmin (the multiscale engine, B = 1): task t covers rows [tasks[3t], tasks[3t+1]) of
+// row cluster k = tasks[3t+2], which sums over its kept column ranges [cr[2q], cr[2q+1]) for q in
+// [cptr[k], cptr[k+1]).  Ranges are multiples of the micro-kernel's column step (the columns of each
+// cluster are padded with -inf log-weights), so each range is streamed by the dense LSE panels.
+// out[i] = oscale * LSE2_j (hs_j - k c_ij) over the kept columns (-inf when none).
+template <typename T, int R, int NV, int KIND, int DS>
+static void softmin_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, T* out, const int64_t* tasks,
+                            int64_t ntasks, const int64_t* cptr, const int64_t* cr, const Args& a, T oscale,
+                            int nth) {
+  typedef typename VT<T>::v v;
+  const int D = a.D;
+  constexpr int RB = R * 16;
+  Tasks tq(ntasks);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t t; tq.next(t);) {
+      const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
+      for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
+        const int nr = (int)std::min<int64_t>(RB, i1 - i0);
+        T m[RB];
+        v sum[RB];
+        for (int r = 0; r < nr; ++r) { m[r] = Consts<T>::SENT; sum[r] = v{}; }
+        for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q)
+          lse_rows<T, R, NV, KIND, DS>(nr, x + i0 * D, yT, yy, hs, cr[2 * q], cr[2 * q + 1], a, m, sum);
+        for (int r = 0; r < nr; ++r) {
+          T lse = (m[r] == Consts<T>::SENT) ? -std::numeric_limits<T>::infinity() : m[r] + std::log2(hsum(sum[r]));
+          out[i0 + r] = oscale * lse;
+        }
+      }
+    }
+  });
+}
+
+template <typename T, int KIND>
+static int softmin_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T* out, const int64_t* tasks,
+                               int64_t ntasks, const int64_t* cptr, const int64_t* cr, const Args& a, T oscale,
+                               int cfg, int nth) {
+  if (cfg == 0) {
+    switch (a.D) {
+      case 1: softmin_bs_impl<T, Shape::SMALL_R, 1, KIND, 1>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0;
+      case 2: softmin_bs_impl<T, Shape::SMALL_R, 1, KIND, 2>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0;
+      case 3: softmin_bs_impl<T, Shape::SMALL_R, 1, KIND, 3>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0;
+      default: softmin_bs_impl<T, Shape::MID_R, Shape::MID_NV, KIND, 0>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0;
+    }
+  }
+  if (cfg == 3) { softmin_bs_impl<T, Shape::BIG_R, Shape::BIG_NV, KIND, 0>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0; }
+  return -1;
+}
+
+template <typename T>
+static int softmin_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, T* out, int64_t Mp, int D,
+                            const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                            double kcoef, double minsq, int kind, double oscale, int cfg, int nth) {
+  Args a{D, Mp, kcoef, minsq};
+  if (kind == KIND_DOT)
+    return softmin_bs_dispatch<T, KIND_DOT>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, (T)oscale, cfg, nth);
+  if (kind == KIND_DIRECT)
+    return softmin_bs_dispatch<T, KIND_DIRECT>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, (T)oscale, cfg, nth);
+  return -2;
+}
+
 // Narrow V (K <= PV_K): out[b,i,k] = exp(alpha_i + lse_i) * wconst * sum_j 2^(hs_j - k c_ij - lse2_i) W_ij V[j,k]
 // in one pass after the LSE pass, V given transposed (B, K, Mp), zero-padded columns.
 template <typename T, int NV, int KIND, int WK>
@@ -1311,7 +1372,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 11; }
+int flashot_abi_version() { return 12; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -1529,6 +1590,24 @@ int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
   });
   for (int64_t i = (n / L) * L; i < n; ++i) out[i] = std::exp2(a[i]);
   return 0;
+}
+#endif
+
+#if FL_PART(2)
+int flashot_softmin_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int64_t Mp,
+                           int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                           double kcoef, double minsq, int kind, double oscale, int cfg, int nth) {
+  return softmin_bs_entry<float>(x, yT, yy, hs, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq, kind, oscale, cfg,
+                                 nth);
+}
+#endif
+
+#if FL_PART(4)
+int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out,
+                           int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                           const int64_t* cr, double kcoef, double minsq, int kind, double oscale, int cfg, int nth) {
+  return softmin_bs_entry<double>(x, yT, yy, hs, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq, kind, oscale,
+                                  cfg, nth);
 }
 #endif
 }  // extern "C"
