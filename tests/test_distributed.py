@@ -1,0 +1,255 @@
+"""Distributed Sinkhorn (flashot.distributed, replicated mode) on 2 and 3 gloo processes.
+
+Each test starts its ranks as subprocesses running this file (``python tests/test_distributed.py
+<mode> <rank> <world> <init> <dir>``, file:// rendezvous: no port to pick), which write their
+results to ``<dir>``; the parent compares them with the same calls made in one process
+(``group=None``): values, potentials, marginals and gradients w.r.t. points and weights to 1e-10
+relative in float64 (measured: ~1e-15), and checks that every rank holds bit-identical results.
+Also: the mismatch checks, a rank that dies mid-solve, a rank that stays alive but stops calling
+(the process-group timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+HERE = os.path.abspath(__file__)
+RTOL = 1e-10
+STUCK_TIMEOUT = 5  # seconds: the process-group timeout of the failure tests
+F64 = torch.float64
+
+
+# -- the problems (run with group=pg on every rank, and with group=None in the parent) -----------------
+
+def _data(seed: int, N: int, M: int, D: int = 3, B: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    lead = () if B is None else (B,)
+    x = torch.randn(*lead, N, D, generator=g, dtype=F64)
+    y = 0.8 * torch.randn(*lead, M, D, generator=g, dtype=F64) + 0.3
+    a = torch.rand(*lead, N, generator=g, dtype=F64) + 0.5
+    b = torch.rand(*lead, M, generator=g, dtype=F64) + 0.5
+    return x, y, a / a.sum(-1, keepdim=True), b / b.sum(-1, keepdim=True)
+
+
+def _leaves(*ts):
+    return [t.clone().requires_grad_() for t in ts]
+
+
+def _solve(group, *, backend="cpu", N=150, M=130, B=None, reg=0.1, tol=None, max_iter=60, **kw):
+    from flashot import solve_sample
+
+    x, y, a, b = _leaves(*_data(0, N, M, B=B))
+    res = solve_sample(x, y, a, b, reg=reg, tol=tol, max_iter=max_iter, backend=backend, group=group, **kw)
+    res.value_dual.sum().backward()  # = value when balanced; the dual (mass terms included) differentiates in a, b
+    ra, rb = res.marginals  # row-sharded plan products (collective)
+    f, g = res.potentials
+    return {"value": res.value.detach(), "f": f.detach(), "g": g.detach(), "ra": ra, "rb": rb,
+            "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad, "n_iter": torch.tensor(res.n_iter),
+            "backend": res.backend}
+
+
+def _loss(group, *, backend="cpu", N=140, M=120, B=None, **kw):
+    from flashot import SamplesLoss
+
+    x, y, a, b = _leaves(*_data(1, N, M, B=B))
+    L = SamplesLoss(blur=0.1, backend=backend, group=group, **kw)
+    v = L(a, x, b, y)
+    v.sum().backward()
+    F, G = SamplesLoss(blur=0.1, backend=backend, group=group, potentials=True, **kw)(a, x, b, y)
+    return {"value": v.detach(), "F": F.detach(), "G": G.detach(),
+            "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad}
+
+
+CASES = {
+    "balanced_cpu_alt": lambda g: _solve(g, reg=0.5, tol=1e-10, max_iter=500),  # fused softmin_alt; tol
+    "balanced_cpu_symmetric": lambda g: _solve(g, method="symmetric"),         # fused softmin_pair
+    "unbalanced_cpu": lambda g: _solve(g, unbalanced=0.5),
+    "semi_unbalanced_symmetric": lambda g: _solve(g, unbalanced=(1.0, None), method="symmetric"),
+    "eps_scaling": lambda g: _solve(g, reg=0.02, eps_scaling=True, max_iter=80),
+    "balanced_tiled": lambda g: _solve(g, backend="tiled", N=90, M=70),        # no fused steps
+    "batched_dense_symmetric": lambda g: _solve(g, backend="dense", B=2, N=40, M=31, method="symmetric"),
+    "loss_debiased": lambda g: _loss(g),                                       # softmin_pair + softmin_sym
+    "loss_unbalanced_debiased": lambda g: _loss(g, reach=0.5),
+    "loss_p1_batched": lambda g: _loss(g, p=1, B=2, N=30, M=25),
+    "tiny": lambda g: _solve(g, N=2, M=5),                                     # empty slices on 3 ranks
+}
+RUN = {2: ["balanced_cpu_alt", "balanced_cpu_symmetric", "unbalanced_cpu", "semi_unbalanced_symmetric",
+           "eps_scaling", "balanced_tiled", "batched_dense_symmetric", "loss_debiased",
+           "loss_unbalanced_debiased", "loss_p1_batched"],
+       3: ["balanced_cpu_alt", "balanced_cpu_symmetric", "eps_scaling", "loss_debiased", "tiny"]}
+
+
+# -- the ranks ------------------------------------------------------------------------------------------
+
+def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=STUCK_TIMEOUT if mode in ("dead", "stuck") else 60)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+    pg = dist.group.WORLD
+    if mode == "compare":
+        res = {}
+        for name in RUN[world]:
+            t0 = time.perf_counter()
+            res[name] = CASES[name](pg)
+            print(f"rank {rank} {name}: {time.perf_counter() - t0:.2f} s n_iter {res[name].get('n_iter')}", flush=True)
+        torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    elif mode == "mismatch":
+        from flashot import SamplesLoss, solve_sample
+
+        x, y, a, b = _data(0, 50, 40)
+        msgs = {}
+        attempts = {
+            "reg": lambda: solve_sample(x, y, reg=0.1 if rank == 0 else 0.2, backend="cpu", group=pg),
+            "shape": lambda: solve_sample(x if rank == 0 else x[:-1], y, reg=0.1, backend="cpu", group=pg),
+            "points": lambda: solve_sample(x if rank == 0 else x + 1e-12, y, reg=0.1, backend="cpu", group=pg),
+            "dtype": lambda: solve_sample(x if rank == 0 else x.float(), y if rank == 0 else y.float(), reg=0.1,
+                                          backend="cpu", group=pg),
+            "option": lambda: solve_sample(x, y, reg=0.1, max_iter=100 + rank, backend="cpu", group=pg),
+            "blur": lambda: SamplesLoss(blur=0.1 if rank == 0 else 0.05, backend="cpu", group=pg)(x, y),
+            "weights": lambda: SamplesLoss(blur=0.1, backend="cpu", group=pg)(a if rank == 0 else a.flip(0), x, b, y),
+        }
+        for k, fn in attempts.items():
+            try:
+                fn()
+                msgs[k] = None
+            except ValueError as e:
+                msgs[k] = str(e)
+        # ranks whose calls diverge later (here: different inputs to the same primitive) are caught by the
+        # header of the next collective
+        from flashot.costs import get_cost
+        from flashot.distributed import ShardedEngine
+        from flashot.ops import get_engine
+
+        cost = get_cost("sqeuclidean")
+        eng = ShardedEngine(get_engine("cpu", device=x.device, dtype=F64, cost=cost), pg)
+        try:
+            eng.softmin(x[None], y[None], torch.zeros(1, 40, dtype=F64) + rank, 0.1, cost)
+            msgs["diverged"] = None
+        except RuntimeError as e:
+            msgs["diverged"] = str(e)
+        # still usable afterwards, and the same call on every rank agrees
+        v = solve_sample(x, y, reg=0.1, backend="cpu", group=pg).value
+        msgs["after"] = float(v)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+            json.dump(msgs, fh)
+    elif mode in ("dead", "stuck"):
+        from flashot import solve_sample
+
+        x, y, _, _ = _data(0, 200, 180)
+
+        def cb(rec):
+            if rank == 1 and rec.iteration == 5:
+                if mode == "dead":
+                    os._exit(3)  # the process dies mid-solve
+                time.sleep(STUCK_TIMEOUT + 6)  # alive, but does not join the next collective in time
+                os._exit(4)
+            return False
+
+        t0 = time.perf_counter()
+        try:
+            solve_sample(x, y, reg=0.05, tol=None, max_iter=400, backend="cpu", callback=cb, group=pg)
+            msg = None
+        except Exception as e:  # noqa: BLE001 - what the surviving rank sees
+            msg = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+            json.dump({"error": msg, "elapsed": time.perf_counter() - t0}, fh)
+        os._exit(0)  # do not wait for the dead / stuck peer in the process group's teardown
+    dist.barrier()  # no rank tears the group down while another still uses it
+    dist.destroy_process_group()
+
+
+def _launch(mode: str, world: int, tmp, timeout: float = 120.0, wait_for=None):
+    """Run the ranks; wait for those in ``wait_for`` (all by default), then kill the others."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [os.path.join(os.path.dirname(os.path.dirname(HERE)), "src"), os.environ.get("PYTHONPATH", "")]))
+    init = f"file://{tmp}/rendezvous"
+    procs = [subprocess.Popen([sys.executable, HERE, mode, str(r), str(world), init, str(tmp)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    t0 = time.perf_counter()
+    outs = []
+    try:
+        for r, p in enumerate(procs):
+            if wait_for is None or r in wait_for:
+                outs.append(p.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], outs, time.perf_counter() - t0
+
+
+# -- the tests ------------------------------------------------------------------------------------------
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_single_process(world, tmp_path):
+    rcs, outs, _ = _launch("compare", world, tmp_path)
+    assert rcs == [0] * world, "\n".join(outs)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    worst = {}
+    for name in RUN[world]:
+        ref = CASES[name](None)
+        got = ranks[0][name]
+        for k, v in ref.items():
+            if k == "backend":
+                assert got[k] == f"sharded({v})"
+                continue
+            if k == "n_iter":
+                assert int(got[k]) == int(v), (name, int(got[k]), int(v))
+                continue
+            assert got[k] is not None and v is not None, (name, k)
+            r = _rel(got[k], v)
+            worst[f"{name}.{k}"] = r
+            assert r <= RTOL, (name, k, r)
+        for other in ranks[1:]:  # every rank holds the same bits
+            for k, v in got.items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(v, other[name][k]), (name, k)
+    print(f"world={world}: worst relative difference {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
+
+
+def test_mismatch_is_detected(tmp_path):
+    rcs, outs, _ = _launch("mismatch", 2, tmp_path)
+    assert rcs == [0, 0], "\n".join(outs)
+    msgs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    expect = {"reg": "reg:", "shape": "X_a (shape, dtype)", "points": "X_a (the points", "dtype": "X_a (shape, dtype)",
+              "option": "max_iter:", "blur": "blur:", "weights": "α (the weights)"}
+    for m in msgs:  # both ranks raise, with the same message
+        for k, start in expect.items():
+            assert m[k] is not None and m[k].startswith(start), (k, m[k])
+            assert "ranks [1]" in m[k] and "rank 0:" in m[k] and "rank 1:" in m[k], m[k]
+    assert msgs[0]["after"] == msgs[1]["after"]
+    for m in msgs:
+        assert m["diverged"] is not None and "the ranks diverged" in m["diverged"], m["diverged"]
+    print("\n".join(f"{k}: {v}" for k, v in msgs[0].items()))
+
+
+@pytest.mark.parametrize("mode", ["dead", "stuck"])
+def test_failed_rank_makes_the_others_fail(mode, tmp_path):
+    """A rank that exits mid-solve: the survivor's next collective fails at once (closed connection); a
+    rank that stays alive without joining: the survivor fails at the process-group timeout (5 s here)."""
+    rcs, outs, wall = _launch(mode, 2, tmp_path, timeout=90, wait_for=None if mode == "dead" else [0])
+    if mode == "dead":
+        assert rcs[1] == 3
+    rep = json.loads((tmp_path / "rank0.json").read_text())
+    assert rep["error"] is not None, "\n".join(outs)
+    assert rep["elapsed"] < (STUCK_TIMEOUT + 15 if mode == "stuck" else 15), rep
+    print(f"{mode}: rank 0 failed after {rep['elapsed']:.1f} s: {rep['error'][:200]}")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
