@@ -68,6 +68,18 @@ def _loss(group, *, backend="cpu", N=140, M=120, B=None, **kw):
             "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad}
 
 
+def _hvp(group):
+    """Second derivatives (implicit differentiation, flashot.implicit): its CG's plan products shard too."""
+    from flashot import solve_sample
+
+    x, y, a, b = _data(2, 60, 50)
+    x = x.clone().requires_grad_()
+    res = solve_sample(x, y, a, b, reg=0.5, tol=1e-11, max_iter=500, backend="cpu", group=group)
+    gx, = torch.autograd.grad(res.value, x, create_graph=True)
+    hv, = torch.autograd.grad((gx * torch.linspace(-1, 1, gx.numel(), dtype=F64).view_as(gx)).sum(), x)
+    return {"value": res.value.detach(), "gx": gx.detach(), "hv": hv, "n_iter": torch.tensor(res.n_iter)}
+
+
 CASES = {
     "balanced_cpu_alt": lambda g: _solve(g, reg=0.5, tol=1e-10, max_iter=500),  # fused softmin_alt; tol
     "balanced_cpu_symmetric": lambda g: _solve(g, method="symmetric"),         # fused softmin_pair
@@ -80,10 +92,11 @@ CASES = {
     "loss_unbalanced_debiased": lambda g: _loss(g, reach=0.5),
     "loss_p1_batched": lambda g: _loss(g, p=1, B=2, N=30, M=25),
     "tiny": lambda g: _solve(g, N=2, M=5),                                     # empty slices on 3 ranks
+    "hvp": _hvp,
 }
 RUN = {2: ["balanced_cpu_alt", "balanced_cpu_symmetric", "unbalanced_cpu", "semi_unbalanced_symmetric",
            "eps_scaling", "balanced_tiled", "batched_dense_symmetric", "loss_debiased",
-           "loss_unbalanced_debiased", "loss_p1_batched"],
+           "loss_unbalanced_debiased", "loss_p1_batched", "hvp"],
        3: ["balanced_cpu_alt", "balanced_cpu_symmetric", "eps_scaling", "loss_debiased", "tiny"]}
 
 
