@@ -98,8 +98,7 @@ def _bits_checksum(*ts: Tensor | None) -> int:
             v = t.view(torch.int16).long()
         else:
             v = t.long()
-        v = v.cpu()
-        pos = torch.arange(1, v.numel() + 1, dtype=torch.int64)
+        pos = torch.arange(1, v.numel() + 1, dtype=torch.int64, device=v.device)  # on the device: scalars travel
         s1 = int(v.sum())
         s2 = int((v * pos).sum())  # wraps mod 2^64: still deterministic
         total = (total * 1000003 + s1 * 31 + s2 + t.numel()) % (1 << 61)
