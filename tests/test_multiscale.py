@@ -146,7 +146,7 @@ def test_prune_only_drops_blocks_above_the_margin():
     lb = torch.log(torch.full((1, 250), 1 / 250, dtype=F64))
     f = flashot.ops.softmin(xs, ys, lb[0], eps, cost="half_sqeuclidean")
     g = flashot.ops.softmin(ys, xs, torch.full((300,), -math.log(300), dtype=F64), eps, cost="half_sqeuclidean")
-    keep = prune(cx, cy, f, g, eps, trunc, block_cost_bounds(cx, cy, cost))
+    keep = prune(cx, cy, f, g, eps, trunc, cost)
     gap = cost.matrix(xs, ys) - f[:, None] - g[None]
     for i in range(cx.n_clusters):
         for j in range(cy.n_clusters):

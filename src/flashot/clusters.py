@@ -91,11 +91,33 @@ def cluster(x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | N
         return Clusters(perm, offsets, cent, w, radius)
 
 
-def block_cost_bounds(cx: Clusters, cy: Clusters, cost) -> Tensor:
+def block_cost_bounds(cx: Clusters, cy: Clusters, cost, rows: slice = slice(None)) -> Tensor:
     """(Kx, Ky) lower bounds of ``C(x_i, y_j)`` over ``i`` in cluster ``I``, ``j`` in cluster ``J``:
     the cost of the gap ``max(0, |c_I - c_J| - r_I - r_J)`` (every supported cost increases with
-    the distance)."""
+    the distance); ``rows`` selects row clusters."""
     with torch.no_grad():
-        d = torch.cdist(cx.centroids.double(), cy.centroids.double())
-        gap = (d - cx.radius.double().unsqueeze(-1) - cy.radius.double().unsqueeze(0)).clamp_min(0.0)
+        d = torch.cdist(cx.centroids[rows].double(), cy.centroids.double())
+        gap = (d - cx.radius[rows].double().unsqueeze(-1) - cy.radius.double().unsqueeze(0)).clamp_min(0.0)
         return cost.from_sqdist(gap * gap)
+
+
+# blocks of the fine (block-sparse) stage hold about this many points at least on average
+MIN_BLOCK_POINTS = 64
+
+
+def occupied_cells(x: Tensor, scale: float) -> int:
+    """Number of non-empty cells of side ``scale`` over the cloud ``x`` (N, D)."""
+    return int(torch.unique(grid_labels(x, scale)).numel())
+
+
+def block_scale(x: Tensor, y: Tensor, start: float, radius: float, min_points: int = MIN_BLOCK_POINTS) -> float:
+    """Side of the fine stage's blocks: ``start`` halved while the blocks stay wider than ``radius`` (the
+    pruning distance at the last temperature: smaller blocks would not prune more) and hold at least
+    ``min_points`` points on average in both clouds (smaller ones waste the kernels' vector lanes)."""
+    s = start
+    while s / 2 >= radius:
+        if min(x.shape[0] / occupied_cells(x, s / 2), y.shape[0] / occupied_cells(y, s / 2)) < min_points:
+            break
+        s /= 2
+    return s
+

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .clusters import Clusters, block_cost_bounds, cluster, default_cluster_scale
+from .clusters import Clusters, block_cost_bounds, block_scale, cluster, default_cluster_scale
 from .measures import Measures, log_weights
 from .ops import softmin as ops_softmin
 from .ops.blocksparse import BlockPattern, BlockSparseEngine
@@ -75,17 +75,38 @@ def _segment_max(v: Tensor, c: Clusters) -> Tensor:
         0, cid, v, "amax")
 
 
-def prune(cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, eps: float, truncate: float | None,
-          lower: Tensor) -> Tensor:
+PRUNE_ROWS = 1024  # row clusters per chunk of lower bounds (memory O(PRUNE_ROWS Ky))
+
+
+def prune(cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, eps: float, truncate: float | None, cost) -> Tensor:
     """(Kx, Ky) kept blocks: ``lower - max_I f - max_J g <= truncate * eps``, plus each row's and column's
-    best block (``lower`` from :func:`~flashot.clusters.block_cost_bounds`)."""
+    best block (``lower`` from :func:`~flashot.clusters.block_cost_bounds`, computed by chunks of rows)."""
+    Kx, Ky = cx.n_clusters, cy.n_clusters
     if truncate is None:
-        return torch.ones_like(lower, dtype=torch.bool)
-    gap = lower - _segment_max(f.double(), cx).unsqueeze(-1) - _segment_max(g.double(), cy).unsqueeze(0)
-    keep = gap <= truncate * eps
-    keep[torch.arange(gap.shape[0]), gap.argmin(1)] = True
-    keep[gap.argmin(0), torch.arange(gap.shape[1])] = True
+        return torch.ones(Kx, Ky, dtype=torch.bool, device=f.device)
+    fmax, gmax = _segment_max(f.double(), cx), _segment_max(g.double(), cy)
+    keep = torch.empty(Kx, Ky, dtype=torch.bool, device=f.device)
+    best_col = torch.full((Ky,), float("inf"), dtype=torch.float64, device=f.device)
+    best_row = torch.zeros(Ky, dtype=torch.long, device=f.device)
+    for r0 in range(0, Kx, PRUNE_ROWS):
+        r1 = min(Kx, r0 + PRUNE_ROWS)
+        gap = block_cost_bounds(cx, cy, cost, rows=slice(r0, r1)) - fmax[r0:r1, None] - gmax[None]
+        keep[r0:r1] = gap <= truncate * eps
+        keep[torch.arange(r0, r1), gap.argmin(1)] = True
+        cmin, arg = gap.min(0)
+        better = cmin < best_col
+        best_col = torch.where(better, cmin, best_col)
+        best_row = torch.where(better, arg + r0, best_row)
+    keep[best_row, torch.arange(Ky)] = True
     return keep
+
+
+def _prune_radius(cost, eps: float, truncate: float | None) -> float:
+    """Distance below which a pair is never pruned at temperature ``eps`` (``C <= truncate * eps``)."""
+    if truncate is None:
+        return float("inf")
+    c = truncate * eps
+    return (c / cost.scale) ** 0.5 if cost.is_dot else c
 
 
 def _coarse_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
@@ -110,16 +131,20 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     jump = jump_index(eps_list, scale, p)
     mc = _coarse_measures(m, cx, cy)
     st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, verbose=verbose)
+    # the fine stage prunes blocks that can be smaller than the coarse clusters (given labels: the same)
+    if labels[0] is None and labels[1] is None:
+        radius = _prune_radius(m.cost, eps_list[-1], cfg.truncate)
+        bs = block_scale(x.detach(), y.detach(), scale, radius)
+        if bs < scale:
+            cx, cy = cluster(x, m.a[0], bs), cluster(y, m.b[0], bs)
     fine = _fine_measures(m, cx, cy)
     eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
     state = replace(_extrapolated_state(fine, mc, cx, cy, st, eps, debias), eps=eps)
     kept: list[float] = []
-    pairs = {"xy": (cx, cy), "xx": (cx, cx), "yy": (cy, cy)} if debias else {"xy": (cx, cy)}
-    lower = {k: block_cost_bounds(*c, m.cost) for k, c in pairs.items()}
     tail = eps_list[jump + 1:]
     for level in sorted(set(tail), reverse=True) or [eps]:
         # pruned with the margin of the temperature the potentials were computed at (the larger one)
-        fine = _with_patterns(fine, cx, cy, state, max(state.eps, level), cfg.truncate, lower, debias, kept)
+        fine = _with_patterns(fine, cx, cy, state, max(state.eps, level), cfg.truncate, debias, kept)
         if not tail:  # extrapolation only: the final step reads the potentials at this temperature
             break
         steps = [e for e in tail if e == level]
@@ -150,16 +175,16 @@ def _extrapolated_state(fine: Measures, mc: Measures, cx, cy, st: SinkhornState,
     return replace(st, f=f, g=g, f_aa=f_aa, g_bb=g_bb)
 
 
-def _with_patterns(fine: Measures, cx, cy, st: SinkhornState, eps: float, truncate, lower, debias: bool,
+def _with_patterns(fine: Measures, cx, cy, st: SinkhornState, eps: float, truncate, debias: bool,
                    kept: list[float]) -> Measures:
     """``fine`` on a block-sparse engine pruned from the potentials of ``st`` at temperature ``eps``."""
-    x, y = fine.x.detach(), fine.y.detach()
-    pxy = BlockPattern(cx.offsets, cy.offsets, prune(cx, cy, st.f[0], st.g[0], eps, truncate, lower["xy"]))
+    x, y, cost = fine.x.detach(), fine.y.detach(), fine.cost
+    pxy = BlockPattern(cx.offsets, cy.offsets, prune(cx, cy, st.f[0], st.g[0], eps, truncate, cost))
     pats = [(x, y, pxy), (y, x, pxy.T)]
     if debias:
-        pats.append((x, x, BlockPattern(cx.offsets, cx.offsets,
-                                        prune(cx, cx, st.f_aa[0], st.f_aa[0], eps, truncate, lower["xx"]))))
-        pats.append((y, y, BlockPattern(cy.offsets, cy.offsets,
-                                        prune(cy, cy, st.g_bb[0], st.g_bb[0], eps, truncate, lower["yy"]))))
+        pats.append((x, x, BlockPattern(cx.offsets, cx.offsets, prune(cx, cx, st.f_aa[0], st.f_aa[0], eps, truncate,
+                                                                         cost))))
+        pats.append((y, y, BlockPattern(cy.offsets, cy.offsets, prune(cy, cy, st.g_bb[0], st.g_bb[0], eps, truncate,
+                                                                         cost))))
     kept.append(pxy.fraction)
     return replace(fine, engine=BlockSparseEngine(pats))

@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-// ---- the exported C ABI under test (signatures of ABI version 12, see engine.py _SIGS) ----
+// ---- the exported C ABI under test (signatures of ABI version 13, see engine.py _SIGS) ----
 extern "C" {
 int flashot_abi_version();
 int flashot_isa();
@@ -76,11 +76,19 @@ int flashot_softmin_bs_f32(const float* x, const float* yT, const float* yy, con
 int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out,
                            int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                            const int64_t* cr, double kcoef, double minsq, int kind, double oscale, int cfg, int nth);
+int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
+                        const float* alpha, const float* VTk, int K, float* out, int64_t Mp, int D, const int64_t* tasks,
+                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef, double minsq, int kind,
+                        int wk, double wconst, int nth);
+int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
+                        const double* alpha, const double* VTk, int K, double* out, int64_t Mp, int D,
+                        const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef,
+                        double minsq, int kind, int wk, double wconst, int nth);
 }
 
 namespace {
 
-constexpr int EXPECTED_ABI = 12;  // the declarations above; update both together
+constexpr int EXPECTED_ABI = 13;  // the declarations above; update both together
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -328,6 +336,24 @@ int softmin_bs(const Problem<double>& p, const std::vector<double>& yT, const st
                                 (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, oscale, cfg, NTH);
 }
 
+int plan_bs(const Problem<float>& p, const std::vector<float>& yT, const std::vector<float>& yy,
+            const std::vector<float>& hs, const float* lse, const std::vector<float>& VTk, int K, float* out, int64_t Mp,
+            const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr) {
+  return flashot_plan_bs_f32(p.x.data(), yT.data(), yy.data(), hs.data(), lse, p.a.data(), VTk.data(), K, out, Mp, p.D,
+                             tasks.data(), (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, 0, 1.0,
+                             NTH);
+}
+int plan_bs(const Problem<double>& p, const std::vector<double>& yT, const std::vector<double>& yy,
+            const std::vector<double>& hs, const double* lse, const std::vector<double>& VTk, int K, double* out,
+            int64_t Mp, const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr,
+            const std::vector<int64_t>& cr) {
+  return flashot_plan_bs_f64(p.x.data(), yT.data(), yy.data(), hs.data(), lse, p.a.data(), VTk.data(), K, out, Mp,
+                             p.D, tasks.data(), (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, 0,
+                             1.0, NTH);
+}
+
+// Also the block-sparse plan product (K = 3 columns of V, W = 1): out_i = sum_{kept j} e^{a_i + h_j - C_ij/eps} V_jk,
+// after the base-2 row LSE pass (softmin_bs with oscale 1), against a double reference (relative to its row scale).
 template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, double eps_rel, uint64_t seed) {
   const Problem<T> p = make_problem<T>(seed, N, M, D, eps_rel);
   Rng g(seed + 7);
@@ -377,6 +403,36 @@ template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, doubl
     }
   t.error_check(describe("softmin_bs", tname<T>(), D, N, M, eps_rel, (" clusters=" + std::to_string(Kc)).c_str()),
                 rc, e.worst, TOL<T>);
+  const int K = 3;
+  std::vector<T> lse2((size_t)N), VTk((size_t)K * Mp, (T)0), po((size_t)N * K);
+  std::vector<double> V((size_t)M * K);
+  for (int64_t q = 0; q < Mp; ++q)
+    if (col_of[q] >= 0)
+      for (int kk = 0; kk < K; ++kk) {
+        const T v = (T)g.uniform(-1.0, 1.0);
+        VTk[(size_t)kk * Mp + q] = v;
+        V[(size_t)col_of[q] * K + kk] = (double)v;
+      }
+  const int rc1 = softmin_bs(p, yT, yy, hs, Mp, lse2.data(), tasks, cptr, cr, 1.0, cfg_for(D));
+  const int rc2 = plan_bs(p, yT, yy, hs, lse2.data(), VTk, K, po.data(), Mp, tasks, cptr, cr);
+  MaxErr ep;
+  for (size_t u = 0; u < tasks.size() / 3; ++u)
+    for (int64_t i = tasks[3 * u]; i < tasks[3 * u + 1]; ++i) {
+      const auto& kk = kept[tasks[3 * u + 2]];
+      auto s_ij = [&](int j) {
+        int64_t c = 0;
+        while (coff[c + 1] <= j) ++c;
+        return kk[c] ? p.s(0, (int)i, j) : -INF;
+      };
+      const double lse = ref_lse(M, s_ij);
+      for (int q = 0; q < K; ++q) {
+        double ref = 0;
+        for (int j = 0; j < M; ++j) ref += std::exp(s_ij(j) - lse) * V[(size_t)j * K + q];
+        ep.add((double)po[(size_t)i * K + q] * std::exp(-lse), ref, 1.0);
+      }
+    }
+  t.error_check(describe("plan_bs", tname<T>(), D, N, M, eps_rel, (" clusters=" + std::to_string(Kc)).c_str()),
+                rc1 | rc2, ep.worst, TOL<T> * 10);
 }
 
 // ---- pair (sym = 0): rs_i = sum_j E_ij, cs_j = sum_i E_ij, E_ij = e^{a_i + h_j - C_ij / eps} --

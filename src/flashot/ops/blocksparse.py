@@ -12,8 +12,8 @@ batches (at most ``TILE_ELEMS`` scores each): the rows and the gathered columns 
 one batched GEMM and one LogSumExp, padding entering as ``-inf`` log-weights (exactly nothing).
 On the CPU the softmin runs in the C++ kernels of the ``cpu`` engine (``flashot_softmin_bs``:
 each row cluster streams its kept column ranges with the dense LSE micro-kernels, the columns of
-each cluster padded to the kernels' step); the plan products (final step, gradients) stay in
-PyTorch.  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
+each cluster padded to the kernels' step), and so do the plan products with a narrow ``V`` (at most 4
+columns: marginals, and the gradients for d <= 3) in two passes; wider ones run in PyTorch.  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
 pairs that the solver passes (identified by their storage) to their patterns, and raises on any
 other pair rather than computing a different sum.
 """
@@ -27,6 +27,8 @@ from ..costs import Cost
 from .base import Weight
 from .dense import _exp_shifted, _lse_last
 from .tiled import TILE_ELEMS
+
+NARROW_K = 4  # plan products with V of at most this many columns run in the C++ kernels (PV_K)
 
 
 class BlockPattern:
@@ -48,12 +50,22 @@ class BlockPattern:
         width = cs[J]  # columns of each kept block
         k_row = torch.zeros(keep.shape[0], dtype=torch.long, device=keep.device).index_add_(0, I, width)
         self.pairs = int((rs * k_row).sum())
-        # flat column indices of the kept blocks, row cluster after row cluster
-        starts = torch.repeat_interleave(col_offsets[J] - (torch.cumsum(width, 0) - width), width)
-        self._cols = starts + torch.arange(int(width.sum()), device=keep.device)
-        self._ptr = torch.zeros(keep.shape[0] + 1, dtype=torch.long, device=keep.device)
-        self._ptr[1:] = torch.cumsum(k_row, 0)
-        self.batches = self._pack(rs, k_row)
+        self._rs, self._k_row, self._IJ = rs, k_row, (I, J)
+
+    @property
+    def batches(self) -> list[tuple[Tensor, Tensor]]:
+        """The PyTorch path's padded ``(rows, cols)`` index batches, built on first use (O(kept pairs
+        / rows) memory: the C++ path never builds them)."""
+        if "_batches" not in self.__dict__:
+            I, J = self._IJ
+            width = (self.col_offsets[1:] - self.col_offsets[:-1])[J]
+            # flat column indices of the kept blocks, row cluster after row cluster
+            starts = torch.repeat_interleave(self.col_offsets[J] - (torch.cumsum(width, 0) - width), width)
+            self._cols = starts + torch.arange(int(width.sum()), device=self.keep.device)
+            self._ptr = torch.zeros(self.keep.shape[0] + 1, dtype=torch.long, device=self.keep.device)
+            self._ptr[1:] = torch.cumsum(self._k_row, 0)
+            self._batches = self._pack(self._rs, self._k_row)
+        return self._batches
 
     @property
     def fraction(self) -> float:
@@ -142,31 +154,70 @@ def _cpu_lib():
         return None
 
 
-def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
-    """The block-sparse softmin by the C++ kernels (B = 1, CPU, float32 / float64)."""
-    from .cpu.engine import KIND_DOT, LARGE_D_CFG, LN2, LOG2E, SMALL_D, CpuEngine, _encode_zero_weights
+def _padded_y(lib, pat: BlockPattern, y: Tensor, h: Tensor, kind: int):
+    """The kernels' layout of the columns (engine.py ``_prep_y``, cluster by cluster): ``(layout, yT, yy, hs)``."""
+    from .cpu.engine import KIND_DOT, LOG2E, _encode_zero_weights
 
-    N, D = x.shape[1], x.shape[2]
-    lanes = lib.flashot_vector_bytes() // x.element_size()
+    D = y.shape[-1]
+    lanes = lib.flashot_vector_bytes() // y.element_size()
     lay = pat.padded(lanes if D <= 3 else 4 * lanes)  # the micro-kernels' column step (1 or <= 4 vectors)
-    kind, kcoef, minsq = CpuEngine._cost_args(cost, eps)
     y0 = y[0]
-    yT = torch.zeros(D, lay.width, dtype=x.dtype)
+    yT = torch.zeros(D, lay.width, dtype=y.dtype)
     yT[:, lay.pos] = y0.T
-    yy = torch.zeros(lay.width, dtype=x.dtype)
+    yy = torch.zeros(lay.width, dtype=y.dtype)
     if kind == KIND_DOT:
         yy[lay.pos] = (y0 * y0).sum(-1)
-    hs = torch.full((lay.width,), float("-inf"), dtype=x.dtype)
+    hs = torch.full((lay.width,), float("-inf"), dtype=y.dtype)
     hs[lay.pos] = h[0] * LOG2E
     _encode_zero_weights(hs)
+    return lay, yT, yy, hs
+
+
+def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost,
+                 base2: bool = False) -> Tensor:
+    """The block-sparse softmin by the C++ kernels (B = 1, CPU, float32 / float64); ``base2``: the row
+    LSE in base 2 instead (the plan product's first pass)."""
+    from .cpu.engine import LARGE_D_CFG, LN2, SMALL_D, CpuEngine
+
+    N, D = x.shape[1], x.shape[2]
+    kind, kcoef, minsq = CpuEngine._cost_args(cost, eps)
+    lay, yT, yy, hs = _padded_y(lib, pat, y, h, kind)
     xc = x[0].contiguous()
     out = torch.empty(N, dtype=x.dtype)
     fn = lib.flashot_softmin_bs_f32 if x.dtype == torch.float32 else lib.flashot_softmin_bs_f64
     rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), out.data_ptr(), lay.width, D,
             lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
-            -eps * LN2, 0 if D <= SMALL_D else LARGE_D_CFG, torch.get_num_threads())
+            1.0 if base2 else -eps * LN2, 0 if D <= SMALL_D else LARGE_D_CFG, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse softmin kernel returned {rc}")
+    return out.unsqueeze(0)
+
+
+def _plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
+              cost: Cost, weight: Weight) -> Tensor:
+    """The block-sparse plan product by the C++ kernels, two passes (row LSE, then the weighted sums with
+    every weight <= 1): V of at most ``NARROW_K`` columns, B = 1."""
+    from .cpu.engine import KIND_DOT, W_COST, W_INV, W_ONE, CpuEngine
+
+    N, D, K = x.shape[1], x.shape[2], V.shape[-1]
+    lse = _softmin_cpu(lib, pat, x, y, beta, eps, cost, base2=True)[0].contiguous()
+    kind, kcoef, minsq = CpuEngine._cost_args(cost, eps)
+    lay, yT, yy, hs = _padded_y(lib, pat, y, beta, kind)
+    wk, wconst = W_ONE, 1.0
+    if weight == "cost":
+        wk, wconst = W_COST, (cost.scale if kind == KIND_DOT else 1.0)  # the kernels' c is |x - y|^2 (dot)
+    elif weight == "dcost":
+        wk, wconst = (W_ONE, 2.0 * cost.scale) if kind == KIND_DOT else (W_INV, 1.0)
+    VTk = torch.zeros(K, lay.width, dtype=x.dtype)
+    VTk[:, lay.pos] = V[0].T
+    xc, al = x[0].contiguous(), alpha[0].contiguous()
+    out = torch.empty(N, K, dtype=x.dtype)
+    fn = lib.flashot_plan_bs_f32 if x.dtype == torch.float32 else lib.flashot_plan_bs_f64
+    rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), lse.data_ptr(), al.data_ptr(),
+            VTk.data_ptr(), K, out.data_ptr(), lay.width, D, lay.tasks.data_ptr(), pat.keep.shape[0],
+            lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind, wk, wconst, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"multiscale engine: block-sparse plan kernel returned {rc}")
     return out.unsqueeze(0)
 
 
@@ -223,6 +274,8 @@ class BlockSparseEngine:
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
         pat = self.pattern(x, y)
+        if self._lib is not None and 1 <= V.shape[-1] <= NARROW_K and V.dtype == x.dtype == alpha.dtype == beta.dtype:
+            return _plan_cpu(self._lib, pat, x, y, alpha, beta, eps, V.contiguous(), cost, weight)
         out = torch.zeros(1, x.shape[1], V.shape[-1], dtype=x.dtype, device=x.device)
         for rows, cols in pat.batches:
             S, C = self._scores(x, y, beta, rows, cols, eps, cost)

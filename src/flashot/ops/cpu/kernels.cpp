@@ -1312,6 +1312,64 @@ static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
   return -2;
 }
 
+// Block-sparse plan product with a narrow V (K <= PV_K), two passes (the multiscale engine, B = 1):
+// out[i, k] = exp(alpha_i + lse_i) * wconst * sum_j 2^(hs_j - k c_ij - lse_i) W_ij VTk[k, j] over the kept
+// column ranges of row i's cluster (tasks / cptr / cr as in softmin_bs_impl), lse the base-2 row LSE over
+// the same columns (flashot_softmin_bs with oscale 1).
+template <typename T, int KIND, int WK>
+static void plan_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
+                         const T* VTk, T* out, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                         const int64_t* cr, const Args& a, T wconst, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int R = Shape::PV_R;
+  constexpr int RB = 64;
+  const int D = a.D, K = a.K;
+  Tasks tq(ntasks);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t t; tq.next(t);) {
+      const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
+      for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
+        const int nr = (int)std::min<int64_t>(RB, i1 - i0);
+        T m[RB];
+        v pa[RB * (PV_K + 1)];
+        for (int r = 0; r < nr; ++r) {
+          m[r] = row_shift(0, lse, alpha, i0 + r);
+          for (int kk = 0; kk <= PV_K; ++kk) pa[r * (PV_K + 1) + kk] = v{};
+        }
+        for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q)
+          panel_rows<T, R, 1, KIND, 0, MODE_PV, WK>(nr, x + i0 * D, yT, yy, hs, cr[2 * q], cr[2 * q + 1], a, m, pa,
+                                                     const_cast<T*>(VTk), 0);
+        for (int r = 0; r < nr; ++r) {
+          const T f = row_factor(0, lse, alpha, i0 + r, wconst);
+          for (int kk = 0; kk < K; ++kk) out[(i0 + r) * K + kk] = f == 0 ? (T)0 : hsum(pa[r * (PV_K + 1) + kk]) * f;
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+static int plan_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
+                         const T* VTk, int K, T* out, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
+                         const int64_t* cptr, const int64_t* cr, double kcoef, double minsq, int kind, int wk,
+                         double wconst, int nth) {
+  if (K < 1 || K > PV_K) return -3;
+  Args a{D, Mp, kcoef, minsq, K};
+#define FL_PLAN_BS(KD, W) plan_bs_impl<T, KD, W>(x, yT, yy, hs, lse, alpha, VTk, out, tasks, ntasks, cptr, cr, a, \
+                                                 (T)wconst, nth)
+  if (kind == KIND_DOT) {
+    if (wk == W_ONE) { FL_PLAN_BS(KIND_DOT, W_ONE); return 0; }
+    if (wk == W_COST) { FL_PLAN_BS(KIND_DOT, W_COST); return 0; }
+  } else if (kind == KIND_DIRECT) {
+    if (wk == W_ONE) { FL_PLAN_BS(KIND_DIRECT, W_ONE); return 0; }
+    if (wk == W_COST) { FL_PLAN_BS(KIND_DIRECT, W_COST); return 0; }
+    if (wk == W_INV) { FL_PLAN_BS(KIND_DIRECT, W_INV); return 0; }
+  }
+#undef FL_PLAN_BS
+  return -2;
+}
+
 // Cached-cost plan weights for R rows of C (row-major, M columns):
 // P[r, j] = exp2(rb[r] + cb[j] - k C[r, j]) * W(C[r, j]), W = 1 (W_ONE), C (W_COST) or
 // 1/C where C > wthr, else 0 (W_INV).  The caller passes shifts (minus a row or column
@@ -1372,7 +1430,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 12; }
+int flashot_abi_version() { return 13; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -1608,6 +1666,26 @@ int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, 
                            const int64_t* cr, double kcoef, double minsq, int kind, double oscale, int cfg, int nth) {
   return softmin_bs_entry<double>(x, yT, yy, hs, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq, kind, oscale,
                                   cfg, nth);
+}
+#endif
+
+#if FL_PART(3)
+int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
+                        const float* alpha, const float* VTk, int K, float* out, int64_t Mp, int D, const int64_t* tasks,
+                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef, double minsq, int kind,
+                        int wk, double wconst, int nth) {
+  return plan_bs_entry<float>(x, yT, yy, hs, lse, alpha, VTk, K, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq,
+                              kind, wk, wconst, nth);
+}
+#endif
+
+#if FL_PART(1)
+int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
+                        const double* alpha, const double* VTk, int K, double* out, int64_t Mp, int D,
+                        const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef,
+                        double minsq, int kind, int wk, double wconst, int nth) {
+  return plan_bs_entry<double>(x, yT, yy, hs, lse, alpha, VTk, K, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq,
+                               kind, wk, wconst, nth);
 }
 #endif
 }  // extern "C"
