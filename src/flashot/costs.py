@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Cost", "get_cost", "COSTS"]
+__all__ = ["Cost", "get_cost", "COSTS", "FeatureBilinearCost"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +109,66 @@ def get_cost(cost: str | Cost) -> Cost:
             f"cost: expected one of {sorted(COSTS)}, got {cost!r}"
         )
     return COSTS[cost]
+
+
+@dataclass(frozen=True, eq=False)
+class FeatureBilinearCost:
+    r"""A *feature-bilinear* cost: per-point biases plus a dot product of features through a small matrix.
+
+    .. math::
+        C_{ij} = u_i + v_j + \langle \phi_i, M \psi_j \rangle
+
+    with features :math:`\phi_i \in \mathbb{R}^p`, :math:`\psi_j \in \mathbb{R}^q` and
+    :math:`M \in \mathbb{R}^{p \times q}` (per batch entry).  The engines see it as a symmetric cost
+    between *augmented points* of dimension ``1 + p + q`` (build them with :meth:`pair`):
+    ``s = [u_i, phi_i, 0]`` and ``t = [v_j, 0, psi_j]``, and
+    ``C(s, t) = s_0 + t_0 + <s_1:, S t_1:>`` with ``S = [[0, M], [M^T, 0]]`` symmetric, so
+    ``C(t, s) = C(s, t)`` and the transposed primitives are the same calls with the sides swapped.
+    A tile is one batched GEMM plus the two biases.  Not translation invariant: the points must
+    not be centred (build :class:`~flashot.measures.Measures` directly, as
+    :mod:`flashot.gromov` does).  The linearised Gromov-Wasserstein cost is of this kind.
+    Engines: ``dense`` and ``tiled`` (``cpu`` and ``triton`` refuse it; ``auto`` picks ``tiled``).
+    """
+
+    S: Tensor  # (B, K, K) symmetric, K = p + q
+    name: str = "feature_bilinear"
+    scale = None  # not a dot-product cost in the sense of ``Cost.is_dot``
+    power = 0
+    min_sqdist = 0.0
+    is_dot = False
+    direct = True  # the engines call tile() / matrix(), never the |x - y|^2 expansion
+    bilinear = True
+
+    @staticmethod
+    def pair(u: Tensor, phi: Tensor, v: Tensor, psi: Tensor, M: Tensor) -> tuple["FeatureBilinearCost", Tensor, Tensor]:
+        """``(cost, s, t)`` for biases ``u`` (B, N), ``v`` (B, M), features ``phi`` (B, N, p),
+        ``psi`` (B, M, q) and ``M`` (B, p, q): the augmented points ``s`` (B, N, 1 + p + q) and ``t``."""
+        B, N, p = phi.shape
+        q = psi.shape[-1]
+        s = torch.cat([u.unsqueeze(-1), phi, phi.new_zeros(B, N, q)], -1).contiguous()
+        t = torch.cat([v.unsqueeze(-1), psi.new_zeros(B, psi.shape[1], p), psi], -1).contiguous()
+        return FeatureBilinearCost(FeatureBilinearCost.block(M)), s, t
+
+    @staticmethod
+    def block(M: Tensor) -> Tensor:
+        """``S = [[0, M], [M^T, 0]]``, (B, p + q, p + q), from ``M`` (B, p, q)."""
+        B, p, q = M.shape
+        S = M.new_zeros(B, p + q, p + q)
+        S[:, :p, p:] = M
+        S[:, p:, :p] = M.transpose(-1, -2)
+        return S
+
+    def tile(self, x: Tensor, y: Tensor) -> Tensor:
+        """Cost values between augmented points (B, n, 1 + K) and (B, m, 1 + K): a fresh (B, n, m) tensor."""
+        S = self.S if self.S.dtype == x.dtype and self.S.device == x.device else self.S.to(x.device, x.dtype)
+        bias = x[..., :1] + y[..., 0].unsqueeze(-2)
+        return torch.baddbmm(bias, torch.bmm(x[..., 1:], S), y[..., 1:].transpose(-1, -2))
+
+    matrix = tile
+
+    def dcost_weight(self, c: Tensor) -> Tensor:
+        raise NotImplementedError("a feature-bilinear cost has no gradient of the form w (x - y) (weight='dcost'); "
+                                  "differentiate through its features instead")
+
+    def from_sqdist(self, d2: Tensor) -> Tensor:
+        raise NotImplementedError("a feature-bilinear cost is not a function of squared distances")

@@ -185,6 +185,8 @@ class CpuEngine:
             return f"the cpu engine needs CPU tensors, got device {device}; use backend='auto' or 'tiled'"
         if dtype not in (torch.float32, torch.float64):
             return f"the cpu engine supports float32 and float64, got {dtype}; use backend='tiled'"
+        if getattr(cost, "bilinear", False):
+            return "the cpu engine has no kernels for feature-bilinear costs (Gromov-Wasserstein); use backend='tiled'"
         if not (cost.is_dot or (cost.scale is None and cost.power == 1)):
             return f"the cpu engine does not support cost {cost.name!r}; use backend='tiled'"
         return None

@@ -112,6 +112,8 @@ class TritonEngine:
     def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
         if dtype not in _DTYPES:
             return f"backend='triton' supports float16/bfloat16/float32/float64 points, got {dtype}; use backend='tiled'"
+        if getattr(cost, "bilinear", False):
+            return "backend='triton' has no kernels for feature-bilinear costs (Gromov-Wasserstein); use backend='tiled'"
         if device.type == "cuda":
             return None
         if device.type == "cpu" and interpret_enabled():

@@ -1,0 +1,449 @@
+r"""Entropic Gromov-Wasserstein in linear memory, streamed by the same engines and the same solver.
+
+POT's ``ot.gromov.entropic_gromov_wasserstein`` (``loss_fun="square_loss"``, projected gradient
+descent, Peyre, Cuturi & Solomon 2016) for squared-Euclidean intra-space costs
+:math:`D^x_{ik} = |x_i - x_k|^2`, :math:`D^y_{jl} = |y_j - y_l|^2`, without any n x m, n x n or
+m x m matrix.  Each outer step solves the entropic OT problem (``reg`` = POT's ``epsilon``)
+
+.. math::
+    T \leftarrow \arg\min_{T \in \Pi(a, b)} \langle C(T_{prev}), T \rangle + \varepsilon\, \mathrm{KL}(T | a b^T),
+    \qquad C(T) = 2\,(D^x)^{\circ 2} a\, 1^T + 2\, 1\, b^T (D^y)^{\circ 2} - 4\, D^x T D^y
+
+(POT's ``2 * tensor_product(constC, hC1, hC2, T)``), from ``T = a b^T``.  The key identity
+(Scetbon, Peyre & Cuturi 2022): with the per-point features ``E_x = [1, |x|^2, x]`` and
+``D^x = E_x R_x E_x^T`` (``R_x`` swaps the first two columns and scales the others by -2),
+
+.. math::
+    D^x T D^y = E_x R_x A R_y E_y^T, \qquad A = E_x^T T E_y \in \mathbb{R}^{(d_x + 2) \times (d_y + 2)},
+
+so ``C(T)`` is a :class:`~flashot.costs.FeatureBilinearCost` (biases ``2 (D^x)^{\circ 2} a`` and
+``2 (D^y)^{\circ 2} b`` from moments of the clouds, matrix ``-4 R_x A R_y``) and ``A`` is one plan
+product ``T @ E_y``.  The inner problems run through :func:`~flashot.ot_samples.solve_measures`
+(the one solver), warm-started from the previous potentials.  The same plan product gives the GW
+loss of each iterate (POT's ``gwloss``)
+
+.. math::
+    \mathrm{GW}(T) = \langle (D^x)^{\circ 2} a, T 1 \rangle + \langle (D^y)^{\circ 2} b, T^T 1\rangle
+    - 2 \langle A, R_x A R_y \rangle .
+
+Stopping follows POT: every 10th outer iteration (the 1st, 11th, ...) the change of the coupling
+:math:`\|T - T_{prev}\|_F` is measured, from plan products only (``|T|^2`` is a plan product at
+``eps / 2``, ``<T, T'>`` one with the mean of the two costs, also feature-bilinear), and the loop
+stops when it is at most ``tol``.
+
+Gradients: ``value`` is differentiable w.r.t. the points (torch inputs that require grad) by the
+envelope theorem at the returned coupling: the coupling is held fixed and ``A``, the biases and
+the marginal terms are differentiated (plan products w.r.t. their right-hand side).  This is the
+exact gradient of the entropic objective ``GW(T) + reg KL(T | a b^T)`` at its stationary point
+(``value_entropic``), and the gradient POT's ``entropic_gromov_wasserstein2`` assigns to ``gw_dist``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ._checks import FLOATS, check_bool, check_finite, check_int, check_positive, check_storage, check_weights
+from ._checks import compute_dtype, to_tensor
+from .costs import FeatureBilinearCost
+from .measures import Measures, log_weights
+from .ops import get_engine
+from .ot_samples import solve_measures, solve_options
+from .plan import LazyPlan
+
+__all__ = ["gromov_wasserstein", "GWResult"]
+
+# POT reads the change of the coupling every CHECK_EVERY outer iterations (cpt % 10 == 0)
+CHECK_EVERY = 10
+# below this relative change the expansion |T|^2 + |T'|^2 - 2 <T, T'> has lost its digits to
+# cancellation: the change is then taken from the second-order form (``small_change``)
+SMALL_CHANGE = 1e-3
+
+
+@dataclass
+class GWResult:
+    """Result of :func:`gromov_wasserstein`.
+
+    Attributes:
+        value: the GW loss of the returned coupling, ``sum_{ijkl} (D^x_ik - D^y_jl)^2 T_ij T_kl`` in
+            POT's form (``log["gw_dist"]`` of ``ot.gromov.entropic_gromov_wasserstein``; no entropy
+            term); differentiable w.r.t. torch points that require grad (envelope theorem, see the
+            module docstring).
+        plan: the coupling as a :class:`~flashot.plan.LazyPlan` (``plan @ V``, ``plan.T @ U``, ...).
+        potentials: ``(f, g)`` of the last linearised OT problem.
+        n_outer: outer (linearisation) iterations run; n_inner: Sinkhorn iterations, all outer
+            steps together; inner_converged: every inner solve met ``inner_tol``.
+        converged: ``|T - T_prev|_F <= tol`` at a check; error: the last change measured.
+        log: ``{"err": [...], "value": [...], "n_inner": [...]}``: the change at each check
+            (POT's ``log["err"]``), the GW loss and the Sinkhorn iterations of each outer step.
+    """
+
+    value: Any
+    plan: LazyPlan
+    potentials: tuple[Any, Any]
+    n_outer: int
+    n_inner: int
+    converged: bool
+    error: float | None
+    reg: float
+    backend: str
+    inner_converged: bool = True
+    log: dict = field(default_factory=dict)
+    _entropic: Any = field(default=None, repr=False)
+
+    @property
+    def value_entropic(self):
+        """``value + reg KL(T | a b^T)``: the entropic objective whose exact gradient ``value``'s
+        gradient is (detached; streamed, one plan product)."""
+        return self._entropic()
+
+    @property
+    def status(self) -> str:
+        return "converged" if self.converged else "max_iter reached"
+
+
+class GWPlan(LazyPlan):
+    """The GW coupling between the points ``X`` (rows) and ``Y`` (columns).
+
+    Internally a plan over augmented feature points (:class:`~flashot.costs.FeatureBilinearCost`);
+    :meth:`barycentric_map` maps onto the original coordinates of the other cloud."""
+
+    def __init__(self, m, f, g, eps, pts, *, transposed=False, numpy=False):
+        super().__init__(m, f, g, eps, transposed=transposed, numpy=numpy)
+        self._pts = pts  # (X, Y), (1, n, dx) / (1, m, dy), detached, compute dtype
+
+    @property
+    def T(self) -> "GWPlan":
+        return GWPlan(self._m, self._f, self._g, self.eps, self._pts, transposed=not self._t, numpy=self._numpy)
+
+    def barycentric_map(self):
+        """``sum_j T_ij y_j / sum_j T_ij``: each point of ``X`` mapped into ``Y``'s space (N, dy) (``plan.T``:
+        ``Y`` into ``X``'s space); rows of zero mass give NaN."""
+        tgt = self._pts[0] if self._t else self._pts[1]
+        D = tgt.shape[-1]
+        S = self._apply_raw(torch.cat([tgt, torch.ones_like(tgt[..., :1])], -1).contiguous())
+        with torch.no_grad():
+            mass = S[..., D:]
+            T = torch.where(mass > 0, S[..., :D] / mass.clamp_min(torch.finfo(S.dtype).tiny), float("nan"))
+        return self._finish(T)
+
+
+# ---------------------------------------------------------------------------------------------
+# features of one cloud (float64, differentiable)
+
+
+def _features(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(E, h, R)`` for a centred cloud x (n, d) with weights w (n,): ``E = [1, |x|^2, x]`` (n, d + 2),
+    ``h_i = sum_k w_k |x_i - x_k|^4`` (n,) from moments (no n x n matrix), and ``R`` with ``D = E R E^T``."""
+    n, d = x.shape
+    s = (x * x).sum(-1)
+    E = torch.cat([torch.ones_like(s).unsqueeze(-1), s.unsqueeze(-1), x], -1)
+    # |x_i - x_k|^4 = (s_i + s_k - 2 <x_i, x_k>)^2, summed over k with weights w
+    w0, s1, s2 = w.sum(), (w * s).sum(), (w * s * s).sum()
+    m1 = w @ x
+    m3 = (w * s) @ x
+    sig = x.T @ (w.unsqueeze(-1) * x)
+    h = (s * s * w0 + s2 + 4.0 * ((x @ sig) * x).sum(-1) + 2.0 * s * s1 - 4.0 * s * (x @ m1) - 4.0 * (x @ m3))
+    R = torch.zeros(d + 2, d + 2, dtype=x.dtype, device=x.device)
+    R[0, 1] = R[1, 0] = 1.0
+    R[2:, 2:] = -2.0 * torch.eye(d, dtype=x.dtype, device=x.device)
+    return E, h, R
+
+
+def _check_cloud(name: str, x) -> Tensor:
+    x = to_tensor(name, x)
+    if not isinstance(x, Tensor) or x.dtype not in FLOATS:
+        raise TypeError(f"{name}: expected a floating-point tensor (float16/bfloat16/float32/float64), got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    check_storage(name, x)
+    if x.dim() == 3:
+        raise NotImplementedError(f"{name}: batched clouds (B, N, D) are not supported by gromov_wasserstein yet; "
+                                  "loop over the batch")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected shape (N, D), got {tuple(x.shape)}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name}: the point cloud is empty (shape {tuple(x.shape)})")
+    if x.shape[1] == 0:
+        raise ValueError(f"{name}: points have dimension 0 (shape {tuple(x.shape)})")
+    check_finite(name, x.detach())
+    return x
+
+
+def gromov_wasserstein(
+    X,
+    Y,
+    a=None,
+    b=None,
+    *,
+    reg: float,
+    loss_fun: str = "square_loss",
+    max_iter: int = 1000,
+    tol: float = 1e-9,
+    inner_max_iter: int = 1000,
+    inner_tol: float = 1e-9,
+    warmstart: bool = True,
+    backend: str = "auto",
+    verbose: bool = False,
+    G0=None,
+    solver: str = "PGD",
+) -> GWResult:
+    r"""Entropic Gromov-Wasserstein between point clouds in different spaces, streamed.
+
+    POT's ``ot.gromov.entropic_gromov_wasserstein(C1, C2, a, b, "square_loss", epsilon=reg)`` with
+    ``C1 = |X_i - X_k|^2`` and ``C2 = |Y_j - Y_l|^2``, in memory O((n + m)(dx + dy)): the same
+    linearised cost, epsilon convention, initial coupling ``a b^T``, outer iterations and stopping
+    rule (see :mod:`flashot.gromov`).
+
+    Args:
+        X, Y: (n, dx) and (m, dy) points (``dx != dy`` allowed), torch tensors or numpy arrays, same dtype.
+        a, b: weights (n,), (m,) of equal total mass; uniform when None.
+        reg: the entropic regularisation (POT's ``epsilon``), > 0, in units of the linearised cost
+            (~ 4 diameter(X)^2 diameter(Y)^2).
+        loss_fun: only ``"square_loss"`` (POT's default).
+        max_iter, tol: outer iterations at most, and the bound on ``|T - T_prev|_F`` read every 10th
+            outer iteration (POT's defaults 1000 and 1e-9).  The change is computed from plan products
+            (``|T|^2 + |T'|^2 - 2 <T, T'>``), whose rounding limits it to about
+            ``sqrt(u) |T|_F`` (``u`` the machine epsilon); ``tol`` below that is met once the iterates are
+            at the rounding level.
+        inner_max_iter, inner_tol: iterations and tolerance (L1 marginal error) of each inner Sinkhorn
+            solve (POT's ``ot.sinkhorn`` defaults: 1000, 1e-9); an inner solve that does not meet
+            ``inner_tol`` gives one RuntimeWarning for the whole run and ``inner_converged=False``.
+        warmstart: start each inner solve from the previous potentials (default True).
+        backend: ``"auto"`` (``dense`` for small problems, else ``tiled``), ``"tiled"`` or ``"dense"``;
+            the ``cpu`` and ``triton`` engines have no feature-bilinear kernels and refuse.
+        verbose: one line per outer iteration on stderr (value, inner iterations, change of the
+            coupling when measured).
+        G0, solver: POT's options; only ``G0=None`` (the coupling ``a b^T``) and ``solver="PGD"``.
+
+    Returns:
+        :class:`GWResult` (numpy ``value`` and plan outputs when ``X`` was a numpy array).
+    """
+    reg = check_positive("reg", reg)
+    if loss_fun != "square_loss":
+        raise ValueError(f"loss_fun: only 'square_loss' (|a - b|^2, POT's default) is supported, got {loss_fun!r}")
+    if solver != "PGD":
+        raise ValueError(f"solver: only 'PGD' (POT's default: projected gradient / Sinkhorn steps), got {solver!r}")
+    if G0 is not None:
+        raise NotImplementedError("G0: a dense initial coupling is not supported (it would be n x m); the "
+                                  "initial coupling is a b^T")
+    max_iter = check_int("max_iter", max_iter)
+    tol = check_positive("tol", tol)
+    inner_max_iter = check_int("inner_max_iter", inner_max_iter)
+    inner_tol = check_positive("inner_tol", inner_tol)
+    warmstart = check_bool("warmstart", warmstart)
+    verbose = check_bool("verbose", verbose)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+    is_np = isinstance(X, np.ndarray)
+    if is_np != isinstance(Y, np.ndarray):
+        raise TypeError("X and Y: give both as torch tensors or both as numpy arrays")
+    X, Y = _check_cloud("X", X), _check_cloud("Y", Y)
+    if X.dtype != Y.dtype:
+        raise TypeError(f"X and Y: expected the same dtype, got {X.dtype} and {Y.dtype}")
+    if X.device != Y.device:
+        raise ValueError(f"X and Y: are on different devices ({X.device} and {Y.device})")
+    a = check_weights("a", None if a is None else to_tensor("a", a, like=X), X, "X")
+    b = check_weights("b", None if b is None else to_tensor("b", b, like=Y), Y, "Y")
+    ma, mb = float(a.detach().double().sum()), float(b.detach().double().sum())
+    if abs(ma - mb) > 1e-3 * max(ma, mb):
+        raise ValueError(f"a and b: Gromov-Wasserstein couples measures of equal total mass, got {ma:.6g} and "
+                         f"{mb:.6g}; normalise the weights")
+    opts = solve_options(reg, max_iter=inner_max_iter, tol=inner_tol, method="alternating", grad="detach")
+
+    out_dtype = X.dtype
+    cdt = compute_dtype(X.dtype)
+    dev = X.device
+    n, m = X.shape[0], Y.shape[0]
+    a64, b64 = a.detach().double(), b.detach().double()
+
+    # features in float64 (small algebra and biases); the engines run in the compute dtype
+    def feats(with_grad: bool):
+        with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+            X64, Y64 = X.double(), Y.double()
+            Xc = X64 - (a64 @ X64.detach() / a64.sum())  # D is translation invariant: centre for accuracy
+            Yc = Y64 - (b64 @ Y64.detach() / b64.sum())
+            Ex, hx, Rx = _features(Xc, a64)
+            Ey, hy, Ry = _features(Yc, b64)
+        return Xc, Yc, Ex, hx, Rx, Ey, hy, Ry
+
+    Xc, Yc, Ex, hx, Rx, Ey, hy, Ry = (t.detach() for t in feats(False))
+    p, q = Ex.shape[1], Ey.shape[1]
+    u, v = 2.0 * hx, 2.0 * hy  # biases of the linearised cost (POT: 2 constC)
+
+    def make_cost(A: Tensor) -> tuple[FeatureBilinearCost, Tensor, float]:
+        Mm = -4.0 * Rx @ A @ Ry.T
+        cost = FeatureBilinearCost(FeatureBilinearCost.block(Mm.unsqueeze(0)).to(cdt))
+        # |C_ij| <= max|u| + max|v| + max_i |E_x,i M| max_j |E_y,j|
+        bound = float(u.abs().max() + v.abs().max()
+                      + (Ex @ Mm).norm(dim=-1).max() * Ey.norm(dim=-1).max())
+        return cost, Mm, bound
+
+    cost0, _, _ = make_cost(torch.zeros(p, q, dtype=torch.float64, device=dev))
+    _, xs, ys = FeatureBilinearCost.pair(u.unsqueeze(0), Ex.unsqueeze(0), v.unsqueeze(0), Ey.unsqueeze(0),
+                                         torch.zeros(1, p, q, dtype=torch.float64, device=dev))
+    xs, ys = xs.to(cdt), ys.to(cdt)
+    K = xs.shape[-1]
+    engine = get_engine(backend, device=dev, dtype=cdt, cost=cost0, size=(1, n, m, K))
+    a_c, b_c = a.detach().to(cdt).unsqueeze(0), b.detach().to(cdt).unsqueeze(0)
+    a_log, b_log = log_weights(a_c), log_weights(b_c)
+    center = torch.zeros(1, 1, K, dtype=cdt, device=dev)
+
+    def measures(cost, bound) -> Measures:
+        return Measures(xs, ys, a_c, b_c, a_log, b_log, cost, engine, False, cdt, center, bound)
+
+    Vy = torch.cat([Ey, hy.unsqueeze(-1)], -1).to(cdt).unsqueeze(0).contiguous()  # T @ [E_y, h_y]
+
+    def stats(mm: Measures, f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """``(A, value)`` of the plan (f, g) on ``mm``: ``A = E_x^T T E_y`` and the GW loss (float64)."""
+        alpha, beta = f / reg + a_log, g / reg + b_log
+        with torch.no_grad():
+            Q = engine.plan_product(xs, ys, alpha, beta, reg, Vy, mm.cost, "plan")[0].double()
+        A = Ex.T @ Q[:, :q]
+        val = hx @ Q[:, 0] + Q[:, q].sum() - 2.0 * (A * (Rx @ A @ Ry.T)).sum()
+        return A, val
+
+    def sq_norm(mm: Measures, f: Tensor, g: Tensor) -> float:
+        """``|T|_F^2``: a plan product at eps / 2 with doubled log-weights."""
+        ones = torch.ones(1, m, 1, dtype=cdt, device=dev)
+        with torch.no_grad():
+            r = engine.plan_product(xs, ys, 2 * (f / reg + a_log), 2 * (g / reg + b_log), reg / 2, ones, mm.cost)
+        return float(r.double().sum())
+
+    def dot(m1: Measures, f1, g1, m2: Measures, f2, g2) -> float:
+        """``<T1, T2>``: a plan product with the mean of the two (feature-bilinear) costs at eps / 2."""
+        mid = FeatureBilinearCost(0.5 * (m1.cost.S + m2.cost.S))
+        ones = torch.ones(1, m, 1, dtype=cdt, device=dev)
+        with torch.no_grad():
+            r = engine.plan_product(xs, ys, (f1 + f2) / reg + 2 * a_log, (g1 + g2) / reg + 2 * b_log, reg / 2,
+                                    ones, mid)
+        return float(r.double().sum())
+
+    def small_change(mm: Measures, f, g, M1, f2, g2, M2) -> float:
+        """``sum_ij T_ij^2 d_ij^2`` with ``T2 = T exp(d)``, ``d_ij = <w_i, z_j>`` (``w = [df / eps, 1, -E_x dM / eps]``,
+        ``z = [1, dg / eps, E_y]``): ``|T2 - T|_F^2`` to second order in ``d``, one plan product of ``T^2`` with
+        ``z (x) z``; no cancellation."""
+        dM = M2 - M1
+        w = torch.cat([((f2 - f)[0].double() / reg).unsqueeze(-1), torch.ones(n, 1, dtype=torch.float64, device=dev),
+                       -(Ex @ dM) / reg], -1)
+        z = torch.cat([torch.ones(m, 1, dtype=torch.float64, device=dev),
+                       ((g2 - g)[0].double() / reg).unsqueeze(-1), Ey], -1)
+        k = z.shape[1]
+        Z2 = (z.unsqueeze(-1) * z.unsqueeze(-2)).reshape(1, m, k * k).to(cdt).contiguous()
+        with torch.no_grad():
+            R = engine.plan_product(xs, ys, 2 * (f / reg + a_log), 2 * (g / reg + b_log), reg / 2, Z2, mm.cost)
+        R = R[0].double().reshape(n, k, k)
+        return float(torch.einsum("ik,ikl,il->", w, R, w))
+
+    # T_0 = a b^T: A_0 = (E_x^T a)(E_y^T b)^T, |T_0|^2 = |a|^2 |b|^2
+    A = torch.outer(Ex.T @ a64, Ey.T @ b64)
+    prev = None  # (measures, f, g) of the previous coupling; None: a b^T
+    init = None
+    err = None
+    converged, inner_ok = False, True
+    log = {"err": [], "value": [], "n_inner": []}
+    n_inner = 0
+    t0 = time.perf_counter()
+    cpt = 0
+    res = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        while cpt < max_iter:
+            cost, Mm, bound = make_cost(A)
+            mm = measures(cost, bound)
+            n_warn = len(caught)
+            res = solve_measures(mm, opts, init)
+            if len(caught) > n_warn or not res.converged:
+                inner_ok = False
+            f, g = res.plan._f, res.plan._g
+            if warmstart:
+                init = res.potentials
+            n_inner += res.n_iter
+            A, val = stats(mm, f, g)
+            log["value"].append(float(val))
+            log["n_inner"].append(res.n_iter)
+            if cpt % CHECK_EVERY == 0:
+                # |T - T_prev|_F^2 = |T|^2 + |T_prev|^2 - 2 <T, T_prev>, from plan products
+                cur_sq = sq_norm(mm, f, g)
+                if prev is None:  # T_prev = a b^T: |a|^2 |b|^2 and <T, a b^T> = a^T T b
+                    prev_sq = float((a64 @ a64) * (b64 @ b64))
+                    with torch.no_grad():
+                        Tb = engine.plan_product(xs, ys, f / reg + a_log, g / reg + b_log, reg,
+                                                 b_c.unsqueeze(-1), cost)
+                    cross = float((a_c.double() * Tb[..., 0].double()).sum())
+                else:
+                    prev_sq = sq_norm(*prev[:3])
+                    cross = dot(mm, f, g, *prev[:3])
+                err = math.sqrt(max(0.0, cur_sq + prev_sq - 2.0 * cross))
+                if prev is not None and err < SMALL_CHANGE * math.sqrt(cur_sq):
+                    # the expansion has lost the digits (it cancels to ~sqrt(u) |T|): second-order form
+                    err = math.sqrt(max(0.0, small_change(mm, f, g, Mm, *prev[1:])))
+                log["err"].append(err)
+            prev = (mm, f, g, Mm)
+            if verbose:
+                e = f"  err {err:.3e}" if cpt % CHECK_EVERY == 0 else ""
+                print(f"gromov_wasserstein: outer {cpt + 1}/{max_iter}  inner {res.n_iter}  value {float(val):.10g}"
+                      f"{e}  ({time.perf_counter() - t0:.2f}s)", file=sys.stderr, flush=True)
+            cpt += 1
+            if err is not None and cpt % CHECK_EVERY == 1 and err <= tol:
+                converged = True
+                break
+    for w in caught:
+        if not issubclass(w.category, RuntimeWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if not inner_ok:
+        warnings.warn(f"gromov_wasserstein: some inner Sinkhorn solves did not reach inner_tol={inner_tol:g} in "
+                      f"{inner_max_iter} iterations; raise inner_max_iter or reg", RuntimeWarning, stacklevel=2)
+
+    mm, f, g, _ = prev
+    plan = GWPlan(mm, f, g, reg, (X.detach().to(cdt).unsqueeze(0), Y.detach().to(cdt).unsqueeze(0)), numpy=is_np)
+
+    # the value, differentiable w.r.t. the points (coupling fixed: envelope theorem)
+    grad = torch.is_grad_enabled() and (X.requires_grad or Y.requires_grad)
+    if grad:
+        _, _, Ex_g, hx_g, _, Ey_g, hy_g, _ = feats(True)
+        Vg = torch.cat([Ey_g, hy_g.unsqueeze(-1)], -1).to(cdt)
+        Q = plan.apply(Vg).double()  # differentiable in Vg (the transposed plan product)
+        r = Q[:, 0].detach()  # T 1
+        Ag = Ex_g.T @ Q[:, :q]
+        value = hx_g @ r + Q[:, q].sum() - 2.0 * (Ag * (Rx @ Ag @ Ry.T)).sum()
+    else:
+        _, value = stats(mm, f, g)
+
+    def entropic():
+        with torch.no_grad():
+            alpha, beta = f / reg + a_log, g / reg + b_log
+            ones = torch.ones(1, m, 1, dtype=cdt, device=dev)
+            lin = engine.plan_product(xs, ys, alpha, beta, reg, ones, mm.cost, "cost")[0, :, 0].double().sum()
+            rows = engine.plan_product(xs, ys, alpha, beta, reg, ones, mm.cost, "plan")[0, :, 0].double()
+            cols = engine.plan_product(ys, xs, beta, alpha, reg, torch.ones(1, n, 1, dtype=cdt, device=dev),
+                                       mm.cost, "plan")[0, :, 0].double()
+            # KL(T | a b^T) = sum T log(T / (a b)) - sum T + sum a b, log(T_ij / (a_i b_j)) = (f_i + g_j - C_ij) / reg
+            mass = rows.sum()
+            kl = ((rows * f[0].double()).sum() + (cols * g[0].double()).sum() - lin) / reg - mass + a64.sum() * b64.sum()
+            v = float(value.detach()) + reg * float(kl)
+        return v
+
+    value = value.to(out_dtype)
+    res_out = GWResult(
+        value=value.detach().cpu().numpy()[()] if is_np else value,
+        plan=plan,
+        potentials=res.potentials,
+        n_outer=cpt,
+        n_inner=n_inner,
+        converged=converged,
+        error=err,
+        reg=reg,
+        backend=engine.name,
+        inner_converged=inner_ok,
+        log=log,
+        _entropic=entropic,
+    )
+    return res_out
