@@ -227,3 +227,58 @@ def test_bad_inputs():
         gw(X, Y, torch.tensor([-1.0, 1, 1, 0, 0, 0], dtype=torch.float64) / 1.0, None, reg=REG)
     with pytest.raises(ValueError, match="a: expected shape"):
         gw(X, Y, torch.full((5,), 0.2, dtype=torch.float64), None, reg=REG)
+
+
+def _features_pair(n=30, m=45, df=2, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, df, generator=g, dtype=torch.float64),
+            torch.rand(m, df, generator=g, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_fused_matches_pot(backend):
+    X, Y = _clouds()
+    FX, FY = _features_pair()
+    C1, C2 = (torch.cdist(X, X) ** 2).numpy(), (torch.cdist(Y, Y) ** 2).numpy()
+    M = (torch.cdist(FX, FY) ** 2).numpy()
+    T, log = ot.gromov.entropic_fused_gromov_wasserstein(M, C1, C2, epsilon=REG, alpha=0.5, log=True,
+                                                         stopThr=1e-12, numItermax=5000)
+    r = flashot.fused_gromov_wasserstein(X, Y, FX, FY, reg=REG, alpha=0.5, backend=backend, **TIGHT)
+    assert r.converged and r.n_outer == 10 * (len(log["err"]) - 1) + 1
+    assert abs(float(r.value) - log["fgw_dist"]) <= 1e-6 * abs(log["fgw_dist"])
+    V = torch.randn(Y.shape[0], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert _rel(r.plan @ V, T @ V.numpy()) < 1e-6
+    assert _rel(r.plan.to_dense(), T) < 1e-6
+
+
+def test_fused_gradient_in_features_finite_differences():
+    X, Y = _clouds(15, 18, seed=11)
+    FX, FY = _features_pair(15, 18, seed=12)
+    kw = dict(reg=REG, alpha=0.5, inner_tol=1e-13, inner_max_iter=10000, tol=1e-13)
+    FXg = FX.clone().requires_grad_()
+    Xg = X.clone().requires_grad_()
+    r = flashot.fused_gromov_wasserstein(Xg, Y, FXg, FY, **kw)
+    r.value.backward()
+    h = 1e-5
+    for which, (i, d), grad in (("F", (2, 1), FXg.grad), ("X", (4, 0), Xg.grad)):
+        vals = []
+        for s in (1, -1):
+            Xp, Fp = X.clone(), FX.clone()
+            (Fp if which == "F" else Xp)[i, d] += s * h
+            vals.append(flashot.fused_gromov_wasserstein(Xp, Y, Fp, FY, **kw).value_entropic)
+        fd = (vals[0] - vals[1]) / (2 * h)
+        assert abs(fd - float(grad[i, d])) <= 1e-6 * float(grad.abs().max()), (which, fd, float(grad[i, d]))
+
+
+def test_fused_bad_inputs():
+    X, Y = _clouds(6, 7)
+    FX, FY = _features_pair(6, 7)
+    fgw = flashot.fused_gromov_wasserstein
+    with pytest.raises(ValueError, match="alpha"):
+        fgw(X, Y, FX, FY, reg=REG, alpha=1.5)
+    with pytest.raises(ValueError, match="feature dimension"):
+        fgw(X, Y, FX, FY[:, :1], reg=REG)
+    with pytest.raises(ValueError, match="one feature vector per point"):
+        fgw(X, Y, FX[:5], FY, reg=REG)
+    with pytest.raises(TypeError, match="dtype"):
+        fgw(X, Y, FX.float(), FY, reg=REG)

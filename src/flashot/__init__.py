@@ -5,13 +5,13 @@ Public API:
     solve_sample  POT/GeomLoss-style solver returning an :class:`OTResult` with a lazy plan
     solve, sinkhorn, sinkhorn2  POT's ot.solve / ot.sinkhorn / ot.sinkhorn2 on a precomputed cost matrix
     free_support_barycenter  POT's entropic free-support barycenter, streamed
-    gromov_wasserstein  entropic Gromov-Wasserstein (POT's entropic_gromov_wasserstein), streamed
+    gromov_wasserstein, fused_gromov_wasserstein  entropic (fused) Gromov-Wasserstein, POT's conventions, streamed
     ops           the two streamed primitives (softmin, plan product) and the engine registry
 """
 
 from .acceleration import Anderson, Momentum
 from .barycenter import BarycenterResult, free_support_barycenter
-from .gromov import GWResult, gromov_wasserstein
+from .gromov import GWResult, fused_gromov_wasserstein, gromov_wasserstein
 from .costs import Cost, get_cost
 from .implicit import ImplicitDiff
 from .plan import LazyPlan, plan_from_potentials
@@ -38,6 +38,7 @@ __all__ = [
     "free_support_barycenter",
     "BarycenterResult",
     "gromov_wasserstein",
+    "fused_gromov_wasserstein",
     "GWResult",
     "__version__",
 ]

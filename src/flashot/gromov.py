@@ -59,7 +59,7 @@ from .ops import get_engine
 from .ot_samples import solve_measures, solve_options
 from .plan import LazyPlan
 
-__all__ = ["gromov_wasserstein", "GWResult"]
+__all__ = ["gromov_wasserstein", "fused_gromov_wasserstein", "GWResult"]
 
 # POT reads the change of the coupling every CHECK_EVERY outer iterations (cpt % 10 == 0)
 CHECK_EVERY = 10
@@ -73,7 +73,7 @@ class GWResult:
     """Result of :func:`gromov_wasserstein`.
 
     Attributes:
-        value: the GW loss of the returned coupling, ``sum_{ijkl} (D^x_ik - D^y_jl)^2 T_ij T_kl`` in
+        value: (fused: ``(1 - alpha) <M, T> + alpha`` times) the GW loss of the returned coupling, ``sum_{ijkl} (D^x_ik - D^y_jl)^2 T_ij T_kl`` in
             POT's form (``log["gw_dist"]`` of ``ot.gromov.entropic_gromov_wasserstein``; no entropy
             term); differentiable w.r.t. torch points that require grad (envelope theorem, see the
             module docstring).
@@ -184,16 +184,7 @@ def gromov_wasserstein(
     b=None,
     *,
     reg: float,
-    loss_fun: str = "square_loss",
-    max_iter: int = 1000,
-    tol: float = 1e-9,
-    inner_max_iter: int = 1000,
-    inner_tol: float = 1e-9,
-    warmstart: bool = True,
-    backend: str = "auto",
-    verbose: bool = False,
-    G0=None,
-    solver: str = "PGD",
+    **kwargs,
 ) -> GWResult:
     r"""Entropic Gromov-Wasserstein between point clouds in different spaces, streamed.
 
@@ -210,9 +201,8 @@ def gromov_wasserstein(
         loss_fun: only ``"square_loss"`` (POT's default).
         max_iter, tol: outer iterations at most, and the bound on ``|T - T_prev|_F`` read every 10th
             outer iteration (POT's defaults 1000 and 1e-9).  The change is computed from plan products
-            (``|T|^2 + |T'|^2 - 2 <T, T'>``), whose rounding limits it to about
-            ``sqrt(u) |T|_F`` (``u`` the machine epsilon); ``tol`` below that is met once the iterates are
-            at the rounding level.
+            (``|T|^2 + |T'|^2 - 2 <T, T'>`` while it is above ``1e-3 |T|_F``, then to second order in
+            ``log(T' / T)``, which does not cancel).
         inner_max_iter, inner_tol: iterations and tolerance (L1 marginal error) of each inner Sinkhorn
             solve (POT's ``ot.sinkhorn`` defaults: 1000, 1e-9); an inner solve that does not meet
             ``inner_tol`` gives one RuntimeWarning for the whole run and ``inner_converged=False``.
@@ -226,6 +216,56 @@ def gromov_wasserstein(
     Returns:
         :class:`GWResult` (numpy ``value`` and plan outputs when ``X`` was a numpy array).
     """
+    return _gromov(X, Y, a, b, None, None, 1.0, reg=reg, **kwargs)
+
+
+def fused_gromov_wasserstein(
+    X,
+    Y,
+    FX,
+    FY,
+    a=None,
+    b=None,
+    *,
+    reg: float,
+    alpha: float = 0.5,
+    **kwargs,
+) -> GWResult:
+    r"""Entropic fused Gromov-Wasserstein, streamed: POT's ``ot.gromov.entropic_fused_gromov_wasserstein(M, C1,
+    C2, a, b, "square_loss", epsilon=reg, alpha=alpha)`` with the feature cost ``M_ij = |FX_i - FY_j|^2``.
+
+    Each outer step's cost is ``alpha`` times the linearised GW cost plus ``(1 - alpha) M``, again
+    feature-bilinear (the features ``FX``, ``FY`` join ``[1, |x|^2, x]`` and ``[1, |y|^2, y]``); the value is
+    ``(1 - alpha) <M, T> + alpha GW(T)`` (POT's ``fgw_dist``), differentiable w.r.t. the points and the
+    features (envelope theorem).  ``FX`` (n, df) and ``FY`` (m, df) share their dimension; the other
+    arguments are those of :func:`gromov_wasserstein`.
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"alpha: expected a number in [0, 1] (the weight of the GW term), got {alpha!r}")
+    return _gromov(X, Y, a, b, FX, FY, float(alpha), reg=reg, **kwargs)
+
+
+def _gromov(
+    X,
+    Y,
+    a,
+    b,
+    FX,
+    FY,
+    alpha: float,
+    *,
+    reg: float,
+    loss_fun: str = "square_loss",
+    max_iter: int = 1000,
+    tol: float = 1e-9,
+    inner_max_iter: int = 1000,
+    inner_tol: float = 1e-9,
+    warmstart: bool = True,
+    backend: str = "auto",
+    verbose: bool = False,
+    G0=None,
+    solver: str = "PGD",
+) -> GWResult:
     reg = check_positive("reg", reg)
     if loss_fun != "square_loss":
         raise ValueError(f"loss_fun: only 'square_loss' (|a - b|^2, POT's default) is supported, got {loss_fun!r}")
@@ -250,6 +290,19 @@ def gromov_wasserstein(
         raise TypeError(f"X and Y: expected the same dtype, got {X.dtype} and {Y.dtype}")
     if X.device != Y.device:
         raise ValueError(f"X and Y: are on different devices ({X.device} and {Y.device})")
+    fused = FX is not None
+    if fused:
+        if isinstance(FX, np.ndarray) != is_np or isinstance(FY, np.ndarray) != is_np:
+            raise TypeError("FX and FY: give them as the points (torch tensors or numpy arrays)")
+        FX, FY = _check_cloud("FX", FX), _check_cloud("FY", FY)
+        if FX.shape[0] != X.shape[0] or FY.shape[0] != Y.shape[0]:
+            raise ValueError(f"FX and FY: expected one feature vector per point ({X.shape[0]} and {Y.shape[0]}), "
+                             f"got shapes {tuple(FX.shape)} and {tuple(FY.shape)}")
+        if FX.shape[1] != FY.shape[1]:
+            raise ValueError(f"FX and FY: the feature cost |FX_i - FY_j|^2 needs one feature dimension, got "
+                             f"{FX.shape[1]} and {FY.shape[1]}")
+        if FX.dtype != X.dtype or FY.dtype != X.dtype or FX.device != X.device or FY.device != X.device:
+            raise TypeError(f"FX and FY: expected the dtype and device of X ({X.dtype}, {X.device})")
     a = check_weights("a", None if a is None else to_tensor("a", a, like=X), X, "X")
     b = check_weights("b", None if b is None else to_tensor("b", b, like=Y), Y, "Y")
     ma, mb = float(a.detach().double().sum()), float(b.detach().double().sum())
@@ -272,23 +325,39 @@ def gromov_wasserstein(
             Yc = Y64 - (b64 @ Y64.detach() / b64.sum())
             Ex, hx, Rx = _features(Xc, a64)
             Ey, hy, Ry = _features(Yc, b64)
-        return Xc, Yc, Ex, hx, Rx, Ey, hy, Ry
+            if fused:  # |F_i - G_j|^2 is translation invariant: a common centre for accuracy
+                F64, G64 = FX.double(), FY.double()
+                c = 0.5 * (a64 @ F64.detach() / a64.sum() + b64 @ G64.detach() / b64.sum())
+                F, G = F64 - c, G64 - c
+            else:
+                F = G = None
+        return Ex, hx, Rx, Ey, hy, Ry, F, G
 
-    Xc, Yc, Ex, hx, Rx, Ey, hy, Ry = (t.detach() for t in feats(False))
+    Ex, hx, Rx, Ey, hy, Ry, F, G = (None if t is None else t.detach() for t in feats(False))
     p, q = Ex.shape[1], Ey.shape[1]
-    u, v = 2.0 * hx, 2.0 * hy  # biases of the linearised cost (POT: 2 constC)
+    u, v = 2.0 * alpha * hx, 2.0 * alpha * hy  # biases of the linearised cost (POT: 2 constC)
+    Phi, Psi = Ex, Ey  # the features of the cost
+    if fused:
+        df = F.shape[1]
+        u, v = u + (1.0 - alpha) * (F * F).sum(-1), v + (1.0 - alpha) * (G * G).sum(-1)
+        Phi, Psi = torch.cat([Ex, F], -1), torch.cat([Ey, G], -1)
 
     def make_cost(A: Tensor) -> tuple[FeatureBilinearCost, Tensor, float]:
-        Mm = -4.0 * Rx @ A @ Ry.T
-        cost = FeatureBilinearCost(FeatureBilinearCost.block(Mm.unsqueeze(0)).to(cdt))
-        # |C_ij| <= max|u| + max|v| + max_i |E_x,i M| max_j |E_y,j|
+        Mm = (-4.0 * alpha) * Rx @ A @ Ry.T  # the GW block (the only part that changes)
+        Mf = Mm
+        if fused:
+            Mf = torch.zeros(p + df, q + df, dtype=torch.float64, device=dev)
+            Mf[:p, :q] = Mm
+            Mf[p:, q:] = -2.0 * (1.0 - alpha) * torch.eye(df, dtype=torch.float64, device=dev)
+        cost = FeatureBilinearCost(FeatureBilinearCost.block(Mf.unsqueeze(0)).to(cdt))
+        # |C_ij| <= max|u| + max|v| + max_i |phi_i M| max_j |psi_j|
         bound = float(u.abs().max() + v.abs().max()
-                      + (Ex @ Mm).norm(dim=-1).max() * Ey.norm(dim=-1).max())
+                      + (Phi @ Mf).norm(dim=-1).max() * Psi.norm(dim=-1).max())
         return cost, Mm, bound
 
     cost0, _, _ = make_cost(torch.zeros(p, q, dtype=torch.float64, device=dev))
-    _, xs, ys = FeatureBilinearCost.pair(u.unsqueeze(0), Ex.unsqueeze(0), v.unsqueeze(0), Ey.unsqueeze(0),
-                                         torch.zeros(1, p, q, dtype=torch.float64, device=dev))
+    _, xs, ys = FeatureBilinearCost.pair(u.unsqueeze(0), Phi.unsqueeze(0), v.unsqueeze(0), Psi.unsqueeze(0),
+                                         torch.zeros(1, Phi.shape[1], Psi.shape[1], dtype=torch.float64, device=dev))
     xs, ys = xs.to(cdt), ys.to(cdt)
     K = xs.shape[-1]
     engine = get_engine(backend, device=dev, dtype=cdt, cost=cost0, size=(1, n, m, K))
@@ -299,16 +368,28 @@ def gromov_wasserstein(
     def measures(cost, bound) -> Measures:
         return Measures(xs, ys, a_c, b_c, a_log, b_log, cost, engine, False, cdt, center, bound)
 
-    Vy = torch.cat([Ey, hy.unsqueeze(-1)], -1).to(cdt).unsqueeze(0).contiguous()  # T @ [E_y, h_y]
+    def right(Ey, hy, G) -> Tensor:
+        """``[E_y, h_y]`` (and ``[|G|^2, G]`` when fused): ``T @`` it gives ``A``, the value and the row sums."""
+        cols = [Ey, hy.unsqueeze(-1)] + ([(G * G).sum(-1, keepdim=True), G] if fused else [])
+        return torch.cat(cols, -1)
+
+    def loss(Ex, hx, F, Q, r) -> tuple[Tensor, Tensor]:
+        """``(A, value)`` from ``Q = T @ right(...)`` and the row sums ``r = T 1``."""
+        A = Ex.T @ Q[:, :q]
+        val = hx @ r + Q[:, q].sum() - 2.0 * (A * (Rx @ A @ Ry.T)).sum()
+        if fused:  # (1 - alpha) <|F_i - G_j|^2, T> + alpha GW
+            feat = (F * F).sum(-1) @ r + Q[:, q + 1].sum() - 2.0 * (F * Q[:, q + 2:]).sum()
+            val = alpha * val + (1.0 - alpha) * feat
+        return A, val
+
+    Vy = right(Ey, hy, G).to(cdt).unsqueeze(0).contiguous()
 
     def stats(mm: Measures, f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """``(A, value)`` of the plan (f, g) on ``mm``: ``A = E_x^T T E_y`` and the GW loss (float64)."""
         alpha, beta = f / reg + a_log, g / reg + b_log
         with torch.no_grad():
             Q = engine.plan_product(xs, ys, alpha, beta, reg, Vy, mm.cost, "plan")[0].double()
-        A = Ex.T @ Q[:, :q]
-        val = hx @ Q[:, 0] + Q[:, q].sum() - 2.0 * (A * (Rx @ A @ Ry.T)).sum()
-        return A, val
+        return loss(Ex, hx, F, Q, Q[:, 0])
 
     def sq_norm(mm: Measures, f: Tensor, g: Tensor) -> float:
         """``|T|_F^2``: a plan product at eps / 2 with doubled log-weights."""
@@ -406,14 +487,11 @@ def gromov_wasserstein(
     plan = GWPlan(mm, f, g, reg, (X.detach().to(cdt).unsqueeze(0), Y.detach().to(cdt).unsqueeze(0)), numpy=is_np)
 
     # the value, differentiable w.r.t. the points (coupling fixed: envelope theorem)
-    grad = torch.is_grad_enabled() and (X.requires_grad or Y.requires_grad)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (X, Y, FX, FY))
     if grad:
-        _, _, Ex_g, hx_g, _, Ey_g, hy_g, _ = feats(True)
-        Vg = torch.cat([Ey_g, hy_g.unsqueeze(-1)], -1).to(cdt)
-        Q = plan.apply(Vg).double()  # differentiable in Vg (the transposed plan product)
-        r = Q[:, 0].detach()  # T 1
-        Ag = Ex_g.T @ Q[:, :q]
-        value = hx_g @ r + Q[:, q].sum() - 2.0 * (Ag * (Rx @ Ag @ Ry.T)).sum()
+        Ex_g, hx_g, _, Ey_g, hy_g, _, F_g, G_g = feats(True)
+        Q = plan.apply(right(Ey_g, hy_g, G_g).to(cdt)).double()  # differentiable in V (the transposed product)
+        _, value = loss(Ex_g, hx_g, F_g, Q, Q[:, 0].detach())  # Q[:, 0] = T 1, a constant
     else:
         _, value = stats(mm, f, g)
 
@@ -435,7 +513,7 @@ def gromov_wasserstein(
     res_out = GWResult(
         value=value.detach().cpu().numpy()[()] if is_np else value,
         plan=plan,
-        potentials=res.potentials,
+        potentials=tuple(t.detach().cpu().numpy() for t in res.potentials) if is_np else res.potentials,
         n_outer=cpt,
         n_inner=n_inner,
         converged=converged,
