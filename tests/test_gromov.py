@@ -145,7 +145,7 @@ def test_feature_bilinear_cost_against_dense_reference(engine):
 
 
 def test_feature_bilinear_cost_engine_choice():
-    (cost, s, t), _ = _bilinear()
+    (cost, s, _t), _ = _bilinear()
     big = (1, 50_000, 50_000, s.shape[-1])
     assert get_engine("auto", device=s.device, dtype=s.dtype, cost=cost, size=big).name == "tiled"
     for name in ("cpu", "triton"):

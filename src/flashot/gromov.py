@@ -143,7 +143,7 @@ class GWPlan(LazyPlan):
 def _features(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(E, h, R)`` for a centred cloud x (n, d) with weights w (n,): ``E = [1, |x|^2, x]`` (n, d + 2),
     ``h_i = sum_k w_k |x_i - x_k|^4`` (n,) from moments (no n x n matrix), and ``R`` with ``D = E R E^T``."""
-    n, d = x.shape
+    d = x.shape[1]
     s = (x * x).sum(-1)
     E = torch.cat([torch.ones_like(s).unsqueeze(-1), s.unsqueeze(-1), x], -1)
     # |x_i - x_k|^4 = (s_i + s_k - 2 <x_i, x_k>)^2, summed over k with weights w
@@ -184,7 +184,16 @@ def gromov_wasserstein(
     b=None,
     *,
     reg: float,
-    **kwargs,
+    loss_fun: str = "square_loss",
+    max_iter: int = 1000,
+    tol: float = 1e-9,
+    inner_max_iter: int = 1000,
+    inner_tol: float = 1e-9,
+    warmstart: bool = True,
+    backend: str = "auto",
+    verbose: bool = False,
+    G0=None,
+    solver: str = "PGD",
 ) -> GWResult:
     r"""Entropic Gromov-Wasserstein between point clouds in different spaces, streamed.
 
@@ -216,7 +225,8 @@ def gromov_wasserstein(
     Returns:
         :class:`GWResult` (numpy ``value`` and plan outputs when ``X`` was a numpy array).
     """
-    return _gromov(X, Y, a, b, None, None, 1.0, reg=reg, **kwargs)
+    return _gromov(X, Y, a, b, None, None, 1.0, reg=reg, loss_fun=loss_fun, max_iter=max_iter, tol=tol, inner_max_iter=inner_max_iter,
+                   inner_tol=inner_tol, warmstart=warmstart, backend=backend, verbose=verbose, G0=G0, solver=solver)
 
 
 def fused_gromov_wasserstein(
@@ -229,7 +239,16 @@ def fused_gromov_wasserstein(
     *,
     reg: float,
     alpha: float = 0.5,
-    **kwargs,
+    loss_fun: str = "square_loss",
+    max_iter: int = 1000,
+    tol: float = 1e-9,
+    inner_max_iter: int = 1000,
+    inner_tol: float = 1e-9,
+    warmstart: bool = True,
+    backend: str = "auto",
+    verbose: bool = False,
+    G0=None,
+    solver: str = "PGD",
 ) -> GWResult:
     r"""Entropic fused Gromov-Wasserstein, streamed: POT's ``ot.gromov.entropic_fused_gromov_wasserstein(M, C1,
     C2, a, b, "square_loss", epsilon=reg, alpha=alpha)`` with the feature cost ``M_ij = |FX_i - FY_j|^2``.
@@ -242,7 +261,8 @@ def fused_gromov_wasserstein(
     """
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"alpha: expected a number in [0, 1] (the weight of the GW term), got {alpha!r}")
-    return _gromov(X, Y, a, b, FX, FY, float(alpha), reg=reg, **kwargs)
+    return _gromov(X, Y, a, b, FX, FY, float(alpha), reg=reg, loss_fun=loss_fun, max_iter=max_iter, tol=tol, inner_max_iter=inner_max_iter,
+                   inner_tol=inner_tol, warmstart=warmstart, backend=backend, verbose=verbose, G0=G0, solver=solver)
 
 
 def _gromov(
