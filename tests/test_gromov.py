@@ -297,3 +297,10 @@ def test_float32_stops_at_its_rounding_floor(backend):
     assert abs(float(r32.value) - float(r64.value)) <= 1e-5 * float(r64.value)
     V = torch.randn(Y.shape[0], 2, dtype=torch.float64)
     assert _rel(r32.plan @ V.float(), r64.plan @ V) < 2e-3
+
+
+def test_weights_requiring_grad_raise():
+    X, Y = _clouds(6, 7)
+    a = torch.full((6,), 1 / 6, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="weights"):
+        flashot.gromov_wasserstein(X, Y, a, reg=REG)

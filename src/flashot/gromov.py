@@ -328,6 +328,9 @@ def _gromov(
             raise TypeError(f"FX and FY: expected the dtype and device of X ({X.dtype}, {X.device})")
     a = check_weights("a", None if a is None else to_tensor("a", a, like=X), X, "X")
     b = check_weights("b", None if b is None else to_tensor("b", b, like=Y), Y, "Y")
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        raise NotImplementedError("a, b: gradients of the GW value w.r.t. the weights are not implemented (only "
+                                  "w.r.t. the points and features); detach the weights")
     ma, mb = float(a.detach().double().sum()), float(b.detach().double().sum())
     if abs(ma - mb) > 1e-3 * max(ma, mb):
         raise ValueError(f"a and b: Gromov-Wasserstein couples measures of equal total mass, got {ma:.6g} and "
