@@ -111,11 +111,12 @@ def occupied_cells(x: Tensor, scale: float) -> int:
 
 
 def block_scale(x: Tensor, y: Tensor, start: float, radius: float, min_points: int = MIN_BLOCK_POINTS) -> float:
-    """Side of the fine stage's blocks: ``start`` halved while the blocks stay wider than ``radius`` (the
-    pruning distance at the last temperature: smaller blocks would not prune more) and hold at least
-    ``min_points`` points on average in both clouds (smaller ones waste the kernels' vector lanes)."""
+    """Side of the fine stage's blocks: ``start`` halved while the blocks stay wider than ``radius / 2``
+    (``radius``: the pruning distance at the last temperature; a kept region is about ``radius`` plus
+    two block radii wide, so much smaller blocks would not prune more) and hold at least ``min_points``
+    points on average in both clouds (smaller ones waste the kernels' vector lanes)."""
     s = start
-    while s / 2 >= radius:
+    while s / 2 >= radius / 2:
         if min(x.shape[0] / occupied_cells(x, s / 2), y.shape[0] / occupied_cells(y, s / 2)) < min_points:
             break
         s /= 2

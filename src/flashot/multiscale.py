@@ -78,19 +78,78 @@ def _segment_max(v: Tensor, c: Clusters) -> Tensor:
 PRUNE_ROWS = 1024  # row clusters per chunk of lower bounds (memory O(PRUNE_ROWS Ky))
 
 
-def prune(cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, eps: float, truncate: float | None, cost) -> Tensor:
-    """(Kx, Ky) kept blocks: ``lower - max_I f - max_J g <= truncate * eps``, plus each row's and column's
-    best block (``lower`` from :func:`~flashot.clusters.block_cost_bounds`, computed by chunks of rows)."""
+@dataclass(frozen=True)
+class LinearModel:
+    """``f_i = alpha_I + <beta_I, x_i - c_I> + r_i`` with ``|r_i| <= rho_I`` for every point of cluster ``I``
+    (least-squares fit per cluster; the bound holds whatever the fit, ``rho`` being measured)."""
+
+    alpha: Tensor  # (K,)
+    beta: Tensor  # (K, D)
+    rho: Tensor  # (K,)
+
+
+def linear_model(c: Clusters, pts: Tensor, f: Tensor) -> LinearModel:
+    """Fit :class:`LinearModel` to the values ``f`` (N,) of the sorted points ``pts`` (N, D), float64."""
+    with torch.no_grad():
+        K, D = c.n_clusters, pts.shape[-1]
+        cid = torch.repeat_interleave(torch.arange(K, device=pts.device), c.sizes)
+        A = torch.cat([torch.ones_like(pts[:, :1], dtype=torch.float64),
+                       pts.double() - c.centroids.double()[cid]], -1)  # (N, D + 1)
+        f = f.double()
+        G = torch.zeros(K, D + 1, D + 1, dtype=torch.float64, device=pts.device).index_add_(
+            0, cid, A.unsqueeze(-1) * A.unsqueeze(-2))
+        r = torch.zeros(K, D + 1, dtype=torch.float64, device=pts.device).index_add_(0, cid, A * f.unsqueeze(-1))
+        G = G + torch.diag_embed(1e-9 * (1.0 + G.diagonal(dim1=-2, dim2=-1)))  # singular blocks (few points)
+        coef = torch.linalg.solve(G, r)
+        res = (f - (A * coef[cid]).sum(-1)).abs()
+        rho = torch.zeros(K, dtype=torch.float64, device=pts.device).scatter_reduce_(0, cid, res, "amax")
+        return LinearModel(coef[:, 0], coef[:, 1:], rho)
+
+
+def _linear_bounds(cx: Clusters, cy: Clusters, mf: LinearModel, mg: LinearModel, s: float, rows: slice) -> Tensor:
+    r"""Lower bounds of ``s |x_i - y_j|^2 - f_i - g_j`` over blocks, from the linear models: with
+    ``x_i = c_I + a``, ``y_j = c_J + b``, ``d = c_I - c_J``,
+    :math:`s|d + a - b|^2 - \langleeta, aangle - \langle\gamma, bangle = s|d + a - b - eta/2s|^2
+    + \langleeta, dangle - |eta|^2/4s - \langleeta + \gamma, bangle`, bounded with ``|a - b| <=
+    r_I + r_J`` and ``|b| <= r_J`` (and the same with the roles swapped; the larger bound is kept).
+    Exact up to the radii for a transport by translation, where ``f`` and ``g`` are affine."""
+    cI, cJ = cx.centroids[rows].double(), cy.centroids.double()
+    rI, rJ = cx.radius[rows].double(), cy.radius.double()
+    b, gm = mf.beta[rows], mg.beta
+    base = -(mf.alpha[rows] + mf.rho[rows]).unsqueeze(-1) - (mg.alpha + mg.rho).unsqueeze(0)
+    bb, gg = (b * b).sum(-1), (gm * gm).sum(-1)
+    bg = (bb.unsqueeze(-1) + gg.unsqueeze(0) + 2.0 * b @ gm.T).clamp_min(0.0).sqrt()  # |beta_I + gamma_J|
+    rr = rI.unsqueeze(-1) + rJ.unsqueeze(0)
+    gap1 = (torch.cdist(cI - b / (2 * s), cJ) - rr).clamp_min(0.0)
+    t1 = s * gap1 * gap1 + ((b * cI).sum(-1).unsqueeze(-1) - b @ cJ.T) - (bb / (4 * s)).unsqueeze(-1) - bg * rJ
+    gap2 = (torch.cdist(cI, cJ - gm / (2 * s)) - rr).clamp_min(0.0)
+    t2 = (s * gap2 * gap2 + ((gm * cJ).sum(-1).unsqueeze(0) - cI @ gm.T) - (gg / (4 * s)).unsqueeze(0)
+          - bg * rI.unsqueeze(-1))
+    return base + torch.maximum(t1, t2)
+
+
+def prune(cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, eps: float, truncate: float | None, cost,
+          x: Tensor | None = None, y: Tensor | None = None) -> Tensor:
+    """(Kx, Ky) kept blocks: a lower bound of ``C(x_i, y_j) - f_i - g_j`` over the block at most
+    ``truncate * eps``, plus each row's and column's best block.  The bound is the larger of
+    ``block_cost_bounds - max_I f - max_J g`` and, for dot-product costs with the sorted points ``x``, ``y``
+    given, :func:`_linear_bounds` (much tighter where the potentials vary across a block); computed by
+    chunks of rows."""
     Kx, Ky = cx.n_clusters, cy.n_clusters
     if truncate is None:
         return torch.ones(Kx, Ky, dtype=torch.bool, device=f.device)
     fmax, gmax = _segment_max(f.double(), cx), _segment_max(g.double(), cy)
+    models = None
+    if cost.is_dot and x is not None and y is not None:
+        models = linear_model(cx, x, f), linear_model(cy, y, g)
     keep = torch.empty(Kx, Ky, dtype=torch.bool, device=f.device)
     best_col = torch.full((Ky,), float("inf"), dtype=torch.float64, device=f.device)
     best_row = torch.zeros(Ky, dtype=torch.long, device=f.device)
     for r0 in range(0, Kx, PRUNE_ROWS):
         r1 = min(Kx, r0 + PRUNE_ROWS)
         gap = block_cost_bounds(cx, cy, cost, rows=slice(r0, r1)) - fmax[r0:r1, None] - gmax[None]
+        if models is not None:
+            gap = torch.maximum(gap, _linear_bounds(cx, cy, *models, cost.scale, slice(r0, r1)))
         keep[r0:r1] = gap <= truncate * eps
         keep[torch.arange(r0, r1), gap.argmin(1)] = True
         cmin, arg = gap.min(0)
@@ -179,12 +238,13 @@ def _with_patterns(fine: Measures, cx, cy, st: SinkhornState, eps: float, trunca
                    kept: list[float]) -> Measures:
     """``fine`` on a block-sparse engine pruned from the potentials of ``st`` at temperature ``eps``."""
     x, y, cost = fine.x.detach(), fine.y.detach(), fine.cost
-    pxy = BlockPattern(cx.offsets, cy.offsets, prune(cx, cy, st.f[0], st.g[0], eps, truncate, cost))
+    x0, y0 = x[0], y[0]
+    pxy = BlockPattern(cx.offsets, cy.offsets, prune(cx, cy, st.f[0], st.g[0], eps, truncate, cost, x0, y0))
     pats = [(x, y, pxy), (y, x, pxy.T)]
     if debias:
-        pats.append((x, x, BlockPattern(cx.offsets, cx.offsets, prune(cx, cx, st.f_aa[0], st.f_aa[0], eps, truncate,
-                                                                         cost))))
-        pats.append((y, y, BlockPattern(cy.offsets, cy.offsets, prune(cy, cy, st.g_bb[0], st.g_bb[0], eps, truncate,
-                                                                         cost))))
+        kxx = prune(cx, cx, st.f_aa[0], st.f_aa[0], eps, truncate, cost, x0, x0)
+        kyy = prune(cy, cy, st.g_bb[0], st.g_bb[0], eps, truncate, cost, y0, y0)
+        pats.append((x, x, BlockPattern(cx.offsets, cx.offsets, kxx)))
+        pats.append((y, y, BlockPattern(cy.offsets, cy.offsets, kyy)))
     kept.append(pxy.fraction)
     return replace(fine, engine=BlockSparseEngine(pats))
