@@ -96,7 +96,7 @@ sphinx_gallery_conf = {
     "examples_dirs": str(ROOT / "examples"),
     "gallery_dirs": "auto_examples",
     "filename_pattern": r"/plot_",            # run every plot_*.py
-    "ignore_pattern": r"(gradient_flow|geomloss_flow)\.py$",  # command-line scripts, see examples/README.md
+    "ignore_pattern": r"(gradient_flow|geomloss_flow|distributed_solve)\.py$",  # command-line scripts (examples/README.md)
     "download_all_examples": False,
     "remove_config_comments": True,
     "matplotlib_animations": False,
