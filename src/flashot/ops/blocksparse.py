@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..costs import Cost
 from .base import Weight
-from .dense import _exp_shifted, _lse_last
+from .dense import _lse_last, weighted_product
 from .tiled import TILE_ELEMS
 
 NARROW_K = 4  # plan products with V of at most this many columns run in the C++ kernels (PV_K)
@@ -279,15 +279,8 @@ class BlockSparseEngine:
         out = torch.zeros(1, x.shape[1], V.shape[-1], dtype=x.dtype, device=x.device)
         for rows, cols in pat.batches:
             S, C = self._scores(x, y, beta, rows, cols, eps, cost)
-            m = S.amax(-1, keepdim=True).clamp_min(torch.finfo(S.dtype).min)
-            P = _exp_shifted(S, m)
-            if weight == "cost":
-                P = P * C
-            elif weight == "dcost":
-                P = P * cost.dcost_weight(C)
             Vg = torch.where((cols >= 0).unsqueeze(-1), _gather(V[0], cols), torch.zeros((), dtype=V.dtype))
-            a = _gather(alpha[0], rows).unsqueeze(-1)
-            res = (P @ Vg) * torch.exp(a + m)
+            res = weighted_product(S, C, _gather(alpha[0], rows).unsqueeze(-1), Vg, cost, weight)
             valid = rows >= 0
             out[0, rows[valid]] = res[valid]
         return out

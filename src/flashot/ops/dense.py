@@ -133,15 +133,19 @@ class DenseEngine:
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
         check_dense_budget(x.shape[0], x.shape[1], y.shape[1], x.dtype, x.device)
         C = cost.matrix(x, y)
-        # row max taken out before exp (and put back after): exp(alpha + beta - C/eps)
-        # directly loses ~1e-7 |alpha| in the exponent, which debiased p=1 gradients amplify.
-        S = beta.unsqueeze(-2) - C / eps
-        m = S.amax(-1, keepdim=True).clamp_min(torch.finfo(S.dtype).min)
-        P = _exp_shifted(S, m)
-        if weight == "cost":
-            P = P * C
-        elif weight == "dcost":
-            P = P * cost.dcost_weight(C)
-        # the row factor exp(alpha + m) goes on after the sum: where it overflows, the row is +-inf
-        # (as in the streaming engines), not inf * 0 = NaN from the terms that underflowed
-        return (P @ V) * torch.exp(alpha.unsqueeze(-1) + m)
+        return weighted_product(beta.unsqueeze(-2) - C / eps, C, alpha.unsqueeze(-1), V, cost, weight)
+
+
+def weighted_product(S: Tensor, C: Tensor, alpha: Tensor, V: Tensor, cost: Cost, weight: Weight) -> Tensor:
+    """``sum_j exp(alpha_i + S_ij) W_ij V_j`` for scores ``S`` (..., n, m) (consumed), costs ``C``, row
+    log-factors ``alpha`` (..., n, 1): the row max is taken out of ``S`` before ``exp`` and put back after
+    the sum (``exp(alpha + beta - C/eps)`` directly loses ~1e-7 |alpha| in the exponent, which debiased
+    p=1 gradients amplify), and where ``exp(alpha + m)`` overflows the row is +-inf (as in the streaming
+    engines), not inf * 0 = NaN from the terms that underflowed."""
+    m = S.amax(-1, keepdim=True).clamp_min(torch.finfo(S.dtype).min)
+    P = _exp_shifted(S, m)
+    if weight == "cost":
+        P = P * C
+    elif weight == "dcost":
+        P = P * cost.dcost_weight(C)
+    return (P @ V) * torch.exp(alpha + m)
