@@ -59,6 +59,18 @@ class OTResult:
             exact envelope gradients.  Equals ``value`` for balanced problems.  For unbalanced
             ones ``value`` follows POT (mass-less KL terms, see :func:`flashot.unbalanced.pot_value`).
         unbalanced: ``(rho_a, rho_b)`` (None = strict side), or None when balanced.
+
+    The plan is ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / reg)`` (``eps = reg``, ``C`` the
+    cost of the solve, ``|x - y|^2`` by default).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> res = flashot.solve_sample(torch.randn(5, 2), torch.randn(6, 2), reg=0.5)
+        >>> res.status, res.potentials[0].shape, res.plan.shape
+        ('converged', torch.Size([5]), (5, 6))
+        >>> bool(abs(res.value - res.value_dual) < 1e-6)  # balanced: the same number
+        True
     """
 
     value: Any
@@ -82,10 +94,24 @@ class OTResult:
 
     @cached_property
     def value_linear(self):
-        """``<C, P>``, streamed (plan products only).  Differentiable like ``value`` (torch inputs that
+        """``<C, P> = sum_ij C(x_i, y_j) P_ij``, streamed (plan products only): the transport cost
+        of the entropic plan, without the ``reg KL(P | a x b)`` term of ``value`` (POT's
+        ``sinkhorn2``).
+
+        Differentiable like ``value`` (torch inputs that
         require grad, ``grad`` not ``"detach"``): implicit differentiation through the fixed point
         (:func:`flashot.implicit.linear_value`, the ``implicit=`` settings); balanced problems only, an
-        unbalanced one's backward raises ``NotImplementedError``."""
+        unbalanced one's backward raises ``NotImplementedError``.
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> res = flashot.solve_sample(x, y, reg=0.5)
+            >>> P = res.plan.to_dense()
+            >>> bool(torch.allclose(res.value_linear, (torch.cdist(x, y) ** 2 * P).sum()))
+            True
+        """
         from .implicit import linear_value
 
         p = self.plan
@@ -97,7 +123,18 @@ class OTResult:
 
     @cached_property
     def marginals(self):
-        """``(P 1, P^T 1)``, streamed."""
+        """``(P 1, P^T 1)``: the row sums (N,) and column sums (M,) of the plan, streamed.
+
+        They equal ``(a, b)`` up to ``tol`` (L1) for a converged balanced solve.
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> res = flashot.solve_sample(torch.randn(5, 2), torch.randn(6, 2), reg=0.5)
+            >>> row, col = res.marginals
+            >>> bool(torch.allclose(row, torch.full((5,), 1 / 5), atol=1e-5)), col.shape
+            (True, torch.Size([6]))
+        """
         return self.plan.row_sums(), self.plan.T.row_sums()
 
     @property
@@ -146,15 +183,25 @@ def solve_sample(
 ) -> OTResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
+    Solves ``min_P <C, P> + reg KL(P | a x b)`` over the couplings of ``a`` and ``b``, with
+    ``C(x, y) = |x - y|^2`` by default and ``eps = reg``; the plan is
+    ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / reg)`` for the returned potentials ``(f, g)``.
+
     Args:
-        X_a, X_b: (N, D) and (M, D) points, or (B, N, D) / (B, M, D); torch or numpy.
-        a, b: weights (N,), (M,) (or batched); uniform when None.
-        cost: ``"sqeuclidean"`` (|x-y|^2), ``"half_sqeuclidean"`` or ``"euclidean"``.
-            ``metric`` is POT's name for the same argument.  POT's positional order works:
-            ``solve_sample(X_a, X_b, a, b, metric, reg)``; ``a=[]`` / ``b=[]`` mean uniform.
-        reg_type, lazy, batch_size, n_threads: POT's options, accepted: the regulariser is
-            ``KL(P | a x b)`` (POT's default ``"KL"``; ``"entropy"`` differs by a constant),
-            the plan is always lazy, the engines choose their tiles and threads.
+        X_a: (N, D) points, or (B, N, D) for B problems at once; torch or numpy.
+        X_b: (M, D) points, or (B, M, D); same dtype and device as ``X_a``.
+        a: (N,) weights of ``X_a`` (or (B, N)); uniform when None (or POT's ``[]``).  Balanced
+            problems: total masses of ``a`` and ``b`` that differ by more than ``MASS_RTOL``
+            (1e-3, relative) raise ``ValueError`` (no coupling exists; use ``unbalanced=``).
+        b: (M,) weights of ``X_b`` (or (B, M)); uniform when None (or ``[]``).
+        cost: ``"sqeuclidean"`` (|x-y|^2), ``"half_sqeuclidean"`` (|x-y|^2 / 2) or ``"euclidean"``
+            (|x-y|).  ``metric`` is POT's name for the same argument.  POT's positional order works:
+            ``solve_sample(X_a, X_b, a, b, metric, reg)``.
+        reg_type: POT's option, accepted: the regulariser is ``KL(P | a x b)`` (POT's default
+            ``"KL"``; ``"entropy"`` differs by a constant).
+        lazy: POT's option, accepted: the plan is always lazy.
+        batch_size: POT's option, accepted: the engines choose their tiles.
+        n_threads: POT's option, accepted: the engines choose their threads.
         method: ``"auto"`` / ``"sinkhorn"`` / ``"sinkhorn_log"`` / ``"alternating"`` (alternating
             log-domain updates) or ``"symmetric"`` (averaged, GeomLoss-style); POT's
             ``"sinkhorn_stabilized"`` and ``"sinkhorn_epsilon_scaling"`` map to alternating updates
@@ -162,8 +209,6 @@ def solve_sample(
         grad: POT's ``"autodiff"``, ``"envelope"`` and ``"last_step"`` all give flashot's analytic
             gradients (envelope theorem at the returned potentials; equal to autodiff through the
             iterations at convergence); ``"detach"`` returns detached outputs.
-        a, b balanced: total masses that differ by more than ``MASS_RTOL`` (1e-3, relative) raise
-            ``ValueError`` (no coupling exists; use ``unbalanced=``).
         reg: the entropic regularisation epsilon (> 0, required).
         max_iter: iterations (default 1000).  With ``tol=None`` exactly ``max_iter`` run.
         tol: stop when the error drops below it (default 1e-6): the L1 marginal violation
@@ -177,8 +222,6 @@ def solve_sample(
             unequal masses in a balanced problem, or ``reg`` below the dtype's resolution) and
             ``converged=False``.  ``tol=None``: exactly ``max_iter`` iterations, no warning.
             NaN / Inf potentials raise ``FloatingPointError`` (naming ``reg`` and the engine).
-        method: ``"auto"`` / ``"sinkhorn"`` / ``"sinkhorn_log"`` (alternating, log-domain)
-            or ``"symmetric"`` (GeomLoss' averaged updates).
         backend: engine name or ``"auto"``.
         potentials_init: ``(f, g)`` warm start (same shapes as the returned potentials).
         unbalanced: KL marginal penalties (POT's ``unbalanced`` / ``reg_m``): a number ``rho``
@@ -215,6 +258,21 @@ def solve_sample(
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(20, 2, dtype=torch.float64)
+        >>> y = torch.randn(30, 2, dtype=torch.float64) + 1
+        >>> res = flashot.solve_sample(x, y, reg=0.1)  # C = |x - y|^2, eps = reg, a = b = uniform
+        >>> res.converged, res.plan.shape
+        (True, (20, 30))
+        >>> float((res.plan.sum(axis=1) - 1 / 20).abs().sum()) < 1e-6  # row sums = a
+        True
+        >>> P = res.plan.to_dense()  # small problems only; value = <C, P> + reg KL(P | a x b)
+        >>> kl = torch.xlogy(P, P * 20 * 30).sum()
+        >>> bool(torch.allclose(res.value, (torch.cdist(x, y) ** 2 * P).sum() + 0.1 * kl))
+        True
     """
     a, b = (None if _pot_uniform(w) else w for w in (a, b))
     if metric is not None:

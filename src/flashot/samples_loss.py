@@ -96,6 +96,10 @@ def _warn_unequal_masses(m: Measures) -> None:
 class SamplesLoss(torch.nn.Module):
     """Sinkhorn divergence between sampled measures (GeomLoss' arguments and defaults).
 
+    ``S(a, b) = OT_eps(a, b) - (OT_eps(a, a) + OT_eps(b, b)) / 2`` with
+    ``OT_eps(a, b) = min_P <C, P> + eps KL(P | a x b)``, ``C(x, y) = |x - y|^2 / 2`` (``p=2``) or
+    ``|x - y|`` (``p=1``) and ``eps = blur^p`` (GeomLoss' conventions).
+
     Args:
         loss: ``"sinkhorn"`` (debiased Sinkhorn divergence, the default), the kernel norms
             ``"gaussian"``, ``"laplacian"``, ``"energy"`` (MMDs, ``1/2 |a - b|_k^2`` with
@@ -107,13 +111,14 @@ class SamplesLoss(torch.nn.Module):
         blur: final temperature ``eps = blur^p`` (> 0).
         reach: unbalanced OT: KL marginal penalties of strength ``rho = reach^p`` on both
             sides (None: balanced).  Values, potentials and gradients follow GeomLoss.
-        reach_x, reach_y (keyword-only): semi-unbalanced OT, a penalty ``reach_x^p`` on the
-            ``x`` marginal and ``reach_y^p`` on the ``y`` one, None meaning a strict
-            constraint on that side (not with ``reach``).  Same formulas, extended with
-            ``<a, f>`` for a strict side.  With ``debias``, ``OT(a, a)`` and ``OT(b, b)`` are
-            solved with the same ``(rho_x, rho_y)`` (two potentials each, two more softmins
-            per iteration), so ``S(a, a) = 0``; ``potentials=True`` then returns
-            ``f_ab - (f_aa + g_aa)/2`` and ``g_ab - (f_bb + g_bb)/2``.
+        reach_x: (keyword-only) semi-unbalanced OT: a KL penalty ``rho_x = reach_x^p`` on the
+            ``x`` marginal only (None: a strict constraint on that side; not with ``reach``).
+            Same formulas as ``reach``, extended with ``<a, f>`` for a strict side.  With
+            ``debias``, ``OT(a, a)`` and ``OT(b, b)`` are solved with the same ``(rho_x, rho_y)``
+            (two potentials each, two more softmins per iteration), so ``S(a, a) = 0``;
+            ``potentials=True`` then returns ``f_ab - (f_aa + g_aa)/2`` and ``g_ab - (f_bb + g_bb)/2``.
+        reach_y: (keyword-only) the same on the ``y`` marginal: a KL penalty ``rho_y = reach_y^p``
+            (None: strict); ``reach_x=None, reach_y=r`` keeps ``P 1 = a`` and penalises ``P^T 1``.
         diameter: start of the epsilon-scaling; computed from the data if None.
         scaling: ratio of the epsilon-scaling, in (0, 1).
         debias: return ``S(a, b)`` (True) or ``OT_eps(a, b)`` (False).  Unbalanced:
@@ -127,19 +132,21 @@ class SamplesLoss(torch.nn.Module):
             raise ``NotImplementedError``.
         kernel: GeomLoss' kernel function for the kernel norms: ``kernel(x, y, blur=, use_keops=,
             ranges=)`` -> (B, N, M), materialised.
-        backend="multiscale", cluster_scale, truncate: GeomLoss' coarse-to-fine solver
-            (:mod:`flashot.multiscale`): clusters of side ``cluster_scale`` (default from the diameter
-            and the dimension, as GeomLoss), the coarse schedule on their centroids, then the points
-            with only the blocks of clusters whose bound on ``C - f - g`` is within ``truncate * eps``
-            (re-pruned at every temperature; ``truncate=None`` keeps all).  One pair of clouds (no
+        cluster_scale: ``backend="multiscale"``: the side of its clusters (default from the
+            diameter and the dimension, as GeomLoss).
+        truncate: ``backend="multiscale"``: keep only the blocks of clusters whose bound on
+            ``C - f - g`` is within ``truncate * eps`` (re-pruned at every temperature;
+            ``truncate=None`` keeps all).
+        backend: ``"auto"``, GeomLoss' ``"tensorized"`` (= our ``dense``) or
+            ``"online"`` (our best streaming engine), or one of our engine names.
+            ``"multiscale"``: GeomLoss' coarse-to-fine solver (:mod:`flashot.multiscale`):
+            clusters of side ``cluster_scale``, the coarse schedule on their centroids, then the
+            points with only the blocks kept by ``truncate``.  One pair of clouds (no
             batch), balanced, ``loss="sinkhorn"``; the six-argument call ``L(labels_x, a, x,
             labels_y, b, y)`` gives the clusters.  ``L.last_multiscale.kept`` lists the kept fractions
             of the pairs.  Today its fine iterations run in PyTorch (any device); ``auto`` does not
             pick it.
-        backend: ``"auto"``, GeomLoss' ``"tensorized"`` (= our ``dense``) or
-            ``"online"`` (our best streaming engine), or one of our engine names.
         verbose: show a progress bar (tqdm if installed) over the epsilon-scaling steps.
-
         implicit: :class:`~flashot.ImplicitDiff` settings of the second derivatives
             (``create_graph=True``: Hessian-vector products by implicit differentiation).
         warm_start: reuse the previous call's potentials and run only the tail of the
@@ -155,6 +162,14 @@ class SamplesLoss(torch.nn.Module):
     value.  Bad input raises before any work: ``TypeError`` (wrong kind of argument),
     ``ValueError`` (bad value), ``NotImplementedError`` (a GeomLoss option not implemented);
     see :mod:`flashot._checks`.
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(20, 2), torch.randn(30, 2)
+        >>> L = flashot.SamplesLoss("sinkhorn", p=2, blur=0.5)  # C = |x - y|^2 / 2, eps = blur^2
+        >>> float(L(x, x)) == 0.0, bool(L(x, y) > 0)  # S(a, a) = 0
+        (True, True)
     """
 
     def __init__(
@@ -267,6 +282,33 @@ class SamplesLoss(torch.nn.Module):
         )
 
     def forward(self, *args: Tensor):
+        """The loss between ``(a, x)`` and ``(b, y)``: ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``.
+
+        ``loss="sinkhorn"``: ``S(a, b) = OT_eps(a, b) - (OT_eps(a, a) + OT_eps(b, b)) / 2``
+        (``debias=True``) or ``OT_eps(a, b)``, with ``eps = blur^p`` and ``C = |x - y|^2 / 2``
+        (``p=2``) or ``|x - y|`` (``p=1``); the other losses as in the class docstring.
+
+        Args:
+            *args: ``(x, y)`` or ``(a, x, b, y)``: (N, D) / (M, D) points, or (B, N, D) /
+                (B, M, D); (N,) / (M,) (or (B, N) / (B, M)) weights.
+        Returns:
+            The value, () or (B,), differentiable w.r.t. the points and weights (envelope
+            theorem); with ``potentials=True`` the dual potentials ``(F, G)``, (N,) / (M,)
+            (or batched) instead.
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x = torch.randn(20, 2, requires_grad=True)
+            >>> a, y, b = torch.full((20,), 1 / 20), torch.randn(30, 2), torch.full((30,), 1 / 30)
+            >>> L = flashot.SamplesLoss("sinkhorn", p=2, blur=0.5)
+            >>> value = L(a, x, b, y)  # the same as L(x, y) here (uniform weights)
+            >>> value.shape, bool(torch.allclose(value, L(x, y)))
+            (torch.Size([]), True)
+            >>> g, = torch.autograd.grad(value, x)
+            >>> g.shape
+            torch.Size([20, 2])
+        """
         a_in, x, b_in, y = self._split_args(args)
         if self.loss != "sinkhorn":
             return self._other_loss(a_in, x, b_in, y)
@@ -378,6 +420,17 @@ class SamplesLoss(torch.nn.Module):
         iterations at ``eps = blur^p`` (warm-started, :func:`~flashot.solve_sample`)
         until the L1 marginal error is below ``tol`` (at most ``max_iter``);
         ``tol=None`` keeps the raw GeomLoss potentials.  Not differentiable.
+
+        The plan is ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / eps)`` with ``eps = blur^p``
+        and ``C = |x - y|^2 / 2`` (``p=2``) or ``|x - y|`` (``p=1``).
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(20, 2), torch.randn(30, 2)
+            >>> P = flashot.SamplesLoss("sinkhorn", p=2, blur=0.5).plan(x, y)
+            >>> P.shape, float((P.sum(axis=1) - 1 / 20).abs().sum()) < 1e-3  # row sums = a
+            ((20, 30), True)
         """
         from ._checks import check_int
         from .plan import plan_from_potentials
