@@ -67,10 +67,25 @@ def _check_safeguard(cls: str, v) -> None:
 class Momentum:
     """Over-relaxation with factor ``omega`` in (0, 2) (1 = plain Sinkhorn).
 
+    The update, in the log domain, with ``S_x(g)_i = -eps log sum_j b_j exp((g_j - C(x_i, y_j)) / eps)``
+    (the softmin; ``eps = reg``) and ``S_y`` the same with the sides swapped: alternating updates
+    relax each half-step, ``f <- f + omega (S_x(g) - f)``, then ``g <- g + omega (S_y(f) - g)``
+    (over-relaxed Sinkhorn, ``u <- u^(1 - omega) (a / K v)^omega``); symmetric updates relax the
+    averaged step the same way.
+
     ``safeguard`` (>= 1): an over-relaxed step after which the error exceeds ``safeguard``
     times the smallest error seen so far is followed by a plain step, and ``omega - 1`` is
     halved for that problem.  Over-relaxed Sinkhorn is not monotone in the marginal error,
     so the default (5) tolerates its oscillations and only stops divergence.
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(30, 2, dtype=torch.float64), torch.randn(40, 2, dtype=torch.float64)
+        >>> plain = flashot.solve_sample(x, y, reg=0.1)
+        >>> fast = flashot.solve_sample(x, y, reg=0.1, acceleration=flashot.Momentum(1.5))
+        >>> fast.converged, bool(torch.allclose(fast.value, plain.value))
+        (True, True)
     """
 
     omega: float = 1.5
@@ -93,6 +108,26 @@ class Anderson:
     ``safeguard`` (>= 1): when the error after an extrapolated step exceeds ``safeguard``
     times the smallest error seen so far, the history is cleared and a plain step is taken
     (default 1: any increase).
+
+    The update: with the fixed-point map ``T`` (``g -> S_y(S_x(g))`` for alternating updates,
+    ``(f, g) -> averaged step`` for symmetric ones; ``S_x``, ``S_y`` the softmins at ``eps = reg``,
+    see :class:`Momentum`), the last ``m + 1`` iterates ``z_i``, their residuals
+    ``r_i = T(z_i) - z_i`` and the differences ``dR_i = r_{i+1} - r_i``, ``dT_i = T(z_{i+1}) - T(z_i)``
+    (columns of ``dR``, ``dT``)::
+
+        gamma   = argmin_gamma |r_k - dR gamma|^2 + lam |gamma|^2,   lam = reg trace(dR^T dR)
+        z_{k+1} = T(z_k) - dT gamma
+
+    (Anderson type II), per problem of the batch.
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(30, 2, dtype=torch.float64), torch.randn(40, 2, dtype=torch.float64)
+        >>> plain = flashot.solve_sample(x, y, reg=0.1)
+        >>> fast = flashot.solve_sample(x, y, reg=0.1, acceleration=flashot.Anderson(m=5))
+        >>> fast.converged, bool(torch.allclose(fast.value, plain.value))
+        (True, True)
     """
 
     m: int = 5

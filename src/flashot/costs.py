@@ -30,6 +30,19 @@ class Cost:
         name: registry name.
         scale: for dot-product costs, ``C = scale * |x - y|^2``; ``None`` otherwise.
         power: ``p`` such that ``C = |x - y|^p / (2 if half else 1)`` (GeomLoss' ``p``).
+
+    The built-in costs (:func:`get_cost`): ``"sqeuclidean"`` ``C = |x - y|^2``,
+    ``"half_sqeuclidean"`` ``C = |x - y|^2 / 2`` (GeomLoss' ``p=2``), ``"euclidean"`` ``C = |x - y|``
+    (``p=1``).  Every one is symmetric, ``C(x, y) = C(y, x)``.
+
+    Example:
+        >>> import torch, flashot
+        >>> c = flashot.get_cost("half_sqeuclidean")
+        >>> c.scale, c.power, c.is_dot
+        (0.5, 2, True)
+        >>> x, y = torch.tensor([[0.0, 0.0]]), torch.tensor([[3.0, 4.0]])
+        >>> c.matrix(x, y), flashot.get_cost("euclidean").matrix(x, y)  # 25 / 2 and 5
+        (tensor([[12.5000]]), tensor([[5.]]))
     """
 
     name: str
@@ -101,7 +114,20 @@ COSTS: dict[str, Cost] = {
 
 
 def get_cost(cost: str | Cost) -> Cost:
-    """Look a cost up by name (``"sqeuclidean"``, ``"half_sqeuclidean"``, ``"euclidean"``)."""
+    """Look a cost up by name (``"sqeuclidean"``, ``"half_sqeuclidean"``, ``"euclidean"``).
+
+    ``"sqeuclidean"``: ``C(x, y) = |x - y|^2``; ``"half_sqeuclidean"``: ``C(x, y) = |x - y|^2 / 2``;
+    ``"euclidean"``: ``C(x, y) = |x - y|``.  A :class:`Cost` is returned as it is; any other name
+    raises ``ValueError`` naming the choices.
+
+    Example:
+        >>> import flashot
+        >>> flashot.get_cost("sqeuclidean").name
+        'sqeuclidean'
+        >>> c = flashot.get_cost("euclidean")
+        >>> flashot.get_cost(c) is c
+        True
+    """
     if isinstance(cost, Cost):
         return cost
     if not isinstance(cost, str) or cost not in COSTS:

@@ -54,6 +54,9 @@ def solve(
 ) -> OTResult:
     """Entropic OT on a precomputed cost matrix, POT's ``ot.solve(M, a, b, reg=...)``.
 
+    Solves ``min_P <M, P> + reg KL(P | a x b)`` over the couplings of ``a`` and ``b`` (``C_ij = M_ij``,
+    ``eps = reg``); the plan is ``P_ij = a_i b_j exp((f_i + g_j - M_ij) / reg)``.
+
     Args:
         M: (N, M) or (B, N, M) costs: torch tensor, numpy array, or a lazy 2-D matrix (an object
             with ``.shape`` and slicing by ``[r0:r1, c0:c1]``, e.g. ``numpy.memmap``).
@@ -70,7 +73,8 @@ def solve(
 
     Example:
         >>> import torch, flashot
-        >>> M = torch.rand(5, 7, dtype=torch.float64)
+        >>> _ = torch.manual_seed(0)
+    >>> M = torch.rand(5, 7, dtype=torch.float64)
         >>> res = flashot.solve(M, reg=0.1)
         >>> bool(abs(res.plan.sum() - 1) < 1e-6)
         True
@@ -162,6 +166,18 @@ def sinkhorn(a, b, M, reg: float, method: str = "sinkhorn", numItermax: int = 10
     ``stopThr`` is flashot's ``tol`` (the L1 marginal violation, at least POT's L2 one), floored by
     rounding (see :func:`~flashot.solve_sample`); ``warmstart = (log_u, log_v)`` as in POT.
     Other keyword arguments go to :func:`solve` (``backend``, ``eps_scaling``, ...).
+
+    ``C_ij = M_ij``, ``eps = reg``: ``P`` minimises ``<M, P> + reg KL(P | a x b)`` over the couplings
+    of ``a`` and ``b``.
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> a, b = torch.full((5,), 0.2, dtype=torch.float64), torch.full((7,), 1 / 7, dtype=torch.float64)
+        >>> M = torch.rand(5, 7, dtype=torch.float64)
+        >>> P = flashot.sinkhorn(a, b, M, reg=0.1)
+        >>> P.shape, bool(torch.allclose(P.sum(1), a)), bool(torch.allclose(P.sum(0), b))
+        (torch.Size([5, 7]), True, True)
     """
     res = _pot_solve(a, b, M, reg, method, numItermax, stopThr, verbose, warn, warmstart, kwargs)
     P = res.plan.to_dense(max_elems=_plan_limit(res))
@@ -175,6 +191,20 @@ def sinkhorn2(a, b, M, reg: float, method: str = "sinkhorn", numItermax: int = 1
     Differentiable in a dense torch ``M``, ``a`` and ``b`` by implicit differentiation at the returned
     potentials (:func:`linear_cost_grads`; POT differentiates through its iterations, which agrees at
     convergence).  ``log=True`` also returns POT's log dict.
+
+    ``sum_ij M_ij P_ij`` for the plan of :func:`sinkhorn` (``C_ij = M_ij``, ``eps = reg``).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> a, b = torch.full((5,), 0.2, dtype=torch.float64), torch.full((7,), 1 / 7, dtype=torch.float64)
+        >>> M = torch.rand(5, 7, dtype=torch.float64, requires_grad=True)
+        >>> loss = flashot.sinkhorn2(a, b, M, reg=0.1)
+        >>> P = flashot.sinkhorn(a, b, M.detach(), reg=0.1)
+        >>> bool(torch.allclose(loss, (M * P).sum()))
+        True
+        >>> loss.backward(); M.grad.shape
+        torch.Size([5, 7])
     """
     res = _pot_solve(a, b, M, reg, method, numItermax, stopThr, verbose, warn, warmstart, kwargs)
     v = res.value_linear
