@@ -26,6 +26,21 @@ class LazyPlan:
 
     Shapes are (N, M), or (B, N, M) for batched problems.  ``P @ V`` takes V of
     shape (M,), (M, K) or (B, M, K); numpy arrays in give numpy arrays out.
+
+    ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / eps)``: ``C`` and ``eps`` are those of the
+    solve that built it (``reg`` and ``cost`` for :func:`~flashot.solve_sample`, ``blur^p`` and
+    ``|x - y|^p / p`` for :class:`~flashot.SamplesLoss`, as :func:`plan_from_potentials` states).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+        >>> P = flashot.solve_sample(x, y, reg=0.5).plan
+        >>> P
+        LazyPlan(shape=(4, 6), eps=0.5, engine=...)
+        >>> V = torch.randn(6, 3, dtype=torch.float64)
+        >>> bool(torch.allclose(P @ V, P.to_dense() @ V)), (P.T @ torch.ones(4, dtype=torch.float64)).shape
+        (True, torch.Size([6]))
     """
 
     def __init__(
@@ -43,6 +58,16 @@ class LazyPlan:
 
     @property
     def T(self) -> "LazyPlan":
+        """The transposed plan ``P^T`` (M, N), lazy as well: ``(P^T)_ji = P_ij``.
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P.T.shape, bool(torch.allclose(P.T.to_dense(), P.to_dense().T))
+            ((6, 4), True)
+        """
         return LazyPlan(self._m, self._f, self._g, self.eps, transposed=not self._t, numpy=self._numpy)
 
     def __repr__(self) -> str:
@@ -59,7 +84,21 @@ class LazyPlan:
 
     def apply(self, V, weight: Weight = "plan"):
         """``(P ⊙ W) @ V`` (``weight`` as in :func:`flashot.ops.plan_product`); differentiable w.r.t. a
-        torch ``V`` that requires grad, returned in ``V``'s dtype."""
+        torch ``V`` that requires grad, returned in ``V``'s dtype.
+
+        ``out_i = sum_j P_ij W_ij V_j`` with ``W_ij = 1`` (``"plan"``, the same as ``P @ V``),
+        ``C(x_i, y_j)`` (``"cost"``) or ``w`` with ``grad_x C = w (x - y)`` (``"dcost"``).
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> V = torch.randn(6, dtype=torch.float64)
+            >>> C = torch.cdist(x, y) ** 2
+            >>> bool(torch.allclose(P.apply(V, weight="cost"), (P.to_dense() * C) @ V))
+            True
+        """
         check_choice("weight", weight, WEIGHTS)
         is_np = isinstance(V, np.ndarray)
         if is_np and V.dtype.kind not in "fiub":
@@ -102,7 +141,16 @@ class LazyPlan:
         return torch.ones(y.shape[0], y.shape[1], 1, dtype=x.dtype, device=x.device)
 
     def row_sums(self):
-        """``P 1`` (streamed)."""
+        """``P 1`` (streamed): ``r_i = sum_j P_ij``, (N,) (or (B, N)).
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> bool(torch.allclose(P.row_sums(), P.to_dense().sum(1)))
+            True
+        """
         out = self._apply_raw(self._ones())
         return self._finish(out[..., 0])
 
@@ -117,7 +165,18 @@ class LazyPlan:
 
     def sum(self, axis: int | None = None):
         """NumPy's ``P.sum(axis)``: the total mass (``None``), the column sums ``P^T 1`` (``axis=0``) or
-        the row sums ``P 1`` (``axis=1``), per problem for batched plans (axes count from the last two)."""
+        the row sums ``P 1`` (``axis=1``), per problem for batched plans (axes count from the last two).
+
+        ``sum_ij P_ij``, ``(P^T 1)_j = sum_i P_ij`` or ``(P 1)_i = sum_j P_ij``, streamed.
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> round(float(P.sum()), 6), P.sum(axis=0).shape, P.sum(axis=1).shape
+            (1.0, torch.Size([6]), torch.Size([4]))
+        """
         if axis is None:
             rows = self.row_sums()
             return rows.sum(-1)
@@ -135,12 +194,39 @@ class LazyPlan:
         return P.astype(dtype, copy=False) if dtype is not None else P
 
     def cost_sum(self) -> Tensor:
-        """``<C, P>`` per problem, (B,) (streamed)."""
+        """``<C, P> = sum_ij C(x_i, y_j) P_ij`` per problem, (B,) (streamed).
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> C = torch.cdist(x, y) ** 2
+            >>> bool(torch.allclose(P.cost_sum(), (C * P.to_dense()).sum()))
+            True
+        """
         return self._apply_raw(self._ones(), "cost")[..., 0].sum(-1)
 
     def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT):
         """Materialise ``P``; refuses above ``max_elems`` entries, or above the dense engine's byte
-        budget ``FLASHOT_DENSE_MAX_BYTES`` (both ``MemoryError``)."""
+        budget ``FLASHOT_DENSE_MAX_BYTES`` (both ``MemoryError``).
+
+        Returns the (N, M) (or (B, N, M)) tensor ``P_ij = exp(alpha_i + beta_j - C(x_i, y_j) / eps)``,
+        ``alpha = f / eps + log a``, ``beta = g / eps + log b`` (numpy for numpy inputs).
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> D = P.to_dense()
+            >>> D.shape, bool((D >= 0).all())
+            (torch.Size([4, 6]), True)
+            >>> P.to_dense(max_elems=10)
+            Traceback (most recent call last):
+            ...
+            MemoryError: to_dense: the plan has 24 entries (shape (4, 6)), above max_elems=10; ...
+        """
         max_elems = check_int("max_elems", max_elems, minimum=0)
         n = int(np.prod(self.shape))
         if n > max_elems:
@@ -164,6 +250,16 @@ class LazyPlan:
         One plan product with ``V = [y, 1]`` (memory O(N + M)).  For ``plan.T``
         the roles swap (a map from the ``y`` points to the ``x`` side).  Rows of
         zero mass (``a_i = 0``) have no image and come back as NaN.
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> T = P.barycentric_map()
+            >>> D = P.to_dense()
+            >>> T.shape, bool(torch.allclose(T, (D @ y) / D.sum(1, keepdim=True)))
+            (torch.Size([4, 2]), True)
         """
         x, y, _, _ = self._sides()
         D = y.shape[-1]
@@ -182,7 +278,18 @@ class LazyPlan:
         in decreasing order.  Streamed: a running top-k per row over column tiles
         of the cost (:func:`~flashot.ops.rowtopk.row_topk`), memory O((N + M) D + N k)
         on every engine; no N x M matrix.  ``plan.T.topk(k)`` gives the largest
-        entries of each column.
+        entries of each column.  Each row is ranked by ``g_j + eps log b_j - C(x_i, y_j)``
+        (``P_ij`` up to the row's factor ``a_i exp(f_i / eps)``).
+
+        Example:
+            >>> import torch, flashot
+            >>> _ = torch.manual_seed(0)
+            >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> values, indices = P.topk(2)
+            >>> ref = P.to_dense().topk(2, dim=1)
+            >>> values.shape, bool(torch.equal(indices, ref.indices)), bool(torch.allclose(values, ref.values))
+            (torch.Size([4, 2]), True, True)
         """
         from .ops.rowtopk import row_topk
 
@@ -232,8 +339,25 @@ def plan_from_potentials(
     :meth:`flashot.SamplesLoss.plan`, which does this for you.
 
     Args:
-        x, y: (N, D) / (M, D) or batched (B, N, D) / (B, M, D) torch tensors.
-        f, g: (N,) / (M,) (or batched) potentials.  a, b: weights (uniform if None).
+        x: (N, D) or batched (B, N, D) torch tensor.
+        y: (M, D) or batched (B, M, D) torch tensor.
+        f: (N,) (or (B, N)) potential on ``x``.
+        g: (M,) (or (B, M)) potential on ``y``.
+        a: (N,) weights of ``x`` (uniform if None).
+        b: (M,) weights of ``y`` (uniform if None).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(20, 2), torch.randn(30, 2)
+        >>> F, G = flashot.SamplesLoss(blur=0.5, debias=False, potentials=True)(x, y)
+        >>> P = flashot.plan_from_potentials(x, y, F, G, blur=0.5)  # C = |x - y|^2 / 2, eps = 0.25
+        >>> P.shape, P.eps
+        ((20, 30), 0.25)
+        >>> res = flashot.solve_sample(x, y, reg=0.25, cost="half_sqeuclidean")
+        >>> P2 = flashot.plan_from_potentials(x, y, *res.potentials, reg=0.25, cost="half_sqeuclidean")
+        >>> bool(torch.allclose(P2.to_dense(), res.plan.to_dense()))
+        True
     """
     from ._checks import check_eps_scale, check_positive, check_power, to_tensor
     from .measures import Measures
