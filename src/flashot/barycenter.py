@@ -34,7 +34,20 @@ __all__ = ["free_support_barycenter", "BarycenterResult"]
 class BarycenterResult:
     """``X`` (M, D) the barycenter support; ``displacement_square_norms`` per step; ``n_iter``;
     ``converged`` (``|X_new - X|^2 <= stopThr`` was reached); ``inner_iterations``: Sinkhorn
-    iterations per step, summed over the clouds."""
+    iterations per step, summed over the clouds.
+
+    ``displacement_square_norms[t] = |X_(t+1) - X_t|_F^2`` for the fixed-point step
+    ``X <- sum_k lambda_k (P_k Y_k) / b`` (cost ``|x - y|^2``, ``eps = reg``).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> Ys = [torch.randn(10, 2, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64) + 2]
+        >>> X, log = flashot.free_support_barycenter(Ys, None, torch.zeros(5, 2, dtype=torch.float64),
+        ...                                          reg=0.5, log=True)
+        >>> log.converged, log.n_iter == len(log.displacement_square_norms)
+        (True, True)
+    """
 
     X: Tensor | np.ndarray
     n_iter: int
@@ -117,6 +130,20 @@ def free_support_barycenter(
 
     Returns:
         ``X`` (M, D) (numpy if ``X_init`` was), or ``(X, BarycenterResult)`` with ``log=True``.
+
+    ``X`` minimises ``sum_k lambda_k OT_eps(b_X, a_k)`` with ``C(x, y) = |x - y|^2`` and ``eps = reg``,
+    by the fixed point ``X <- sum_k lambda_k (P_k Y_k) / b`` (``P_k`` the entropic plan of
+    ``(X, b)`` and ``(Y_k, a_k)``).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> Y1 = torch.randn(10, 2, dtype=torch.float64)
+        >>> Y2 = Y1 + torch.tensor([4.0, 0.0], dtype=torch.float64)  # the same cloud, shifted
+        >>> X = flashot.free_support_barycenter([Y1, Y2], None, torch.randn(6, 2, dtype=torch.float64),
+        ...                                     reg=0.1)
+        >>> X.shape, round(float(X[:, 0].mean() - Y1[:, 0].mean()), 2)  # half way: shifted by 2
+        (torch.Size([6, 2]), 2.0)
     """
     reg = check_positive("reg", reg)
     stopThr = check_positive("stopThr", stopThr)
