@@ -11,6 +11,7 @@ import doctest
 import functools
 import inspect
 import re
+import warnings
 
 import pytest
 import torch
@@ -66,7 +67,9 @@ def _run(qualname, obj):
     n = 0
     for test in finder.find(obj, qualname, globs=globs):
         torch.manual_seed(0)
-        runner.run(test)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an example must run cleanly (no convergence warnings)
+            runner.run(test)
         n += len(test.examples)
     return runner.summarize(verbose=False), n
 

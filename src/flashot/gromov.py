@@ -254,8 +254,8 @@ def gromov_wasserstein(
         >>> _ = torch.manual_seed(0)
         >>> X = torch.randn(6, 2, dtype=torch.float64)
         >>> R = torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)
-        >>> same = flashot.gromov_wasserstein(X, X @ R.T + 3, reg=5.0, tol=1e-5, inner_tol=1e-6)
-        >>> other = flashot.gromov_wasserstein(X, torch.randn(6, 3, dtype=torch.float64), reg=5.0,
+        >>> same = flashot.gromov_wasserstein(X, X @ R.T + 3, reg=10.0, tol=1e-5, inner_tol=1e-6)
+        >>> other = flashot.gromov_wasserstein(X, torch.randn(6, 3, dtype=torch.float64), reg=10.0,
         ...                                    tol=1e-5, inner_tol=1e-6)
         >>> same.converged, bool(same.value < other.value)  # GW ignores rotations and translations
         (True, True)

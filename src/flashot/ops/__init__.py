@@ -56,7 +56,20 @@ def _bounds(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def common_center(x: Tensor, y: Tensor) -> Tensor:
-    """Midpoint of the joint bounding box of both clouds, (B, 1, D), detached."""
+    """Midpoint of the joint bounding box of both clouds, (B, 1, D), detached.
+
+    ``center = (min(x, y) + max(x, y)) / 2``, coordinate-wise over both clouds.  Every cost is
+    translation invariant, ``C(x - c, y - c) = C(x, y)``, so the engines work on ``x - c`` and
+    ``y - c``: this keeps the float32 expansion ``|x|^2 + |y|^2 - 2<x, y>`` accurate.
+
+    Example:
+        >>> import torch
+        >>> from flashot import ops
+        >>> x = torch.tensor([[[0.0, 0.0], [2.0, 1.0]]])
+        >>> y = torch.tensor([[[4.0, -1.0]]])
+        >>> ops.common_center(x, y)
+        tensor([[[2., 0.]]])
+    """
     lo, hi = _bounds(x, y)
     return ((lo + hi) / 2).unsqueeze(-2)
 
@@ -81,6 +94,27 @@ def max_cost(x: Tensor, y: Tensor, cost: Cost, cdt: torch.dtype, names: tuple[st
 
 
 class PreparedPair(NamedTuple):
+    """Two clouds ready for the engines (:func:`prepare_pair`'s result).
+
+    Attributes:
+        x: (B, N, D) points minus ``center``, in the compute dtype; keeps autograd history.
+        y: (B, M, D) points minus ``center``.
+        cost: the :class:`~flashot.Cost` ``C``; ``C(x, y)`` is unchanged by the centring.
+        engine: the :class:`Engine` chosen for the problem.
+        batched: whether the inputs had a batch axis (outputs drop it otherwise).
+        out_dtype: the dtype to return results in (the inputs' dtype).
+        center: (B, 1, D), subtracted from both clouds (:func:`common_center`).
+        cmax: ``max_ij C(x_i, y_j)`` bound: the cost of the joint bounding box's diagonal, float64.
+
+    Example:
+        >>> import torch
+        >>> from flashot import ops
+        >>> pp = ops.prepare_pair(torch.zeros(3, 2), torch.tensor([[3.0, 4.0]]),
+        ...                       cost="sqeuclidean", backend="dense")
+        >>> pp.x.shape, pp.batched, pp.engine.name, pp.cmax  # cmax = |(3, 4)|^2
+        (torch.Size([1, 3, 2]), False, 'dense', 25.0)
+    """
+
     x: Tensor  # (B, N, D) centred, compute dtype, keeps autograd history
     y: Tensor  # (B, M, D)
     cost: Cost
@@ -103,7 +137,23 @@ def prepare_pair(
     """Validate two clouds, batch them, cast to the compute dtype, centre them, pick the engine.
 
     Also bounds the cost (``cmax``) and rejects clouds whose squared distances overflow the
-    compute dtype (:func:`max_cost`)."""
+    compute dtype (:func:`max_cost`).
+
+    Returns a :class:`PreparedPair` with ``x - c`` and ``y - c`` for the centre ``c`` of
+    :func:`common_center` (``C(x - c, y - c) = C(x, y)``: every cost is translation invariant),
+    ``cmax >= max_ij C(x_i, y_j)``, and the engine of ``backend`` for this size.  float16 /
+    bfloat16 inputs are computed in float32.
+
+    Example:
+        >>> import torch
+        >>> from flashot import ops
+        >>> x, y = torch.randn(2, 5, 3) + 100, torch.randn(2, 4, 3) + 100
+        >>> pp = ops.prepare_pair(x, y, cost="half_sqeuclidean", backend="tiled")
+        >>> pp.batched, pp.engine.name, pp.cost.name
+        (True, 'tiled', 'half_sqeuclidean')
+        >>> bool(torch.allclose(pp.x + pp.center, x)), bool(pp.center.abs().max() > 90)
+        (True, True)
+    """
     xn, yn = names
     check_points(xn, x)
     check_points(yn, y)
@@ -153,6 +203,19 @@ def softmin(
         eps: temperature > 0.
     Returns:
         (N,) or (B, N), differentiable w.r.t. ``x``, ``y`` and ``h``.
+
+    ``C`` is ``cost`` (default ``C(x, y) = |x - y|^2``) and ``eps`` the temperature; with
+    ``h_j = g_j / eps + log b_j`` this is the Sinkhorn update of ``f`` (the c-transform as eps -> 0).
+
+    Example:
+        >>> import torch
+        >>> from flashot import ops
+        >>> _ = torch.manual_seed(0)
+        >>> x, y, h = torch.randn(5, 2), torch.randn(6, 2), torch.randn(6)
+        >>> out = ops.softmin(x, y, h, 0.5)
+        >>> ref = -0.5 * torch.logsumexp(h - torch.cdist(x, y) ** 2 / 0.5, dim=1)
+        >>> out.shape, bool(torch.allclose(out, ref, atol=1e-5))
+        (torch.Size([5]), True)
     """
     eps = check_positive("eps", eps)
     pp = prepare_pair(x, y, cost=cost, backend=backend)
@@ -186,6 +249,24 @@ def plan_product(
     (linear: the VJP is the transposed product); ``x``, ``y``, ``alpha`` and ``beta`` are
     constants, and one that requires grad (with grad mode on) raises rather than having its
     gradient silently dropped (detach it).
+
+    ``C`` is ``cost`` (default ``C(x, y) = |x - y|^2``) and ``eps`` the temperature; with
+    ``alpha = f / eps + log a`` and ``beta = g / eps + log b`` this is ``P @ V`` for the entropic plan
+    ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / eps)``.
+
+    Example:
+        >>> import torch
+        >>> from flashot import ops
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+        >>> alpha, beta = torch.randn(5, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+        >>> V = torch.randn(6, 3, dtype=torch.float64)
+        >>> C = torch.cdist(x, y) ** 2
+        >>> K = torch.exp(alpha[:, None] + beta[None, :] - C / 0.5)
+        >>> bool(torch.allclose(ops.plan_product(x, y, alpha, beta, 0.5, V), K @ V))
+        True
+        >>> bool(torch.allclose(ops.plan_product(x, y, alpha, beta, 0.5, V, weight="cost"), (K * C) @ V))
+        True
     """
     eps = check_positive("eps", eps)
     check_choice("weight", weight, WEIGHTS)

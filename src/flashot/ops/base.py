@@ -44,14 +44,41 @@ WEIGHTS = ("plan", "cost", "dcost")
 
 
 class Engine(Protocol):
-    """What every engine implements (see the module docstring for the maths)."""
+    """What every engine implements (see the module docstring for the maths).
+
+    Two primitives on batched, contiguous inputs ``x`` (B, N, D), ``y`` (B, M, D), ``eps > 0``
+    and a :class:`~flashot.Cost` ``C``:
+
+    * ``softmin``: ``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)``, (B, N);
+    * ``plan_product``: ``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``,
+      (B, N, K), with ``W_ij = 1`` (``"plan"``), ``C_ij`` (``"cost"``) or ``w`` such that
+      ``grad_x C = w (x - y)`` (``"dcost"``).
+
+    Register one with :func:`register_engine`; ``-inf`` entries of ``h``, ``alpha``, ``beta``
+    (zero weights) must contribute nothing.
+
+    Example:
+        >>> import torch, flashot
+        >>> from flashot import ops
+        >>> cost = flashot.get_cost("sqeuclidean")
+        >>> eng = ops.get_engine("tiled", device=torch.device("cpu"), dtype=torch.float64, cost=cost)
+        >>> x, y = torch.randn(1, 5, 2, dtype=torch.float64), torch.randn(1, 6, 2, dtype=torch.float64)
+        >>> h = torch.zeros(1, 6, dtype=torch.float64)
+        >>> out = eng.softmin(x, y, h, 0.5, cost)
+        >>> bool(torch.allclose(out, -0.5 * torch.logsumexp(h[:, None] - cost.matrix(x, y) / 0.5, -1)))
+        True
+        >>> eng.plan_product(x, y, h[:, :5], h, 0.5, torch.ones(1, 6, 1, dtype=torch.float64), cost).shape
+        torch.Size([1, 5, 1])
+    """
 
     name: str
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
         """``None`` when the engine can run this case, else a one-line reason."""
 
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor: ...
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+        """``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)``: (B, N, D), (B, M, D), (B, M) -> (B, N)."""
+        ...
 
     def plan_product(
         self,
@@ -63,7 +90,13 @@ class Engine(Protocol):
         V: Tensor,
         cost: Cost,
         weight: Weight = "plan",
-    ) -> Tensor: ...
+    ) -> Tensor:
+        """``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``: V (B, M, K) -> (B, N, K).
+
+        ``W_ij`` is 1 (``weight="plan"``), ``C(x_i, y_j)`` (``"cost"``) or ``w`` such that
+        ``grad_x C(x_i, y_j) = w (x_i - y_j)`` (``"dcost"``).
+        """
+        ...
 
 
 def self_softmin(engine: Engine, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:

@@ -48,6 +48,20 @@ def c_transform(
     Returns:
         ``(values, indices)``: (N,) / (B, N) in ``x``'s dtype (differentiable),
         and int64 indices into ``y``.  Ties go to one of the minimisers.
+
+    ``C`` is ``cost`` (default ``C(x, y) = |x - y|^2``); no ``eps``: this is the ``eps -> 0`` limit
+    of :func:`softmin` with ``h = -g / eps`` (unregularised OT's c-transform, ``g^c``).
+
+    Example:
+        >>> import torch
+        >>> from flashot import ops
+        >>> x = torch.tensor([[0.0, 0.0], [5.0, 5.0]])
+        >>> y = torch.tensor([[1.0, 0.0], [4.0, 4.0], [0.0, 3.0]])
+        >>> values, indices = ops.c_transform(x, y)  # g = 0: nearest neighbours
+        >>> values, indices
+        (tensor([1., 2.]), tensor([0, 1]))
+        >>> ops.c_transform(x, y, torch.tensor([0.0, 0.0, 9.0]))[1]  # min_j |x_i - y_j|^2 - g_j
+        tensor([2, 1])
     """
     import flashot.ops as _ops  # late import: flashot.ops imports this module
 

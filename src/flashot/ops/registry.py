@@ -60,7 +60,27 @@ CPU_DENSE_MAX_D_1T = 16
 
 
 class EngineUnavailable(RuntimeError):
-    """An engine cannot run here (missing package, wrong device, ...)."""
+    """An engine cannot run here (missing package, wrong device, ...).
+
+    Raised by an engine's loader (:func:`register_engine`) when it cannot compute its primitives,
+    ``softmin``: ``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)`` and ``plan_product``:
+    ``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``, on this machine.
+    ``backend="auto"`` then skips the engine; asking for it by name raises ``ValueError`` with
+    the loader's reason.
+
+    Example:
+        >>> import torch, flashot
+        >>> from flashot import ops
+        >>> def loader():
+        ...     raise ops.EngineUnavailable("needs a GPU")
+        >>> ops.register_engine("gpu_only", loader)
+        >>> ops.get_engine("gpu_only", device=torch.device("cpu"), dtype=torch.float32,
+        ...                cost=flashot.get_cost("sqeuclidean"))
+        Traceback (most recent call last):
+        ...
+        ValueError: backend='gpu_only' cannot run this problem: needs a GPU. Use backend='auto' or 'tiled'.
+        >>> ops.unregister_engine("gpu_only")
+    """
 
 
 _LOADERS: dict[str, Callable[[], Engine]] = {}
@@ -70,7 +90,27 @@ _AUTO_ORDER: dict[str, list[str]] = {"cuda": ["triton", "tiled"]}
 
 
 def register_engine(name: str, loader: Callable[[], Engine]) -> None:
-    """Register ``loader`` (called once, lazily) under ``name``."""
+    """Register ``loader`` (called once, lazily) under ``name``.
+
+    ``loader()`` returns an :class:`~flashot.ops.Engine`: an object whose ``softmin`` computes
+    ``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)`` and whose ``plan_product`` computes
+    ``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j`` on batched (B, N, D)
+    inputs (contract: :mod:`flashot.ops.base`), or raises :class:`EngineUnavailable`.  The name is
+    then accepted as ``backend=`` everywhere; registering a name again replaces its loader.
+
+    Example:
+        >>> import torch, flashot
+        >>> from flashot import ops
+        >>> cost = flashot.get_cost("sqeuclidean")
+        >>> dense = ops.get_engine("dense", device=torch.device("cpu"), dtype=torch.float64, cost=cost)
+        >>> ops.register_engine("my_engine", lambda: dense)  # e.g. a wrapper that counts calls
+        >>> x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+        >>> h = torch.zeros(6, dtype=torch.float64)
+        >>> bool(torch.equal(ops.softmin(x, y, h, 0.5, backend="my_engine"),
+        ...                  ops.softmin(x, y, h, 0.5, backend="dense")))
+        True
+        >>> ops.unregister_engine("my_engine")
+    """
     _LOADERS[name] = loader
     _CACHE.pop(name, None)
 
@@ -78,7 +118,24 @@ def register_engine(name: str, loader: Callable[[], Engine]) -> None:
 def unregister_engine(name: str) -> None:
     """Remove an engine registered with :func:`register_engine` (no error if it is absent).
 
-    The built-in engines (``dense``, ``tiled``, ``triton``, ``cpu``) cannot be removed."""
+    The built-in engines (``dense``, ``tiled``, ``triton``, ``cpu``) cannot be removed.
+
+    Afterwards ``backend=name`` raises ``ValueError`` (the engine's ``softmin`` and
+    ``plan_product``, ``out_i = -eps log sum_j exp(h_j - C_ij / eps)`` and
+    ``out_i = sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j``, are no longer reachable).
+
+    Example:
+        >>> import torch, flashot
+        >>> from flashot import ops
+        >>> cost = flashot.get_cost("sqeuclidean")
+        >>> ops.register_engine("tmp", lambda: ops.get_engine("tiled", device=torch.device("cpu"),
+        ...                                                    dtype=torch.float32, cost=cost))
+        >>> "tmp" in ops.engine_names()
+        True
+        >>> ops.unregister_engine("tmp"); ops.unregister_engine("tmp")  # absent: no error
+        >>> "tmp" in ops.engine_names()
+        False
+    """
     if not isinstance(name, str):
         raise TypeError(f"unregister_engine: name must be a string, got {type(name).__name__}")
     if name in _BUILTIN:
@@ -88,6 +145,19 @@ def unregister_engine(name: str) -> None:
 
 
 def engine_names() -> list[str]:
+    """The names accepted as ``backend=`` besides ``"auto"``, sorted: the built-in engines
+    (``cpu``, ``dense``, ``tiled``, ``triton``, whether or not they can run here) and those added
+    with :func:`register_engine`.
+
+    Each names an implementation of the same two primitives,
+    ``softmin``: ``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)`` and ``plan_product``:
+    ``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``.
+
+    Example:
+        >>> from flashot import ops
+        >>> {"cpu", "dense", "tiled", "triton"} <= set(ops.engine_names())
+        True
+    """
     return sorted(_LOADERS)
 
 
@@ -120,6 +190,23 @@ def get_engine(
     """Resolve ``backend`` (an engine name or ``"auto"``) for a (B, N, M, D) problem.
 
     ``allow_dense=False`` makes ``auto`` pick a streaming engine whatever the size.
+
+    The engine returned computes ``softmin``: ``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)``
+    and ``plan_product``: ``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``
+    for the ``cost`` ``C`` (:class:`~flashot.Cost`) on batched inputs; ``auto`` picks by device
+    and size (``dense`` for small ``B N M``, see :mod:`flashot.ops.registry`).
+
+    Example:
+        >>> import torch, flashot
+        >>> from flashot import ops
+        >>> cost = flashot.get_cost("sqeuclidean")
+        >>> cpu = torch.device("cpu")
+        >>> ops.get_engine("auto", device=cpu, dtype=torch.float32, cost=cost, size=(1, 10, 10, 2)).name
+        'dense'
+        >>> eng = ops.get_engine("auto", device=cpu, dtype=torch.float32, cost=cost, size=(1, 10, 10, 2),
+        ...                      allow_dense=False)
+        >>> eng.name in ("cpu", "tiled")  # cpu when its kernels are built
+        True
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
