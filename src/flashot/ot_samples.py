@@ -264,12 +264,12 @@ def solve_sample(
         >>> _ = torch.manual_seed(0)
         >>> x = torch.randn(20, 2, dtype=torch.float64)
         >>> y = torch.randn(30, 2, dtype=torch.float64) + 1
-        >>> res = flashot.solve_sample(x, y, reg=0.1)  # C = |x - y|^2, eps = reg, a = b = uniform
+        >>> res = flashot.solve_sample(x, y, reg=0.1)  # squared Euclidean cost, eps = reg, uniform a, b
         >>> res.converged, res.plan.shape
         (True, (20, 30))
         >>> float((res.plan.sum(axis=1) - 1 / 20).abs().sum()) < 1e-6  # row sums = a
         True
-        >>> P = res.plan.to_dense()  # small problems only; value = <C, P> + reg KL(P | a x b)
+        >>> P = res.plan.to_dense()  # small problems only; value = <C, P> + reg KL
         >>> kl = torch.xlogy(P, P * 20 * 30).sum()
         >>> bool(torch.allclose(res.value, (torch.cdist(x, y) ** 2 * P).sum() + 0.1 * kl))
         True

@@ -64,7 +64,7 @@ class LazyPlan:
             >>> import torch, flashot
             >>> _ = torch.manual_seed(0)
             >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # squared Euclidean cost, eps = 0.5
             >>> P.T.shape, bool(torch.allclose(P.T.to_dense(), P.to_dense().T))
             ((6, 4), True)
         """
@@ -93,7 +93,7 @@ class LazyPlan:
             >>> import torch, flashot
             >>> _ = torch.manual_seed(0)
             >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # squared Euclidean cost, eps = 0.5
             >>> V = torch.randn(6, dtype=torch.float64)
             >>> C = torch.cdist(x, y) ** 2
             >>> bool(torch.allclose(P.apply(V, weight="cost"), (P.to_dense() * C) @ V))
@@ -147,7 +147,7 @@ class LazyPlan:
             >>> import torch, flashot
             >>> _ = torch.manual_seed(0)
             >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # squared Euclidean cost, eps = 0.5
             >>> bool(torch.allclose(P.row_sums(), P.to_dense().sum(1)))
             True
         """
@@ -173,7 +173,7 @@ class LazyPlan:
             >>> import torch, flashot
             >>> _ = torch.manual_seed(0)
             >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # squared Euclidean cost, eps = 0.5
             >>> round(float(P.sum()), 6), P.sum(axis=0).shape, P.sum(axis=1).shape
             (1.0, torch.Size([6]), torch.Size([4]))
         """
@@ -200,7 +200,7 @@ class LazyPlan:
             >>> import torch, flashot
             >>> _ = torch.manual_seed(0)
             >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # squared Euclidean cost, eps = 0.5
             >>> C = torch.cdist(x, y) ** 2
             >>> bool(torch.allclose(P.cost_sum(), (C * P.to_dense()).sum()))
             True
@@ -218,7 +218,7 @@ class LazyPlan:
             >>> import torch, flashot
             >>> _ = torch.manual_seed(0)
             >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # squared Euclidean cost, eps = 0.5
             >>> D = P.to_dense()
             >>> D.shape, bool((D >= 0).all())
             (torch.Size([4, 6]), True)
@@ -255,7 +255,7 @@ class LazyPlan:
             >>> import torch, flashot
             >>> _ = torch.manual_seed(0)
             >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # squared Euclidean cost, eps = 0.5
             >>> T = P.barycentric_map()
             >>> D = P.to_dense()
             >>> T.shape, bool(torch.allclose(T, (D @ y) / D.sum(1, keepdim=True)))
@@ -285,7 +285,7 @@ class LazyPlan:
             >>> import torch, flashot
             >>> _ = torch.manual_seed(0)
             >>> x, y = torch.randn(4, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # C = |x - y|^2, eps = 0.5
+            >>> P = flashot.solve_sample(x, y, reg=0.5).plan  # squared Euclidean cost, eps = 0.5
             >>> values, indices = P.topk(2)
             >>> ref = P.to_dense().topk(2, dim=1)
             >>> values.shape, bool(torch.equal(indices, ref.indices)), bool(torch.allclose(values, ref.values))
@@ -351,7 +351,7 @@ def plan_from_potentials(
         >>> _ = torch.manual_seed(0)
         >>> x, y = torch.randn(20, 2), torch.randn(30, 2)
         >>> F, G = flashot.SamplesLoss(blur=0.5, debias=False, potentials=True)(x, y)
-        >>> P = flashot.plan_from_potentials(x, y, F, G, blur=0.5)  # C = |x - y|^2 / 2, eps = 0.25
+        >>> P = flashot.plan_from_potentials(x, y, F, G, blur=0.5)  # half squared Euclidean cost, eps = 0.25
         >>> P.shape, P.eps
         ((20, 30), 0.25)
         >>> res = flashot.solve_sample(x, y, reg=0.25, cost="half_sqeuclidean")

@@ -167,7 +167,7 @@ class SamplesLoss(torch.nn.Module):
         >>> import torch, flashot
         >>> _ = torch.manual_seed(0)
         >>> x, y = torch.randn(20, 2), torch.randn(30, 2)
-        >>> L = flashot.SamplesLoss("sinkhorn", p=2, blur=0.5)  # C = |x - y|^2 / 2, eps = blur^2
+        >>> L = flashot.SamplesLoss("sinkhorn", p=2, blur=0.5)  # half squared Euclidean cost, eps = blur^2
         >>> float(L(x, x)) == 0.0, bool(L(x, y) > 0)  # S(a, a) = 0
         (True, True)
     """

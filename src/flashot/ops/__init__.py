@@ -111,7 +111,7 @@ class PreparedPair(NamedTuple):
         >>> from flashot import ops
         >>> pp = ops.prepare_pair(torch.zeros(3, 2), torch.tensor([[3.0, 4.0]]),
         ...                       cost="sqeuclidean", backend="dense")
-        >>> pp.x.shape, pp.batched, pp.engine.name, pp.cmax  # cmax = |(3, 4)|^2
+        >>> pp.x.shape, pp.batched, pp.engine.name, pp.cmax  # cmax = 3^2 + 4^2
         (torch.Size([1, 3, 2]), False, 'dense', 25.0)
     """
 

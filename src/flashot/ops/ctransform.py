@@ -60,7 +60,7 @@ def c_transform(
         >>> values, indices = ops.c_transform(x, y)  # g = 0: nearest neighbours
         >>> values, indices
         (tensor([1., 2.]), tensor([0, 1]))
-        >>> ops.c_transform(x, y, torch.tensor([0.0, 0.0, 9.0]))[1]  # min_j |x_i - y_j|^2 - g_j
+        >>> ops.c_transform(x, y, torch.tensor([0.0, 0.0, 9.0]))[1]  # argmin_j C(x_i, y_j) - g_j
         tensor([2, 1])
     """
     import flashot.ops as _ops  # late import: flashot.ops imports this module
