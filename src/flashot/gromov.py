@@ -285,8 +285,10 @@ def fused_gromov_wasserstein(
     G0=None,
     solver: str = "PGD",
 ) -> GWResult:
-    r"""Entropic fused Gromov-Wasserstein, streamed: POT's ``ot.gromov.entropic_fused_gromov_wasserstein(M, C1,
-    C2, a, b, "square_loss", epsilon=reg, alpha=alpha)`` with the feature cost ``M_ij = |FX_i - FY_j|^2``.
+    r"""Entropic fused Gromov-Wasserstein, streamed: POT's ``ot.gromov.entropic_fused_gromov_wasserstein``.
+
+    That is POT's ``entropic_fused_gromov_wasserstein(M, C1, C2, a, b, "square_loss", epsilon=reg, alpha=alpha)``
+    with the feature cost ``M_ij = |FX_i - FY_j|^2``.
 
     Each outer step's cost is ``alpha`` times the linearised GW cost plus ``(1 - alpha) M``, again
     feature-bilinear (the features ``FX``, ``FY`` join ``[1, |x|^2, x]`` and ``[1, |y|^2, y]``); the value is
@@ -294,8 +296,8 @@ def fused_gromov_wasserstein(
     features (envelope theorem).  ``FX`` (n, df) and ``FY`` (m, df) share their dimension; the other
     arguments are those of :func:`gromov_wasserstein`.
 
-    ``min_T (1 - alpha) <M, T> + alpha sum_ijkl (|X_i - X_k|^2 - |Y_j - Y_l|^2)^2 T_ij T_kl
-    + reg KL(T | a b^T)`` with ``M_ij = |FX_i - FY_j|^2`` and ``eps = reg``.
+    It solves, with ``M_ij = |FX_i - FY_j|^2`` and ``eps = reg``,
+    ``min_T (1 - alpha) <M, T> + alpha sum_ijkl (|X_i - X_k|^2 - |Y_j - Y_l|^2)^2 T_ij T_kl + reg KL(T | a b^T)``.
 
     Example:
         >>> import torch, flashot

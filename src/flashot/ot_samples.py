@@ -214,8 +214,8 @@ def solve_sample(
         tol: stop when the error drops below it (default 1e-6): the L1 marginal violation
             (balanced) or the sup-norm change of the potentials divided by ``reg`` in one
             iteration (unbalanced).  Rounding bounds what the error can resolve, so the loop
-            stops below ``max(tol, floor)`` with ``floor = u ((cmax + |f|_inf + |g|_inf) / reg
-            + 2 log2(1 + max(N, M)))`` (``u`` the compute dtype's machine epsilon, ``cmax`` the
+            stops below ``max(tol, floor)`` with
+            ``floor = u ((cmax + |f|_inf + |g|_inf) / reg + 2 log2(1 + max(N, M)))`` (``u`` the compute dtype's machine epsilon, ``cmax`` the
             largest cost; 1e-5 to 4e-5 in float32 at ``reg = 0.01 cmax``, negligible in float64); where the
             floor exceeds ``max(tol, 1e-2)`` the solve is never reported as converged.  Not met
             after ``max_iter``: RuntimeWarning naming the cause (too few iterations, weights of
