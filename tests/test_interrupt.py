@@ -233,14 +233,22 @@ n = 24000
 x, y = torch.randn(1, n, 3, generator=g, dtype=torch.float64), torch.randn(1, n, 3, generator=g, dtype=torch.float64)
 h = torch.zeros(1, n, dtype=torch.float64)
 eng = CpuEngine(lib, mode="stream", threads=2)
+def fastest_call(k=3):
+    """The least disturbed of k timings (the check below compares against it: another process's load
+    can only make a reference run slower)."""
+    out = []
+    for _ in range(k):
+        t0 = time.perf_counter(); eng.softmin(x, y, h, 0.01, C); out.append(time.perf_counter() - t0)
+    return min(out)
+
 ref = eng.softmin(x, y, h, 0.01, C)
-t0 = time.perf_counter(); eng.softmin(x, y, h, 0.01, C); res["kernel_s"] = time.perf_counter() - t0
+res["kernel_s"] = fastest_call()
 while res["kernel_s"] < 0.25:  # a fast machine: make the call long enough to be hit in its middle
     n = int(n * 1.5)
     x, y = torch.randn(1, n, 3, generator=g, dtype=torch.float64), torch.randn(1, n, 3, generator=g, dtype=torch.float64)
     h = torch.zeros(1, n, dtype=torch.float64)
     ref = eng.softmin(x, y, h, 0.01, C)
-    t0 = time.perf_counter(); eng.softmin(x, y, h, 0.01, C); res["kernel_s"] = time.perf_counter() - t0
+    res["kernel_s"] = fastest_call()
 res["kernel_interrupted"], res["kernel_raised_after_s"] = interrupt_after(0.4 * res["kernel_s"], lambda: eng.softmin(x, y, h, 0.01, C))
 res["kernel_next_same"] = bool(torch.equal(eng.softmin(x, y, h, 0.01, C), ref))
 buf = (ctypes.c_int * 2)()
