@@ -234,8 +234,7 @@ x, y = torch.randn(1, n, 3, generator=g, dtype=torch.float64), torch.randn(1, n,
 h = torch.zeros(1, n, dtype=torch.float64)
 eng = CpuEngine(lib, mode="stream", threads=2)
 def fastest_call(k=3):
-    """The least disturbed of k timings (the check below compares against it: another process's load
-    can only make a reference run slower)."""
+    # the least disturbed of k timings (the check compares against it: load only slows a reference run)
     out = []
     for _ in range(k):
         t0 = time.perf_counter(); eng.softmin(x, y, h, 0.01, C); out.append(time.perf_counter() - t0)
