@@ -74,6 +74,8 @@ def _escape_bars(app, what, name, obj, options, lines):
             literal_indent = None
         if stripped.startswith(("|", "+-", "+=")):
             continue  # a table or a line block: bars are markup there
+        if stripped.startswith((">>>", "...")):
+            continue  # doctest lines are shown verbatim
         parts = _LITERAL.split(line)
         lines[i] = "".join(p if k % 2 else p.replace("|", r"\|") for k, p in enumerate(parts))
         if stripped.endswith("::"):
