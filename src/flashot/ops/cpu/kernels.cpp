@@ -937,23 +937,32 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
   });
 }
 
+// The LSE micro-kernel shape (rows R, vectors NV, static D or 0) for (cfg, D): cfg 0 (d <= 32): 12 rows x
+// 1 vector with a static D for d <= 3 (best of 4x2, 6x2, 8x2, 8x1, 12x1, 16x1 at d = 3: 5% over 4x2),
+// 4 rows x 2 vectors for 4 <= d <= 32; cfg 3 (larger d): 4 rows x 4 vectors (best of 4x2, 6x2, 8x2,
+// 4x4, 8x3 at d = 64).  Calls run(LseShape<R, NV, DS>{}); -1 for an unknown cfg.
+template <int R_, int NV_, int DS_> struct LseShape { static constexpr int R = R_, NV = NV_, DS = DS_; };
+template <typename F>
+static int with_lse_shape(int cfg, int D, F&& run) {
+  if (cfg == 0) {
+    switch (D) {
+      case 1: run(LseShape<Shape::SMALL_R, 1, 1>{}); return 0;
+      case 2: run(LseShape<Shape::SMALL_R, 1, 2>{}); return 0;
+      case 3: run(LseShape<Shape::SMALL_R, 1, 3>{}); return 0;
+      default: run(LseShape<Shape::MID_R, Shape::MID_NV, 0>{}); return 0;
+    }
+  }
+  if (cfg == 3) { run(LseShape<Shape::BIG_R, Shape::BIG_NV, 0>{}); return 0; }
+  return -1;
+}
+
 template <typename T, int KIND>
 static int softmin_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T* out, int B, int64_t N,
                             int64_t Mp, const Args& a, T oscale, int cfg, int64_t l2, int nth) {
-  const int D = a.D;
-  // cfg 0 (d <= 32): 12 rows x 1 vector with a static D for d <= 3 (best of 4x2, 6x2, 8x2,
-  // 8x1, 12x1, 16x1 at d = 3: 5% over 4x2), 4 rows x 2 vectors for 4 <= d <= 32;
-  // cfg 3 (larger d): 4 rows x 4 vectors (best of 4x2, 6x2, 8x2, 4x4, 8x3 at d = 64)
-  if (cfg == 0) {
-    switch (D) {
-      case 1: softmin_impl<T, Shape::SMALL_R, 1, KIND, 1>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      case 2: softmin_impl<T, Shape::SMALL_R, 1, KIND, 2>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      case 3: softmin_impl<T, Shape::SMALL_R, 1, KIND, 3>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-      default: softmin_impl<T, Shape::MID_R, Shape::MID_NV, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0;
-    }
-  }
-  if (cfg == 3) { softmin_impl<T, Shape::BIG_R, Shape::BIG_NV, KIND, 0>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth); return 0; }
-  return -1;
+  return with_lse_shape(cfg, a.D, [&](auto s) {
+    using S = decltype(s);
+    softmin_impl<T, S::R, S::NV, KIND, S::DS>(x, yT, yy, hs, out, B, N, Mp, a, oscale, l2, nth);
+  });
 }
 
 // Fused alternating Sinkhorn step: rlse[b, i] = LSE2_j (hs_j - k c_ij) (the softmin onto x) and
@@ -1153,16 +1162,10 @@ static int alt_entry(const T* x, const T* yT, const T* yy, const T* hs, const T*
 template <typename T, int KIND, bool SYM>
 static int pair_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, int B,
                          int64_t N, int64_t Mp, const Args& a, int cfg, int64_t l2, int nth) {
-  if (cfg == 0) {
-    switch (a.D) {
-      case 1: pair_impl<T, Shape::SMALL_R, 1, KIND, 1, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
-      case 2: pair_impl<T, Shape::SMALL_R, 1, KIND, 2, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
-      case 3: pair_impl<T, Shape::SMALL_R, 1, KIND, 3, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
-      default: pair_impl<T, Shape::MID_R, Shape::MID_NV, KIND, 0, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0;
-    }
-  }
-  if (cfg == 3) { pair_impl<T, Shape::BIG_R, Shape::BIG_NV, KIND, 0, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth); return 0; }
-  return -1;
+  return with_lse_shape(cfg, a.D, [&](auto s) {
+    using S = decltype(s);
+    pair_impl<T, S::R, S::NV, KIND, S::DS, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth);
+  });
 }
 
 template <typename T>
@@ -1223,16 +1226,10 @@ template <typename T, int KIND>
 static int softmin_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, T* out, const int64_t* tasks,
                                int64_t ntasks, const int64_t* cptr, const int64_t* cr, const Args& a, T oscale,
                                int cfg, int nth) {
-  if (cfg == 0) {
-    switch (a.D) {
-      case 1: softmin_bs_impl<T, Shape::SMALL_R, 1, KIND, 1>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0;
-      case 2: softmin_bs_impl<T, Shape::SMALL_R, 1, KIND, 2>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0;
-      case 3: softmin_bs_impl<T, Shape::SMALL_R, 1, KIND, 3>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0;
-      default: softmin_bs_impl<T, Shape::MID_R, Shape::MID_NV, KIND, 0>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0;
-    }
-  }
-  if (cfg == 3) { softmin_bs_impl<T, Shape::BIG_R, Shape::BIG_NV, KIND, 0>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth); return 0; }
-  return -1;
+  return with_lse_shape(cfg, a.D, [&](auto s) {
+    using S = decltype(s);
+    softmin_bs_impl<T, S::R, S::NV, KIND, S::DS>(x, yT, yy, hs, out, tasks, ntasks, cptr, cr, a, oscale, nth);
+  });
 }
 
 template <typename T>
