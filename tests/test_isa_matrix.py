@@ -16,7 +16,7 @@ import pytest
 from flashot.ops.cpu import build
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODULES = ["test_cpu_engine.py", "test_cpu_fpenv.py"]
+MODULES = ["test_cpu_engine.py", "test_cpu_fpenv.py", "test_multiscale.py"]  # multiscale: block-sparse kernels
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 levels"),

@@ -292,3 +292,14 @@ def test_public_functions_are_callable():
     """flashot.solve / sinkhorn / sinkhorn2 are functions (no longer submodules)."""
     for f in (flashot.solve, flashot.sinkhorn, flashot.sinkhorn2):
         assert callable(f) and f.__module__ == "flashot.ot_matrix"
+
+
+def test_barycentric_map_refused_for_a_cost_matrix():
+    """The plan of a matrix has index points, not coordinates: the map is refused, plan @ Y is the way."""
+    M, a, b = _problem()
+    res = flashot.solve(M, reg=1.0, **TIGHT)
+    with pytest.raises(ValueError, match="plan @ Y"):
+        res.plan.barycentric_map()
+    Y = np.random.RandomState(0).randn(7, 2)
+    P = np.asarray(res.plan)
+    _close(res.plan @ Y / res.plan.sum(1)[:, None], (P @ Y) / P.sum(1)[:, None], rtol=1e-12)

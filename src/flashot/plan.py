@@ -261,6 +261,9 @@ class LazyPlan:
             >>> T.shape, bool(torch.allclose(T, (D @ y) / D.sum(1, keepdim=True)))
             (torch.Size([4, 2]), True)
         """
+        if getattr(self._m.cost, "n_rows", None) is not None:  # a MatrixCost: rows and columns are indices
+            raise ValueError("barycentric_map: this plan comes from a cost matrix (flashot.solve), which has no "
+                             "points to average; use plan @ Y / plan.sum(1)[:, None] with your target points Y")
         x, y, _, _ = self._sides()
         D = y.shape[-1]
         V = torch.cat([y, torch.ones_like(y[..., :1])], -1).contiguous()
