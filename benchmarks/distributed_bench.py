@@ -57,6 +57,8 @@ def worker(rank: int, world: int, init: str, out: str, a: argparse.Namespace) ->
         json.dump(rep, fh)
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo can abort at interpreter exit (pytorch/pytorch#190489): skip the teardown
 
 
 def run_world(world: int, a: argparse.Namespace) -> dict:

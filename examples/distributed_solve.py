@@ -7,6 +7,8 @@ all-gathers the potentials; values, potentials and gradients are the same on eve
 """
 
 import datetime
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -31,3 +33,7 @@ if rank == 0:
           f"S_eps = {loss.item():.6f}")
 dist.barrier()  # no rank tears the group down while another still uses it
 dist.destroy_process_group()
+# torch's gloo can abort at interpreter exit ("terminate called without an active exception",
+# pytorch/pytorch#190489): once everything is written, leave without the interpreter's teardown.
+sys.stdout.flush()
+os._exit(0)
