@@ -43,23 +43,48 @@ def _leaves(*ts):
     return [t.clone().requires_grad_() for t in ts]
 
 
-def _solve(group, *, backend="cpu", N=150, M=130, B=None, reg=0.1, tol=None, max_iter=60, **kw):
+def _cuts(n: int, world: int) -> list[int]:
+    """Uneven slices for shard='points': rank r gets about (r + 1) shares (n=7 over 3 ranks: 1, 2, 4)."""
+    tot = world * (world + 1) // 2
+    return [n * (k * (k + 1) // 2) // tot for k in range(world + 1)]
+
+
+def _part(part, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's slice of ``t`` along ``dim`` (all of it when ``part`` is None)."""
+    if part is None:
+        return t
+    r, w = part
+    c = _cuts(t.shape[dim], w)
+    return t.narrow(dim, c[r], c[r + 1] - c[r])
+
+
+def _slices(part, x, y, a, b):
+    return _part(part, x, -2), _part(part, y, -2), _part(part, a, -1), _part(part, b, -1)
+
+
+def _solve(group, part=None, *, backend="cpu", N=150, M=130, B=None, reg=0.1, tol=None, max_iter=60, init=False,
+           **kw):
     from flashot import solve_sample
 
-    x, y, a, b = _leaves(*_data(0, N, M, B=B))
-    res = solve_sample(x, y, a, b, reg=reg, tol=tol, max_iter=max_iter, backend=backend, group=group, **kw)
+    x, y, a, b = _leaves(*_slices(part, *_data(0, N, M, B=B)))
+    if init:  # a warm start: this rank's slices of fixed potentials
+        kw["potentials_init"] = (0.3 * x.detach()[..., 0], -0.2 * y.detach()[..., 1])
+    shard = {} if part is None else {"shard": "points"}
+    res = solve_sample(x, y, a, b, reg=reg, tol=tol, max_iter=max_iter, backend=backend, group=group, **shard, **kw)
     res.value_dual.sum().backward()  # = value when balanced; the dual (mass terms included) differentiates in a, b
     ra, rb = res.marginals  # row-sharded plan products (collective)
     f, g = res.potentials
     return {"value": res.value.detach(), "f": f.detach(), "g": g.detach(), "ra": ra, "rb": rb,
             "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad, "n_iter": torch.tensor(res.n_iter),
-            "backend": res.backend}
+            "total": res.plan.sum(), "cost": res.plan.cost_sum(), "backend": res.backend}
 
 
-def _loss(group, *, backend="cpu", N=140, M=120, B=None, **kw):
+def _loss(group, part=None, *, backend="cpu", N=140, M=120, B=None, **kw):
     from flashot import SamplesLoss
 
-    x, y, a, b = _leaves(*_data(1, N, M, B=B))
+    x, y, a, b = _leaves(*_slices(part, *_data(1, N, M, B=B)))
+    if part is not None:
+        kw["shard"] = "points"
     L = SamplesLoss(blur=0.1, backend=backend, group=group, **kw)
     v = L(a, x, b, y)
     v.sum().backward()
@@ -68,7 +93,7 @@ def _loss(group, *, backend="cpu", N=140, M=120, B=None, **kw):
             "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad}
 
 
-def _hvp(group):
+def _hvp(group, part=None):
     """Second derivatives (implicit differentiation, flashot.implicit): its CG's plan products shard too."""
     from flashot import solve_sample
 
@@ -80,24 +105,57 @@ def _hvp(group):
     return {"value": res.value.detach(), "gx": gx.detach(), "hv": hv, "n_iter": torch.tensor(res.n_iter)}
 
 
+def _ddp(group, part=None, lr=0.5):
+    """One SGD step of a small model whose loss is SamplesLoss: wrapped in DistributedDataParallel on the
+    ranks (replicated mode: every rank maps all the points; points mode: every rank maps its slice and the
+    loss is multiplied by the world size, since DDP averages the ranks' gradients), plain in one process."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from flashot import SamplesLoss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    net = model if group is None else DDP(model, process_group=group)
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    x, y, _, _ = _data(3, 90, 70)
+    x, y = _part(part, x, -2), _part(part, y, -2)
+    shard = {} if part is None else {"shard": "points"}
+    scale = 1 if part is None else part[1]
+    loss = SamplesLoss(blur=0.2, backend="cpu", group=group, **shard)(net(x), y)
+    (scale * loss).backward()
+    opt.step()
+    return {"value": loss.detach(), **{f"param{k}": p.detach().clone() for k, p in enumerate(model.parameters())}}
+
+
 CASES = {
-    "balanced_cpu_alt": lambda g: _solve(g, reg=0.5, tol=1e-10, max_iter=500),  # fused softmin_alt; tol
-    "balanced_cpu_symmetric": lambda g: _solve(g, method="symmetric"),         # fused softmin_pair
-    "unbalanced_cpu": lambda g: _solve(g, unbalanced=0.5),
-    "semi_unbalanced_symmetric": lambda g: _solve(g, unbalanced=(1.0, None), method="symmetric"),
-    "eps_scaling": lambda g: _solve(g, reg=0.02, eps_scaling=True, max_iter=80),
-    "balanced_tiled": lambda g: _solve(g, backend="tiled", N=90, M=70),        # no fused steps
-    "batched_dense_symmetric": lambda g: _solve(g, backend="dense", B=2, N=40, M=31, method="symmetric"),
-    "loss_debiased": lambda g: _loss(g),                                       # softmin_pair + softmin_sym
-    "loss_unbalanced_debiased": lambda g: _loss(g, reach=0.5),
-    "loss_p1_batched": lambda g: _loss(g, p=1, B=2, N=30, M=25),
-    "tiny": lambda g: _solve(g, N=2, M=5),                                     # empty slices on 3 ranks
+    "balanced_cpu_alt": lambda g, p: _solve(g, p, reg=0.5, tol=1e-10, max_iter=500),  # fused softmin_alt; tol
+    "balanced_cpu_symmetric": lambda g, p: _solve(g, p, method="symmetric"),         # fused softmin_pair
+    "unbalanced_cpu": lambda g, p: _solve(g, p, unbalanced=0.5),
+    "semi_unbalanced_symmetric": lambda g, p: _solve(g, p, unbalanced=(1.0, None), method="symmetric"),
+    "eps_scaling": lambda g, p: _solve(g, p, reg=0.02, eps_scaling=True, max_iter=80),
+    "balanced_tiled": lambda g, p: _solve(g, p, backend="tiled", N=90, M=70),        # no fused steps
+    "batched_dense_symmetric": lambda g, p: _solve(g, p, backend="dense", B=2, N=40, M=31, method="symmetric"),
+    "warm_start": lambda g, p: _solve(g, p, N=60, M=50, reg=0.5, init=True, tol=1e-9, max_iter=300),
+    "loss_debiased": lambda g, p: _loss(g, p),                                       # softmin_pair + softmin_sym
+    "loss_unbalanced_debiased": lambda g, p: _loss(g, p, reach=0.5),
+    "loss_two_sided": lambda g, p: _loss(g, p, N=50, M=40, reach_x=0.5, reach_y=1.0),
+    "loss_p1_batched": lambda g, p: _loss(g, p, p=1, B=2, N=30, M=25),
+    "tiny": lambda g, p: _solve(g, p, N=2, M=5),                                     # empty slices on 3 ranks
+    "uneven": lambda g, p: _solve(g, p, N=7, M=6, reg=0.5, max_iter=40),  # 7 = 1 + 2 + 4 on 3 ranks
+    "ddp": _ddp,
     "hvp": _hvp,
 }
 RUN = {2: ["balanced_cpu_alt", "balanced_cpu_symmetric", "unbalanced_cpu", "semi_unbalanced_symmetric",
            "eps_scaling", "balanced_tiled", "batched_dense_symmetric", "loss_debiased",
-           "loss_unbalanced_debiased", "loss_p1_batched", "hvp"],
+           "loss_unbalanced_debiased", "loss_p1_batched", "hvp", "ddp"],
        3: ["balanced_cpu_alt", "balanced_cpu_symmetric", "eps_scaling", "loss_debiased", "tiny"]}
+# points-sharded mode (shard="points"): every rank passes its slice (_cuts: uneven), against one process
+RING = {2: ["balanced_cpu_alt", "balanced_cpu_symmetric", "unbalanced_cpu", "semi_unbalanced_symmetric",
+            "eps_scaling", "balanced_tiled", "batched_dense_symmetric", "warm_start", "loss_debiased",
+            "loss_unbalanced_debiased", "loss_two_sided", "loss_p1_batched", "uneven", "ddp"],
+        3: ["balanced_cpu_alt", "unbalanced_cpu", "eps_scaling", "loss_debiased", "loss_two_sided", "uneven"]}
+X_SIDE = {"f", "ra", "gx", "ga", "F"}  # per-rank slices of the x side in points mode (gx: points axis -2)
+Y_SIDE = {"g", "rb", "gy", "gb", "G"}
 
 
 # -- the ranks ------------------------------------------------------------------------------------------
@@ -109,11 +167,12 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
     pg = dist.group.WORLD
     if mode == "compare":
-        res = {}
-        for name in RUN[world]:
-            t0 = time.perf_counter()
-            res[name] = CASES[name](pg)
-            print(f"rank {rank} {name}: {time.perf_counter() - t0:.2f} s n_iter {res[name].get('n_iter')}", flush=True)
+        res = {"rep": {}, "ring": {}}
+        for kind, names, part in (("rep", RUN[world], None), ("ring", RING[world], (rank, world))):
+            for name in names:
+                t0 = time.perf_counter()
+                res[kind][name] = CASES[name](pg, part)
+                print(f"rank {rank} {kind} {name}: {time.perf_counter() - t0:.2f} s", flush=True)
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     elif mode == "mismatch":
         from flashot import SamplesLoss, solve_sample
@@ -149,9 +208,45 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
             msgs["diverged"] = None
         except RuntimeError as e:
             msgs["diverged"] = str(e)
+        # points-sharded mode: the slices differ by design; options, dimensions, empty slices and a rank's
+        # own input error are shared, so that every rank raises
+        xl, yl, al, bl = _slices((rank, 2), x, y, a, b)
+        ring = {
+            "ring_reg": lambda: solve_sample(xl, yl, reg=0.1 if rank == 0 else 0.2, backend="cpu", group=pg,
+                                             shard="points"),
+            "ring_dim": lambda: solve_sample(xl if rank == 0 else xl[:, :2], yl if rank == 0 else yl[:, :2], reg=0.1,
+                                             backend="cpu", group=pg, shard="points"),
+            "ring_weights_given": lambda: solve_sample(xl, yl, al if rank == 0 else None, bl if rank == 0 else None,
+                                                       reg=0.1, backend="cpu", group=pg, shard="points"),
+            "ring_empty": lambda: solve_sample(xl if rank == 0 else xl[:0], yl, reg=0.1, backend="cpu", group=pg,
+                                               shard="points"),
+            "ring_bad_input": lambda: solve_sample(xl if rank == 0 else xl * float("nan"), yl, reg=0.1, backend="cpu",
+                                                   group=pg, shard="points"),
+            "ring_blur": lambda: SamplesLoss(blur=0.1 if rank == 0 else 0.05, backend="cpu", group=pg,
+                                             shard="points")(xl, yl),
+        }
+        for k, fn in ring.items():
+            try:
+                fn()
+                msgs[k] = None
+            except ValueError as e:
+                msgs[k] = str(e)
+        from flashot.distributed import RingEngine
+
+        reng = RingEngine(get_engine("cpu", device=x.device, dtype=F64, cost=cost), pg)
+        try:
+            if rank == 0:
+                reng.softmin(xl[None], yl[None], torch.zeros(1, yl.shape[0], dtype=F64), 0.1, cost)
+            else:
+                reng.plan_product(xl[None], yl[None], torch.zeros(1, xl.shape[0], dtype=F64),
+                                  torch.zeros(1, yl.shape[0], dtype=F64), 0.1, yl[None], cost)
+            msgs["ring_diverged"] = None
+        except RuntimeError as e:
+            msgs["ring_diverged"] = str(e)
         # still usable afterwards, and the same call on every rank agrees
         v = solve_sample(x, y, reg=0.1, backend="cpu", group=pg).value
         msgs["after"] = float(v)
+        msgs["after_ring"] = float(solve_sample(xl, yl, reg=0.1, backend="cpu", group=pg, shard="points").value)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
             json.dump(msgs, fh)
     elif mode in ("dead", "stuck"):
@@ -213,30 +308,47 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
+def _check(name: str, ref: dict, got: dict, worst: dict) -> None:
+    for k, v in ref.items():
+        if k == "backend":
+            assert got[k] in (f"sharded({v})", f"ring({v})"), (name, got[k], v)
+            continue
+        if k == "n_iter":
+            assert int(got[k]) == int(v), (name, int(got[k]), int(v))
+            continue
+        assert got[k] is not None and v is not None, (name, k)
+        r = _rel(got[k], v)
+        worst[f"{name}.{k}"] = r
+        assert r <= RTOL, (name, k, r)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_single_process(world, tmp_path):
+    """Replicated mode (every rank holds bit-identical results) and points-sharded mode (every rank's slices,
+    put back together, and the values) against the same calls in one process."""
     rcs, outs, _ = _launch("compare", world, tmp_path)
     assert rcs == [0] * world, "\n".join(outs)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    worst = {}
+    worst: dict = {}
     for name in RUN[world]:
-        ref = CASES[name](None)
-        got = ranks[0][name]
-        for k, v in ref.items():
-            if k == "backend":
-                assert got[k] == f"sharded({v})"
-                continue
-            if k == "n_iter":
-                assert int(got[k]) == int(v), (name, int(got[k]), int(v))
-                continue
-            assert got[k] is not None and v is not None, (name, k)
-            r = _rel(got[k], v)
-            worst[f"{name}.{k}"] = r
-            assert r <= RTOL, (name, k, r)
+        got = ranks[0]["rep"][name]
+        _check(name, CASES[name](None, None), got, worst)
         for other in ranks[1:]:  # every rank holds the same bits
             for k, v in got.items():
                 if isinstance(v, torch.Tensor):
-                    assert torch.equal(v, other[name][k]), (name, k)
+                    assert torch.equal(v, other["rep"][name][k]), (name, k)
+    for name in RING[world]:
+        ref = CASES[name](None, None)
+        parts = [rk["ring"][name] for rk in ranks]
+        got = {}
+        for k, v in parts[0].items():
+            if k in X_SIDE or k in Y_SIDE:  # this rank's slices: put back together in rank order
+                got[k] = torch.cat([p[k] for p in parts], -2 if k in ("gx", "gy") else -1)
+            else:  # the whole problem's: the same on every rank
+                got[k] = v
+                for p in parts[1:]:
+                    assert not isinstance(v, torch.Tensor) or torch.equal(v, p[k]) or _rel(p[k], v) <= RTOL, (name, k)
+        _check("ring " + name, ref, got, worst)
     print(f"world={world}: worst relative difference {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
 
 
@@ -251,8 +363,19 @@ def test_mismatch_is_detected(tmp_path):
             assert m[k] is not None and m[k].startswith(start), (k, m[k])
             assert "ranks [1]" in m[k] and "rank 0:" in m[k] and "rank 1:" in m[k], m[k]
     assert msgs[0]["after"] == msgs[1]["after"]
+    assert abs(msgs[0]["after_ring"] - msgs[0]["after"]) <= 1e-12 * abs(msgs[0]["after"])  # both modes, one problem
     for m in msgs:
         assert m["diverged"] is not None and "the ranks diverged" in m["diverged"], m["diverged"]
+        assert m["ring_diverged"] is not None and "the ranks diverged" in m["ring_diverged"], m["ring_diverged"]
+    ring = {"ring_reg": ("reg: differs", "ranks [1]"), "ring_dim": ("(batch, dimension, dtype): differs", "ranks [1]"),
+            "ring_weights_given": ("weights given: differs", "ranks [1]"), "ring_empty": ("holds no points",),
+            "ring_blur": ("blur: differs", "ranks [1]")}
+    for m in msgs:
+        for k, parts in ring.items():
+            assert m[k] is not None and all(p in m[k] for p in parts), (k, m[k])
+    assert msgs[0]["ring_empty"].startswith("rank 1 rejected its input")
+    assert "NaN" in msgs[1]["ring_bad_input"] and msgs[0]["ring_bad_input"].startswith("rank 1 rejected its input"), \
+        (msgs[0]["ring_bad_input"], msgs[1]["ring_bad_input"])
     print("\n".join(f"{k}: {v}" for k, v in msgs[0].items()))
 
 

@@ -1,6 +1,6 @@
 r"""One OT problem spread over the ranks of a ``torch.distributed`` process group.
 
-Replicated mode (this module's first slice): every rank holds all the points and weights,
+Replicated mode (``shard="replicated"``, the default): every rank holds all the points and weights,
 and :class:`ShardedEngine` wraps the ordinary single-device engine (``cpu``, ``tiled``,
 ``triton``, ``dense``) so that each primitive computes only this rank's contiguous slice of
 the output rows and all-gathers the rest:
@@ -42,22 +42,46 @@ Gradients: the backward passes (:mod:`flashot.ops.autograd`, :mod:`flashot.impli
 products of the engine, so they shard too; each rank receives the full gradient w.r.t. the
 (replicated) points and weights, identical on every rank.
 
-Not done yet: the points-sharded (ring) mode for clouds that do not fit one device.
+Points-sharded ("ring") mode, ``shard="points"`` (for clouds that do not fit one device): every
+rank passes only ITS slice of ``x`` (and ``a``) and of ``y`` (and ``b``); slices may be uneven, none
+empty.  :func:`points_measures` checks the options across ranks, centres every slice on the centre of
+ALL the points and bounds the cost over all pairs (one all-reduce of the bounding boxes), and wraps the
+engine in a :class:`RingEngine`: each softmin / plan product sends the other side's blocks (points
+plus potentials, or plus ``V``) around the ring of ranks and accumulates this rank's rows block by
+block with the ordinary engine (LogSumExp / sum), like ring attention; the transposed direction sends
+x blocks.  A rank holds its slices plus two blocks in flight (``O((n_r + 2 max m_r) D)`` memory) and
+receives ``(W - 1) / W`` of the other cloud per primitive: ``~(M + N)(D + 1)`` numbers per Sinkhorn
+iteration (versus ``N + W M`` in replicated mode).  The potentials stay sliced: the solver's error,
+rounding floor, finiteness check and masses are all-reduced (:meth:`PointsMeasures.reduce`), so every
+rank takes the same stopping decision, and values are computed from all-gathered ``O(N + M)`` vectors
+(:meth:`PointsMeasures.full`, differentiable: each rank's backward gets its own slice), the same on every
+rank.  Potentials, marginals, ``plan @ V`` and the gradients w.r.t. points and weights are this rank's
+slices (the single-process results' slices up to float reassociation).  Not supported there (a clear
+error): ``acceleration``, ``implicit`` / second derivatives, ``value_linear``'s gradient, ``warm_start``,
+``plan.to_dense`` / ``topk``.  The user chooses the mode (:func:`pick_shard` states a simple rule).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ShardedEngine", "distribute_measures", "distribute_solve", "check_group", "check_same"]
+from .measures import Measures
+from .ot_samples import OTResult
+from .plan import LazyPlan
+
+__all__ = ["ShardedEngine", "distribute_measures", "distribute_solve", "check_group", "check_same", "RingEngine",
+           "PointsMeasures", "points_measures", "points_solve", "SHARDS", "pick_shard"]
 
 _OPS = {"softmin": 1, "plan_product": 2, "softmin_pair": 3, "softmin_alt": 4, "softmin_sym": 5}
 _OP_NAMES = {v: k for k, v in _OPS.items()}
@@ -355,3 +379,414 @@ def distribute_solve(m, opts, group, potentials_init=None):
     rank = dist.get_rank(group)
     cb = None if opts.callback is None else _collective_callback(opts.callback, group)
     return replace(opts, callback=cb, verbose=opts.verbose and rank == 0)
+
+
+# =====================================================================================================
+# Points-sharded ("ring") mode: every rank holds only its slice of x (and a) and of y (and b)
+# =====================================================================================================
+
+SHARDS = ("replicated", "points")
+_RING_OPS = {"softmin": 1, "plan_product": 2}
+_RING_HEAD = 7  # op, call number, batch, three part widths, this rank's block length
+
+
+def pick_shard(n: int, m: int, d: int, dtype: torch.dtype = torch.float32, budget_bytes: int = 1 << 30) -> str:
+    """``"replicated"`` while all the points, ``(n + m) d`` numbers of ``dtype``, fit ``budget_bytes`` per
+    rank (default 1 GiB: replicated mode is faster, it sends only ``O(n + m)`` numbers per iteration),
+    else ``"points"`` (each rank then holds ``~(n + m) d / W`` of them)."""
+    size = (n + m) * d * torch.empty((), dtype=dtype).element_size()
+    return "replicated" if size <= budget_bytes else "points"
+
+
+def check_shard(shard: str, group) -> str:
+    """``shard`` must name a mode of :data:`SHARDS`; ``"points"`` needs a process group."""
+    if not isinstance(shard, str) or shard not in SHARDS:
+        raise ValueError(f"shard: expected one of {SHARDS}, got {shard!r}")
+    if shard == "points" and group is None:
+        raise ValueError("shard='points' needs group= (a torch.distributed process group); "
+                         "on one process pass all the points without shard=")
+    return shard
+
+
+def _lse2(acc: Tensor, out: Tensor, eps: float) -> Tensor:
+    """``-eps log(exp(-acc / eps) + exp(-out / eps))``: two partial softmins over disjoint blocks combined."""
+    return -eps * torch.logaddexp(-acc / eps, -out / eps)
+
+
+class RingEngine:
+    """An engine over points sharded across the ranks of ``group`` (ring attention's scheme).
+
+    ``softmin(x, y, h)`` and ``plan_product(x, y, alpha, beta, V)`` take THIS rank's rows (``x``,
+    ``alpha``) and THIS rank's block of the other side (``y`` with ``h`` / ``beta`` and ``V``) and
+    return this rank's rows of the result over ALL ranks' blocks:
+    ``out_i = -eps log sum_r sum_{j in block r} exp(h_j - C(x_i, y_j) / eps)``, or the plain sum of the
+    block products.  The blocks travel around the ring ``r -> r + 1`` (W - 1 hops; the next block is
+    sent / received without blocking while ``inner`` works on the current one, so a rank holds two
+    blocks at a time) and the partial results are combined as they arrive (LogSumExp / sum).  Each call
+    starts with one small all-gather (operation, call number, batch, widths, block lengths) that checks
+    that the ranks are at the same call.  ``stats``: ``calls`` and ``bytes`` received by this rank.
+    """
+
+    def __init__(self, inner, group):
+        self.inner = inner
+        self.group = check_group(group)
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.name = f"ring({inner.name})"
+        self.stats = {"calls": 0, "bytes": 0}
+        self._calls = 0
+        self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def __repr__(self) -> str:
+        return f"RingEngine({self.inner.name!r}, rank {self.rank} of {self.world})"
+
+    def unsupported(self, device, dtype, cost):
+        return self.inner.unsupported(device, dtype, cost)
+
+    def _header(self, op: str, parts: list[Tensor]) -> list[int]:
+        """All-gather (op, call number, batch, widths, block length); raise if the ranks' calls differ.
+        Returns every rank's block length."""
+        self._calls += 1
+        widths = [p.shape[2] for p in parts] + [0] * (3 - len(parts))
+        head = torch.tensor([_RING_OPS[op], self._calls % _MOD, parts[0].shape[0], *widths, parts[0].shape[1]],
+                            dtype=torch.int64, device=parts[0].device)
+        got = [torch.empty_like(head) for _ in range(self.world)]
+        dist.all_gather(got, head, group=self.group)
+        self.stats["calls"] += 1
+        self.stats["bytes"] += head.numel() * 8 * self.world
+        heads = [tuple(int(v) for v in g.tolist()) for g in got]
+        if any(h[:-1] != heads[0][:-1] for h in heads[1:]):
+            bad = [k for k, h in enumerate(heads) if h[:-1] != heads[0][:-1]]
+            desc = "; ".join(f"rank {k}: {dict((v, n) for n, v in _RING_OPS.items()).get(heads[k][0], '?')} call "
+                             f"{heads[k][1]}, batch {heads[k][2]}, widths {heads[k][3:6]}" for k in [0] + bad[:3])
+            raise RuntimeError(f"distributed Sinkhorn (shard='points'): the ranks diverged ({desc}): every rank must "
+                               "run the same calls with the same options")
+        return [h[-1] for h in heads]
+
+    @staticmethod
+    def _pack(buf: Tensor, parts: list[Tensor], cap: int) -> None:
+        off = 0
+        for p in parts:
+            B, n, w = p.shape
+            buf[off:off + B * cap * w].view(B, cap, w)[:, :n] = p
+            off += B * cap * w
+
+    @staticmethod
+    def _unpack(buf: Tensor, parts: list[Tensor], cap: int, n: int) -> list[Tensor]:
+        out, off = [], 0
+        for p in parts:
+            B, _, w = p.shape
+            out.append(buf[off:off + B * cap * w].view(B, cap, w)[:, :n].to(p.dtype).contiguous())
+            off += B * cap * w
+        return out
+
+    def _ring(self, op: str, parts: list[Tensor], fn, combine) -> Tensor:
+        """``combine`` over the ranks' blocks of ``fn(*block)``, ``parts`` = this rank's (B, m_r, w) block.
+        Hop ``k`` sends the block held to rank + 1 and receives rank - k - 1's while ``fn`` runs."""
+        lens = self._header(op, parts)
+        if self.world == 1:
+            return fn(*parts)
+        dtype = parts[0].dtype
+        for p in parts[1:]:
+            dtype = torch.promote_types(dtype, p.dtype)
+        cap = max(lens)
+        buf = parts[0].new_zeros(parts[0].shape[0] * cap * sum(p.shape[2] for p in parts), dtype=dtype)
+        self._pack(buf, parts, cap)
+        nxt = torch.empty_like(buf)
+        acc = None
+        for step in range(self.world):
+            more = step < self.world - 1
+            if more:
+                reqs = [dist.isend(buf, self._next, group=self.group), dist.irecv(nxt, self._prev, group=self.group)]
+            block = parts if step == 0 else self._unpack(buf, parts, cap, lens[(self.rank - step) % self.world])
+            out = fn(*block)
+            acc = out if acc is None else combine(acc, out)
+            if more:
+                for q in reqs:
+                    q.wait()
+                self.stats["bytes"] += nxt.numel() * nxt.element_size()
+                buf, nxt = nxt, buf
+        return acc
+
+    # -- the contract ---------------------------------------------------------------------
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:
+        """This rank's rows of ``-eps log sum_j exp(h_j - C(x_i, y_j) / eps)`` over every rank's block (y, h)."""
+        def part(yb, hb):
+            return self.inner.softmin(x, yb, hb[..., 0], eps, cost)
+        return self._ring("softmin", [y, h.unsqueeze(-1)], part, lambda acc, o: _lse2(acc, o, eps))
+
+    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
+        """This rank's rows of ``sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j`` over every rank's block."""
+        def part(yb, bb, Vb):
+            return self.inner.plan_product(x, yb, alpha, bb[..., 0], eps, Vb, cost, weight)
+        return self._ring("plan_product", [y, beta.unsqueeze(-1), V], part, torch.add)
+
+
+class _GatherFn(torch.autograd.Function):
+    """All-gather of per-rank (B, n_r) slices into whole vectors; backward: this rank's slice of the
+    gradient (every rank computes the same function of the gathered vectors)."""
+
+    @staticmethod
+    def forward(ctx, m, sides, *ts):
+        ctx.m, ctx.sides = m, sides
+        return tuple(m._gather(sides, ts))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *(None if g is None else ctx.m._own(s, g) for g, s in zip(grads, ctx.sides)))
+
+
+@dataclass
+class PointsMeasures(Measures):
+    """:class:`~flashot.measures.Measures` of this rank's slices (points-sharded mode).
+
+    ``x``, ``y``, ``a``, ``b`` hold this rank's points and weights (centred on the centre of ALL the
+    points: the same numbers as one process), ``engine`` is a :class:`RingEngine`, ``cmax`` and
+    ``diameter`` bound all the points; ``counts`` = (points of x per rank, points of y per rank).  The
+    solver's sums and maxima over points go through :meth:`reduce` (all-reduce), values through
+    :meth:`full` (differentiable all-gather of ``O(N + M)`` numbers).
+    """
+
+    group: Any = None
+    counts: tuple = ((), ())
+    diameter: float = 0.0
+    points_sharded = True
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return sum(self.counts[0]), sum(self.counts[1])
+
+    def reduce(self, t: Tensor, op: str = "sum") -> Tensor:
+        t = t.detach().clone().contiguous()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def full(self, sides: str, *ts: Tensor | None) -> tuple:
+        keep = [k for k, t in enumerate(ts) if t is not None]
+        got = _GatherFn.apply(self, "".join(sides[k] for k in keep), *(ts[k] for k in keep))
+        out: list = [None] * len(ts)
+        for k, t in zip(keep, got):
+            out[k] = t
+        return tuple(out)
+
+    def bbox_diameter(self) -> float:
+        return self.diameter
+
+    def _offset(self, side: str) -> tuple[int, int]:
+        c = self.counts[0 if side == "x" else 1]
+        r = dist.get_rank(self.group)
+        return sum(c[:r]), c[r]
+
+    def _own(self, side: str, g: Tensor) -> Tensor:
+        lo, n = self._offset(side)
+        return g[:, lo:lo + n]
+
+    def _gather(self, sides: str, ts) -> list[Tensor]:
+        """One all-gather of the (B, n_r) slices ``ts`` (padded to the largest slice of their side)."""
+        world = dist.get_world_size(self.group)
+        caps = {s: max(self.counts[0 if s == "x" else 1]) for s in "xy"}
+        dtype = ts[0].dtype
+        for t in ts[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+        send = torch.cat([F.pad(t.detach().to(dtype), (0, caps[s] - t.shape[1])).reshape(-1)
+                          for t, s in zip(ts, sides)])
+        recv = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(recv, send, group=self.group)
+        out, off = [], 0
+        for t, s in zip(ts, sides):
+            B, cap, c = t.shape[0], caps[s], self.counts[0 if s == "x" else 1]
+            out.append(torch.cat([recv[k][off:off + B * cap].view(B, cap)[:, :c[k]] for k in range(world)], 1)
+                       .to(t.dtype))
+            off += B * cap
+        return out
+
+    @cached_property
+    def _engine64(self):
+        eng = Measures._engine64.func(self)
+        return eng if isinstance(eng, RingEngine) else RingEngine(eng, self.group)
+
+
+def _shared(group, local_error: Exception | None, fields: dict[str, Any]) -> list[dict]:
+    """All-gather this rank's error (or None) and ``fields``; re-raise a rank's error on every rank (the
+    failing rank its own, the others a ``ValueError`` naming it), so that no rank is left waiting."""
+    world = dist.get_world_size(group)
+    got: list = [None] * world
+    dist.all_gather_object(got, {"error": None if local_error is None else f"{type(local_error).__name__}: "
+                                 f"{local_error}", **fields}, group=group)
+    if local_error is not None:
+        raise local_error
+    bad = [r for r, g in enumerate(got) if g["error"] is not None]
+    if bad:
+        raise ValueError(f"rank {bad[0]} rejected its input ({got[bad[0]]['error']}); every rank stops")
+    return got
+
+
+def _global_box(xb: Tensor, yb: Tensor, group) -> tuple[Tensor, Tensor]:
+    """``(lo, hi)``, (B, D): the joint bounding box of every rank's clouds (one all-reduce)."""
+    lo = torch.minimum(xb.detach().amin(-2), yb.detach().amin(-2))
+    hi = torch.maximum(xb.detach().amax(-2), yb.detach().amax(-2))
+    both = torch.stack([lo, -hi])
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    return both[0], -both[1]
+
+
+def points_measures(x: Tensor, y: Tensor, a: Tensor | None, b: Tensor | None, *, group, build,
+                    options: dict[str, Any] | None = None,
+                    names: tuple[str, str, str, str] = ("x", "y", "a", "b")) -> PointsMeasures:
+    """This rank's slices ``x`` (n_r, D), ``y`` (m_r, D), ``a``, ``b`` as :class:`PointsMeasures` of ONE
+    problem over the ranks of ``group``: ``build(x, y, a, b)`` validates them locally (the front end's
+    ``Measures.build``); every rank raises if one fails or if the dimension, batch, dtype, cost, engine or
+    ``options`` differ (``ValueError`` naming them and the ranks).  ``a=None``: weights ``1 / N`` with
+    ``N`` the points over all ranks.  Centre and ``cmax`` come from the bounding box of all the points."""
+    check_group(group)
+    xn, yn, an, bn = names
+    try:
+        for nm, t in ((xn, x), (yn, y)):
+            if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == 0:
+                raise ValueError(f"{nm}: this rank's slice holds no points (shape {tuple(t.shape)}); shard='points' "
+                                 "needs at least one point of each cloud on every rank")
+        m, err = build(x, y, a, b), None
+    except (TypeError, ValueError, NotImplementedError) as e:
+        m, err = None, e
+    fields: dict[str, Any] = {}
+    if m is not None:
+        fields = {"world size": dist.get_world_size(group),
+                  f"{xn}, {yn} (batch, dimension, dtype)": (m.x.shape[0], m.x.shape[2], str(m.x.dtype)),
+                  "cost": getattr(m.cost, "name", repr(m.cost)),
+                  "backend (the engine each rank resolved)": m.engine.name,
+                  "weights given": (a is not None, b is not None), **(options or {})}
+        fields["_counts"] = (m.x.shape[1], m.y.shape[1])
+    got = _shared(group, err, fields)
+    for name in fields:
+        if name != "_counts":
+            check_same_values(name, [g[name] for g in got])
+    cx, cy = tuple(g["_counts"][0] for g in got), tuple(g["_counts"][1] for g in got)
+    empty = [r for r in range(len(got)) if cx[r] == 0 or cy[r] == 0]
+    if empty:
+        raise ValueError(f"{xn}, {yn}: rank {empty[0]} holds no points of one cloud ({xn}: {cx}, {yn}: {cy} per "
+                         "rank); shard='points' needs at least one point of each cloud on every rank")
+    return _global_measures(m, x, y, a, b, group, (cx, cy))
+
+
+def check_same_values(name: str, vals: list) -> None:
+    """``ValueError`` naming ``name`` and the ranks whose value differs from rank 0's."""
+    if any(v != vals[0] for v in vals[1:]):
+        bad = [r for r, v in enumerate(vals) if v != vals[0]]
+        shown = "; ".join(f"rank {r}: {vals[r]!r}" for r in [0] + bad[:3])
+        raise ValueError(f"{name}: differs across the ranks of the process group (ranks {bad} differ from "
+                         f"rank 0; {shown}); every rank must pass the same options")
+
+
+def _global_measures(m: Measures, x, y, a, b, group, counts) -> PointsMeasures:
+    """Re-centre ``m`` on the centre of all the points, bound the cost over all pairs, weights ``1/N``
+    where none were given, and wrap the engine in a :class:`RingEngine`."""
+    from .ops import max_cost
+    from .measures import log_weights
+
+    cdt = m.x.dtype
+    xb, yb = (x, y) if m.batched else (x.unsqueeze(0), y.unsqueeze(0))
+    xb, yb = xb.to(cdt), yb.to(cdt)
+    lo, hi = _global_box(xb, yb, group)
+    c = ((lo + hi) / 2).unsqueeze(-2)
+    corners = torch.stack([lo, hi], -2)  # the bounding box of all points: max_cost checks overflow too
+    cmax = max_cost(corners, corners, m.cost, cdt)
+    diameter = float((hi.amax(0) - lo.amin(0)).double().norm())
+    fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(Measures)}
+    fields.update(x=(xb - c).contiguous(), y=(yb - c).contiguous(), center=c, cmax=cmax)
+    fields["engine"] = RingEngine(m.engine, group)
+    for side, w, k in (("a", a, 0), ("b", b, 1)):
+        if w is None:
+            uni = torch.full_like(fields[side], 1.0 / sum(counts[k]))
+            fields[side], fields[f"{side}_log"] = uni, log_weights(uni)
+    return PointsMeasures(**fields, group=group, counts=counts, diameter=diameter)
+
+
+class PointsPlan(LazyPlan):
+    """The plan of a points-sharded solve: ``P @ V`` takes this rank's rows of ``V`` (its points of the
+    column cloud) and returns this rank's rows (a collective: call it on every rank); ``sum()`` and
+    ``cost_sum()`` are totals over all ranks.  ``shape`` is the whole plan's."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        N, M = self._m.sizes
+        nm = (M, N) if self._t else (N, M)
+        return nm if not self._m.batched else (self._m.x.shape[0], *nm)
+
+    @property
+    def T(self) -> "PointsPlan":
+        return PointsPlan(self._m, self._f, self._g, self.eps, transposed=not self._t, numpy=self._numpy)
+
+    def sum(self, axis: int | None = None):
+        """``sum_ij P_ij`` over all ranks (``axis=None``), else this rank's column / row sums."""
+        if axis is None:
+            return self._finish(self._m.reduce(self._apply_raw(self._ones())[..., 0].sum(-1)))
+        return super().sum(axis)
+
+    def cost_sum(self) -> Tensor:
+        """``<C, P>`` over all ranks, (B,)."""
+        return self._m.reduce(super().cost_sum())
+
+    def _refuse(self, what: str):
+        raise NotImplementedError(f"{what}: not available for a points-sharded plan (shard='points': each rank "
+                                  "holds a slice of the points); use plan @ V, plan.sum(axis) or shard='replicated'")
+
+    def to_dense(self, max_elems: int = 0):
+        self._refuse("to_dense")
+
+    def __array__(self, dtype=None, copy=None):
+        self._refuse("np.asarray(plan)")
+
+    def topk(self, k: int):
+        self._refuse("topk")
+
+
+class PointsOTResult(OTResult):
+    """:class:`~flashot.OTResult` of a points-sharded solve (``value_linear`` summed over all ranks)."""
+
+    @cached_property
+    def value_linear(self):
+        if isinstance(self.value, Tensor) and self.value.requires_grad:
+            raise NotImplementedError("value_linear: its gradient (implicit differentiation) is not implemented "
+                                      "with shard='points'; use grad='detach' (or res.plan.cost_sum()) or "
+                                      "shard='replicated'")
+        v = self.plan.cost_sum()
+        return self._out(v if self.plan._m.batched else v[0])
+
+
+def _points_result(res: OTResult) -> PointsOTResult:
+    """``res`` with the plan of a points-sharded solve."""
+    p = res.plan
+    out = PointsOTResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(OTResult)})
+    out.plan = PointsPlan(p._m, p._f, p._g, p.eps, numpy=p._numpy)
+    return out
+
+
+def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, group, potentials_init=None,
+                 implicit=None, numpy: bool = False):
+    """:func:`flashot.solve_sample` with ``shard="points"``: ONE problem whose points and weights are split
+    over the ranks of ``group`` (this rank passes its slices); potentials, marginals and gradients are this
+    rank's slices, values the whole problem's (same on every rank).  Options are checked across ranks."""
+    from .ot_samples import solve_measures
+
+    check_group(group)
+    if opts.acceleration is not None:
+        raise NotImplementedError("acceleration: not implemented with shard='points' (its extrapolation weights "
+                                  "are inner products over all potentials); use acceleration=None or shard='replicated'")
+    if implicit is not None:
+        raise NotImplementedError("implicit: second derivatives are not implemented with shard='points'; use "
+                                  "shard='replicated'")
+    fields = {
+        "reg": opts.reg, "max_iter": opts.max_iter, "tol": opts.tol, "method": opts.method,
+        "eps_scaling": opts.eps_scaling, "unbalanced": (opts.rho_a, opts.rho_b),
+        "inner_iterations": opts.inner_iterations, "grad": opts.grad,
+        "callback (given or not)": opts.callback is not None, "potentials_init (given or not)": potentials_init is not None,
+    }
+
+    def build(x, y, a_, b_):
+        return Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+
+    m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))
+    cb = None if opts.callback is None else _collective_callback(opts.callback, group)
+    opts = replace(opts, callback=cb, verbose=opts.verbose and dist.get_rank(group) == 0)
+    return _points_result(solve_measures(m, opts, potentials_init, numpy=numpy))

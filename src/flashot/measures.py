@@ -98,11 +98,36 @@ class Measures:
         return cls(p.x, p.y, a, b, log_weights(a), log_weights(b), p.cost, p.engine, p.batched, p.out_dtype,
                    p.center, p.cmax)
 
+    # True in flashot.distributed's points-sharded mode (PointsMeasures): x, y, a, b are this rank's slices
+    points_sharded = False
+
     # -- shapes -------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, int, int, int]:
         B, N, D = self.x.shape
         return B, N, self.y.shape[1], D
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """``(N, M)``: the points of each cloud (over all ranks in points-sharded mode)."""
+        return self.a.shape[-1], self.b.shape[-1]
+
+    # -- reductions over all the points (identity here; all-reduces in points-sharded mode) ----------
+    def reduce(self, t: Tensor, op: str = "sum") -> Tensor:
+        """``t`` (already reduced over this process's points) combined over the ranks holding the other
+        points (``op``: ``"sum"`` or ``"max"``); ``t`` itself on one process."""
+        return t
+
+    def full(self, sides: str, *ts: Tensor | None) -> tuple:
+        """The whole (B, N) / (B, M) vectors of ``ts`` (``sides[k]`` = ``"x"`` or ``"y"``: the cloud of
+        ``ts[k]``); ``ts`` itself on one process (differentiable all-gather in points-sharded mode)."""
+        return ts
+
+    def bbox_diameter(self) -> float:
+        """Diagonal of the joint bounding box of both clouds (all batches together)."""
+        from .schedules import max_diameter
+
+        return max_diameter(self.x + self.center, self.y + self.center)
 
     # -- log-weights (the only way the solver builds softmin inputs) ----------------------
     def hot(self, eps: float) -> bool:
@@ -211,7 +236,7 @@ class Measures:
 
     def masses(self) -> tuple[Tensor, Tensor]:
         """``(sum a, sum b)`` per problem, (B,) each, in float64 (detached)."""
-        return self.a.detach().double().sum(-1), self.b.detach().double().sum(-1)
+        return self.reduce(self.a.detach().double().sum(-1)), self.reduce(self.b.detach().double().sum(-1))
 
     def unequal_masses(self) -> tuple[float, float] | None:
         """``(sum a, sum b)`` of the first problem whose total masses differ by more than

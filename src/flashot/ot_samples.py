@@ -35,7 +35,7 @@ from .measures import Measures
 from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
 from .plan import LazyPlan
 from .acceleration import check_acceleration
-from .solver import IterationRecord, SinkhornState, final_step, sinkhorn_loop
+from .solver import IterationRecord, SinkhornState, balanced_value, final_step, sinkhorn_loop
 from .unbalanced import dual_value, parse_unbalanced, pot_value
 
 METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
@@ -180,6 +180,7 @@ def solve_sample(
     implicit: ImplicitDiff | None = None,
     eps_scaling: bool | float | None = None,
     group=None,
+    shard: str = "replicated",
 ) -> OTResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
@@ -255,6 +256,12 @@ def solve_sample(
             potentials (:mod:`flashot.distributed`; every rank passes the same points and options,
             checked at the start).  Later plan products (``plan @ V``, ``marginals``, gradients) are
             collective: call them on every rank.
+        shard: with ``group``: ``"replicated"`` (default; every rank passes ALL the points and weights) or
+            ``"points"`` (every rank passes only its slice of ``X_a``, ``a``, ``X_b``, ``b``; the other
+            slices travel around a ring of the ranks: for clouds that do not fit one device).  With
+            ``"points"``, ``potentials``, ``marginals`` and the gradients are this rank's slices, ``value``
+            the whole problem's; ``a=None`` means ``1 / N`` with ``N`` the points of all ranks.  Not with
+            ``acceleration`` or ``implicit`` (see :mod:`flashot.distributed`).
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
@@ -284,6 +291,10 @@ def solve_sample(
             raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
         cost = metric
     _check_positional_scalars(a, b, reg)
+    if group is not None or shard != "replicated":
+        from .distributed import check_shard
+
+        check_shard(shard, group)
     opts = solve_options(
         reg, reg_type=reg_type, unbalanced=unbalanced, unbalanced_type=unbalanced_type, lazy=lazy,
         batch_size=batch_size, method=method, n_threads=n_threads, max_iter=max_iter, tol=tol, grad=grad,
@@ -297,6 +308,11 @@ def solve_sample(
         a = to_tensor("a", a, like=X_a)
     if b is not None:
         b = to_tensor("b", b, like=X_b)
+    if shard == "points":  # one problem whose points are split over the ranks (flashot.distributed)
+        from .distributed import points_solve
+
+        return points_solve(X_a, X_b, a, b, cost=cost, backend=backend, opts=opts, group=group,
+                            potentials_init=potentials_init, implicit=implicit, numpy=is_np)
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
     if group is not None:  # one problem over the ranks of a torch.distributed group
         from .distributed import distribute_solve
@@ -371,9 +387,11 @@ def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy:
         verbose=o.verbose,
     )
     f, g, _, _ = final_step(m, st, rho_x=o.rho_a, rho_y=o.rho_b)
-    if o.unbalanced:
-        value = pot_value(m.a, m.b, f, g, reg, o.rho_a, o.rho_b)
-        value_dual = dual_value(m.a, m.b, f, g, reg, o.rho_a, o.rho_b)
+    if o.unbalanced:  # m.full: the whole vectors when the points are split over ranks (else the same)
+        value = pot_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b)
+        value_dual = dual_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b)
+    elif m.points_sharded:  # first derivatives through the final step (no second ones)
+        value = value_dual = balanced_value(*m.full("xyxy", m.a, m.b, f, g))
     else:
         value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
     res = OTResult(

@@ -24,7 +24,7 @@ from .multiscale import MultiscaleConfig, MultiscaleRun, multiscale_loop
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
-from .solver import final_step, sinkhorn_loop
+from .solver import balanced_value, final_step, sinkhorn_loop
 from .unbalanced import (
     geomloss_debiased,
     geomloss_debiased_two_sided,
@@ -155,6 +155,10 @@ class SamplesLoss(torch.nn.Module):
         group: a ``torch.distributed`` process group: each call solves ONE problem over its ranks
             (:mod:`flashot.distributed`; every rank passes the same points, checked at the start);
             ``loss="sinkhorn"`` with the built-in costs, not ``backend="multiscale"``.
+        shard: with ``group``: ``"replicated"`` (default; every rank passes all the points) or ``"points"``
+            (every rank passes only its slice of the points and weights; the slices travel around a ring of
+            the ranks).  With ``"points"`` the value is the whole problem's (same on every rank), the
+            potentials and gradients this rank's slices; not with ``implicit`` or ``warm_start``.
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.  Balanced (no ``reach``) weights whose total
@@ -194,6 +198,7 @@ class SamplesLoss(torch.nn.Module):
         implicit=None,
         warm_start: bool | float = False,
         group=None,
+        shard: str = "replicated",
     ):
         super().__init__()
         if not isinstance(loss, str):
@@ -254,7 +259,13 @@ class SamplesLoss(torch.nn.Module):
                                           "(p=1 or 2), not cost functions, kernel norms or backend='multiscale'")
             from .distributed import check_group
             check_group(group)
-        self.group = group
+        if group is not None or shard != "replicated":
+            from .distributed import check_shard
+            check_shard(shard, group)
+            if shard == "points" and (implicit is not None or self.warm_start is not None):
+                raise NotImplementedError("shard='points': implicit= and warm_start= are not implemented with points "
+                                          "split over ranks; use shard='replicated'")
+        self.group, self.shard = group, shard
         self._warm_cache = None
         self.last_n_iter = None
         self.last_multiscale = None
@@ -321,7 +332,7 @@ class SamplesLoss(torch.nn.Module):
             if self.p == 1 and self.backend == "tensorized":
                 cost = "euclidean_geomloss"  # reproduce GeomLoss' clamp of |x-y|^2 at 1e-8
             m = self._measures(x, y, a_in, b_in, cost)
-            if self.group is not None:  # one problem over the ranks of a torch.distributed group
+            if self.group is not None and self.shard == "replicated":  # one problem over the ranks of a group
                 from .distributed import distribute_measures
 
                 distribute_measures(m, self.group, {k: repr(getattr(self, k)) for k in (
@@ -330,7 +341,7 @@ class SamplesLoss(torch.nn.Module):
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
         diameter = self.diameter if self.diameter is not None else (
-            max_diameter(x, y) if self.cost is not None else max_diameter(m.x + m.center, m.y + m.center))
+            max_diameter(x, y) if self.cost is not None else m.bbox_diameter())
         diameter = max(diameter, self.blur)
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
         rx, ry = self.rho_x, self.rho_y
@@ -350,6 +361,10 @@ class SamplesLoss(torch.nn.Module):
         if not self.potentials and self.cost is not None:  # autograd through the cost function's matrices
             value = (m.a * f).sum(-1) + (m.b * g).sum(-1)
             return m.restore(value - (m.a * f_aa).sum(-1) - (m.b * g_bb).sum(-1) if self.debias else value)
+        if not self.potentials and m.points_sharded:  # the whole vectors; first derivatives only
+            A, Bw, F, G, Faa, Gbb = m.full("xyxyxy", m.a, m.b, f, g, f_aa, g_bb)
+            value = balanced_value(A, Bw, F, G)
+            return m.restore(value - balanced_value(A, Bw, Faa, Gbb) if self.debias else value)
         if not self.potentials:
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
         if self.debias:
@@ -370,10 +385,21 @@ class SamplesLoss(torch.nn.Module):
         return run
 
     def _measures(self, x, y, a_in, b_in, cost: str) -> Measures:
-        """The validated, centred pair on the engine this loss's ``backend`` names (GeomLoss' names mapped)."""
+        """The validated, centred pair on the engine this loss's ``backend`` names (GeomLoss' names mapped);
+        this rank's slices of one problem with ``shard="points"`` (:func:`flashot.distributed.points_measures`)."""
         backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
-        return Measures.build(x, y, a_in, b_in, cost=cost, backend=backend, allow_dense=self.backend != "online",
-                              names=("α", "x", "β", "y"))
+
+        def build(x, y, a, b):
+            return Measures.build(x, y, a, b, cost=cost, backend=backend, allow_dense=self.backend != "online",
+                                  names=("α", "x", "β", "y"))
+        if getattr(self, "shard", "replicated") != "points":
+            return build(x, y, a_in, b_in)
+        from .distributed import points_measures
+
+        opts = {k: repr(getattr(self, k)) for k in ("p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling",
+                                                    "debias", "potentials", "backend")}
+        return points_measures(x, y, a_in, b_in, group=self.group, build=build, options=opts,
+                               names=("x", "y", "α", "β"))
 
     def _other_loss(self, a_in, x, b_in, y):
         """Kernel norms and the Hausdorff divergence (:mod:`flashot.kernel_losses`): no Sinkhorn loop."""
@@ -470,7 +496,8 @@ class SamplesLoss(torch.nn.Module):
             f_aa, g_aa, f_bb, g_bb = self_terms_final(m, st, rx, ry)
             if self.potentials:
                 return self._potentials(m, f - 0.5 * (f_aa + g_aa), g - 0.5 * (f_bb + g_bb), a_in, b_in)
-            val = geomloss_debiased_two_sided(m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb, st.eps, rx, ry)
+            val = geomloss_debiased_two_sided(*m.full("xyxyxxyy", m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb),
+                                              st.eps, rx, ry)
             return m.restore(val)
         f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
         if self.potentials:
@@ -478,5 +505,5 @@ class SamplesLoss(torch.nn.Module):
                 f, g = f - f_aa, g - g_bb
             return self._potentials(m, f, g, a_in, b_in)
         if self.debias:
-            return m.restore(geomloss_debiased(m.a, m.b, f, g, f_aa, g_bb, st.eps, rx, ry))
-        return m.restore(geomloss_value(m.a, m.b, f, g, st.eps, rx, ry))
+            return m.restore(geomloss_debiased(*m.full("xyxyxy", m.a, m.b, f, g, f_aa, g_bb), st.eps, rx, ry))
+        return m.restore(geomloss_value(*m.full("xyxy", m.a, m.b, f, g), st.eps, rx, ry))

@@ -96,7 +96,7 @@ def _marginal_error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side:
     finite = torch.isfinite(f_old) & torch.isfinite(f_new)
     per_point = torch.where(finite, (w * r1).abs(), torch.full_like(w, math.inf))
     per_point = torch.where(w > 0, per_point, torch.zeros_like(w))
-    return _nan_as_inf(per_point.sum(-1))
+    return _nan_as_inf(m.reduce(per_point.sum(-1)))
 
 
 def _nan_as_inf(err: Tensor) -> Tensor:
@@ -109,7 +109,7 @@ def _error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str, bal
     NaN / Inf potentials read as an infinite error."""
     if balanced:
         return _marginal_error(m, f_old, f_new, eps, side)
-    return _nan_as_inf((f_new - f_old).abs().amax(-1) / eps)
+    return m.reduce(_nan_as_inf((f_new - f_old).abs().amax(-1) / eps), "max")
 
 
 # Above this floor the error of a check says nothing useful (1% of the mass): no convergence.
@@ -122,8 +122,8 @@ def rounding_floor(m: Measures, f: Tensor, g: Tensor, eps: float) -> Tensor:
     and the streamed sums ~ ``u log2(terms)``."""
     u = torch.finfo(f.dtype).eps
     cmax = m.cmax if math.isfinite(m.cmax) else 0.0
-    n = max(f.shape[-1], g.shape[-1])
-    scale = f.abs().amax() + g.abs().amax() + cmax
+    n = max(m.sizes)
+    scale = m.reduce(torch.stack([f.abs().amax(), g.abs().amax()]), "max").sum() + cmax
     return u * (scale / eps + 2.0 * math.log2(1 + n))
 
 
@@ -161,7 +161,7 @@ def check_potentials(m: Measures, eps: float, where: str, *pots: Tensor | None) 
     One device sync.
     """
     pots = [p for p in pots if p is not None]
-    if not pots or bool(torch.stack([torch.isfinite(p).all() for p in pots]).all()):
+    if not pots or bool(m.reduce(torch.stack([~torch.isfinite(p).all() for p in pots]).any().double(), "max") == 0):
         return
     dtype = m.x.dtype
     f64 = "" if dtype == torch.float64 else ", float64"
