@@ -50,8 +50,10 @@ engine in a :class:`RingEngine`: each softmin / plan product sends the other sid
 plus potentials, or plus ``V``) around the ring of ranks and accumulates this rank's rows block by
 block with the ordinary engine (LogSumExp / sum), like ring attention; the transposed direction sends
 x blocks.  A rank holds its slices plus two blocks in flight (``O((n_r + 2 max m_r) D)`` memory) and
-receives ``(W - 1) / W`` of the other cloud per primitive: ``~(M + N)(D + 1)`` numbers per Sinkhorn
-iteration (versus ``N + W M`` in replicated mode).  The potentials stay sliced: the solver's error,
+receives ``(W - 1) / W`` of the other cloud per primitive: ``(N + M)(D + 1)(W - 1) / W`` numbers per
+alternating iteration (versus ``N + W M`` in replicated mode).  A symmetric step (``softmin_pair``,
+GeomLoss' updates) is ONE ring pass: each y block travels with its partial column softmin, which every
+rank updates with its rows, and comes home complete after W hops (``M (D + 2)`` numbers received).  The potentials stay sliced: the solver's error,
 rounding floor, finiteness check and masses are all-reduced (:meth:`PointsMeasures.reduce`), so every
 rank takes the same stopping decision, and values are computed from all-gathered ``O(N + M)`` vectors
 (:meth:`PointsMeasures.full`, differentiable: each rank's backward gets its own slice), the same on every
@@ -386,7 +388,7 @@ def distribute_solve(m, opts, group, potentials_init=None):
 # =====================================================================================================
 
 SHARDS = ("replicated", "points")
-_RING_OPS = {"softmin": 1, "plan_product": 2}
+_RING_OPS = {"softmin": 1, "plan_product": 2, "softmin_pair": 3}
 _RING_HEAD = 7  # op, call number, batch, three part widths, this rank's block length
 
 
@@ -433,6 +435,8 @@ class RingEngine:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.name = f"ring({inner.name})"
+        if hasattr(inner, "softmin_pair"):
+            self.softmin_pair = self._softmin_pair
         self.stats = {"calls": 0, "bytes": 0}
         self._calls = 0
         self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
@@ -473,13 +477,15 @@ class RingEngine:
             off += B * cap * w
 
     @staticmethod
-    def _unpack(buf: Tensor, parts: list[Tensor], cap: int, n: int) -> list[Tensor]:
-        out, off = [], 0
-        for p in parts:
-            B, _, w = p.shape
-            out.append(buf[off:off + B * cap * w].view(B, cap, w)[:, :n].to(p.dtype).contiguous())
-            off += B * cap * w
-        return out
+    def _slot(buf: Tensor, parts: list[Tensor], cap: int, k: int) -> Tensor:
+        """The (B, cap, w) view of part ``k`` in a packed buffer."""
+        off = sum(p.shape[0] * cap * p.shape[2] for p in parts[:k])
+        B, _, w = parts[k].shape
+        return buf[off:off + B * cap * w].view(B, cap, w)
+
+    @classmethod
+    def _unpack(cls, buf: Tensor, parts: list[Tensor], cap: int, n: int) -> list[Tensor]:
+        return [cls._slot(buf, parts, cap, k)[:, :n].to(p.dtype).contiguous() for k, p in enumerate(parts)]
 
     def _ring(self, op: str, parts: list[Tensor], fn, combine) -> Tensor:
         """``combine`` over the ranks' blocks of ``fn(*block)``, ``parts`` = this rank's (B, m_r, w) block.
@@ -515,6 +521,36 @@ class RingEngine:
         def part(yb, hb):
             return self.inner.softmin(x, yb, hb[..., 0], eps, cost)
         return self._ring("softmin", [y, h.unsqueeze(-1)], part, lambda acc, o: _lse2(acc, o, eps))
+
+    def _softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost) -> tuple[Tensor, Tensor]:
+        """``(softmin(x, y, hy), softmin(y, x, hx))`` for this rank's rows of x and of y, in ONE ring pass:
+        each y block travels with its potential and its partial column softmin, which every rank updates
+        with its rows (the inner engine's fused ``softmin_pair``); after W hops each block is home, complete."""
+        parts = [y, hy.unsqueeze(-1), hy.unsqueeze(-1)]  # points, log-weights, accumulator (shape only here)
+        lens = self._header("softmin_pair", parts)
+        f, g = self.inner.softmin_pair(x, y, hx, hy, eps, cost)  # own block: rows of f, partial g over x_r
+        if self.world == 1:
+            return f, g
+        parts[2] = g.unsqueeze(-1)
+        dtype = torch.promote_types(torch.promote_types(y.dtype, hy.dtype), g.dtype)
+        cap = max(lens)
+        buf = y.new_zeros(y.shape[0] * cap * (y.shape[2] + 2), dtype=dtype)
+        self._pack(buf, parts, cap)
+        nxt = torch.empty_like(buf)
+        for hop in range(1, self.world + 1):
+            reqs = [dist.isend(buf, self._next, group=self.group), dist.irecv(nxt, self._prev, group=self.group)]
+            for q in reqs:
+                q.wait()
+            self.stats["bytes"] += nxt.numel() * nxt.element_size()
+            buf, nxt = nxt, buf
+            n = lens[(self.rank - hop) % self.world]
+            yb, hb, acc = self._unpack(buf, parts, cap, n)
+            if hop == self.world:  # our own block, back with every rank's partial
+                return f, acc[..., 0]
+            fp, gp = self.inner.softmin_pair(x, yb, hx, hb[..., 0], eps, cost)
+            f = _lse2(f, fp, eps)
+            self._slot(buf, parts, cap, 2)[:, :n, 0] = _lse2(acc[..., 0], gp, eps).to(dtype)
+        raise AssertionError("unreachable")
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
         """This rank's rows of ``sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j`` over every rank's block."""
