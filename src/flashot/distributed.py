@@ -78,7 +78,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from .measures import Measures
+from .measures import Measures, _log64
 from .ot_samples import OTResult
 from .plan import LazyPlan
 
@@ -638,6 +638,14 @@ class PointsMeasures(Measures):
         return out
 
     @cached_property
+    def _a_log64(self) -> Tensor:
+        return _log64(self.a, self.sizes[0])  # uniform weights are 1 / N over all ranks' points
+
+    @cached_property
+    def _b_log64(self) -> Tensor:
+        return _log64(self.b, self.sizes[1])
+
+    @cached_property
     def _engine64(self):
         eng = Measures._engine64.func(self)
         return eng if isinstance(eng, RingEngine) else RingEngine(eng, self.group)
@@ -806,12 +814,6 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     from .ot_samples import solve_measures
 
     check_group(group)
-    if opts.acceleration is not None:
-        raise NotImplementedError("acceleration: not implemented with shard='points' (its extrapolation weights "
-                                  "are inner products over all potentials); use acceleration=None or shard='replicated'")
-    if implicit is not None:
-        raise NotImplementedError("implicit: second derivatives are not implemented with shard='points'; use "
-                                  "shard='replicated'")
     fields = {
         "reg": opts.reg, "max_iter": opts.max_iter, "tol": opts.tol, "method": opts.method,
         "eps_scaling": opts.eps_scaling, "unbalanced": (opts.rho_a, opts.rho_b),
@@ -819,7 +821,14 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
         "callback (given or not)": opts.callback is not None, "potentials_init (given or not)": potentials_init is not None,
     }
 
-    def build(x, y, a_, b_):
+    def build(x, y, a_, b_):  # inside points_measures: an error on one rank is raised on every rank
+        if opts.acceleration is not None:
+            raise NotImplementedError("acceleration: not implemented with shard='points' (its extrapolation "
+                                      "weights are inner products over all potentials); use acceleration=None "
+                                      "or shard='replicated'")
+        if implicit is not None:
+            raise NotImplementedError("implicit: second derivatives are not implemented with shard='points'; "
+                                      "use shard='replicated'")
         return Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
 
     m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))

@@ -45,12 +45,13 @@ def log_weights(a: Tensor) -> Tensor:
         return out.masked_fill_(a <= 0, float("-inf"))
 
 
-def _log64(w: Tensor) -> Tensor:
+def _log64(w: Tensor, n: int | None = None) -> Tensor:
     """float64 log-weights of ``w``; a row of weights all equal to ``1/N`` rounded to their dtype
     is taken as exactly ``1/N`` (mass 1: at a high temperature a mass off by ``d`` moves the
-    uncorrected value ``<a, f> + <b, g>`` by ``~eps d``)."""
+    uncorrected value ``<a, f> + <b, g>`` by ``~eps d``).  ``n``: ``N`` when ``w`` is a slice of
+    the weights (points-sharded mode), else ``w``'s length."""
     w = w.detach()
-    n = w.shape[-1]
+    n = w.shape[-1] if n is None else n
     out = log_weights(w.double())
     uniform = (w == torch.full_like(w[..., :1], 1.0 / n)).all(-1, keepdim=True)
     return torch.where(uniform, torch.full_like(out, -math.log(n)), out)
