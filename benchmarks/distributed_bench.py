@@ -51,8 +51,8 @@ def worker(rank: int, world: int, init: str, out: str, a: argparse.Namespace) ->
     if a.shard == "points":  # this rank's slices only
         x, y = (t[rank * a.n // world:(rank + 1) * a.n // world].clone() for t in (x, y))
     rep = {}
-    kw = dict(reg=a.reg, tol=None, eps_scaling=False, method=a.method, backend=a.backend, grad="detach",
-              group=dist.group.WORLD, shard=a.shard)
+    kw = {"reg": a.reg, "tol": None, "eps_scaling": False, "method": a.method, "backend": a.backend,
+          "grad": "detach", "group": dist.group.WORLD, "shard": a.shard}
     solve_sample(x, y, max_iter=1, **kw)  # warm-up: engine load, threads, first-call costs
     for rep_k in range(a.repeats):
         for k in (a.iters, a.iters + a.extra):

@@ -82,8 +82,19 @@ from .measures import Measures, _log64
 from .ot_samples import OTResult
 from .plan import LazyPlan
 
-__all__ = ["ShardedEngine", "distribute_measures", "distribute_solve", "check_group", "check_same", "RingEngine",
-           "PointsMeasures", "points_measures", "points_solve", "SHARDS", "pick_shard"]
+__all__ = [
+    "SHARDS",
+    "PointsMeasures",
+    "RingEngine",
+    "ShardedEngine",
+    "check_group",
+    "check_same",
+    "distribute_measures",
+    "distribute_solve",
+    "pick_shard",
+    "points_measures",
+    "points_solve",
+]
 
 _OPS = {"softmin": 1, "plan_product": 2, "softmin_pair": 3, "softmin_alt": 4, "softmin_sym": 5}
 _OP_NAMES = {v: k for k, v in _OPS.items()}
@@ -462,7 +473,8 @@ class RingEngine:
         heads = [tuple(int(v) for v in g.tolist()) for g in got]
         if any(h[:-1] != heads[0][:-1] for h in heads[1:]):
             bad = [k for k, h in enumerate(heads) if h[:-1] != heads[0][:-1]]
-            desc = "; ".join(f"rank {k}: {dict((v, n) for n, v in _RING_OPS.items()).get(heads[k][0], '?')} call "
+            names = {v: n for n, v in _RING_OPS.items()}
+            desc = "; ".join(f"rank {k}: {names.get(heads[k][0], '?')} call "
                              f"{heads[k][1]}, batch {heads[k][2]}, widths {heads[k][3:6]}" for k in [0] + bad[:3])
             raise RuntimeError(f"distributed Sinkhorn (shard='points'): the ranks diverged ({desc}): every rank must "
                                "run the same calls with the same options")
@@ -684,7 +696,7 @@ def points_measures(x: Tensor, y: Tensor, a: Tensor | None, b: Tensor | None, *,
     ``options`` differ (``ValueError`` naming them and the ranks).  ``a=None``: weights ``1 / N`` with
     ``N`` the points over all ranks.  Centre and ``cmax`` come from the bounding box of all the points."""
     check_group(group)
-    xn, yn, an, bn = names
+    xn, yn = names[:2]
     try:
         for nm, t in ((xn, x), (yn, y)):
             if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == 0:
@@ -725,8 +737,8 @@ def check_same_values(name: str, vals: list) -> None:
 def _global_measures(m: Measures, x, y, a, b, group, counts) -> PointsMeasures:
     """Re-centre ``m`` on the centre of all the points, bound the cost over all pairs, weights ``1/N``
     where none were given, and wrap the engine in a :class:`RingEngine`."""
-    from .ops import max_cost
     from .measures import log_weights
+    from .ops import max_cost
 
     cdt = m.x.dtype
     xb, yb = (x, y) if m.batched else (x.unsqueeze(0), y.unsqueeze(0))
@@ -758,7 +770,7 @@ class PointsPlan(LazyPlan):
         return nm if not self._m.batched else (self._m.x.shape[0], *nm)
 
     @property
-    def T(self) -> "PointsPlan":
+    def T(self) -> PointsPlan:
         return PointsPlan(self._m, self._f, self._g, self.eps, transposed=not self._t, numpy=self._numpy)
 
     def sum(self, axis: int | None = None):
