@@ -153,7 +153,9 @@ class FeatureBilinearCost:
     A tile is one batched GEMM plus the two biases.  Not translation invariant: the points must
     not be centred (build :class:`~flashot.measures.Measures` directly, as
     :mod:`flashot.gromov` does).  The linearised Gromov-Wasserstein cost is of this kind.
-    Engines: ``dense`` and ``tiled`` (``cpu`` and ``triton`` refuse it; ``auto`` picks ``tiled``).
+    Engines: ``dense`` and ``tiled`` natively; ``cpu`` and ``triton`` through their squared-Euclidean
+    kernels (:mod:`flashot.ops.bilinear`: ``C_ij = |xh_i - yh_j|^2 + ox_i + oy_j`` with points of
+    dimension ``rank M``), which ``auto`` picks for large problems.
     """
 
     S: Tensor  # (B, K, K) symmetric, K = p + q

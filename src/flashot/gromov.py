@@ -18,8 +18,9 @@ m x m matrix.  Each outer step solves the entropic OT problem (``reg`` = POT's `
 
 so ``C(T)`` is a :class:`~flashot.costs.FeatureBilinearCost` (biases ``2 (D^x)^{\circ 2} a`` and
 ``2 (D^y)^{\circ 2} b`` from moments of the clouds, matrix ``-4 R_x A R_y``) and ``A`` is one plan
-product ``T @ E_y``.  The inner problems run through :func:`~flashot.ot_samples.solve_measures`
-(the one solver), warm-started from the previous potentials.  The same plan product gives the GW
+product ``T @ E_y``.  The ``cpu`` and ``triton`` engines run it as a squared-Euclidean cost between
+low-dimensional points plus per-point offsets (:mod:`flashot.ops.bilinear`).  The inner problems run
+through :func:`~flashot.ot_samples.solve_measures` (the one solver), warm-started from the previous potentials.  The same plan product gives the GW
 loss of each iterate (POT's ``gwloss``)
 
 .. math::
@@ -236,8 +237,9 @@ def gromov_wasserstein(
             solve (POT's ``ot.sinkhorn`` defaults: 1000, 1e-9); an inner solve that does not meet
             ``inner_tol`` gives one RuntimeWarning for the whole run and ``inner_converged=False``.
         warmstart: start each inner solve from the previous potentials (default True).
-        backend: ``"auto"`` (``dense`` for small problems, else ``tiled``), ``"tiled"`` or ``"dense"``;
-            the ``cpu`` and ``triton`` engines have no feature-bilinear kernels and refuse.
+        backend: ``"auto"`` (``dense`` for small problems, else ``cpu`` on CPU tensors, ``triton`` on
+            GPUs, ``tiled`` without them), or an engine name.  ``cpu`` and ``triton`` run the
+            feature-bilinear cost on their squared-Euclidean kernels (:mod:`flashot.ops.bilinear`).
         verbose: one line per outer iteration on stderr (value, inner iterations, change of the
             coupling when measured).
         G0, solver: POT's options; only ``G0=None`` (the coupling ``a b^T``) and ``solver="PGD"``.

@@ -175,6 +175,12 @@ def _try(name: str, device: torch.device, dtype: torch.dtype, cost: Cost) -> tup
     except EngineUnavailable as e:
         return None, str(e)
     why = eng.unsupported(device, dtype, cost)
+    if why and getattr(cost, "bilinear", False):
+        # no native kernels for a feature-bilinear cost: run it as sqeuclidean + offsets (ops/bilinear.py)
+        from .bilinear import adapt
+
+        eng = adapt(eng)
+        why = eng.unsupported(device, dtype, cost)
     return (None, why) if why else (eng, "")
 
 
