@@ -3,8 +3,10 @@ pruning, and ``SamplesLoss(backend="multiscale")``.
 
 References: dense torch computations (masked LogSumExp / plan products, all-pairs cost bounds) and
 the same coarse-to-fine schedule without pruning (``truncate=None``).  The pruning is the only
-approximation the block-sparse engine adds: pruned and unpruned runs agree to 1e-6 relative in
-float64 (values, gradients in points and weights, potentials), measured ~1e-12.  The schedule
+approximation the block-sparse engine adds: pruned and unpruned runs agree to 1e-4 relative in
+float64 (values, gradients in points and weights, potentials; the issue's tolerance), measured
+<= 2e-7 for p = 2 and <= 2e-5 for p = 1 (each temperature prunes with its own margin
+``truncate * eps``, so a dropped entry can reach ``e^-truncate`` of ``a_i b_j``).  The schedule
 itself (GeomLoss' multiscale) differs from the single-scale one by the coarse stage, as GeomLoss'
 does: ``test_kept_fraction_and_trajectory_report`` prints both differences.
 """
@@ -17,9 +19,10 @@ import pytest
 import torch
 
 import flashot
-from flashot.clusters import block_cost_bounds, cluster, grid_labels
+from flashot.clusters import MORTON_BITS, _spread, block_cost_bounds, cluster, coarsen, grid_labels
 from flashot.costs import get_cost
-from flashot.multiscale import prune
+import flashot.multiscale as MS
+from flashot.multiscale import BlockBounds, hierarchy, prune
 from flashot.ops.blocksparse import BlockPattern, BlockSparseEngine
 
 F64 = torch.float64
@@ -181,12 +184,13 @@ def test_pruned_matches_unpruned(d, p, debias, blur):
     v0, g0, _ = _loss_and_grads(x, y, a, b, truncate=None, **kw)
     v5, g5, L = _loss_and_grads(x, y, a, b, truncate=5, **kw)
     assert L.last_multiscale.kept[-1] < 0.5  # pruning happened
-    assert abs(float(v5 - v0)) <= 1e-6 * abs(float(v0))
+    tol = 1e-6 if p == 2 else 1e-4  # measured 2e-7 (p = 2), 2e-5 (p = 1)
+    assert abs(float(v5 - v0)) <= tol * abs(float(v0))
     for u, w in zip(g5, g0):
-        assert _rel(u - u.mean(), w - w.mean()) <= 1e-6
+        assert _rel(u - u.mean(), w - w.mean()) <= tol
     F0, G0 = flashot.SamplesLoss(potentials=True, truncate=None, **kw)(a, x, b, y)
     F5, G5 = flashot.SamplesLoss(potentials=True, truncate=5, **kw)(a, x, b, y)
-    assert _rel(F5, F0) <= 1e-6 and _rel(G5, G0) <= 1e-6
+    assert _rel(F5, F0) <= tol and _rel(G5, G0) <= tol
 
 
 def test_kept_fraction_and_trajectory_report(capsys):
@@ -235,3 +239,104 @@ def test_float32_and_labels_call():
 def test_multiscale_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# --- the pruning hierarchy and its C++ kernel ------------------------------------------------------
+def test_morton_spread_matches_the_bit_loop():
+    v = torch.randint(0, 2**MORTON_BITS, (20000,), generator=torch.Generator().manual_seed(0))
+    for d in (1, 2, 3):
+        ref = torch.zeros_like(v)
+        for k in range(MORTON_BITS):
+            ref |= ((v >> k) & 1) << (k * d)
+        assert torch.equal(_spread(v, d), ref), d
+
+
+@pytest.mark.parametrize("d", [2, 3])
+def test_coarsen_nests_the_grid(d):
+    """Coarse Morton cells are runs of fine ones and hold the points of the grid twice (four times) as wide."""
+    x = _blobs(3000, d, 3)
+    a = torch.full((3000,), 1 / 3000, dtype=F64)
+    c = cluster(x, a, 0.05)
+    xs, as_ = x[c.perm], a[c.perm]
+    for levels in (1, 2):
+        pc, runs_of = coarsen(c, xs, as_, levels)
+        direct = cluster(x, a, 0.05 * 2**levels)
+        assert pc.n_clusters == direct.n_clusters
+        assert torch.equal(pc.offsets, direct.offsets) and torch.allclose(pc.centroids, direct.centroids)
+        assert torch.allclose(pc.weights, direct.weights) and torch.allclose(pc.radius, direct.radius)
+        fine_ends = set(c.offsets.tolist())
+        assert set(pc.offsets.tolist()) <= fine_ends  # every coarse boundary is a fine one
+        assert int(runs_of.numel()) == c.n_clusters and bool((runs_of[1:] >= runs_of[:-1]).all())
+
+
+def _pruning_case(cost_name, n=6000, scale=0.08):
+    x, y = _torus(n, 0), _torus(n, 1, (0.3, 0.1, 0.0))
+    a = torch.full((n,), 1 / n, dtype=F64)
+    cost = get_cost(cost_name)
+    cx, cy = cluster(x, a, scale), cluster(y, a, scale)
+    xs, ys = x[cx.perm], y[cy.perm]
+    eps = 0.01 if cost.is_dot else 0.03
+    lw = torch.full((n,), -math.log(n), dtype=F64)
+    f = flashot.ops.softmin(xs, ys, lw, eps, cost=cost_name)
+    g = flashot.ops.softmin(ys, xs, lw, eps, cost=cost_name)
+    return cx, cy, xs, ys, a, f, g, eps, cost
+
+
+@pytest.mark.parametrize("cost_name", ["half_sqeuclidean", "euclidean"])
+def test_native_and_hierarchical_pruning_keep_what_the_rule_keeps(cost_name, monkeypatch):
+    """The C++ pruning equals the PyTorch one (flat and hierarchical); the hierarchy keeps every block whose
+    flat bound is within the margin; no dropped block has an entry within the margin (dense check)."""
+    cx, cy, xs, ys, a, f, g, eps, cost = _pruning_case(cost_name)
+    monkeypatch.setattr(MS, "COARSE_BLOCKS", 64)  # force a hierarchy on this small problem
+    h = hierarchy(cx, cy, xs, ys, a, a)
+    assert h is not None and h.cx.n_clusters < cx.n_clusters
+    margin = 5 * eps
+    keeps = {}
+    for mode in ("torch", "native"):
+        monkeypatch.setenv("FLASHOT_PRUNE", mode)
+        for name, par in (("flat", None), ("hier", h)):
+            keeps[mode, name] = BlockBounds.compute(cx, cy, f, g, cost, xs, ys, par, margin).keep(margin)
+    for name in ("flat", "hier"):
+        assert torch.equal(keeps["torch", name], keeps["native", name]), name
+    flat, hier = keeps["native", "flat"], keeps["native", "hier"]
+    monkeypatch.setenv("FLASHOT_PRUNE", "torch")
+    B = BlockBounds.compute(cx, cy, f, g, cost, xs, ys)._dense(slice(None))
+    assert bool(hier[B <= margin].all())  # nothing within the margin is lost by the hierarchy
+    assert 0.01 < float(hier.double().mean()) < 0.6 and abs(int(hier.sum()) - int(flat.sum())) <= cx.n_clusters + cy.n_clusters
+    gap = cost.matrix(xs, ys) - f[:, None] - g[None]
+    for I in range(cx.n_clusters):
+        for J in torch.nonzero(~hier[I]).flatten().tolist():
+            blk = gap[cx.offsets[I]:cx.offsets[I + 1], cy.offsets[J]:cy.offsets[J + 1]]
+            assert float(blk.min()) > margin
+
+
+def test_a_pattern_that_misses_blocks_is_repaired(monkeypatch):
+    """After each temperature the bounds are recomputed; a pattern that dropped blocks the new potentials
+    keep (here: the first pattern of each temperature keeps only each row's and column's best block) is
+    rerun on the union, so the result still matches the unpruned run."""
+    x, y = _blobs(900, 3, 7), _blobs(800, 3, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)), spread=(0.2, 0.1))
+    a, b = torch.full((900,), 1 / 900, dtype=F64), torch.full((800,), 1 / 800, dtype=F64)
+    kw = dict(blur=0.05, backend="multiscale", cluster_scale=0.1)
+    v0, g0, _ = _loss_and_grads(x, y, a, b, truncate=None, **kw)
+    real_keeps, seen = MS._keeps, []
+
+    def first_too_small(bounds, eps, truncate):
+        # the pattern a temperature starts from: the very first call, or bounds already used for a check
+        start = not seen or any(b is bounds for b in seen)
+        seen.append(bounds)
+        return real_keeps(bounds, eps, -1e300 if start else truncate)
+
+    real_loop, loops = MS.sinkhorn_loop, []
+
+    def counted(m, eps_list, **kw_):
+        loops.append(len(eps_list))
+        return real_loop(m, eps_list, **kw_)
+
+    monkeypatch.setattr(MS, "_keeps", first_too_small)
+    monkeypatch.setattr(MS, "sinkhorn_loop", counted)
+    v5, g5, L = _loss_and_grads(x, y, a, b, truncate=5, **kw)
+    fine_levels = len(L.last_multiscale.kept)
+    assert fine_levels >= 2 and len(loops) == 1 + 2 * fine_levels  # the coarse stage, then every level twice
+    assert abs(float(v5 - v0)) <= 1e-4 * abs(float(v0))  # the issue's tolerance; measured 1.1e-5 (gradients)
+    for u, w in zip(g5, g0):
+        assert _rel(u - u.mean(), w - w.mean()) <= 1e-4

@@ -27,6 +27,7 @@ class Clusters:
     centroids: Tensor  # (K, D)
     weights: Tensor  # (K,)
     radius: Tensor  # (K,)
+    codes: Tensor | None = None  # (K,) the cells' Morton codes (grid clusters of D <= 3), else None
 
     @property
     def n_clusters(self) -> int:
@@ -42,11 +43,22 @@ def default_cluster_scale(diameter: float, dim: int) -> float:
     return diameter / (dim**0.5 * 2000 ** (1.0 / dim))
 
 
+# (shift, mask) steps that spread the low bits of an integer ``dim`` apart (bit k to bit k * dim)
+_SPREAD_STEPS = {
+    2: [(16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF), (4, 0x0F0F0F0F0F0F0F0F), (2, 0x3333333333333333),
+        (1, 0x5555555555555555)],
+    3: [(32, 0x001F00000000FFFF), (16, 0x001F0000FF0000FF), (8, 0x100F00F00F00F00F), (4, 0x10C30C30C30C30C3),
+        (2, 0x1249249249249249)],
+}
+
+
 def _spread(v: Tensor, dim: int) -> Tensor:
     """Bits of ``v`` (< 2^MORTON_BITS) spread ``dim`` apart: bit k moves to bit k * dim."""
-    out = torch.zeros_like(v)
-    for k in range(MORTON_BITS):
-        out |= ((v >> k) & 1) << (k * dim)
+    if dim == 1:
+        return v.clone()
+    out = v & ((1 << MORTON_BITS) - 1)
+    for shift, mask in _SPREAD_STEPS[dim]:
+        out = (out | (out << shift)) & mask
     return out
 
 
@@ -76,19 +88,43 @@ def cluster(x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | N
         lab = grid_labels(x, scale) if labels is None else labels.to(x.device).long()
         lab_sorted, perm = torch.sort(lab, stable=True)
         uniq, counts = torch.unique_consecutive(lab_sorted, return_counts=True)
-        K = uniq.shape[0]
-        offsets = torch.zeros(K + 1, dtype=torch.long, device=x.device)
-        offsets[1:] = torch.cumsum(counts, 0)
-        cid = torch.repeat_interleave(torch.arange(K, device=x.device), counts)  # cluster of each sorted point
-        xs, as_ = x[perm], a[perm]
-        w = torch.zeros(K, dtype=a.dtype, device=x.device).index_add_(0, cid, as_)
-        sx = torch.zeros(K, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, cid, as_.unsqueeze(-1) * xs)
-        mean = torch.zeros_like(sx).index_add_(0, cid, xs) / counts.unsqueeze(-1).to(x.dtype)
-        pos = (w > 0).unsqueeze(-1)
-        cent = torch.where(pos, sx / torch.where(pos, w.unsqueeze(-1), torch.ones_like(sx)), mean)
-        dist = (xs - cent[cid]).norm(dim=-1)
-        radius = torch.zeros(K, dtype=x.dtype, device=x.device).scatter_reduce_(0, cid, dist, "amax")
-        return Clusters(perm, offsets, cent, w, radius)
+        codes = uniq if labels is None and x.shape[-1] <= 3 and _is_morton(x, scale) else None
+        return _summaries(x[perm], a[perm], perm, counts, codes)
+
+
+def _is_morton(x: Tensor, scale: float) -> bool:
+    """Whether :func:`grid_labels` used the Morton code for ``x`` at ``scale`` (D <= 3 and few enough cells)."""
+    return float((x.amax(0) - x.amin(0)).max()) / scale < 2**MORTON_BITS - 1
+
+
+def _summaries(xs: Tensor, as_: Tensor, perm: Tensor, counts: Tensor, codes: Tensor | None) -> Clusters:
+    """The :class:`Clusters` of the sorted cloud ``xs`` (N, D), weights ``as_``, cut into runs of ``counts``."""
+    K = counts.shape[0]
+    offsets = torch.zeros(K + 1, dtype=torch.long, device=xs.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    cid = torch.repeat_interleave(torch.arange(K, device=xs.device), counts)  # cluster of each sorted point
+    w = torch.zeros(K, dtype=as_.dtype, device=xs.device).index_add_(0, cid, as_)
+    sx = torch.zeros(K, xs.shape[1], dtype=xs.dtype, device=xs.device).index_add_(0, cid, as_.unsqueeze(-1) * xs)
+    mean = torch.zeros_like(sx).index_add_(0, cid, xs) / counts.unsqueeze(-1).to(xs.dtype)
+    pos = (w > 0).unsqueeze(-1)
+    cent = torch.where(pos, sx / torch.where(pos, w.unsqueeze(-1), torch.ones_like(sx)), mean)
+    dist = (xs - cent[cid]).norm(dim=-1)
+    radius = torch.zeros(K, dtype=xs.dtype, device=xs.device).scatter_reduce_(0, cid, dist, "amax")
+    return Clusters(perm, offsets, cent, w, radius, codes)
+
+
+def coarsen(c: Clusters, xs: Tensor, as_: Tensor, levels: int) -> tuple[Clusters, Tensor]:
+    """The clusters of cells ``2^levels`` times wider than ``c``'s, over the same sorted cloud ``xs`` (N, D)
+    with weights ``as_`` (so each coarse cluster is a run of consecutive fine ones: Morton codes nest),
+    and the (K_fine,) index of each fine cluster's parent.  Needs ``c`` built on a Morton grid."""
+    if c.codes is None:
+        raise ValueError("coarsen: the clusters have no Morton codes (given labels, D > 3 or too many cells)")
+    with torch.no_grad():
+        parent_code = c.codes >> (xs.shape[-1] * levels)
+        uniq, fine_per = torch.unique_consecutive(parent_code, return_counts=True)
+        parent = torch.repeat_interleave(torch.arange(uniq.shape[0], device=xs.device), fine_per)
+        counts = torch.zeros(uniq.shape[0], dtype=torch.long, device=xs.device).index_add_(0, parent, c.sizes)
+        return _summaries(xs, as_, c.perm, counts, uniq), parent
 
 
 def block_cost_bounds(cx: Clusters, cy: Clusters, cost, rows: slice = slice(None)) -> Tensor:

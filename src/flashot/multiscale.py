@@ -5,16 +5,22 @@ r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backe
 2. The epsilon-scaling runs on the cluster centroids with the cluster weights while
    ``eps >= cluster_scale^p`` (GeomLoss' jump rule), with the ordinary engines.
 3. The coarse potentials are extrapolated to the points (one softmin against the centroids),
-   and the blocks ``(I, J)`` of clusters are pruned: a block is kept when the lower bound
-   :math:`\underline{C}_{IJ} - \max_{i \in I} f_i - \max_{j \in J} g_j` of
+   and the blocks ``(I, J)`` of clusters are pruned: a block is kept when a lower bound of
    :math:`C(x_i, y_j) - f_i - g_j` over the block is at most ``truncate * eps`` (GeomLoss'
-   ``truncate``, default 5), :math:`\underline{C}_{IJ}` being the cost of the gap between the
-   clusters' balls (:func:`~flashot.clusters.block_cost_bounds`).  A dropped entry thus has
+   ``truncate``, default 5) at the temperature about to run (:class:`BlockBounds`: the cost of
+   the gap between the clusters' balls minus the potentials' maxima, or, tighter, a bound from a
+   linear fit of the potentials over each cluster).  A dropped entry thus has
    :math:`P_{ij} < a_i b_j e^{-\mathrm{truncate}}`.  Each row and column cluster keeps at least
    its best block.  The debiasing problems are pruned alike (``f_aa``, ``g_bb``).
 4. The rest of the schedule runs on the points with the block-sparse engine
-   (:mod:`flashot.ops.blocksparse`), and the pruning is refreshed from the current potentials
-   at every temperature (it can only tighten as eps decreases).
+   (:mod:`flashot.ops.blocksparse`).  After each temperature the bounds are recomputed from the
+   new potentials: where they would keep a block that was dropped, that temperature runs again
+   on the union, so the rule holds for the potentials that come out, not only for those that
+   went in.  The next temperature prunes from the same bounds with its own (smaller) margin.
+5. Above ~2,000 clusters a side, the bounds are computed coarse-to-fine: the fine clusters are
+   runs of coarser Morton cells (:func:`~flashot.clusters.coarsen`), the coarse blocks are
+   pruned first and only the fine blocks inside kept coarse ones are bounded, in the C++
+   kernels (``prune.h``) where they load.
 
 The returned fine :class:`~flashot.measures.Measures` hold the sorted clouds (gathered from the
 inputs, so gradients flow back to them) and the engine of the last pruning: the final step,
@@ -28,7 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .clusters import Clusters, block_cost_bounds, block_scale, cluster, default_cluster_scale
+from .clusters import Clusters, block_scale, cluster, coarsen, default_cluster_scale
 from .measures import Measures, log_weights
 from .ops import softmin as ops_softmin
 from .ops.blocksparse import BlockPattern, BlockSparseEngine
@@ -75,9 +81,6 @@ def _segment_max(v: Tensor, c: Clusters) -> Tensor:
         0, cid, v, "amax")
 
 
-PRUNE_ROWS = 1024  # row clusters per chunk of lower bounds (memory O(PRUNE_ROWS Ky))
-
-
 @dataclass(frozen=True)
 class LinearModel:
     """``f_i = alpha_I + <beta_I, x_i - c_I> + r_i`` with ``|r_i| <= rho_I`` for every point of cluster ``I``
@@ -88,76 +91,272 @@ class LinearModel:
     rho: Tensor  # (K,)
 
 
-def linear_model(c: Clusters, pts: Tensor, f: Tensor) -> LinearModel:
-    """Fit :class:`LinearModel` to the values ``f`` (N,) of the sorted points ``pts`` (N, D), float64."""
-    with torch.no_grad():
+def _design(c: Clusters, pts: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """The least-squares design of :func:`linear_model` for ``c`` and its sorted points: the cluster of each
+    point, the rows ``[1, x_i - c_I]`` (N, D + 1) and the LU factors of each cluster's Gram matrix.
+    It does not depend on the fitted values: cached on ``c`` per points tensor."""
+    cache = c.__dict__.setdefault("_designs", {})
+    key = (pts.data_ptr(), tuple(pts.shape), pts.dtype)
+    if key not in cache:
         K, D = c.n_clusters, pts.shape[-1]
         cid = torch.repeat_interleave(torch.arange(K, device=pts.device), c.sizes)
         A = torch.cat([torch.ones_like(pts[:, :1], dtype=torch.float64),
-                       pts.double() - c.centroids.double()[cid]], -1)  # (N, D + 1)
-        f = f.double()
+                       pts.double() - c.centroids.double()[cid]], -1)
         G = torch.zeros(K, D + 1, D + 1, dtype=torch.float64, device=pts.device).index_add_(
             0, cid, A.unsqueeze(-1) * A.unsqueeze(-2))
-        r = torch.zeros(K, D + 1, dtype=torch.float64, device=pts.device).index_add_(0, cid, A * f.unsqueeze(-1))
         G = G + torch.diag_embed(1e-9 * (1.0 + G.diagonal(dim1=-2, dim2=-1)))  # singular blocks (few points)
-        coef = torch.linalg.solve(G, r)
+        cache.clear()  # one points tensor at a time (the fine stage's)
+        cache[key] = (cid, A, torch.linalg.lu_factor(G))
+    return cache[key]
+
+
+def linear_model(c: Clusters, pts: Tensor, f: Tensor) -> LinearModel:
+    """Fit :class:`LinearModel` to the values ``f`` (N,) of the sorted points ``pts`` (N, D), float64."""
+    with torch.no_grad():
+        cid, A, lu = _design(c, pts.detach())
+        f = f.double()
+        r = torch.zeros(c.n_clusters, A.shape[1], dtype=torch.float64, device=pts.device).index_add_(
+            0, cid, A * f.unsqueeze(-1))
+        coef = torch.linalg.lu_solve(*lu, r.unsqueeze(-1)).squeeze(-1)
         res = (f - (A * coef[cid]).sum(-1)).abs()
-        rho = torch.zeros(K, dtype=torch.float64, device=pts.device).scatter_reduce_(0, cid, res, "amax")
+        rho = torch.zeros(c.n_clusters, dtype=torch.float64, device=pts.device).scatter_reduce_(0, cid, res, "amax")
         return LinearModel(coef[:, 0], coef[:, 1:], rho)
 
 
-def _linear_bounds(cx: Clusters, cy: Clusters, mf: LinearModel, mg: LinearModel, s: float, rows: slice) -> Tensor:
-    r"""Lower bounds of ``s |x_i - y_j|^2 - f_i - g_j`` over blocks, from the linear models: with
+@dataclass(frozen=True)
+class _Terms:
+    """Per-cluster terms of the block bounds of one side (float64): centroids ``c``, radii ``r``, the maxima
+    ``m`` of the potential and, for dot-product costs (linear models), ``base = alpha + rho``, ``beta``,
+    ``|beta|^2``, ``<beta, c>`` and ``c - beta / 2s``."""
+
+    c: Tensor
+    r: Tensor
+    m: Tensor
+    base: Tensor | None = None
+    beta: Tensor | None = None
+    bb: Tensor | None = None
+    bc: Tensor | None = None
+    shifted: Tensor | None = None
+
+    @classmethod
+    def build(cls, cl: Clusters, f: Tensor, pts: Tensor | None, s: float | None) -> "_Terms":
+        c, r, m = cl.centroids.double(), cl.radius.double(), _segment_max(f.double(), cl)
+        if pts is None or s is None:
+            return cls(c, r, m)
+        lm = linear_model(cl, pts, f)
+        return cls(c, r, m, lm.alpha + lm.rho, lm.beta, (lm.beta * lm.beta).sum(-1), (lm.beta * c).sum(-1),
+                   c - lm.beta / (2 * s))
+
+
+def _linear_dense(X: _Terms, Y: _Terms, s: float) -> Tensor:
+    r"""(Kx, Ky) lower bounds of ``s |x_i - y_j|^2 - f_i - g_j`` over blocks, from the linear models: with
     ``x_i = c_I + a``, ``y_j = c_J + b``, ``d = c_I - c_J``,
-    :math:`s|d + a - b|^2 - \langleeta, aangle - \langle\gamma, bangle = s|d + a - b - eta/2s|^2
-    + \langleeta, dangle - |eta|^2/4s - \langleeta + \gamma, bangle`, bounded with ``|a - b| <=
+    :math:`s|d + a - b|^2 - \langle\beta, a\rangle - \langle\gamma, b\rangle = s|d + a - b - \beta/2s|^2
+    + \langle\beta, d\rangle - |\beta|^2/4s - \langle\beta + \gamma, b\rangle`, bounded with ``|a - b| <=
     r_I + r_J`` and ``|b| <= r_J`` (and the same with the roles swapped; the larger bound is kept).
     Exact up to the radii for a transport by translation, where ``f`` and ``g`` are affine."""
-    cI, cJ = cx.centroids[rows].double(), cy.centroids.double()
-    rI, rJ = cx.radius[rows].double(), cy.radius.double()
-    b, gm = mf.beta[rows], mg.beta
-    base = -(mf.alpha[rows] + mf.rho[rows]).unsqueeze(-1) - (mg.alpha + mg.rho).unsqueeze(0)
-    bb, gg = (b * b).sum(-1), (gm * gm).sum(-1)
-    bg = (bb.unsqueeze(-1) + gg.unsqueeze(0) + 2.0 * b @ gm.T).clamp_min(0.0).sqrt()  # |beta_I + gamma_J|
-    rr = rI.unsqueeze(-1) + rJ.unsqueeze(0)
-    gap1 = (torch.cdist(cI - b / (2 * s), cJ) - rr).clamp_min(0.0)
-    t1 = s * gap1 * gap1 + ((b * cI).sum(-1).unsqueeze(-1) - b @ cJ.T) - (bb / (4 * s)).unsqueeze(-1) - bg * rJ
-    gap2 = (torch.cdist(cI, cJ - gm / (2 * s)) - rr).clamp_min(0.0)
-    t2 = (s * gap2 * gap2 + ((gm * cJ).sum(-1).unsqueeze(0) - cI @ gm.T) - (gg / (4 * s)).unsqueeze(0)
-          - bg * rI.unsqueeze(-1))
-    return base + torch.maximum(t1, t2)
+    bg = (X.bb[:, None] + Y.bb[None] + 2.0 * X.beta @ Y.beta.T).clamp_min(0.0).sqrt()  # |beta_I + gamma_J|
+    rr = X.r[:, None] + Y.r[None]
+    gap1 = (torch.cdist(X.shifted, Y.c) - rr).clamp_min(0.0)
+    t1 = s * gap1 * gap1 + (X.bc[:, None] - X.beta @ Y.c.T) - (X.bb / (4 * s))[:, None] - bg * Y.r[None]
+    gap2 = (torch.cdist(X.c, Y.shifted) - rr).clamp_min(0.0)
+    t2 = s * gap2 * gap2 + (Y.bc[None] - X.c @ Y.beta.T) - (Y.bb / (4 * s))[None] - bg * X.r[:, None]
+    return -X.base[:, None] - Y.base[None] + torch.maximum(t1, t2)
+
+
+def _linear_pairs(X: _Terms, Y: _Terms, s: float, I: Tensor, J: Tensor) -> Tensor:
+    """:func:`_linear_dense` at the blocks ``(I[k], J[k])`` only."""
+    bI, gJ, cI, cJ = X.beta[I], Y.beta[J], X.c[I], Y.c[J]
+    bg = (bI + gJ).norm(dim=-1)
+    rI, rJ = X.r[I], Y.r[J]
+    rr = rI + rJ
+    gap1 = ((X.shifted[I] - cJ).norm(dim=-1) - rr).clamp_min(0.0)
+    t1 = s * gap1 * gap1 + X.bc[I] - (bI * cJ).sum(-1) - X.bb[I] / (4 * s) - bg * rJ
+    gap2 = ((cI - Y.shifted[J]).norm(dim=-1) - rr).clamp_min(0.0)
+    t2 = s * gap2 * gap2 + Y.bc[J] - (cI * gJ).sum(-1) - Y.bb[J] / (4 * s) - bg * rI
+    return -X.base[I] - Y.base[J] + torch.maximum(t1, t2)
+
+
+PRUNE_ROWS = 1024  # row clusters per chunk of dense bounds (memory O(PRUNE_ROWS Ky))
+PRUNE_CHUNK = 1 << 22  # candidate blocks per chunk of sparse bounds
+FLAT_ROWS = 16  # fine rows per task of the C++ pruning without a hierarchy
+
+
+class BlockBounds:
+    """Lower bounds of ``C(x_i, y_j) - f_i - g_j`` over the blocks ``(I, J)`` of two clusterings: the larger
+    of the cost of the gap between the clusters' balls minus the maxima of the potentials, and (dot-product
+    costs, sorted points given) the linear-model bound, much tighter where the potentials vary across a
+    block.  Over every block, or with a pruning :class:`Hierarchy` over the fine blocks inside the coarse
+    blocks kept at the margin given to :meth:`compute` (a coarse bound bounds each of its fine blocks, so
+    no block below that margin is missed).  :meth:`keep` thresholds them: in the C++ kernels
+    (``prune.h``) where they load, else in PyTorch."""
+
+    def __init__(self, X: _Terms, Y: _Terms, cost, s: float | None, coarse: Tensor | None,
+                 parents: "Hierarchy | None"):
+        self.X, self.Y, self.cost, self.s, self.coarse, self.parents = X, Y, cost, s, coarse, parents
+        self.Kx, self.Ky = X.c.shape[0], Y.c.shape[0]
+
+    @classmethod
+    def compute(cls, cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, cost, x: Tensor | None = None,
+                y: Tensor | None = None, parents: "Hierarchy | None" = None,
+                margin: float = float("inf")) -> "BlockBounds":
+        s = cost.scale if cost.is_dot and x is not None and y is not None else None
+        X, Y = _Terms.build(cx, f, x, s), _Terms.build(cy, g, y, s)
+        coarse = None
+        if parents is not None:
+            coarse = cls.compute(parents.cx, parents.cy, f, g, cost, x, y, margin=margin).keep(margin)
+        return cls(X, Y, cost, s, coarse, parents)
+
+    def keep(self, margin: float) -> Tensor:
+        """(Kx, Ky) kept blocks: bound <= ``margin``, plus each row's and each column's best block."""
+        lib = _cpu_lib() if self.X.c.device.type == "cpu" else None
+        if lib is not None:
+            return self._keep_native(lib, margin)
+        if self.coarse is None:
+            rows = [self._dense(slice(r0, r0 + PRUNE_ROWS)) for r0 in range(0, self.Kx, PRUNE_ROWS)]
+            B = torch.cat(rows)
+            keep = B <= margin
+            keep[torch.arange(self.Kx, device=B.device), B.argmin(1)] = True
+            keep[B.argmin(0), torch.arange(self.Ky, device=B.device)] = True
+            return keep
+        I, J = _children(self.coarse, self.parents.px, self.parents.py)
+        bound = torch.cat([self._pairs(I[k:k + PRUNE_CHUNK], J[k:k + PRUNE_CHUNK])
+                           for k in range(0, I.numel(), PRUNE_CHUNK)])
+        keep = torch.zeros(self.Kx, self.Ky, dtype=torch.bool, device=bound.device)
+        ok = bound <= margin
+        keep[I[ok], J[ok]] = True
+        for idx, K in ((I, self.Kx), (J, self.Ky)):
+            best = torch.full((K,), float("inf"), dtype=bound.dtype, device=bound.device)
+            best.scatter_reduce_(0, idx, bound, "amin")
+            on = bound == best[idx]
+            keep[I[on], J[on]] = True
+        return keep
+
+    def _packed(self, T: _Terms) -> Tensor:
+        """The C++ kernel's rows ``[r, m, base, bb, bc, c, beta, u]`` (K, 5 + 3 D)."""
+        K, D = T.c.shape
+        if self.s is None:
+            z = T.c.new_zeros(K)
+            return torch.cat([T.r[:, None], T.m[:, None], z[:, None], z[:, None], z[:, None], T.c,
+                              T.c.new_zeros(K, 2 * D)], 1).contiguous()
+        return torch.cat([T.r[:, None], T.m[:, None], T.base[:, None], T.bb[:, None], T.bc[:, None], T.c, T.beta,
+                          T.shifted], 1).contiguous()
+
+    def _keep_native(self, lib, margin: float) -> Tensor:
+        Kx, Ky, dev = self.Kx, self.Ky, self.X.c.device
+        if self.coarse is None:  # one coarse column over everything, coarse rows of FLAT_ROWS fine rows
+            px = torch.cat([torch.arange(0, Kx, FLAT_ROWS), torch.tensor([Kx])])
+            py = torch.tensor([0, Ky])
+            Kcx = px.numel() - 1
+            cptr, ccols = torch.arange(Kcx + 1), torch.zeros(Kcx, dtype=torch.long)
+        else:
+            px, py = self.parents.px.cpu().contiguous(), self.parents.py.cpu().contiguous()
+            Kcx = px.numel() - 1
+            Ic, Jc = self.coarse.nonzero(as_tuple=True)
+            cptr = torch.zeros(Kcx + 1, dtype=torch.long)
+            cptr[1:] = torch.cumsum(torch.bincount(Ic, minlength=Kcx), 0)
+            ccols = Jc.contiguous()
+        X, Y = self._packed(self.X), self._packed(self.Y)
+        keep = torch.zeros(Kx, Ky, dtype=torch.uint8, device=dev)
+        if self.s is not None:
+            kind, lin, sc, minsq = 1, 1, float(self.s), 0.0
+        elif self.cost.is_dot:
+            kind, lin, sc, minsq = 1, 0, float(self.cost.scale), 0.0
+        else:
+            kind, lin, sc, minsq = 0, 0, 1.0, float(self.cost.min_sqdist)
+        rc = lib.flashot_block_keep(X.data_ptr(), Y.data_ptr(), self.X.c.shape[1], Ky, Kcx,
+                                    cptr.data_ptr(), ccols.data_ptr(), px.data_ptr(), py.data_ptr(), kind, lin, sc,
+                                    minsq, float(margin), keep.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"multiscale: block pruning kernel returned {rc}")
+        return keep.bool()
+
+    def _dense(self, rows: slice) -> Tensor:
+        Xr = _Terms(*(None if t is None else t[rows] for t in vars(self.X).values()))
+        Y = self.Y
+        gap = (torch.cdist(Xr.c, Y.c) - Xr.r[:, None] - Y.r[None]).clamp_min(0.0)
+        out = self.cost.from_sqdist(gap * gap) - Xr.m[:, None] - Y.m[None]
+        return out if self.s is None else torch.maximum(out, _linear_dense(Xr, Y, self.s))
+
+    def _pairs(self, I: Tensor, J: Tensor) -> Tensor:
+        X, Y = self.X, self.Y
+        gap = ((X.c[I] - Y.c[J]).norm(dim=-1) - X.r[I] - Y.r[J]).clamp_min(0.0)
+        out = self.cost.from_sqdist(gap * gap) - X.m[I] - Y.m[J]
+        return out if self.s is None else torch.maximum(out, _linear_pairs(X, Y, self.s, I, J))
+
+
+def _cpu_lib():
+    """The compiled CPU kernels (block pruning), or None (then PyTorch prunes); FLASHOT_PRUNE=torch forces
+    PyTorch (tests compare both)."""
+    import os
+
+    if os.environ.get("FLASHOT_PRUNE") == "torch":
+        return None
+    from .ops.blocksparse import _cpu_lib as load
+
+    return load()
+
+
+def _children(kept: Tensor, px: Tensor, py: Tensor) -> tuple[Tensor, Tensor]:
+    """The fine blocks inside the kept coarse blocks: ``px`` / ``py`` (K + 1,) give each coarse
+    cluster's run ``[p[k], p[k + 1])`` of fine clusters."""
+    Ic, Jc = kept.nonzero(as_tuple=True)
+    nx, ny = (px[1:] - px[:-1])[Ic], (py[1:] - py[:-1])[Jc]
+    per = nx * ny
+    pair = torch.repeat_interleave(torch.arange(Ic.numel(), device=kept.device), per)
+    t = torch.arange(int(per.sum()), device=kept.device) - torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
+    return px[Ic][pair] + t // ny[pair], py[Jc][pair] + t % ny[pair]
 
 
 def prune(cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, eps: float, truncate: float | None, cost,
-          x: Tensor | None = None, y: Tensor | None = None) -> Tensor:
-    """(Kx, Ky) kept blocks: a lower bound of ``C(x_i, y_j) - f_i - g_j`` over the block at most
-    ``truncate * eps``, plus each row's and column's best block.  The bound is the larger of
-    ``block_cost_bounds - max_I f - max_J g`` and, for dot-product costs with the sorted points ``x``, ``y``
-    given, :func:`_linear_bounds` (much tighter where the potentials vary across a block); computed by
-    chunks of rows."""
-    Kx, Ky = cx.n_clusters, cy.n_clusters
+          x: Tensor | None = None, y: Tensor | None = None, parents: "Hierarchy | None" = None) -> Tensor:
+    """(Kx, Ky) kept blocks: a lower bound of ``C(x_i, y_j) - f_i - g_j`` over the block (see
+    :class:`BlockBounds`) at most ``truncate * eps``, plus each row's and column's best block."""
     if truncate is None:
-        return torch.ones(Kx, Ky, dtype=torch.bool, device=f.device)
-    fmax, gmax = _segment_max(f.double(), cx), _segment_max(g.double(), cy)
-    models = None
-    if cost.is_dot and x is not None and y is not None:
-        models = linear_model(cx, x, f), linear_model(cy, y, g)
-    keep = torch.empty(Kx, Ky, dtype=torch.bool, device=f.device)
-    best_col = torch.full((Ky,), float("inf"), dtype=torch.float64, device=f.device)
-    best_row = torch.zeros(Ky, dtype=torch.long, device=f.device)
-    for r0 in range(0, Kx, PRUNE_ROWS):
-        r1 = min(Kx, r0 + PRUNE_ROWS)
-        gap = block_cost_bounds(cx, cy, cost, rows=slice(r0, r1)) - fmax[r0:r1, None] - gmax[None]
-        if models is not None:
-            gap = torch.maximum(gap, _linear_bounds(cx, cy, *models, cost.scale, slice(r0, r1)))
-        keep[r0:r1] = gap <= truncate * eps
-        keep[torch.arange(r0, r1), gap.argmin(1)] = True
-        cmin, arg = gap.min(0)
-        better = cmin < best_col
-        best_col = torch.where(better, cmin, best_col)
-        best_row = torch.where(better, arg + r0, best_row)
-    keep[best_row, torch.arange(Ky)] = True
-    return keep
+        return torch.ones(cx.n_clusters, cy.n_clusters, dtype=torch.bool, device=f.device)
+    margin = truncate * eps
+    return BlockBounds.compute(cx, cy, f, g, cost, x, y, parents, margin).keep(margin)
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """Coarser clusterings of both sides for :func:`prune`: ``cx`` / ``cy`` over the same sorted clouds,
+    ``px`` / ``py`` (K_coarse + 1,) the runs of fine clusters in each coarse one."""
+
+    cx: Clusters
+    cy: Clusters
+    px: Tensor
+    py: Tensor
+
+
+COARSE_BLOCKS = 2048  # a pruning hierarchy's coarse level has at most about this many clusters per side
+
+
+def _parent(c: Clusters, xs: Tensor, as_: Tensor) -> tuple[Clusters, Tensor] | None:
+    """A coarser Morton clustering of ``c`` with at most ~``COARSE_BLOCKS`` clusters and its runs of fine
+    clusters, or None (no Morton codes, or already coarse enough)."""
+    if c.codes is None or c.n_clusters <= COARSE_BLOCKS:
+        return None
+    for levels in range(1, 8):
+        pc, parent = coarsen(c, xs, as_, levels)
+        if pc.n_clusters <= COARSE_BLOCKS or levels == 7:
+            runs = torch.zeros(pc.n_clusters + 1, dtype=torch.long, device=xs.device)
+            runs[1:] = torch.cumsum(torch.bincount(parent, minlength=pc.n_clusters), 0)
+            return pc, runs
+    return None
+
+
+def hierarchy(cx: Clusters, cy: Clusters, xs: Tensor, ys: Tensor, a: Tensor, b: Tensor) -> Hierarchy | None:
+    """The pruning :class:`Hierarchy` of two Morton clusterings, or None where flat pruning is cheap or
+    impossible."""
+    px, py = _parent(cx, xs, a), _parent(cy, ys, b)
+    if px is None and py is None:
+        return None
+    if px is None:
+        px = (cx, torch.arange(cx.n_clusters + 1, device=xs.device))
+    if py is None:
+        py = (cy, torch.arange(cy.n_clusters + 1, device=ys.device))
+    return Hierarchy(px[0], py[0], px[1], py[1])
 
 
 def _prune_radius(cost, eps: float, truncate: float | None) -> float:
@@ -197,19 +396,80 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
         if bs < scale:
             cx, cy = cluster(x, m.a[0], bs), cluster(y, m.b[0], bs)
     fine = _fine_measures(m, cx, cy)
+    hier = _Hier.build(fine, cx, cy, debias)
     eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
     state = replace(_extrapolated_state(fine, mc, cx, cy, st, eps, debias), eps=eps)
     kept: list[float] = []
     tail = eps_list[jump + 1:]
-    for level in sorted(set(tail), reverse=True) or [eps]:
-        # pruned with the margin of the temperature the potentials were computed at (the larger one)
-        fine = _with_patterns(fine, cx, cy, state, max(state.eps, level), cfg.truncate, debias, kept)
-        if not tail:  # extrapolation only: the final step reads the potentials at this temperature
-            break
+    if not tail:  # extrapolation only: the final step reads the potentials at this temperature
+        bounds = _bounds(fine, hier, state, eps, cfg.truncate)
+        fine = _with_patterns(fine, hier, _keeps(bounds, eps, cfg.truncate), kept, debias)
+        return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump)
+    bounds = _bounds(fine, hier, state, max(tail), cfg.truncate)
+    for level in sorted(set(tail), reverse=True):
         steps = [e for e in tail if e == level]
-        state = sinkhorn_loop(fine, steps, symmetric=True, debias=debias, init=(state.f, state.g),
-                              init_self=(state.f_aa, state.g_bb) if debias else None)
+        fine, state, bounds = _fine_level(fine, hier, state, bounds, level, steps, cfg.truncate, debias, kept)
     return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump)
+
+
+def _fine_level(fine: Measures, hier: "_Hier", state: SinkhornState, bounds, level: float, steps: list[float],
+                truncate, debias: bool, kept: list[float]):
+    """The iterations ``steps`` (all at temperature ``level``) on the blocks whose ``bounds`` (from the
+    potentials of ``state``) are within ``truncate * level``.  The bounds are then recomputed from the new
+    potentials; where they keep a block that was dropped, the iterations run again on the union (once), so
+    that every dropped block satisfies the rule for the potentials that come out.  Returns the measures on
+    the last engine, the new state and its bounds (valid for margins up to ``truncate * level``)."""
+    keeps = _keeps(bounds, level, truncate)
+    for attempt in range(2):
+        fine = _with_patterns(fine, hier, keeps, kept, debias)
+        new = sinkhorn_loop(fine, steps, symmetric=True, debias=debias, init=(state.f, state.g),
+                            init_self=(state.f_aa, state.g_bb) if debias else None)
+        new_bounds = _bounds(fine, hier, new, level, truncate)
+        after = _keeps(new_bounds, level, truncate)
+        if truncate is None or attempt == 1 or all(bool((a <= k).all()) for a, k in zip(after, keeps)):
+            return fine, new, new_bounds
+        kept.pop()
+        keeps = [a | k for a, k in zip(after, keeps)]
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class _Hier:
+    """The fine clusterings of both clouds and their pruning hierarchies (xy, xx, yy)."""
+
+    cx: Clusters
+    cy: Clusters
+    xy: Hierarchy | None
+    xx: Hierarchy | None
+    yy: Hierarchy | None
+
+    @classmethod
+    def build(cls, fine: Measures, cx: Clusters, cy: Clusters, debias: bool) -> "_Hier":
+        x, y, a, b = fine.x[0].detach(), fine.y[0].detach(), fine.a[0].detach(), fine.b[0].detach()
+        xy = hierarchy(cx, cy, x, y, a, b)
+        xx = yy = None
+        if debias and xy is not None:
+            xx = Hierarchy(xy.cx, xy.cx, xy.px, xy.px)
+            yy = Hierarchy(xy.cy, xy.cy, xy.py, xy.py)
+        return cls(cx, cy, xy, xx, yy)
+
+
+def _bounds(fine: Measures, h: "_Hier", st: SinkhornState, eps: float, truncate) -> list[BlockBounds] | None:
+    """The :class:`BlockBounds` of the x-y problem and, when debiasing, of the x-x and y-y ones, from the
+    potentials of ``st``, for margins up to ``truncate * eps`` (None: no pruning)."""
+    if truncate is None:
+        return None
+    x0, y0, cost, margin = fine.x[0].detach(), fine.y[0].detach(), fine.cost, truncate * eps
+    out = [BlockBounds.compute(h.cx, h.cy, st.f[0], st.g[0], cost, x0, y0, h.xy, margin)]
+    if st.f_aa is not None:
+        out.append(BlockBounds.compute(h.cx, h.cx, st.f_aa[0], st.f_aa[0], cost, x0, x0, h.xx, margin))
+        out.append(BlockBounds.compute(h.cy, h.cy, st.g_bb[0], st.g_bb[0], cost, y0, y0, h.yy, margin))
+    return out
+
+
+def _keeps(bounds: list[BlockBounds] | None, eps: float, truncate) -> list[Tensor] | None:
+    """The kept blocks at the margin ``truncate * eps`` (None: every block)."""
+    return None if bounds is None else [b.keep(truncate * eps) for b in bounds]
 
 
 def _fine_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
@@ -234,17 +494,17 @@ def _extrapolated_state(fine: Measures, mc: Measures, cx, cy, st: SinkhornState,
     return replace(st, f=f, g=g, f_aa=f_aa, g_bb=g_bb)
 
 
-def _with_patterns(fine: Measures, cx, cy, st: SinkhornState, eps: float, truncate, debias: bool,
-                   kept: list[float]) -> Measures:
-    """``fine`` on a block-sparse engine pruned from the potentials of ``st`` at temperature ``eps``."""
-    x, y, cost = fine.x.detach(), fine.y.detach(), fine.cost
-    x0, y0 = x[0], y[0]
-    pxy = BlockPattern(cx.offsets, cy.offsets, prune(cx, cy, st.f[0], st.g[0], eps, truncate, cost, x0, y0))
+def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept: list[float],
+                   debias: bool) -> Measures:
+    """``fine`` on a block-sparse engine over the kept blocks ``keeps`` (see :func:`_keeps`; None: all)."""
+    x, y = fine.x.detach(), fine.y.detach()
+    if keeps is None:
+        keeps = [torch.ones(u.n_clusters, v.n_clusters, dtype=torch.bool, device=x.device)
+                 for u, v in ((h.cx, h.cy), (h.cx, h.cx), (h.cy, h.cy))]
+    pxy = BlockPattern(h.cx.offsets, h.cy.offsets, keeps[0])
     pats = [(x, y, pxy), (y, x, pxy.T)]
     if debias:
-        kxx = prune(cx, cx, st.f_aa[0], st.f_aa[0], eps, truncate, cost, x0, x0)
-        kyy = prune(cy, cy, st.g_bb[0], st.g_bb[0], eps, truncate, cost, y0, y0)
-        pats.append((x, x, BlockPattern(cx.offsets, cx.offsets, kxx)))
-        pats.append((y, y, BlockPattern(cy.offsets, cy.offsets, kyy)))
+        pats.append((x, x, BlockPattern(h.cx.offsets, h.cx.offsets, keeps[1])))
+        pats.append((y, y, BlockPattern(h.cy.offsets, h.cy.offsets, keeps[2])))
     kept.append(pxy.fraction)
     return replace(fine, engine=BlockSparseEngine(pats))

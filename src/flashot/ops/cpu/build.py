@@ -45,9 +45,9 @@ from .cachedir import CacheDirError, cache_dir, check_private_file, private_cach
 __all__ = ["BuildError", "build", "load", "BUILD_INFO", "cxxflags", "march", "SOURCES", "ISA_BITS",
            "cache_dir"]
 
-SOURCES = ("kernels.cpp", "fpenv.h", "parallel.h")
+SOURCES = ("kernels.cpp", "fpenv.h", "parallel.h", "prune.h")
 BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno", "-pthread"]
-ABI_VERSION = 13
+ABI_VERSION = 14
 PARTS = 4  # translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
 LOCK_TIMEOUT_S = 900
 # flashot_isa() bits
@@ -296,7 +296,8 @@ _SIGS = {
     "flashot_plan_bs": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _L, _I, _P, _L, _P, _P, _DB, _DB, _I, _I, _DB, _I],
 }
 _PLAIN_SIGS = {"flashot_abi_version": [], "flashot_fp_probe": [_I], "flashot_fp_probe_read": [_P, _I],
-               "flashot_fp_bits": [], "flashot_fp_bits_workers": [_P, _I], "flashot_isa": [], "flashot_vector_bytes": []}
+               "flashot_fp_bits": [], "flashot_fp_bits_workers": [_P, _I], "flashot_isa": [], "flashot_vector_bytes": [],
+               "flashot_block_keep": [_P, _P, _I, _L, _L, _P, _P, _P, _P, _I, _I, _DB, _DB, _DB, _P, _I]}
 
 
 def _bind(lib: ctypes.CDLL) -> None:

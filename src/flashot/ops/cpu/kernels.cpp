@@ -43,6 +43,7 @@
 #include <vector>
 #include "fpenv.h"
 #include "parallel.h"
+#include "prune.h"
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -1427,7 +1428,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 13; }
+int flashot_abi_version() { return 14; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -1683,6 +1684,16 @@ int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, con
                         double minsq, int kind, int wk, double wconst, int nth) {
   return plan_bs_entry<double>(x, yT, yy, hs, lse, alpha, VTk, K, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq,
                                kind, wk, wconst, nth);
+}
+#endif
+#if FL_PART(1)
+// Multiscale block pruning (prune.h): X (Kx, 5 + 3 D), Y (Ky, 5 + 3 D) per-cluster terms; the coarse kept
+// blocks as CSR (cptr (Kcx + 1), ccols); px / py the runs of fine clusters of each coarse one; keep (Kx, Ky).
+int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int64_t Kcx, const int64_t* cptr,
+                       const int64_t* ccols, const int64_t* px, const int64_t* py, int kind, int linear, double s,
+                       double minsq, double margin, uint8_t* keep, int nth) {
+  return flashot_prune::block_keep({X, D}, {Y, D}, Ky, Kcx, cptr, ccols, px, py, kind, linear, s, minsq, margin, keep,
+                                   nth);
 }
 #endif
 }  // extern "C"
