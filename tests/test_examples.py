@@ -84,12 +84,20 @@ def _check_cpu_engine_vs_peers(c):
             assert abs(s / ref / ratio - 1) < 0.03, (d, name, s, ref, ratio)
 
 
+def _check_gw_shape(c):
+    # "most copy points are matched within 5% of the diameter of their original; plain OT is not"
+    assert c["converged"], c
+    assert c["near"] >= 0.8 and c["exact"] >= 0.15, c
+    assert c["linear_near"] < 0.2, c
+
+
 CHECKS = {
     "plot_colour_transfer": _check_colour_transfer,
     "plot_registration_flow": _check_registration_flow,
     "plot_domain_adaptation": _check_domain_adaptation,
     "plot_unbalanced_outliers": _check_unbalanced_outliers,
     "plot_cpu_engine_vs_peers": _check_cpu_engine_vs_peers,
+    "plot_gw_shape": _check_gw_shape,
 }
 GALLERY = sorted(p.stem for p in (ROOT / "examples").glob("plot_*.py"))
 
