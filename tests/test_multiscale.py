@@ -340,3 +340,76 @@ def test_a_pattern_that_misses_blocks_is_repaired(monkeypatch):
     assert abs(float(v5 - v0)) <= 1e-4 * abs(float(v0))  # the issue's tolerance; measured 1.1e-5 (gradients)
     for u, w in zip(g5, g0):
         assert _rel(u - u.mean(), w - w.mean()) <= 1e-4
+
+
+def test_auto_picks_multiscale_where_geomloss_does(monkeypatch):
+    """backend='auto' runs coarse-to-fine for one pair of CPU clouds, D <= 3, p = 2, N M above the threshold,
+    blur <= diameter / 20 (the same call as backend='multiscale'), and the single-scale engines otherwise."""
+    import flashot.samples_loss as SL
+
+    monkeypatch.setattr(SL, "AUTO_MULTISCALE_PAIRS", 900 * 800)
+    x, y = _blobs(900, 3, 7), _blobs(800, 3, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)), spread=(0.2, 0.1))
+    auto = flashot.SamplesLoss(blur=0.05)
+    v = auto(x, y)
+    assert auto.last_multiscale is not None
+    assert float(v) == float(flashot.SamplesLoss(blur=0.05, backend="multiscale")(x, y))
+    single = float(flashot.SamplesLoss(blur=0.05, backend="cpu")(x, y))
+    assert abs(float(v) - single) <= 1e-2 * abs(single)  # GeomLoss' coarse-to-fine trajectory
+    not_picked = [
+        (dict(blur=0.05), (x[:-1], y)),  # N M below the threshold
+        (dict(blur=1.0), (x, y)),  # blur > diameter / 20
+        (dict(blur=0.05, p=1), (x, y)),
+        (dict(blur=0.05, reach=1.0), (x, y)),
+        (dict(blur=0.05), (torch.cat([x, x[:, :1]], 1), torch.cat([y, y[:, :1]], 1))),  # D = 4
+        (dict(blur=0.05), (x.expand(2, -1, -1), y.expand(2, -1, -1))),  # a batch
+    ]
+    for kw, args in not_picked:
+        L = flashot.SamplesLoss(**kw)
+        L(*args)
+        assert L.last_multiscale is None, kw
+
+
+# --- solve_sample(backend="multiscale") ------------------------------------------------------------
+@pytest.mark.parametrize("cost, reg", [("sqeuclidean", 0.05), ("half_sqeuclidean", 0.02)])
+def test_solve_sample_multiscale_matches_the_cpu_engine(cost, reg):
+    """POT-style solve coarse-to-fine, then to tol on the pruned points: the value, potentials, marginals and
+    gradients of the converged solve match the single-scale cpu engine (float64)."""
+    x, y = _blobs(1200, 3, 7), _blobs(1000, 3, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)), spread=(0.2, 0.1))
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.rand(1200, generator=g, dtype=F64) + 0.2, torch.rand(1000, generator=g, dtype=F64) + 0.2
+    # half the mass on each component of both clouds (else mass must cross a gap of ~3 at reg = 0.05:
+    # Sinkhorn then stalls for any engine)
+    a = torch.cat([a[:600] / a[:600].sum(), a[600:] / a[600:].sum()]) / 2
+    b = torch.cat([b[:500] / b[:500].sum(), b[500:] / b[500:].sum()]) / 2
+    out = {}
+    for backend in ("multiscale", "cpu"):
+        xs = x.clone().requires_grad_()
+        r = flashot.solve_sample(xs, y, a, b, reg=reg, cost=cost, backend=backend, tol=1e-10, max_iter=2000)
+        assert r.converged, backend
+        gx, = torch.autograd.grad(r.value, xs)
+        out[backend] = (r, gx)
+    (r, gx), (r0, gx0) = out["multiscale"], out["cpu"]
+    assert r.backend == "multiscale" and r.multiscale.kept[-1] < 0.9
+    assert abs(float(r.value - r0.value)) <= 1e-6 * abs(float(r0.value))
+    # (potentials: defined up to a constant per separated component here; the plan is compared instead)
+    assert _rel(gx, gx0) <= 1e-4
+    # the plan in the inputs' order: marginals by plan products on the pruned blocks, and the dense plan
+    ra = (r.plan @ torch.ones(1000, 1, dtype=F64)).squeeze(-1)
+    assert float((ra - a).abs().sum()) <= 1e-8
+    P, P0 = r.plan.to_dense(), r0.plan.to_dense()
+    assert float((P - P0).abs().sum()) <= 1e-4
+
+
+def test_solve_sample_multiscale_refusals():
+    x, y = torch.randn(50, 3, dtype=F64), torch.randn(40, 3, dtype=F64)
+    for kw, exc, match in [(dict(unbalanced=1.0), NotImplementedError, "unbalanced"),
+                           (dict(acceleration=flashot.Momentum(1.5)), NotImplementedError, "acceleration"),
+                           (dict(potentials_init=(torch.zeros(50, dtype=F64), torch.zeros(40, dtype=F64))),
+                            NotImplementedError, "potentials_init"),
+                           (dict(truncate=-1.0), ValueError, "truncate")]:
+        with pytest.raises(exc, match=match):
+            flashot.solve_sample(x, y, reg=0.1, backend="multiscale", **kw)
+    with pytest.raises(NotImplementedError, match="batch"):
+        flashot.solve_sample(x.expand(2, -1, -1), y.expand(2, -1, -1), reg=0.1, backend="multiscale")
+    with pytest.raises(ValueError, match="cluster_scale"):
+        flashot.solve_sample(x, y, reg=0.1, cluster_scale=0.1)

@@ -29,6 +29,7 @@ values and gradients are those of the ordinary solver on the pruned plan.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,17 +62,27 @@ class MultiscaleRun:
     cy: Clusters
     kept: list[float]
     jump: int  # index in eps_list of the last coarse temperature
+    hier: "_Hier | None" = None  # the fine clusterings and pruning hierarchies (continue_fine)
+    bounds: "list[BlockBounds] | None" = None  # the bounds of the last state
+    truncate: float | None = None
 
 
-def jump_index(eps_list: list[float], scale: float, p: int) -> int:
+def jump_index(eps_list: list[float], threshold: float) -> int:
     """GeomLoss' rule: the coarse iterations stop before the first ``eps`` (from the third on) below
-    ``cluster_scale^p``.  Where none is, GeomLoss jumps after the last iteration (the coarse-to-fine
+    ``threshold`` (GeomLoss: ``cluster_scale^p`` for its costs ``|x - y|^p / p``; see
+    :func:`_jump_threshold`).  Where none is, GeomLoss jumps after the last iteration (the coarse-to-fine
     extrapolation is then its final step); here at least the last temperature runs on the points, so
     the final step is always the ordinary one on converging fine potentials."""
     for i, eps in enumerate(eps_list[2:]):
-        if scale**p > eps:
+        if threshold > eps:
             return i + 1
     return max(len(eps_list) - 2, 0)
+
+
+def _jump_threshold(cost, scale: float, p: int) -> float:
+    """GeomLoss' ``cluster_scale^p`` in the units of ``cost``: ``2 s scale^2`` for ``s |x - y|^2`` (GeomLoss'
+    ``|x - y|^2 / 2`` gives ``scale^2``), ``scale`` for ``|x - y|``."""
+    return scale**p * (2.0 * cost.scale if cost.is_dot else 1.0)
 
 
 def _segment_max(v: Tensor, c: Clusters) -> Tensor:
@@ -375,7 +386,7 @@ def _coarse_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
 def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps: float, lam: float, cost) -> Tensor:
     """Fine potential from a coarse one: ``lam * softmin_J (log w_J + pot_J / eps)`` at the points."""
     with torch.no_grad():
-        return lam * ops_softmin(pts, centroids, w_log + pot / eps, eps, cost=cost, backend="tiled")
+        return lam * ops_softmin(pts, centroids, w_log + pot / eps, eps, cost=cost, backend="auto")
 
 
 def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleConfig, *, debias: bool,
@@ -386,7 +397,7 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     scale = cfg.cluster_scale if cfg.cluster_scale is not None else default_cluster_scale(diameter, D)
     x, y = m.x[0], m.y[0]
     cx, cy = cluster(x, m.a[0], scale, labels[0]), cluster(y, m.b[0], scale, labels[1])
-    jump = jump_index(eps_list, scale, p)
+    jump = jump_index(eps_list, _jump_threshold(m.cost, scale, p))
     mc = _coarse_measures(m, cx, cy)
     st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, verbose=verbose)
     # the fine stage prunes blocks that can be smaller than the coarse clusters (given labels: the same)
@@ -404,17 +415,32 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     if not tail:  # extrapolation only: the final step reads the potentials at this temperature
         bounds = _bounds(fine, hier, state, eps, cfg.truncate)
         fine = _with_patterns(fine, hier, _keeps(bounds, eps, cfg.truncate), kept, debias)
-        return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump)
+        return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate)
     bounds = _bounds(fine, hier, state, max(tail), cfg.truncate)
     for level in sorted(set(tail), reverse=True):
         steps = [e for e in tail if e == level]
-        fine, state, bounds = _fine_level(fine, hier, state, bounds, level, steps, cfg.truncate, debias, kept)
-    return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump)
+
+        def loop(fine_, st, steps=steps):
+            return sinkhorn_loop(fine_, steps, symmetric=True, debias=debias, init=(st.f, st.g),
+                                 init_self=(st.f_aa, st.g_bb) if debias else None)
+
+        fine, state, bounds = _fine_level(fine, hier, state, bounds, level, loop, cfg.truncate, debias, kept)
+    return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate)
 
 
-def _fine_level(fine: Measures, hier: "_Hier", state: SinkhornState, bounds, level: float, steps: list[float],
-                truncate, debias: bool, kept: list[float]):
-    """The iterations ``steps`` (all at temperature ``level``) on the blocks whose ``bounds`` (from the
+def continue_fine(run: MultiscaleRun, loop) -> MultiscaleRun:
+    """More iterations at the last temperature on the pruned points: ``loop(fine_measures, state)`` -> the
+    new state (e.g. the ordinary solver run to a tolerance), with the same a-posteriori check of the pruning
+    as every temperature of :func:`multiscale_loop`."""
+    eps, kept = run.state.eps, list(run.kept)
+    fine, state, bounds = _fine_level(run.m, run.hier, run.state, run.bounds, eps, loop, run.truncate,
+                                      run.state.f_aa is not None, kept)
+    return replace(run, m=fine, state=replace(state, eps=eps), kept=kept, bounds=bounds)
+
+
+def _fine_level(fine: Measures, hier: "_Hier", state: SinkhornState, bounds, level: float, loop, truncate,
+                debias: bool, kept: list[float]):
+    """``loop(fine, state)`` (iterations at temperature ``level``) on the blocks whose ``bounds`` (from the
     potentials of ``state``) are within ``truncate * level``.  The bounds are then recomputed from the new
     potentials; where they keep a block that was dropped, the iterations run again on the union (once), so
     that every dropped block satisfies the rule for the potentials that come out.  Returns the measures on
@@ -422,11 +448,14 @@ def _fine_level(fine: Measures, hier: "_Hier", state: SinkhornState, bounds, lev
     keeps = _keeps(bounds, level, truncate)
     for attempt in range(2):
         fine = _with_patterns(fine, hier, keeps, kept, debias)
-        new = sinkhorn_loop(fine, steps, symmetric=True, debias=debias, init=(state.f, state.g),
-                            init_self=(state.f_aa, state.g_bb) if debias else None)
+        with warnings.catch_warnings(record=True) as caught:  # shown only for the attempt that is kept
+            warnings.simplefilter("always")
+            new = loop(fine, state)
         new_bounds = _bounds(fine, hier, new, level, truncate)
         after = _keeps(new_bounds, level, truncate)
         if truncate is None or attempt == 1 or all(bool((a <= k).all()) for a, k in zip(after, keeps)):
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             return fine, new, new_bounds
         kept.pop()
         keeps = [a | k for a, k in zip(after, keeps)]
@@ -508,3 +537,63 @@ def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept:
         pats.append((y, y, BlockPattern(h.cy.offsets, h.cy.offsets, keeps[2])))
     kept.append(pxy.fraction)
     return replace(fine, engine=BlockSparseEngine(pats))
+
+
+class InputOrderEngine:
+    """A multiscale engine seen in the callers' point order: the fine stage sorts both clouds by cluster, and
+    this wrapper permutes the log-weights and ``V`` into that order and the results back, so that the
+    ordinary solver, :class:`~flashot.plan.LazyPlan` and the gradients run on the inputs unchanged.
+
+    Bound to the problem ``(x, y)`` of the original measures, like the block-sparse engine it wraps."""
+
+    name = "multiscale"
+
+    def __init__(self, inner: BlockSparseEngine, x: Tensor, y: Tensor, xs: Tensor, ys: Tensor, px: Tensor,
+                 py: Tensor):
+        self.inner = inner
+        inv = [torch.empty_like(p).scatter_(0, p, torch.arange(p.numel(), device=p.device)) for p in (px, py)]
+        key = BlockSparseEngine._key
+        self._sides = {key(x): (xs, px, inv[0]), key(y): (ys, py, inv[1])}
+
+    def unsupported(self, device, dtype, cost):
+        return None
+
+    def _side(self, t: Tensor):
+        hit = self._sides.get(BlockSparseEngine._key(t))
+        if hit is None:
+            raise RuntimeError("multiscale engine: called on a cloud of another problem (it is bound to one problem; "
+                               "this is a flashot bug, please report it)")
+        return hit
+
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:
+        (xs, _, ix), (ys, py, _) = self._side(x), self._side(y)
+        return self.inner.softmin(xs, ys, h[:, py], eps, cost)[:, ix]
+
+    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
+        (xs, px, ix), (ys, py, _) = self._side(x), self._side(y)
+        return self.inner.plan_product(xs, ys, alpha[:, px], beta[:, py], eps, V[:, py], cost, weight)[:, ix]
+
+
+def in_input_order(m: Measures, run: MultiscaleRun) -> tuple[Measures, SinkhornState]:
+    """The measures ``m`` (inputs' order) on the pruned engine of ``run``, and its state in that order."""
+    px, py = run.cx.perm, run.cy.perm
+    eng = InputOrderEngine(run.m.engine, m.x.detach(), m.y.detach(), run.m.x.detach(), run.m.y.detach(), px, py)
+    st = run.state
+
+    def unsort(v: Tensor | None, p: Tensor) -> Tensor | None:
+        return None if v is None else torch.empty_like(v).index_copy_(-1, p, v)
+
+    st = replace(st, f=unsort(st.f, px), g=unsort(st.g, py), f_aa=unsort(st.f_aa, px), g_bb=unsort(st.g_bb, py))
+    return replace(m, engine=eng), st
+
+
+def schedule(cost, diameter: float, reg: float, scaling: float = 0.5) -> list[float]:
+    """GeomLoss' epsilon-scaling down to ``reg`` in the units of ``cost``: for ``s |x - y|^2`` the schedule of
+    ``|x - y|^2 / 2`` at ``blur = sqrt(reg / 2s)`` scaled by ``2 s``; for ``|x - y|`` the one of ``p = 1``."""
+    from .schedules import epsilon_scaling
+
+    if not cost.is_dot:
+        return epsilon_scaling(1, max(diameter, reg), reg, scaling)
+    k = 2.0 * cost.scale
+    blur = (reg / k) ** 0.5
+    return [e * k for e in epsilon_scaling(2, max(diameter, blur), blur, scaling)]

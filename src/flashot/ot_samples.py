@@ -59,6 +59,8 @@ class OTResult:
             exact envelope gradients.  Equals ``value`` for balanced problems.  For unbalanced
             ones ``value`` follows POT (mass-less KL terms, see :func:`flashot.unbalanced.pot_value`).
         unbalanced: ``(rho_a, rho_b)`` (None = strict side), or None when balanced.
+        multiscale: with ``backend="multiscale"``, the :class:`~flashot.multiscale.MultiscaleRun`
+            (``kept``: the kept fraction of the pairs at each pruning; clusters), else None.
 
     The plan is ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / reg)`` (``eps = reg``, ``C`` the
     cost of the solve, ``|x - y|^2`` by default).
@@ -84,6 +86,7 @@ class OTResult:
     _numpy: bool = field(default=False, repr=False)
     stopped: bool = False
     unbalanced: tuple | None = None
+    multiscale: Any = field(default=None, repr=False)  # backend="multiscale": the run (kept fractions, clusters)
     value_dual: Any = None
 
     def _out(self, t: Tensor):
@@ -181,6 +184,8 @@ def solve_sample(
     eps_scaling: bool | float | None = None,
     group=None,
     shard: str = "replicated",
+    cluster_scale: float | None = None,
+    truncate: float | None = 5.0,
 ) -> OTResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
@@ -223,7 +228,14 @@ def solve_sample(
             unequal masses in a balanced problem, or ``reg`` below the dtype's resolution) and
             ``converged=False``.  ``tol=None``: exactly ``max_iter`` iterations, no warning.
             NaN / Inf potentials raise ``FloatingPointError`` (naming ``reg`` and the engine).
-        backend: engine name or ``"auto"``.
+        backend: engine name or ``"auto"``; ``"multiscale"``: GeomLoss' coarse-to-fine solver
+            (:mod:`flashot.multiscale`) for one balanced pair of clouds (D <= 3 prunes best): its schedule down to
+            ``reg`` on cluster centroids then on the points with only the blocks of clusters within
+            ``truncate * reg`` of the potentials (GeomLoss' ``cluster_scale`` and ``truncate``), then
+            the ordinary iterations to ``tol`` on the same blocks (re-pruned if the potentials move).
+            Dropped entries of the plan are below ``e^-truncate a_i b_j``; ``plan @ V`` and the
+            gradients use the pruned plan, ``plan.to_dense()`` / ``topk`` the full one of the same
+            potentials.
         potentials_init: ``(f, g)`` warm start (same shapes as the returned potentials).
         unbalanced: KL marginal penalties (POT's ``unbalanced`` / ``reg_m``): a number ``rho``
             for both sides, or a pair ``(rho_a, rho_b)`` where None (or inf) keeps that
@@ -313,6 +325,10 @@ def solve_sample(
 
         return points_solve(X_a, X_b, a, b, cost=cost, backend=backend, opts=opts, group=group,
                             potentials_init=potentials_init, implicit=implicit, numpy=is_np)
+    if backend == "multiscale":
+        return _solve_multiscale(X_a, X_b, a, b, cost, opts, cluster_scale, truncate, group, potentials_init, is_np)
+    if cluster_scale is not None:
+        raise ValueError("cluster_scale: used by backend='multiscale' only (GeomLoss' clustering scale)")
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
     if group is not None:  # one problem over the ranks of a torch.distributed group
         from .distributed import distribute_solve
@@ -386,6 +402,12 @@ def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy:
         rho_x=o.rho_a, rho_y=o.rho_b, inner_iterations=o.inner_iterations, acceleration=o.acceleration,
         verbose=o.verbose,
     )
+    return _result(m, st, o, numpy)
+
+
+def _result(m: Measures, st: SinkhornState, o: SolveOptions, numpy: bool) -> OTResult:
+    """The :class:`OTResult` of a finished loop: the final step, values, potentials and the lazy plan."""
+    reg = o.reg
     f, g, _, _ = final_step(m, st, rho_x=o.rho_a, rho_y=o.rho_b)
     if o.unbalanced:  # m.full: the whole vectors when the points are split over ranks (else the same)
         value = pot_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b)
@@ -412,6 +434,41 @@ def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy:
     res.value = res._out(m.restore(value))
     res.value_dual = res._out(m.restore(value_dual))
     res.potentials = (res._out(m.restore(f)), res._out(m.restore(g)))
+    return res
+
+
+def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, truncate, group, potentials_init,
+                      numpy: bool) -> OTResult:
+    """``solve_sample(backend="multiscale")``: GeomLoss' coarse-to-fine schedule down to ``reg``, then the
+    ordinary loop to ``tol`` on the pruned points (:func:`flashot.multiscale.continue_fine`)."""
+    from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule
+
+    refused = [name for name, bad in (("unbalanced", o.unbalanced), ("group", group is not None),
+                                      ("potentials_init", potentials_init is not None),
+                                      ("acceleration", o.acceleration is not None)) if bad]
+    if refused:
+        raise NotImplementedError(f"backend='multiscale' does not support {', '.join(refused)} yet; use backend='auto'")
+    cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
+    truncate = check_positive("truncate", truncate, allow_none=True)
+    m = Measures.build(X_a, X_b, a, b, cost=cost, backend="auto", names=("a", "X_a", "b", "X_b"))
+    if m.batched:
+        raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
+                                  "use backend='auto'")
+    check_eps_scale("reg", o.reg, m.cmax, m.x.dtype)
+    _check_equal_masses(m)
+    eps_list = schedule(m.cost, m.bbox_diameter(), o.reg)
+    run = multiscale_loop(m, eps_list, 2 if m.cost.is_dot else 1, MultiscaleConfig(cluster_scale, truncate),
+                          debias=False, diameter=m.bbox_diameter(), verbose=o.verbose)
+    symmetric = METHODS[o.method]
+
+    def loop(fine: Measures, st: SinkhornState) -> SinkhornState:
+        return sinkhorn_loop(fine, _Schedule(o.reg, o.max_iter), symmetric=symmetric, tol=o.tol, init=(st.f, st.g),
+                             callback=o.callback, inner_iterations=o.inner_iterations, verbose=o.verbose)
+
+    run = continue_fine(run, loop)
+    mo, st = in_input_order(m, run)
+    res = _result(mo, st, o, numpy)
+    res.multiscale = run
     return res
 
 

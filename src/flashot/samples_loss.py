@@ -34,6 +34,27 @@ from .unbalanced import (
 )
 
 LOSSES = ("sinkhorn", "hausdorff", *KERNELS)
+AUTO_MULTISCALE_PAIRS = 10_000**2  # GeomLoss' threshold; multiscale is faster from here (BENCHMARKS.md)
+
+
+def auto_multiscale(m: Measures, p: int, blur: float, diameter: float) -> bool:
+    r"""Whether ``backend="auto"`` picks the multiscale solver for the balanced problem ``m``: one pair of
+    clouds on the CPU, :math:`D \le 3`, :math:`p = 2`, :math:`NM \ge` ``AUTO_MULTISCALE_PAIRS`` and
+    ``blur <= diameter / 20`` (below GeomLoss' default cluster scale, so the fine stage prunes).
+
+    Example:
+        >>> import torch, flashot
+        >>> from flashot.measures import Measures
+        >>> m = Measures.build(torch.randn(20000, 3), torch.randn(20000, 3), None, None, cost="half_sqeuclidean",
+        ...                    backend="auto")
+        >>> flashot.samples_loss.auto_multiscale(m, 2, 0.01, 8.0), flashot.samples_loss.auto_multiscale(m, 2, 1.0, 8.0)
+        (True, False)
+    """
+    B, N, M, D = m.shape
+    return (not m.batched and m.x.device.type == "cpu" and D <= 3 and p == 2 and N * M >= AUTO_MULTISCALE_PAIRS
+            and blur <= diameter / 20 and not m.points_sharded)
+
+
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto", "multiscale": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
 
@@ -144,8 +165,12 @@ class SamplesLoss(torch.nn.Module):
             points with only the blocks kept by ``truncate``.  One pair of clouds (no
             batch), balanced, ``loss="sinkhorn"``; the six-argument call ``L(labels_x, a, x,
             labels_y, b, y)`` gives the clusters.  ``L.last_multiscale.kept`` lists the kept fractions
-            of the pairs.  Today its fine iterations run in PyTorch (any device); ``auto`` does not
-            pick it.
+            of the pairs.  Its fine iterations run in the ``cpu`` engine's C++ kernels on the CPU, in
+            PyTorch elsewhere.  ``"auto"`` picks it where GeomLoss does and where it pays here
+            (:func:`auto_multiscale`: one pair of CPU clouds, D <= 3, p = 2, ``N M`` at least
+            ``AUTO_MULTISCALE_PAIRS``, blur at most ``diameter / 20``, balanced, built-in cost, no
+            ``implicit`` / ``warm_start`` / ``group``); its value then follows GeomLoss'
+            coarse-to-fine trajectory, which lands within ~1% of the single-scale one.
         verbose: show a progress bar (tqdm if installed) over the epsilon-scaling steps.
         implicit: :class:`~flashot.ImplicitDiff` settings of the second derivatives
             (``create_graph=True``: Hessian-vector products by implicit differentiation).
@@ -247,6 +272,7 @@ class SamplesLoss(torch.nn.Module):
         self.backend = backend
         self.cost, self.kernel = cost, kernel
         self.implicit = check_implicit(implicit)
+        self._implicit_given = implicit is not None
         self.warm_start = check_warm_start(warm_start)
         if (self.rho_x is not None or self.rho_y is not None) and (implicit is not None or self.warm_start is not None):
             raise NotImplementedError(
@@ -321,6 +347,7 @@ class SamplesLoss(torch.nn.Module):
             torch.Size([20, 2])
         """
         a_in, x, b_in, y = self._split_args(args)
+        self.last_multiscale = None
         if self.loss != "sinkhorn":
             return self._other_loss(a_in, x, b_in, y)
         if self.cost is not None:  # a user's cost function (GeomLoss' tensorized ``cost``)
@@ -349,7 +376,8 @@ class SamplesLoss(torch.nn.Module):
             _warn_unequal_masses(m)
         if rx is not None or ry is not None:
             return self._unbalanced(m, eps_list, rx, ry, a_in, b_in)
-        if self.backend == "multiscale":
+        multiscale = self.backend == "multiscale" or (self.backend == "auto" and self._auto_multiscale(m, diameter))
+        if multiscale:
             run = self._multiscale(m, eps_list, diameter)
             m, st = run.m, run.state
         elif self.warm_start is not None:
@@ -369,9 +397,15 @@ class SamplesLoss(torch.nn.Module):
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
         if self.debias:
             f, g = f - f_aa, g - g_bb
-        if self.backend == "multiscale":  # back to the input order
+        if multiscale:  # back to the input order
             f, g = _unsort(f, run.cx.perm), _unsort(g, run.cy.perm)
         return self._potentials(m, f, g, a_in, b_in)
+
+    def _auto_multiscale(self, m: Measures, diameter: float) -> bool:
+        """Whether ``backend="auto"`` runs this call coarse-to-fine (see :func:`auto_multiscale`)."""
+        if self.cost is not None or self._implicit_given or self.warm_start is not None or self.group is not None:
+            return False
+        return auto_multiscale(m, self.p, self.blur, diameter)
 
     def _multiscale(self, m: Measures, eps_list, diameter: float) -> MultiscaleRun:
         """GeomLoss' coarse-to-fine schedule (:mod:`flashot.multiscale`); ``L.last_multiscale`` keeps the run
