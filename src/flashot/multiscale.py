@@ -1,7 +1,11 @@
 r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backend="multiscale"``).
 
-1. Both clouds are clustered on a voxel grid of side ``cluster_scale`` (:mod:`flashot.clusters`;
-   default ``diameter / (sqrt(D) 2000^(1/D))`` as GeomLoss) and sorted by cluster.
+1. Both clouds are clustered on a voxel grid of side ``cluster_scale`` (:mod:`flashot.clusters`)
+   and sorted by cluster.  GeomLoss' default ``diameter / (sqrt(D) 2000^(1/D))`` is halved while
+   the cells stay wider than half the last temperature's pruning radius and hold >= 64 points on
+   average (:func:`~flashot.clusters.block_scale`): large clouds get finer cells, for the coarse
+   stage and the pruning alike.  A given ``cluster_scale`` is GeomLoss' (the coarse stage's); the
+   fine blocks may still be halved from it.
 2. The epsilon-scaling runs on the cluster centroids with the cluster weights while
    ``eps >= cluster_scale^p`` (GeomLoss' jump rule), with the ordinary engines.
 3. The coarse potentials are extrapolated to the points (one softmin against the centroids),
@@ -396,16 +400,19 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     D = m.x.shape[-1]
     scale = cfg.cluster_scale if cfg.cluster_scale is not None else default_cluster_scale(diameter, D)
     x, y = m.x[0], m.y[0]
+    # the fine stage prunes blocks that can be smaller than GeomLoss' clusters (given labels: the same);
+    # by default the coarse stage runs on those blocks too (and jumps at their scale)
+    bs = scale
+    if labels[0] is None and labels[1] is None:
+        bs = block_scale(x.detach(), y.detach(), scale, _prune_radius(m.cost, eps_list[-1], cfg.truncate))
+        if cfg.cluster_scale is None:
+            scale = bs
     cx, cy = cluster(x, m.a[0], scale, labels[0]), cluster(y, m.b[0], scale, labels[1])
     jump = jump_index(eps_list, _jump_threshold(m.cost, scale, p))
     mc = _coarse_measures(m, cx, cy)
     st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, verbose=verbose)
-    # the fine stage prunes blocks that can be smaller than the coarse clusters (given labels: the same)
-    if labels[0] is None and labels[1] is None:
-        radius = _prune_radius(m.cost, eps_list[-1], cfg.truncate)
-        bs = block_scale(x.detach(), y.detach(), scale, radius)
-        if bs < scale:
-            cx, cy = cluster(x, m.a[0], bs), cluster(y, m.b[0], bs)
+    if bs < scale:
+        cx, cy = cluster(x, m.a[0], bs), cluster(y, m.b[0], bs)
     fine = _fine_measures(m, cx, cy)
     hier = _Hier.build(fine, cx, cy, debias)
     eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
