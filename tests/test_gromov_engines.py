@@ -15,14 +15,14 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
-import flashot  # noqa: E402
-from flashot.costs import FeatureBilinearCost  # noqa: E402
-from flashot.ops import get_engine  # noqa: E402
-from flashot.ops.bilinear import BilinearAdapter, split_bilinear  # noqa: E402
+import flashot
+from flashot.costs import FeatureBilinearCost
+from flashot.ops import get_engine
+from flashot.ops.bilinear import BilinearAdapter, split_bilinear
 
 ot = pytest.importorskip("ot")
 
@@ -156,7 +156,7 @@ def _pot(X, Y, reg, **kw):
 def test_gw_cpu_matches_dense_and_pot():
     _engine("cpu")
     X, Y = _clouds()
-    kw = dict(reg=REG, inner_tol=1e-12, inner_max_iter=5000)
+    kw = {"reg": REG, "inner_tol": 1e-12, "inner_max_iter": 5000}
     rc = flashot.gromov_wasserstein(X, Y, backend="cpu", **kw)
     rd = flashot.gromov_wasserstein(X, Y, backend="dense", **kw)
     assert rc.backend == "cpu" and rc.converged and rc.inner_converged
@@ -192,7 +192,7 @@ def test_gw_triton_matches_dense_and_pot():
     _engine("triton")
     X, Y = _clouds(12, 15, seed=3)
     reg = 0.3
-    kw = dict(reg=reg, inner_tol=1e-11, inner_max_iter=2000, tol=1e-8)
+    kw = {"reg": reg, "inner_tol": 1e-11, "inner_max_iter": 2000, "tol": 1e-8}
     rt = flashot.gromov_wasserstein(X, Y, backend="triton", **kw)
     rd = flashot.gromov_wasserstein(X, Y, backend="dense", **kw)
     assert rt.backend == "triton" and rt.converged and rt.n_outer == rd.n_outer
@@ -209,7 +209,7 @@ def test_gw_float32_cpu_close_to_float64():
     _engine("cpu")
     X, Y = _clouds(seed=13)
     X, Y = 10 * X + 100, 10 * Y - 40  # far from the origin, larger scale
-    kw = dict(reg=REG * 1e4, max_iter=31)  # the same 31 outer steps in each run
+    kw = {"reg": REG * 1e4, "max_iter": 31}  # the same 31 outer steps in each run
     r64 = flashot.gromov_wasserstein(X, Y, backend="dense", **kw)
     r32 = flashot.gromov_wasserstein(X.float(), Y.float(), backend="cpu", **kw)
     rd32 = flashot.gromov_wasserstein(X.float(), Y.float(), backend="dense", **kw)
@@ -224,7 +224,7 @@ def test_gw_float32_cpu_close_to_float64():
 def test_gw_gradients_cpu_finite_differences():
     _engine("cpu")
     X, Y = _clouds(15, 18, seed=6)
-    kw = dict(reg=0.1, inner_tol=1e-13, inner_max_iter=10000, tol=1e-13, backend="cpu")
+    kw = {"reg": 0.1, "inner_tol": 1e-13, "inner_max_iter": 10000, "tol": 1e-13, "backend": "cpu"}
     Xg, Yg = X.clone().requires_grad_(), Y.clone().requires_grad_()
     r = flashot.gromov_wasserstein(Xg, Yg, **kw)
     r.value.backward()
@@ -255,3 +255,21 @@ def test_auto_picks_the_cpu_engine_for_large_problems():
     assert torch.equal(eng.softmin(x, y, h, 0.5, sq), eng.inner.softmin(x, y, h, 0.5, sq))
     X, Y = _clouds(8, 9)
     assert np.isfinite(float(flashot.gromov_wasserstein(X, Y, reg=REG, backend="cpu", max_iter=2).value))
+
+
+@pytest.mark.parametrize("backend", ["dense", "tiled", "cpu"])
+def test_solve_sample_takes_a_feature_bilinear_cost(backend):
+    """``solve_sample(s, t, cost=FeatureBilinearCost)`` on the augmented points (not centred): the plan is
+    POT's ``ot.sinkhorn`` on the dense cost matrix, on every engine."""
+    if backend == "cpu":
+        _engine("cpu")
+    cost, s, t, C = _bilinear(B=1, N=40, M=50, shift=2.0)
+    a, b = np.full(40, 1 / 40), np.full(50, 1 / 50)
+    T = ot.sinkhorn(a, b, C[0].numpy(), 1.0, stopThr=1e-13, numItermax=20000)
+    r = flashot.solve_sample(s[0], t[0], reg=1.0, cost=cost, backend=backend, tol=1e-12, max_iter=20000)
+    assert r.converged and r.backend == backend
+    assert _rel(r.plan.to_dense(), T) < 1e-9
+    assert abs(float(r.value_linear) - float((C[0].numpy() * T).sum())) < 1e-9 * float(C.abs().max())
+    sg = s[0].clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="features"):
+        flashot.solve_sample(sg, t[0], reg=1.0, cost=cost, backend=backend).value.backward()

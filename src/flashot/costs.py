@@ -14,6 +14,7 @@ FlashSinkhorn observation).  Engines use :attr:`Cost.is_dot` to take that path.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -150,9 +151,10 @@ class FeatureBilinearCost:
     ``s = [u_i, phi_i, 0]`` and ``t = [v_j, 0, psi_j]``, and
     ``C(s, t) = s_0 + t_0 + <s_1:, S t_1:>`` with ``S = [[0, M], [M^T, 0]]`` symmetric, so
     ``C(t, s) = C(s, t)`` and the transposed primitives are the same calls with the sides swapped.
-    A tile is one batched GEMM plus the two biases.  Not translation invariant: the points must
-    not be centred (build :class:`~flashot.measures.Measures` directly, as
-    :mod:`flashot.gromov` does).  The linearised Gromov-Wasserstein cost is of this kind.
+    A tile is one batched GEMM plus the two biases.  Not translation invariant: the points are not
+    centred (``solve_sample(s, t, cost=cost)`` takes the augmented points as they are; gradients
+    w.r.t. them are refused: differentiate through the features).  The linearised
+    Gromov-Wasserstein cost is of this kind (:mod:`flashot.gromov`).
     Engines: ``dense`` and ``tiled`` natively; ``cpu`` and ``triton`` through their squared-Euclidean
     kernels (:mod:`flashot.ops.bilinear`: ``C_ij = |xh_i - yh_j|^2 + ox_i + oy_j`` with points of
     dimension ``rank M``), which ``auto`` picks for large problems.
@@ -185,6 +187,17 @@ class FeatureBilinearCost:
         S[:, :p, p:] = M
         S[:, p:, :p] = M.transpose(-1, -2)
         return S
+
+    def bound(self, x: Tensor, y: Tensor) -> float:
+        """``max |C_ij| <= max |u| + max |v| + max_i |S^T phi_i| max_j |psi_j|`` over augmented points
+        ``x`` (B, N, 1 + K), ``y`` (B, M, 1 + K) (float64, no N x M matrix); ``ValueError`` when not finite."""
+        X, Y = x.detach().double(), y.detach().double()
+        S = self.S.detach().to(X.device, torch.float64)
+        lin = torch.bmm(X[..., 1:], S).norm(dim=-1).amax(-1) * Y[..., 1:].norm(dim=-1).amax(-1)
+        b = float((X[..., 0].abs().amax(-1) + Y[..., 0].abs().amax(-1) + lin).max())
+        if not math.isfinite(b):
+            raise ValueError(f"feature-bilinear cost: its values overflow (bound {b}); rescale the features")
+        return b
 
     def tile(self, x: Tensor, y: Tensor) -> Tensor:
         """Cost values between augmented points (B, n, 1 + K) and (B, m, 1 + K): a fresh (B, n, m) tensor."""

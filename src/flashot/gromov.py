@@ -52,15 +52,24 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import FLOATS, check_bool, check_finite, check_int, check_positive, check_storage, check_weights
-from ._checks import compute_dtype, to_tensor
+from ._checks import (
+    FLOATS,
+    check_bool,
+    check_finite,
+    check_int,
+    check_positive,
+    check_storage,
+    check_weights,
+    compute_dtype,
+    to_tensor,
+)
 from .costs import FeatureBilinearCost
 from .measures import Measures, log_weights
 from .ops import get_engine
 from .ot_samples import solve_measures, solve_options
 from .plan import LazyPlan
 
-__all__ = ["gromov_wasserstein", "fused_gromov_wasserstein", "GWResult"]
+__all__ = ["GWResult", "fused_gromov_wasserstein", "gromov_wasserstein"]
 
 # POT reads the change of the coupling every CHECK_EVERY outer iterations (cpt % 10 == 0)
 CHECK_EVERY = 10
@@ -139,7 +148,7 @@ class GWPlan(LazyPlan):
         self._pts = pts  # (X, Y), (1, n, dx) / (1, m, dy), detached, compute dtype
 
     @property
-    def T(self) -> "GWPlan":
+    def T(self) -> GWPlan:
         return GWPlan(self._m, self._f, self._g, self.eps, self._pts, transposed=not self._t, numpy=self._numpy)
 
     def barycentric_map(self):
@@ -262,8 +271,8 @@ def gromov_wasserstein(
         >>> same.converged, bool(same.value < other.value)  # GW ignores rotations and translations
         (True, True)
     """
-    return _gromov(X, Y, a, b, None, None, 1.0, reg=reg, loss_fun=loss_fun, max_iter=max_iter, tol=tol, inner_max_iter=inner_max_iter,
-                   inner_tol=inner_tol, warmstart=warmstart, backend=backend, verbose=verbose, G0=G0, solver=solver)
+    opts = _Options(reg, loss_fun, max_iter, tol, inner_max_iter, inner_tol, warmstart, backend, verbose, G0, solver)
+    return _gromov(X, Y, a, b, None, None, 1.0, opts)
 
 
 def fused_gromov_wasserstein(
@@ -312,47 +321,50 @@ def fused_gromov_wasserstein(
     """
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"alpha: expected a number in [0, 1] (the weight of the GW term), got {alpha!r}")
-    return _gromov(X, Y, a, b, FX, FY, float(alpha), reg=reg, loss_fun=loss_fun, max_iter=max_iter, tol=tol, inner_max_iter=inner_max_iter,
-                   inner_tol=inner_tol, warmstart=warmstart, backend=backend, verbose=verbose, G0=G0, solver=solver)
+    opts = _Options(reg, loss_fun, max_iter, tol, inner_max_iter, inner_tol, warmstart, backend, verbose, G0, solver)
+    return _gromov(X, Y, a, b, FX, FY, float(alpha), opts)
 
 
-def _gromov(
-    X,
-    Y,
-    a,
-    b,
-    FX,
-    FY,
-    alpha: float,
-    *,
-    reg: float,
-    loss_fun: str = "square_loss",
-    max_iter: int = 1000,
-    tol: float = 1e-9,
-    inner_max_iter: int = 1000,
-    inner_tol: float = 1e-9,
-    warmstart: bool = True,
-    backend: str = "auto",
-    verbose: bool = False,
-    G0=None,
-    solver: str = "PGD",
-) -> GWResult:
-    reg = check_positive("reg", reg)
-    if loss_fun != "square_loss":
-        raise ValueError(f"loss_fun: only 'square_loss' (|a - b|^2, POT's default) is supported, got {loss_fun!r}")
-    if solver != "PGD":
-        raise ValueError(f"solver: only 'PGD' (POT's default: projected gradient / Sinkhorn steps), got {solver!r}")
-    if G0 is not None:
-        raise NotImplementedError("G0: a dense initial coupling is not supported (it would be n x m); the "
-                                  "initial coupling is a b^T")
-    max_iter = check_int("max_iter", max_iter)
-    tol = check_positive("tol", tol)
-    inner_max_iter = check_int("inner_max_iter", inner_max_iter)
-    inner_tol = check_positive("inner_tol", inner_tol)
-    warmstart = check_bool("warmstart", warmstart)
-    verbose = check_bool("verbose", verbose)
-    if not isinstance(backend, str):
-        raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
+@dataclass(frozen=True)
+class _Options:
+    """The options shared by :func:`gromov_wasserstein` and :func:`fused_gromov_wasserstein`."""
+
+    reg: float
+    loss_fun: str
+    max_iter: int
+    tol: float
+    inner_max_iter: int
+    inner_tol: float
+    warmstart: bool
+    backend: str
+    verbose: bool
+    G0: Any
+    solver: str
+
+    def checked(self) -> _Options:
+        """A copy with validated values (clear errors before any work)."""
+        if self.loss_fun != "square_loss":
+            raise ValueError(f"loss_fun: only 'square_loss' (|a - b|^2, POT's default) is supported, got "
+                             f"{self.loss_fun!r}")
+        if self.solver != "PGD":
+            raise ValueError(f"solver: only 'PGD' (POT's default: projected gradient / Sinkhorn steps), got "
+                             f"{self.solver!r}")
+        if self.G0 is not None:
+            raise NotImplementedError("G0: a dense initial coupling is not supported (it would be n x m); the "
+                                      "initial coupling is a b^T")
+        if not isinstance(self.backend, str):
+            raise TypeError(f"backend: expected a string, got {type(self.backend).__name__}")
+        return _Options(check_positive("reg", self.reg), self.loss_fun, check_int("max_iter", self.max_iter),
+                        check_positive("tol", self.tol), check_int("inner_max_iter", self.inner_max_iter),
+                        check_positive("inner_tol", self.inner_tol), check_bool("warmstart", self.warmstart),
+                        self.backend, check_bool("verbose", self.verbose), None, self.solver)
+
+
+def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
+    """(Fused) GW with the options of the public functions; ``FX = FY = None`` for plain GW."""
+    o = opts.checked()
+    reg, max_iter, tol, backend, verbose = o.reg, o.max_iter, o.tol, o.backend, o.verbose
+    inner_max_iter, inner_tol, warmstart = o.inner_max_iter, o.inner_tol, o.warmstart
     is_np = isinstance(X, np.ndarray)
     if is_np != isinstance(Y, np.ndarray):
         raise TypeError("X and Y: give both as torch tensors or both as numpy arrays")

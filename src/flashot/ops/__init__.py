@@ -158,19 +158,20 @@ def prepare_pair(
     check_points(xn, x)
     check_points(yn, y)
     check_pair(x, y, xn, yn)
-    if not isinstance(cost, (str, Cost)):
+    bilinear = getattr(cost, "bilinear", False)  # FeatureBilinearCost: augmented points, no centring
+    if not isinstance(cost, (str, Cost)) and not bilinear:
         hint = ("; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...) (POT's ot.solve)"
                 if hasattr(cost, "shape") else "")
         raise TypeError(f"cost: expected a cost name (string) or a flashot.Cost, got {type(cost).__name__}{hint}")
-    cost = get_cost(cost)
+    cost = cost if bilinear else get_cost(cost)
     batched = x.dim() == 3
     if not batched:
         x, y = x.unsqueeze(0), y.unsqueeze(0)
     out_dtype = x.dtype
     cdt = compute_dtype(x.dtype)
-    cmax = max_cost(x, y, cost, cdt, names)
+    cmax = cost.bound(x, y) if bilinear else max_cost(x, y, cost, cdt, names)
     x, y = x.to(cdt), y.to(cdt)
-    c = common_center(x, y)
+    c = torch.zeros_like(x[:, :1]) if bilinear else common_center(x, y)
     x, y = (x - c).contiguous(), (y - c).contiguous()
     B, N, D = x.shape
     eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D),

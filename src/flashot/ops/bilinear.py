@@ -61,7 +61,7 @@ class SqSplit:
     ox: Tensor
     oy: Tensor
 
-    def swapped(self) -> "SqSplit":
+    def swapped(self) -> SqSplit:
         return SqSplit(self.yh, self.xh, self.oy, self.ox)
 
 
