@@ -65,19 +65,23 @@ def _spread(v: Tensor, dim: int) -> Tensor:
 def grid_labels(x: Tensor, scale: float) -> Tensor:
     """(N,) int64 cell labels of ``x`` (N, D) for cells of side ``scale``, in Morton order for D <= 3
     (row-major order of the cell coordinates above)."""
+    return _grid_codes(x, scale)[0]
+
+
+def _grid_codes(x: Tensor, scale: float) -> tuple[Tensor, bool]:
+    """:func:`grid_labels` and whether they are Morton codes (D <= 3 and few enough cells per axis)."""
     with torch.no_grad():
         q = torch.floor((x - x.amin(0)) / scale).long()  # (N, D) >= 0
         N, D = q.shape
+        code = torch.zeros(N, dtype=torch.long, device=x.device)
         if D <= 3 and int(q.max()) < 2**MORTON_BITS:
-            code = torch.zeros(N, dtype=torch.long, device=x.device)
             for d in range(D):
                 code |= _spread(q[:, d], D) << d
-            return code
+            return code, True
         extent = q.amax(0) + 1
-        code = torch.zeros(N, dtype=torch.long, device=x.device)
         for d in range(D):
             code = code * extent[d] + q[:, d]
-        return code
+        return code, False
 
 
 def cluster(x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | None = None) -> Clusters:
@@ -85,16 +89,10 @@ def cluster(x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | N
     integer ``labels`` (N,) (GeomLoss' six-argument call); clusters are ordered by label."""
     with torch.no_grad():
         x, a = x.detach(), a.detach()
-        lab = grid_labels(x, scale) if labels is None else labels.to(x.device).long()
+        lab, morton = _grid_codes(x, scale) if labels is None else (labels.to(x.device).long(), False)
         lab_sorted, perm = torch.sort(lab, stable=True)
         uniq, counts = torch.unique_consecutive(lab_sorted, return_counts=True)
-        codes = uniq if labels is None and x.shape[-1] <= 3 and _is_morton(x, scale) else None
-        return _summaries(x[perm], a[perm], perm, counts, codes)
-
-
-def _is_morton(x: Tensor, scale: float) -> bool:
-    """Whether :func:`grid_labels` used the Morton code for ``x`` at ``scale`` (D <= 3 and few enough cells)."""
-    return float((x.amax(0) - x.amin(0)).max()) / scale < 2**MORTON_BITS - 1
+        return _summaries(x[perm], a[perm], perm, counts, uniq if morton else None)
 
 
 def _summaries(xs: Tensor, as_: Tensor, perm: Tensor, counts: Tensor, codes: Tensor | None) -> Clusters:

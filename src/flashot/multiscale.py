@@ -581,15 +581,16 @@ class InputOrderEngine:
         return self.inner.plan_product(xs, ys, alpha[:, px], beta[:, py], eps, V[:, py], cost, weight)[:, ix]
 
 
+def unsort(t: Tensor | None, perm: Tensor) -> Tensor | None:
+    """Values of sorted points (B, N) back in the input order: ``out[:, perm] = t`` (None stays None)."""
+    return None if t is None else torch.empty_like(t).index_copy_(-1, perm, t)
+
+
 def in_input_order(m: Measures, run: MultiscaleRun) -> tuple[Measures, SinkhornState]:
     """The measures ``m`` (inputs' order) on the pruned engine of ``run``, and its state in that order."""
     px, py = run.cx.perm, run.cy.perm
     eng = InputOrderEngine(run.m.engine, m.x.detach(), m.y.detach(), run.m.x.detach(), run.m.y.detach(), px, py)
     st = run.state
-
-    def unsort(v: Tensor | None, p: Tensor) -> Tensor | None:
-        return None if v is None else torch.empty_like(v).index_copy_(-1, p, v)
-
     st = replace(st, f=unsort(st.f, px), g=unsort(st.g, py), f_aa=unsort(st.f_aa, px), g_bb=unsort(st.g_bb, py))
     return replace(m, engine=eng), st
 

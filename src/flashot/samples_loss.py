@@ -20,7 +20,7 @@ from ._checks import check_bool, check_eps_scale, check_positive, check_power
 from .implicit import check_implicit, sinkhorn_value
 from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_loss
 from .matrix_cost import function_measures
-from .multiscale import MultiscaleConfig, MultiscaleRun, multiscale_loop
+from .multiscale import MultiscaleConfig, MultiscaleRun, multiscale_loop, unsort
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
@@ -93,13 +93,6 @@ def _check_labels(name: str, lab, x: Tensor) -> Tensor:
     if tuple(lab.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{name}: expected shape {tuple(x.shape[:-1])} (one label per point), got {tuple(lab.shape)}")
     return lab
-
-
-def _unsort(t: Tensor, perm: Tensor) -> Tensor:
-    """Values of sorted points (B, N) back in the input order: ``out[:, perm] = t``."""
-    out = torch.empty_like(t)
-    out[:, perm] = t
-    return out
 
 
 def _warn_unequal_masses(m: Measures) -> None:
@@ -399,7 +392,7 @@ class SamplesLoss(torch.nn.Module):
         if self.debias:
             f, g = f - f_aa, g - g_bb
         if multiscale:  # back to the input order
-            f, g = _unsort(f, run.cx.perm), _unsort(g, run.cy.perm)
+            f, g = unsort(f, run.cx.perm), unsort(g, run.cy.perm)
         return self._potentials(m, f, g, a_in, b_in)
 
     def _auto_multiscale(self, m: Measures, diameter: float) -> bool:
