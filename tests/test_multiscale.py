@@ -413,3 +413,7 @@ def test_solve_sample_multiscale_refusals():
         flashot.solve_sample(x.expand(2, -1, -1), y.expand(2, -1, -1), reg=0.1, backend="multiscale")
     with pytest.raises(ValueError, match="cluster_scale"):
         flashot.solve_sample(x, y, reg=0.1, cluster_scale=0.1)
+    with pytest.raises(ValueError, match="truncate"):  # a multiscale option given to another engine
+        flashot.solve_sample(x, y, reg=0.1, truncate=3.0)
+    with pytest.raises(TypeError, match="truncate"):
+        flashot.solve_sample(x, y, reg=0.1, truncate="5")

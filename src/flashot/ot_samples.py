@@ -325,10 +325,13 @@ def solve_sample(
 
         return points_solve(X_a, X_b, a, b, cost=cost, backend=backend, opts=opts, group=group,
                             potentials_init=potentials_init, implicit=implicit, numpy=is_np)
+    cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
+    truncate = check_positive("truncate", truncate, allow_none=True)
     if backend == "multiscale":
         return _solve_multiscale(X_a, X_b, a, b, cost, opts, cluster_scale, truncate, group, potentials_init, is_np)
-    if cluster_scale is not None:
-        raise ValueError("cluster_scale: used by backend='multiscale' only (GeomLoss' clustering scale)")
+    for name, v, default in (("cluster_scale", cluster_scale, None), ("truncate", truncate, 5.0)):
+        if v != default:
+            raise ValueError(f"{name}: used by backend='multiscale' only (GeomLoss' multiscale option)")
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
     if group is not None:  # one problem over the ranks of a torch.distributed group
         from .distributed import distribute_solve
@@ -448,17 +451,15 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
                                       ("acceleration", o.acceleration is not None)) if bad]
     if refused:
         raise NotImplementedError(f"backend='multiscale' does not support {', '.join(refused)} yet; use backend='auto'")
-    cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
-    truncate = check_positive("truncate", truncate, allow_none=True)
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend="auto", names=("a", "X_a", "b", "X_b"))
     if m.batched:
         raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
                                   "use backend='auto'")
     check_eps_scale("reg", o.reg, m.cmax, m.x.dtype)
     _check_equal_masses(m)
-    eps_list = schedule(m.cost, m.bbox_diameter(), o.reg)
-    run = multiscale_loop(m, eps_list, 2 if m.cost.is_dot else 1, MultiscaleConfig(cluster_scale, truncate),
-                          debias=False, diameter=m.bbox_diameter(), verbose=o.verbose)
+    diameter = m.bbox_diameter()
+    run = multiscale_loop(m, schedule(m.cost, diameter, o.reg), 2 if m.cost.is_dot else 1,
+                          MultiscaleConfig(cluster_scale, truncate), debias=False, diameter=diameter, verbose=o.verbose)
     symmetric = METHODS[o.method]
 
     def loop(fine: Measures, st: SinkhornState) -> SinkhornState:
