@@ -1,0 +1,74 @@
+"""Where a multiscale ``SamplesLoss`` spends its work: pairs evaluated and CPU time of the pruning.
+
+Same data as ``multiscale_bench.py`` (two generated tori, blur = 0.01 x the diameter, debiased value
+plus its gradient in x).  Counts the pairs the block-sparse engine evaluates (softmins: the kept pairs
+of each call's pattern; plan products: twice, for their two passes), divided by ``n^2``, and the
+process CPU time (all threads) of the block bounds, the forward and the backward.
+
+    python benchmarks/multiscale_profile.py --n 1000000
+    python benchmarks/multiscale_profile.py --n 300000 --cluster-scale 0.02
+    python -m cProfile -s tottime benchmarks/multiscale_profile.py --n 1000000   # by function
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multiscale_bench import surfaces  # noqa: E402
+
+import flashot  # noqa: E402
+import flashot.multiscale as MS  # noqa: E402
+from flashot.ops import blocksparse as BS  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=100000)
+    ap.add_argument("--cluster-scale", type=float, default=None, help="fraction of the diameter (default: GeomLoss')")
+    a = ap.parse_args()
+    x, y = surfaces(a.n)
+    pts = torch.cat([x, y])
+    diam = float((pts.amax(0) - pts.amin(0)).norm())
+    pairs = {"softmin": 0, "plan": 0}
+    prune = [0.0]
+    softmin, plan, compute = BS.BlockSparseEngine.softmin, BS.BlockSparseEngine.plan_product, MS.BlockBounds.compute
+
+    def counted_softmin(self, u, v, *args, **kw):
+        pairs["softmin"] += self.pattern(u, v).pairs
+        return softmin(self, u, v, *args, **kw)
+
+    def counted_plan(self, u, v, *args, **kw):
+        pairs["plan"] += 2 * self.pattern(u, v).pairs
+        return plan(self, u, v, *args, **kw)
+
+    def timed_compute(cls, *args, **kw):
+        t0 = time.process_time()
+        out = compute.__func__(cls, *args, **kw)
+        prune[0] += time.process_time() - t0
+        return out
+
+    BS.BlockSparseEngine.softmin, BS.BlockSparseEngine.plan_product = counted_softmin, counted_plan
+    MS.BlockBounds.compute = classmethod(timed_compute)
+    kw = {} if a.cluster_scale is None else {"cluster_scale": a.cluster_scale * diam}
+    L = flashot.SamplesLoss(blur=0.01 * diam, backend="multiscale", **kw)
+    xg = x.clone().requires_grad_()
+    t0 = time.process_time()
+    v = L(xg, y)
+    t1 = time.process_time()
+    torch.autograd.grad(v, xg)
+    t2 = time.process_time()
+    run = L.last_multiscale
+    n2 = float(a.n) ** 2
+    print(f"n = {a.n:,}: {run.cx.n_clusters:,} clusters, kept {[round(k, 4) for k in run.kept]}; pairs per n^2: "
+          f"softmins {pairs['softmin'] / n2:.3f}, plan products {pairs['plan'] / n2:.3f}; CPU seconds: block "
+          f"bounds {prune[0]:.2f}, forward {t1 - t0:.2f}, backward {t2 - t1:.2f}")
+
+
+if __name__ == "__main__":
+    main()
