@@ -284,7 +284,10 @@ VARIANTS = {  # name: (BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST)
 CASES = [("fp32", v, ("softmin", "plan")) for v in VARIANTS] + [
     ("fp32", "dot d<=64", ("pair", "plan_cost", "plan_dcost")), ("fp32", "euclidean d>16", ("plan_dcost",)),
     ("fp64", "dot d<=64", ("softmin", "plan")), ("fp64", "direct d=3", ("softmin",)),
-    ("fp16", "dot chunked d>64", ("softmin", "plan")), ("bf16", "dot d<=64", ("softmin",))]
+    ("fp16", "dot chunked d>64", ("softmin", "plan")), ("bf16", "dot d<=64", ("softmin",)),
+    ("fp32", "direct d=3", ("softmin_bs", "plan_bs")), ("fp32", "dot d<=64", ("softmin_bs", "plan_bs")),
+    ("fp64", "euclidean d>16", ("softmin_bs",))]  # the block-sparse (multiscale) kernels
+BS = {p: "*i64" for p in ("tiles_ptr", "cptr_ptr", "ranges_ptr")}
 n = 0
 for dt, var, kerns in CASES:
     acc = "fp64" if dt == "fp64" else "fp32"
@@ -296,6 +299,12 @@ for dt, var, kerns in CASES:
         if k == "softmin":
             comp(K.softmin_kernel, {**io, **{p: f"*{acc}" for p in ("h_ptr", "out_ptr", "prm_ptr")}},
                  ("N", "M", "D"), cx)
+        elif k == "softmin_bs":
+            comp(K.softmin_bs_kernel, {**io, **{p: f"*{acc}" for p in ("h_ptr", "out_ptr", "prm_ptr")}, **BS},
+                 ("D",), cx)
+        elif k == "plan_bs":
+            comp(K.plan_bs_kernel, {**io, **{p: f"*{acc}" for p in ("beta_ptr", "alpha_ptr", "v_ptr", "out_ptr", "prm_ptr")},
+                                    **BS}, ("D", "K"), {**cx, "BLOCK_K": 32, "WEIGHT": 0})
         elif k == "pair":
             comp(K.softmin_pair_kernel, {**io, **{p: f"*{acc}" for p in ("hy_ptr", "hx_ptr", "f_ptr", "g_ptr", "prm_ptr")}},
                  ("N", "M", "D", "TILES_X"), cx)
@@ -325,7 +334,7 @@ def test_kernels_compile_for_sm90():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "compiled 20" in r.stdout, r.stdout
+    assert "compiled 25" in r.stdout, r.stdout
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")

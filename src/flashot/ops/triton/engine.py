@@ -166,6 +166,67 @@ class TritonEngine:
         self._run(("plan", weight, min(K, 64)), x, N, M, D, cx, launch)
         return out
 
+    # -- block-sparse (the multiscale engine's primitives on a GPU) --------------------------
+    def softmin_blocks(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, lists) -> Tensor:
+        """out_i = -eps log sum_{j in kept(I(i))} exp(h_j - C_ij / eps) over the kept column ranges of
+        ``lists`` (a :class:`~flashot.ops.triton.blocksparse.BlockLists`), (1, N); B = 1."""
+        x, y, kern = self._check_blocks(x, y, eps)
+        N, D = x.shape[1], x.shape[2]
+        fold = self._fold(cost, D)
+        acc = _acc_dtype(x.dtype)
+        prm = self._params(eps, cost, acc, x.device)
+        hy = h.to(acc).contiguous()
+        cx = self._constexprs(x, D, cost, fold)
+        out = torch.full((1, N), math.inf, dtype=acc, device=x.device)
+
+        def launch(cfg: KernelConfig) -> None:
+            tiles = lists.tiles(cfg.block_n)
+            if tiles.numel():
+                kern.softmin_bs_kernel[(tiles.numel() // 3,)](
+                    x, y, hy, out, prm, tiles, lists.cptr, lists.ranges, D, BLOCK_N=cfg.block_n,
+                    BLOCK_M=cfg.block_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cx)
+
+        self._run(("softmin_bs",), x, N, y.shape[1], D, cx, launch)
+        return out
+
+    def plan_product_blocks(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
+                            cost: Cost, lists, weight: Weight = "plan") -> Tensor:
+        """out_i = sum_{j in kept(I(i))} exp(alpha_i + beta_j - C_ij / eps) W_ij V_j over the kept column
+        ranges of ``lists``, (1, N, K); B = 1."""
+        if weight not in _WEIGHT_CODES:
+            raise ValueError(f"weight: expected one of {tuple(_WEIGHT_CODES)}, got {weight!r}")
+        x, y, kern = self._check_blocks(x, y, eps)
+        N, D, M = x.shape[1], x.shape[2], y.shape[1]
+        if V.dim() != 3 or V.shape[:2] != (1, M):
+            raise ValueError(f"V: expected shape (1, {M}, K), got {tuple(V.shape)}")
+        fold = self._fold(cost, D) and weight != "cost"
+        acc = _acc_dtype(x.dtype)
+        prm = self._params(eps, cost, acc, x.device)
+        hb, ha, Vc = beta.to(acc).contiguous(), alpha.to(acc).contiguous(), V.to(acc).contiguous()
+        K = V.shape[2]
+        out = torch.zeros(1, N, K, dtype=acc, device=x.device)
+        if K == 0:
+            return out
+        block_k = min(32, max(16, _pow2(K)))
+        cx = self._constexprs(x, D, cost, fold)
+
+        def launch(cfg: KernelConfig) -> None:
+            tiles = lists.tiles(cfg.block_n)
+            if tiles.numel():
+                grid = (tiles.numel() // 3, triton_cdiv(K, block_k))
+                kern.plan_bs_kernel[grid](x, y, hb, ha, Vc, out, prm, tiles, lists.cptr, lists.ranges, D, K,
+                                          BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=block_k,
+                                          WEIGHT=_WEIGHT_CODES[weight], num_warps=cfg.num_warps,
+                                          num_stages=cfg.num_stages, **cx)
+
+        self._run(("plan_bs", weight, min(K, 64)), x, N, M, D, cx, launch)
+        return out
+
+    def _check_blocks(self, x: Tensor, y: Tensor, eps: float):
+        if x.dim() != 3 or x.shape[0] != 1:
+            raise ValueError(f"x: the block-sparse kernels take one problem, shape (1, N, D); got {tuple(x.shape)}")
+        return self._check(x, y, eps)
+
     # -- internals ----------------------------------------------------------------
     def _softmin(self, x, y, h, eps, cost, hx=None):
         x, y, kern = self._check(x, y, eps)

@@ -165,6 +165,26 @@ def _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _lse_range(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j_lo, j_hi, D, k2, s, min_sq, log2e, m_i, l_i,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+               FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The online (max m_i, sum l_i) of the row tile's scores, updated over the columns [j_lo, j_hi)."""
+    for j0 in range(j_lo, j_hi, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M)
+        col_ok = cols < j_hi
+        hb = tl.load(h_ptr + cols, mask=col_ok, other=float("-inf")) * log2e
+        t, c = _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
+                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+        m_new = tl.maximum(m_i, tl.max(t, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(t - m_safe[:, None])
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(p, axis=1)
+        m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
 def _softmin_rows(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, N, M, D, pid_n, pid_b,
                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                   D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
@@ -185,17 +205,8 @@ def _softmin_rows(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, N, M, D, pid_n, pid_b,
     xt, xsq = _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N, BLOCK_D, DIRECT, ONE_CHUNK)
     m_i = tl.full((BLOCK_N,), float("-inf"), dtype=k2.dtype)
     l_i = tl.zeros((BLOCK_N,), dtype=k2.dtype)
-    for j0 in range(0, M, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M)
-        col_ok = cols < M
-        hb = tl.load(h_ptr + cols, mask=col_ok, other=float("-inf")) * log2e
-        t, c = _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
-                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
-        m_new = tl.maximum(m_i, tl.max(t, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(t - m_safe[:, None])
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(p, axis=1)
-        m_i = m_new
+    m_i, l_i = _lse_range(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, 0, M, D, k2, s, min_sq, log2e, m_i, l_i,
+                          BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
     out = -eps_ln2 * (m_i + tl.log2(l_i))
     if FOLD:
         out += s * xsq
@@ -233,6 +244,50 @@ def softmin_pair_kernel(x_ptr, y_ptr, hy_ptr, hx_ptr, f_ptr, g_ptr, prm_ptr, N, 
 
 
 @triton.jit
+def _plan_range(x_ptr, y_ptr, beta_ptr, v_ptr, xt, xsq, rows, row_ok, kc, k_ok, j_lo, j_hi, D, K,
+                k2, s, min_sq, log2e, m_i, acc,
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr, FOLD: tl.constexpr,
+                COST: tl.constexpr, WEIGHT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The online max m_i and the rescaled (BLOCK_N, BLOCK_K) sums of exp2(t_ij - m_i) W_ij V_j, updated
+    over the columns [j_lo, j_hi)."""
+    for j0 in range(j_lo, j_hi, BLOCK_M):
+        cols = j0 + tl.arange(0, BLOCK_M)
+        col_ok = cols < j_hi
+        hb = tl.load(beta_ptr + cols, mask=col_ok, other=float("-inf")) * log2e
+        t, c = _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
+                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+        m_new = tl.maximum(m_i, tl.max(t, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(t - m_safe[:, None])
+        if WEIGHT == 1:
+            p = p * c
+        if WEIGHT == 2:
+            if COST == 1:
+                p = tl.where(c > 0.0, p / tl.where(c > 0.0, c, 1.0), 0.0)
+        v = tl.load(v_ptr + cols[:, None] * K + kc[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = acc * tl.exp2(m_i - m_safe)[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
+        m_i = m_new
+    return m_i, acc
+
+
+@triton.jit
+def _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2, s, dcost, log2e,
+                FOLD: tl.constexpr, COST: tl.constexpr, WEIGHT: tl.constexpr):
+    """out_i = exp2(m_i + log2(e) alpha_i) acc_i (the row terms the streaming left out), stored."""
+    alpha = tl.load(alpha_ptr + rows, mask=row_ok, other=float("-inf"))
+    row = m_i + alpha * log2e
+    if FOLD:
+        row -= s * k2 * xsq
+    out = acc * tl.exp2(row)[:, None]
+    if WEIGHT == 2:
+        if COST == 0:
+            out = out * dcost
+    tl.store(out_ptr + rows[:, None] * K + kc[None, :], out, mask=row_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
 def plan_kernel(x_ptr, y_ptr, beta_ptr, alpha_ptr, v_ptr, out_ptr, prm_ptr, N, M, D, K,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_K: tl.constexpr, D_STATIC: tl.constexpr, DIRECT: tl.constexpr,
@@ -263,30 +318,81 @@ def plan_kernel(x_ptr, y_ptr, beta_ptr, alpha_ptr, v_ptr, out_ptr, prm_ptr, N, M
     xt, xsq = _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N, BLOCK_D, DIRECT, ONE_CHUNK)
     m_i = tl.full((BLOCK_N,), float("-inf"), dtype=k2.dtype)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=k2.dtype)
-    for j0 in range(0, M, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M)
-        col_ok = cols < M
-        hb = tl.load(beta_ptr + cols, mask=col_ok, other=float("-inf")) * log2e
-        t, c = _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
-                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
-        m_new = tl.maximum(m_i, tl.max(t, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(t - m_safe[:, None])
-        if WEIGHT == 1:
-            p = p * c
-        if WEIGHT == 2:
-            if COST == 1:
-                p = tl.where(c > 0.0, p / tl.where(c > 0.0, c, 1.0), 0.0)
-        v = tl.load(v_ptr + cols[:, None] * K + kc[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = acc * tl.exp2(m_i - m_safe)[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
-        m_i = m_new
-    alpha = tl.load(alpha_ptr + rows, mask=row_ok, other=float("-inf"))
-    row = m_i + alpha * log2e
+    m_i, acc = _plan_range(x_ptr, y_ptr, beta_ptr, v_ptr, xt, xsq, rows, row_ok, kc, k_ok, 0, M, D, K,
+                           k2, s, min_sq, log2e, m_i, acc, BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT,
+                           ONE_CHUNK, FOLD, COST, WEIGHT, PREC, UPCAST)
+    _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2, s, dcost, log2e,
+                FOLD, COST, WEIGHT)
+
+
+# -- block-sparse versions (the multiscale engine; B = 1) ------------------------------------------------
+# A program owns one row *tile* of one row cluster (``tiles``: (first row, end row, cluster) triples, at
+# most BLOCK_N rows each) and streams only that cluster's kept column ranges: ``ranges[2q], ranges[2q+1]``
+# for q in [cptr[cluster], cptr[cluster + 1]), in the columns' (cluster-sorted) order.
+
+
+@triton.jit
+def _bs_tile(tiles_ptr, cptr_ptr, BLOCK_N: tl.constexpr):
+    """(rows, row_ok, first range, end range) of this program's row tile."""
+    t = tl.program_id(0).to(tl.int64) * 3
+    r0 = tl.load(tiles_ptr + t)
+    r1 = tl.load(tiles_ptr + t + 1)
+    c = tl.load(tiles_ptr + t + 2)
+    rows = r0 + tl.arange(0, BLOCK_N)
+    return rows, rows < r1, tl.load(cptr_ptr + c), tl.load(cptr_ptr + c + 1)
+
+
+@triton.jit
+def softmin_bs_kernel(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, tiles_ptr, cptr_ptr, ranges_ptr, D,
+                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                      D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                      FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (number of row tiles,): out_i = -eps log sum_{j in kept(I(i))} exp(h_j - C_ij / eps)."""
+    k2 = tl.load(prm_ptr + 0)
+    s = tl.load(prm_ptr + 1)
+    eps_ln2 = tl.load(prm_ptr + 2)
+    min_sq = tl.load(prm_ptr + 3)
+    log2e = tl.load(prm_ptr + 5)
+    rows, row_ok, q0, q1 = _bs_tile(tiles_ptr, cptr_ptr, BLOCK_N)
+    xt, xsq = _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N, BLOCK_D, DIRECT, ONE_CHUNK)
+    m_i = tl.full((BLOCK_N,), float("-inf"), dtype=k2.dtype)
+    l_i = tl.zeros((BLOCK_N,), dtype=k2.dtype)
+    for q in range(q0, q1):
+        j_lo = tl.load(ranges_ptr + 2 * q)
+        j_hi = tl.load(ranges_ptr + 2 * q + 1)
+        m_i, l_i = _lse_range(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j_lo, j_hi, D, k2, s, min_sq, log2e,
+                              m_i, l_i, BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST,
+                              PREC, UPCAST)
+    out = -eps_ln2 * (m_i + tl.log2(l_i))
     if FOLD:
-        row -= s * k2 * xsq
-    out = acc * tl.exp2(row)[:, None]
-    if WEIGHT == 2:
-        if COST == 0:
-            out = out * dcost
-    tl.store(out_ptr + rows[:, None] * K + kc[None, :], out, mask=row_ok[:, None] & k_ok[None, :])
+        out += s * xsq
+    tl.store(out_ptr + rows, out, mask=row_ok)
+
+
+@triton.jit
+def plan_bs_kernel(x_ptr, y_ptr, beta_ptr, alpha_ptr, v_ptr, out_ptr, prm_ptr, tiles_ptr, cptr_ptr, ranges_ptr,
+                   D, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_K: tl.constexpr, D_STATIC: tl.constexpr, DIRECT: tl.constexpr,
+                   ONE_CHUNK: tl.constexpr, FOLD: tl.constexpr, COST: tl.constexpr,
+                   WEIGHT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (number of row tiles, cdiv(K, BLOCK_K)): out_i = sum_{j in kept(I(i))} exp(alpha_i + beta_j -
+    C_ij / eps) W_ij V_j."""
+    k2 = tl.load(prm_ptr + 0)
+    s = tl.load(prm_ptr + 1)
+    min_sq = tl.load(prm_ptr + 3)
+    dcost = tl.load(prm_ptr + 4)
+    log2e = tl.load(prm_ptr + 5)
+    rows, row_ok, q0, q1 = _bs_tile(tiles_ptr, cptr_ptr, BLOCK_N)
+    kc = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = kc < K
+    xt, xsq = _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N, BLOCK_D, DIRECT, ONE_CHUNK)
+    m_i = tl.full((BLOCK_N,), float("-inf"), dtype=k2.dtype)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=k2.dtype)
+    for q in range(q0, q1):
+        j_lo = tl.load(ranges_ptr + 2 * q)
+        j_hi = tl.load(ranges_ptr + 2 * q + 1)
+        m_i, acc = _plan_range(x_ptr, y_ptr, beta_ptr, v_ptr, xt, xsq, rows, row_ok, kc, k_ok, j_lo, j_hi, D, K,
+                               k2, s, min_sq, log2e, m_i, acc, BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT,
+                               ONE_CHUNK, FOLD, COST, WEIGHT, PREC, UPCAST)
+    _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2, s, dcost, log2e,
+                FOLD, COST, WEIGHT)
