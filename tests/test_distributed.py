@@ -282,12 +282,13 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     os._exit(0)
 
 
-def _launch(mode: str, world: int, tmp, timeout: float = 120.0, wait_for=None):
-    """Run the ranks; wait for those in ``wait_for`` (all by default), then kill the others."""
+def _launch(mode: str, world: int, tmp, timeout: float = 120.0, wait_for=None, script: str = HERE):
+    """Run the ranks (``script``'s ``_worker``); wait for those in ``wait_for`` (all by default), then kill
+    the others."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [os.path.join(os.path.dirname(os.path.dirname(HERE)), "src"), os.environ.get("PYTHONPATH", "")]))
     init = f"file://{tmp}/rendezvous"
-    procs = [subprocess.Popen([sys.executable, HERE, mode, str(r), str(world), init, str(tmp)], env=env,
+    procs = [subprocess.Popen([sys.executable, script, mode, str(r), str(world), init, str(tmp)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     t0 = time.perf_counter()
     outs = []

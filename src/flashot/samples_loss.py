@@ -177,7 +177,8 @@ class SamplesLoss(torch.nn.Module):
         shard: with ``group``: ``"replicated"`` (default; every rank passes all the points) or ``"points"``
             (every rank passes only its slice of the points and weights; the slices travel around a ring of
             the ranks).  With ``"points"`` the value is the whole problem's (same on every rank), the
-            potentials and gradients this rank's slices; not with ``implicit`` or ``warm_start``.
+            potentials and gradients this rank's slices; ``warm_start`` caches this rank's slices; not with
+            ``implicit``.
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.  Balanced (no ``reach``) weights whose total
@@ -282,9 +283,9 @@ class SamplesLoss(torch.nn.Module):
         if group is not None or shard != "replicated":
             from .distributed import check_shard
             check_shard(shard, group)
-            if shard == "points" and (implicit is not None or self.warm_start is not None):
-                raise NotImplementedError("shard='points': implicit= and warm_start= are not implemented with points "
-                                          "split over ranks; use shard='replicated'")
+            if shard == "points" and implicit is not None:
+                raise NotImplementedError("shard='points': implicit= (second derivatives) is not implemented with "
+                                          "points split over ranks; use shard='replicated'")
         self.group, self.shard = group, shard
         self._warm_cache = None
         self.last_n_iter = None
@@ -425,7 +426,7 @@ class SamplesLoss(torch.nn.Module):
         from .distributed import points_measures
 
         opts = {k: repr(getattr(self, k)) for k in ("p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling",
-                                                    "debias", "potentials", "backend")}
+                                                    "debias", "potentials", "backend", "warm_start")}
         return points_measures(x, y, a_in, b_in, group=self.group, build=build, options=opts,
                                names=("x", "y", "α", "β"))
 

@@ -34,6 +34,11 @@ The potentials of a point are tied to its index: warm starts are meant for
 the *same* particles moving (``x`` at step ``t + 1`` is ``x`` at step ``t`` plus
 a small displacement), as in a gradient flow.  ``L.last_n_iter`` holds the
 number of Sinkhorn iterations (schedule entries) the last call ran.
+
+Points-sharded (``SamplesLoss(..., group=pg, shard="points")``, :mod:`flashot.distributed`): each rank
+caches its own slices of the points and potentials; the displacement ``delta`` is the maximum over all
+ranks (an all-reduce) and the cold / warm decision is taken by all ranks together, so every rank runs
+the same tail and the result is the single process's up to float reassociation.
 """
 
 from __future__ import annotations
@@ -59,20 +64,50 @@ def check_warm_start(v) -> float | None:
 
 
 def _key(module, m):
-    return (m.shape, m.x.dtype, m.x.device, module.p, module.blur, module.debias)
+    """What a cached state must match: shapes (and, points-sharded, the points of every rank: the same
+    on all ranks), dtype, device and the loss's ``p``, ``blur``, ``debias``."""
+    return (m.shape, getattr(m, "counts", None), m.x.dtype, m.x.device, module.p, module.blur, module.debias)
+
+
+def _cold(m, cache, key) -> bool:
+    """Whether this call runs the full schedule: no cache or another problem.  Points-sharded
+    (``m.points_sharded``), the ranks decide together (any rank cold makes all cold), so that no rank
+    runs another schedule than the others."""
+    cold = cache is None or cache["key"] != key
+    if m.points_sharded:
+        cold = bool(m.reduce(torch.tensor([float(cold)], dtype=torch.float64, device=m.x.device), "max")[0] > 0)
+    return cold
+
+
+def _moved(m, cache) -> float:
+    """``delta = max_i |x_i - x_i^cached|`` over both clouds (and, points-sharded, over every rank's points:
+    one all-reduce, so that every rank starts the same tail)."""
+    with torch.no_grad():
+        d = torch.stack([(m.x.detach() + m.center - cache["x"]).norm(dim=-1).max(),
+                         (m.y.detach() + m.center - cache["y"]).norm(dim=-1).max()])
+        return float(m.reduce(d, "max").max())
+
+
+def _self_measures(m, side: str):
+    """The self problem OT(a, a) (``side="x"``) or OT(b, b) as measures of their own; points-sharded, the
+    counts per rank of that cloud on both sides."""
+    pts, w, wl = (m.x, m.a, m.a_log) if side == "x" else (m.y, m.b, m.b_log)
+    extra = {}
+    if m.points_sharded:
+        c = m.counts[0 if side == "x" else 1]
+        extra["counts"] = (c, c)
+    return dataclasses.replace(m, x=pts, y=pts, a=w, b=w, a_log=wl, b_log=wl, **extra)
 
 
 def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
     """The Sinkhorn loop of ``module`` (a SamplesLoss), warm-started from its cache when valid."""
     cache = getattr(module, "_warm_cache", None)
     key = _key(module, m)
-    if cache is None or cache["key"] != key:
+    if _cold(m, cache, key):
         st = sinkhorn_loop(m, eps_list, symmetric=True, debias=module.debias)
         n_iter = st.n_iter
     else:
-        with torch.no_grad():  # how far did the points move since the cached call?
-            moved = max(float((m.x.detach() + m.center - cache["x"]).norm(dim=-1).max()),
-                        float((m.y.detach() + m.center - cache["y"]).norm(dim=-1).max()))
+        moved = _moved(m, cache)  # how far did the points move since the cached call?
         start = max(module.warm_start * module.blur, 4.0 * moved) ** module.p
         tail = [e for e in eps_list if e <= start * (1 + 1e-12)]
         if len(tail) < 2:  # always at least one step at the final eps plus the extrapolation
@@ -82,10 +117,8 @@ def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
         if module.debias:
             f_aa, g_bb = None, None
             for side in ("x", "y"):
-                pts, w, wl = (m.x, m.a, m.a_log) if side == "x" else (m.y, m.b, m.b_log)
                 h0 = cache["f_aa"] if side == "x" else cache["g_bb"]
-                ms = dataclasses.replace(m, x=pts, y=pts, a=w, b=w, a_log=wl, b_log=wl)
-                ss = sinkhorn_loop(ms, tail, symmetric=True, init=(h0, h0))
+                ss = sinkhorn_loop(_self_measures(m, side), tail, symmetric=True, init=(h0, h0))
                 if side == "x":
                     f_aa = 0.5 * (ss.f + ss.g)
                 else:

@@ -1,0 +1,127 @@
+"""Points-sharded mode (``shard="points"``, flashot.distributed) beyond the basic solves of test_distributed.py:
+SamplesLoss warm starts over a sequence of calls, the gradient of ``value_linear`` (implicit differentiation
+with all-reduced inner products), ``acceleration`` and the plan's rows (``to_dense``, ``topk``), on 2 and 3
+gloo processes.
+
+The ranks run this file (``python tests/test_distributed_points.py compare <rank> <world> <init> <dir>``,
+test_distributed's launcher) with uneven slices of the points (test_distributed._cuts), write their
+results, and the parent compares them with the same calls in one process (``group=None``): every
+per-point quantity put back together in rank order, every whole-problem quantity on every rank,
+iteration counts equal, 1e-10 relative in float64 unless a case states otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_distributed import RTOL, _data, _launch, _leaves, _rel, _slices  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+
+
+def _moved(t: torch.Tensor, step: int, last_only: bool = False) -> torch.Tensor:
+    """``t`` displaced by ``step`` small, fixed moves (a gradient-flow-like sequence of problems); with
+    ``last_only`` only the last point moves, by ``0.15 step`` (it lies on the last rank: the other ranks
+    must learn the displacement from it)."""
+    if last_only:
+        t = t.clone()
+        t[-1] += 0.15 * step
+        return t
+    g = torch.Generator().manual_seed(7)
+    d = torch.randn(t.shape, generator=g, dtype=t.dtype)
+    return t + 0.002 * step * d
+
+
+def _warm(group, part, *, debias=True, potentials=False, p=2, steps=4, weights=True, last_only=False):
+    """SamplesLoss(warm_start=True) over ``steps`` calls on slowly moving points: values (or potentials),
+    gradients w.r.t. this rank's points and weights, and the iterations each call ran."""
+    from flashot import SamplesLoss
+
+    x0, y0, a, b = _data(4, 70, 60)
+    x_all = [_moved(x0, k, last_only) for k in range(steps)]  # every rank builds the sequence, keeps its slice
+    kw = {} if part is None else {"shard": "points"}
+    L = SamplesLoss(blur=0.05, p=p, debias=debias, potentials=potentials, backend="cpu", warm_start=True,
+                    group=group, **kw)
+    out = {}
+    for k, xk in enumerate(x_all):
+        x, y, ak, bk = _leaves(*_slices(part, xk, y0, a, b))
+        args = (ak, x, bk, y) if weights else (x, y)
+        v = L(*args)
+        if potentials:
+            out[f"F{k}"], out[f"G{k}"] = v[0].detach(), v[1].detach()
+        else:
+            v.backward()
+            out[f"value{k}"] = v.detach()
+            out[f"gx{k}"], out[f"gy{k}"] = x.grad, y.grad
+            if weights:
+                out[f"ga{k}"], out[f"gb{k}"] = ak.grad, bk.grad
+        out[f"n_iter{k}"] = torch.tensor(L.last_n_iter)
+    return out
+
+
+CASES = {
+    "warm_debiased": lambda g, p: _warm(g, p),
+    "warm_plain": lambda g, p: _warm(g, p, debias=False, weights=False),
+    "warm_p1": lambda g, p: _warm(g, p, p=1, steps=3),
+    "warm_potentials": lambda g, p: _warm(g, p, potentials=True, steps=3),
+    "warm_one_point_moves": lambda g, p: _warm(g, p, debias=False, steps=3, last_only=True),  # a longer tail
+}
+RUN = {2: list(CASES), 3: ["warm_debiased", "warm_plain", "warm_one_point_moves"]}
+
+
+def _side(key: str) -> str | None:
+    """``"x"`` / ``"y"`` for this rank's slices (their axis: -2 for point gradients, else -1), None for the
+    whole problem's quantities."""
+    name = key.rstrip("0123456789")
+    if name in ("F", "gx", "ga", "f", "row", "dense", "topv", "topi"):
+        return "x"
+    if name in ("G", "gy", "gb", "g"):
+        return "y"
+    return None
+
+
+def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    pg = dist.group.WORLD
+    res = {name: CASES[name](pg, (rank, world)) for name in RUN[world]}
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # torch 2.13's gloo can abort a clean interpreter exit (pytorch/pytorch#190489)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_points_mode_matches_single_process(world, tmp_path):
+    rcs, outs, _ = _launch("compare", world, tmp_path, timeout=240, script=HERE)
+    assert rcs == [0] * world, "\n".join(outs)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    worst = {}
+    for name in RUN[world]:
+        ref = CASES[name](None, None)
+        parts = [rk[name] for rk in ranks]
+        for k, v in ref.items():
+            if k.startswith("n_iter"):
+                assert all(int(p[k]) == int(v) for p in parts), (name, k, [int(p[k]) for p in parts], int(v))
+                continue
+            side = _side(k)
+            if side is None:  # the whole problem's: the same on every rank
+                got = [p[k] for p in parts]
+            else:
+                dim = -2 if k.startswith(("gx", "gy")) else -1
+                got = [torch.cat([p[k] for p in parts], dim)]
+            for t in got:
+                worst[f"{name}.{k}"] = r = _rel(t, v)
+                assert r <= RTOL, (name, k, r)
+    print(f"world={world}: worst relative difference {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
