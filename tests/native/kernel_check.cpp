@@ -84,6 +84,9 @@ int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, con
                         const double* alpha, const double* VTk, int K, double* out, int64_t Mp, int D,
                         const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef,
                         double minsq, int kind, int wk, double wconst, int nth);
+int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int64_t Kcx, const int64_t* cptr,
+                       const int64_t* ccols, const int64_t* px, const int64_t* py, int kind, int linear, double s,
+                       double minsq, double margin, uint8_t* keep, int nth);
 }
 
 namespace {
@@ -711,6 +714,97 @@ void check_build_facts(Tally& t) {
                                                              std::to_string(vb) + ")");
 }
 
+// ---- block_keep (multiscale pruning, prune.h): the kept fine blocks against a naive reference --------
+// Per cluster (float64 rows of 5 + 3 D): radius r, potential maximum m, base, bb, bc, centre c, slope
+// beta, u = c - beta / 2s.  The lower bound of C - f - g over a block, written again here from the
+// formulas of prune.h's header: simple = cost(max(0, |c_i - c_j| - r_i - r_j)) - m_i - m_j; with the
+// linear model (dot costs) also -base_i - base_j + max(t1, t2).  Kept: bound <= margin, plus each fine
+// row's and column's best candidate.  Decisions within 1e-9 of the margin are not graded (rounding).
+double ref_keep_bound(const double* a, const double* b, int D, int kind, int linear, double s, double minsq) {
+  auto norm = [&](auto f) { double q = 0; for (int d = 0; d < D; ++d) q += f(d) * f(d); return std::sqrt(q); };
+  const double rr = a[0] + b[0];
+  const double* ca = a + 5; const double* cb = b + 5;
+  const double* ba = ca + D; const double* bb = cb + D;
+  const double* ua = ba + D; const double* ub = bb + D;
+  const double gap = std::max(0.0, norm([&](int d) { return ca[d] - cb[d]; }) - rr);
+  const double cost = kind == 1 ? s * gap * gap : std::sqrt(std::max(gap * gap, minsq));
+  const double simple = cost - a[1] - b[1];
+  if (!linear) return simple;
+  const double nb = norm([&](int d) { return ba[d] + bb[d]; });
+  double dab = 0, dba = 0;
+  for (int d = 0; d < D; ++d) { dab += ba[d] * cb[d]; dba += ca[d] * bb[d]; }
+  const double g1 = std::max(0.0, norm([&](int d) { return ua[d] - cb[d]; }) - rr);
+  const double g2 = std::max(0.0, norm([&](int d) { return ca[d] - ub[d]; }) - rr);
+  const double t1 = s * g1 * g1 + a[4] - dab - a[3] / (4 * s) - nb * b[0];
+  const double t2 = s * g2 * g2 + b[4] - dba - b[3] / (4 * s) - nb * a[0];
+  return std::max(simple, -a[2] - b[2] + std::max(t1, t2));
+}
+
+void check_block_keep(Tally& t, int D, int kind, int linear, uint64_t seed) {
+  Rng g(seed);
+  const int64_t Kx = 23, Ky = 19, Kcx = 5, Kcy = 4;
+  const double s = 1.0, minsq = 1e-12, margin = 0.3;
+  auto terms = [&](int64_t K) {
+    std::vector<double> T((size_t)K * (5 + 3 * D));
+    for (int64_t k = 0; k < K; ++k) {
+      double* r = T.data() + k * (5 + 3 * D);
+      r[0] = g.uniform(0.0, 0.1); r[1] = g.uniform(-0.5, 0.5); r[2] = g.uniform(-0.3, 0.3);
+      r[3] = g.uniform(0.0, 0.2); r[4] = g.uniform(-0.3, 0.3);
+      for (int d = 0; d < D; ++d) {
+        r[5 + d] = g.uniform(0.0, 1.0);
+        r[5 + D + d] = g.uniform(-0.3, 0.3);
+        r[5 + 2 * D + d] = r[5 + d] - r[5 + D + d] / (2 * s);
+      }
+    }
+    return T;
+  };
+  const std::vector<double> X = terms(Kx), Y = terms(Ky);
+  const std::vector<int64_t> px{0, 4, 9, 15, 20, 23}, py{0, 6, 10, 13, 19};
+  std::vector<int64_t> cptr{0}, ccols;
+  for (int64_t I = 0; I < Kcx; ++I) {
+    for (int64_t J = 0; J < Kcy; ++J)
+      if (J == I % Kcy || g.next() % 2) ccols.push_back(J);
+    cptr.push_back((int64_t)ccols.size());
+  }
+  std::vector<uint8_t> keep((size_t)(Kx * Ky), 0);
+  const int rc = flashot_block_keep(X.data(), Y.data(), D, Ky, Kcx, cptr.data(), ccols.data(), px.data(), py.data(),
+                                    kind, linear, s, minsq, margin, keep.data(), NTH);
+  std::vector<double> bound((size_t)(Kx * Ky), INF);
+  for (int64_t I = 0; I < Kcx; ++I)
+    for (int64_t q = cptr[I]; q < cptr[I + 1]; ++q)
+      for (int64_t i = px[I]; i < px[I + 1]; ++i)
+        for (int64_t j = py[ccols[q]]; j < py[ccols[q] + 1]; ++j)
+          bound[i * Ky + j] = ref_keep_bound(X.data() + i * (5 + 3 * D), Y.data() + j * (5 + 3 * D), D, kind, linear,
+                                             s, minsq);
+  std::vector<char> want((size_t)(Kx * Ky), 0), graded((size_t)(Kx * Ky), 1);
+  for (size_t u = 0; u < bound.size(); ++u) {
+    want[u] = bound[u] <= margin;
+    graded[u] = std::fabs(bound[u] - margin) > 1e-9;
+  }
+  for (int64_t i = 0; i < Kx; ++i) {  // each row's best candidate
+    int64_t arg = -1;
+    for (int64_t j = 0; j < Ky; ++j) if (bound[i * Ky + j] < INF && (arg < 0 || bound[i * Ky + j] < bound[i * Ky + arg])) arg = j;
+    if (arg >= 0) want[i * Ky + arg] = 1;
+  }
+  for (int64_t j = 0; j < Ky; ++j) {  // each column's best candidate
+    int64_t arg = -1;
+    for (int64_t i = 0; i < Kx; ++i) if (bound[i * Ky + j] < INF && (arg < 0 || bound[i * Ky + j] < bound[arg * Ky + j])) arg = i;
+    if (arg >= 0) want[arg * Ky + j] = 1;
+  }
+  int64_t wrong = 0, kept = 0, dropped = 0;
+  for (size_t u = 0; u < want.size(); ++u) {
+    kept += want[u];
+    dropped += bound[u] < INF && !want[u];
+    wrong += graded[u] && (keep[u] != 0) != (want[u] != 0);
+  }
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%lld wrong decisions of %lld (%lld kept, %lld candidates dropped)", (long long)wrong,
+                (long long)(Kx * Ky), (long long)kept, (long long)dropped);
+  t.report(rc == 0 && wrong == 0 && kept > 0 && dropped > 0,
+           std::string("block_keep D=") + std::to_string(D) + " kind=" + std::to_string(kind) + " linear=" +
+               std::to_string(linear), buf);
+}
+
 void run_all(Tally& t) {
   check_build_facts(t);
   check_fp_probe(t);
@@ -746,6 +840,9 @@ void run_all(Tally& t) {
   check_cached<float>(t, 37, 131, 81);
   check_cached<double>(t, 131, 37, 82);
   check_cached<double>(t, 37, 131, 83);
+  check_block_keep(t, 3, 1, 1, 90);
+  check_block_keep(t, 2, 1, 0, 91);
+  check_block_keep(t, 3, 0, 0, 92);
 }
 
 }  // namespace
