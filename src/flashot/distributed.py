@@ -798,31 +798,49 @@ class PointsPlan(LazyPlan):
 
 
 class PointsOTResult(OTResult):
-    """:class:`~flashot.OTResult` of a points-sharded solve (``value_linear`` summed over all ranks)."""
+    """:class:`~flashot.OTResult` of a points-sharded solve: ``value_linear`` is ``<C, P>`` summed over all
+    ranks; its gradient (:class:`flashot.implicit.LinearValueFn`: ring plan products, the conjugate
+    gradients' inner products all-reduced) gives each rank the gradients w.r.t. its own points and
+    weights.  Both are collectives: call them on every rank."""
 
-    @cached_property
-    def value_linear(self):
-        if isinstance(self.value, Tensor) and self.value.requires_grad:
-            raise NotImplementedError("value_linear: its gradient (implicit differentiation) is not implemented "
-                                      "with shard='points'; use grad='detach' (or res.plan.cost_sum()) or "
-                                      "shard='replicated'")
-        v = self.plan.cost_sum()
-        return self._out(v if self.plan._m.batched else v[0])
+
+class _FirstOrderFn(torch.autograd.Function):
+    """The identity, whose backward refuses ``create_graph=True``: the points-sharded values have first
+    derivatives only (the final step's envelope gradients); without it autograd's error would not say so."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise NotImplementedError("second derivatives (create_graph=True) are not implemented with "
+                                      "shard='points'; use shard='replicated' (implicit differentiation)")
+        return grad
+
+
+def first_order_only(t):
+    """``t`` (a tensor that requires grad) with :class:`_FirstOrderFn` on top; anything else unchanged."""
+    return _FirstOrderFn.apply(t) if isinstance(t, Tensor) and t.requires_grad else t
 
 
 def _points_result(res: OTResult) -> PointsOTResult:
-    """``res`` with the plan of a points-sharded solve."""
+    """``res`` with the plan of a points-sharded solve (values refusing second derivatives clearly)."""
     p = res.plan
     out = PointsOTResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(OTResult)})
     out.plan = PointsPlan(p._m, p._f, p._g, p.eps, numpy=p._numpy)
+    out.value, out.value_dual = first_order_only(res.value), first_order_only(res.value_dual)
     return out
 
 
 def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, group, potentials_init=None,
-                 implicit=None, numpy: bool = False):
+                 numpy: bool = False):
     """:func:`flashot.solve_sample` with ``shard="points"``: ONE problem whose points and weights are split
     over the ranks of ``group`` (this rank passes its slices); potentials, marginals and gradients are this
-    rank's slices, values the whole problem's (same on every rank).  Options are checked across ranks."""
+    rank's slices, values the whole problem's (same on every rank).  Options are checked across ranks.
+    ``opts.implicit`` sets the conjugate gradients of ``value_linear``'s gradient (first derivatives: the
+    second ones, ``create_graph=True``, are not available here)."""
     from .ot_samples import solve_measures
 
     check_group(group)
@@ -831,6 +849,7 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
         "eps_scaling": opts.eps_scaling, "unbalanced": (opts.rho_a, opts.rho_b),
         "inner_iterations": opts.inner_iterations, "grad": opts.grad,
         "callback (given or not)": opts.callback is not None, "potentials_init (given or not)": potentials_init is not None,
+        "implicit": repr(opts.implicit),
     }
 
     def build(x, y, a_, b_):  # inside points_measures: an error on one rank is raised on every rank
@@ -838,12 +857,10 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
             raise NotImplementedError("acceleration: not implemented with shard='points' (its extrapolation "
                                       "weights are inner products over all potentials); use acceleration=None "
                                       "or shard='replicated'")
-        if implicit is not None:
-            raise NotImplementedError("implicit: second derivatives are not implemented with shard='points'; "
-                                      "use shard='replicated'")
         return Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
 
     m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))
     cb = None if opts.callback is None else _collective_callback(opts.callback, group)
     opts = replace(opts, callback=cb, verbose=opts.verbose and dist.get_rank(group) == 0)
+    m.implicit_diff = opts.implicit  # value_linear's gradient (flashot.implicit.linear_value)
     return _points_result(solve_measures(m, opts, potentials_init, numpy=numpy))

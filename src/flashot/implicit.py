@@ -192,13 +192,22 @@ def _plan_grads(X, Y, alpha, beta, eps, cost, engine):
     return gx, gy, o1[..., 0], o2[..., 0]
 
 
-def _cg(matvec, rhs: Tensor, tol: float, max_iter: int) -> tuple[Tensor, int, float]:
-    """Batched conjugate gradients on (B, n) vectors; returns (solution, iterations, max rel. residual)."""
+def _local_sum(t: Tensor) -> Tensor:
+    """The identity: sums over this process's entries are already sums over all of them."""
+    return t
+
+
+def _cg(matvec, rhs: Tensor, tol: float, max_iter: int, reduce=_local_sum) -> tuple[Tensor, int, float]:
+    """Batched conjugate gradients on (B, n) vectors; returns (solution, iterations, max rel. residual).
+
+    ``reduce`` completes the inner products ``<u, v> = sum_k u_k v_k`` when the vectors are split over
+    processes (points-sharded mode: an all-reduce of the (B,) partial sums), so that every process
+    takes the same steps and the same stopping decision."""
     tiny = torch.finfo(rhs.dtype).tiny
     sol = torch.zeros_like(rhs)
     r = rhs.clone()
     p = r.clone()
-    rs = (r * r).sum(-1)
+    rs = reduce((r * r).sum(-1))
     bnorm = rs.sqrt().clamp_min(tiny)
     it = 0
     for it in range(1, max_iter + 1):
@@ -206,11 +215,11 @@ def _cg(matvec, rhs: Tensor, tol: float, max_iter: int) -> tuple[Tensor, int, fl
             it -= 1
             break
         Ap = matvec(p)
-        pAp = (p * Ap).sum(-1)
+        pAp = reduce((p * Ap).sum(-1))
         step = torch.where(pAp > 0, rs / pAp.clamp_min(tiny), torch.zeros_like(rs))
         sol = sol + step.unsqueeze(-1) * p
         r = r - step.unsqueeze(-1) * Ap
-        rs_new = (r * r).sum(-1)
+        rs_new = reduce((r * r).sum(-1))
         beta = torch.where(rs > 0, rs_new / rs.clamp_min(tiny), torch.zeros_like(rs))
         p = r + beta.unsqueeze(-1) * p
         rs = rs_new
@@ -221,23 +230,26 @@ def _cg(matvec, rhs: Tensor, tol: float, max_iter: int) -> tuple[Tensor, int, fl
 last_cg_info: dict = {}
 
 
-def _solve_h(x, y, alpha, beta, r, c, rhs_f, rhs_g, eps, cost, engine, cfg) -> tuple[Tensor, Tensor]:
+def _solve_h(x, y, alpha, beta, r, c, rhs_f, rhs_g, eps, cost, engine, cfg,
+             reduce=_local_sum) -> tuple[Tensor, Tensor]:
     """``w = (w1, w2)`` with ``H w = (rhs_f, rhs_g)``, ``H = [[diag(r), P], [P^T, diag(c)]]``.
 
     ``P = exp(alpha + beta - C / eps)`` with marginals ``r``, ``c``; the right-hand side is projected
     off the gauge null vector ``(1, -1)`` and the system solved by CG, Jacobi (``diag(r, c)``)
     preconditioned, with ``cfg``'s ridge and tolerance (a RuntimeWarning when it is not met).
-    Every matrix-vector product is two plan products.
+    Every matrix-vector product is two plan products.  Points-sharded (``reduce`` an all-reduce sum):
+    every vector holds this process's entries (its rows of x, then of y) and ``reduce`` completes the
+    inner products (the projection's and CG's); the plan products are the ring engine's.
     """
     N = r.shape[-1]
     Dg = torch.cat([r, c], -1)
     live = Dg > torch.finfo(Dg.dtype).tiny
     Dinv_sqrt = torch.where(live, Dg.clamp_min(torch.finfo(Dg.dtype).tiny).rsqrt(), torch.zeros_like(Dg))
     null = torch.cat([r.sqrt(), -c.sqrt()], -1)  # K's null vector D^1/2 (1, -1)
-    null = null / null.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(Dg.dtype).tiny)
+    null = null / reduce((null * null).sum(-1)).sqrt().unsqueeze(-1).clamp_min(torch.finfo(Dg.dtype).tiny)
 
     def proj(v):
-        return v - (v * null).sum(-1, keepdim=True) * null
+        return v - reduce((v * null).sum(-1)).unsqueeze(-1) * null
 
     def matvec(zv):
         w = zv * Dinv_sqrt
@@ -250,7 +262,7 @@ def _solve_h(x, y, alpha, beta, r, c, rhs_f, rhs_g, eps, cost, engine, cfg) -> t
     rhs = proj(torch.cat([rhs_f, rhs_g], -1) * Dinv_sqrt)
     with torch.no_grad():
         tol = cfg.tol
-        zsol, iters, res = _cg(matvec, rhs, tol, cfg.max_iter)
+        zsol, iters, res = _cg(matvec, rhs, tol, cfg.max_iter, reduce)
     last_cg_info.update(iterations=iters, residual=res, tol=tol)
     if res > tol:
         warnings.warn(
@@ -463,16 +475,19 @@ class LinearValueFn(torch.autograd.Function):
     partial derivatives at fixed ``(f, g)`` plus the implicit correction: ``H w = eps
     d<C,P>/d(f, g) = ((P ⊙ C) 1, (P ⊙ C)^T 1)`` solved by :func:`_solve_h` (CG, ``cfg``), then
     ``- d/dtheta <w, E>``, ``E = (P 1 - a, P^T 1 - b)``.  Plan products only: memory O(N + M).
+    Points-sharded (``reduce`` an all-reduce sum, ``engine`` the ring engine): ``x``, ``a``, ``f`` are
+    this process's rows and ``y``, ``b``, ``g`` its columns; the value is summed over the processes and
+    each gets the gradients w.r.t. its own points and weights (every process must run the backward).
     The weight gradients are defined up to the gauge (a constant added to ``grad_a`` and
     subtracted from ``grad_b``): only mass-preserving changes of ``a``, ``b`` have a meaning.
     Once differentiable.
     """
 
     @staticmethod
-    def forward(ctx, x, y, a, b, f, g, eps, cost, engine, cfg):
-        out = _cost_sum(x, y, a, b, f, g, eps, cost, engine)
+    def forward(ctx, x, y, a, b, f, g, eps, cost, engine, cfg, reduce=_local_sum):
+        out = reduce(_cost_sum(x, y, a, b, f, g, eps, cost, engine))
         ctx.save_for_backward(x, y, a, b, f, g)
-        ctx.eps, ctx.cost, ctx.engine, ctx.cfg = eps, cost, engine, cfg
+        ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.reduce = eps, cost, engine, cfg, reduce
         return out
 
     @staticmethod
@@ -493,7 +508,7 @@ class LinearValueFn(torch.autograd.Function):
         u0 = engine.plan_product(x, y, al0, be, eps, ones_y, cost, "cost")[..., 0]
         c0 = engine.plan_product(y, x, be0, al, eps, ones_x, cost, "plan")[..., 0]
         v0 = engine.plan_product(y, x, be0, al, eps, ones_x, cost, "cost")[..., 0]
-        w1, w2 = _solve_h(x, y, al, be, a * r0, b * c0, a * u0, b * v0, eps, cost, engine, cfg)
+        w1, w2 = _solve_h(x, y, al, be, a * r0, b * c0, a * u0, b * v0, eps, cost, engine, cfg, ctx.reduce)
         gx = gy = ga = gb = None
         Gv = G.unsqueeze(-1)
         if nx or na:
@@ -504,7 +519,7 @@ class LinearValueFn(torch.autograd.Function):
             py, pb = _linear_grad_side(y, x, be0, al, b, c0, v0, w2, w1, eps, cost, engine, ny)
             gy = Gv.unsqueeze(-1) * py if ny else None
             gb = Gv * pb if nb else None
-        return gx, gy, ga, gb, None, None, None, None, None, None
+        return gx, gy, ga, gb, None, None, None, None, None, None, None
 
 
 class _NoGradFn(torch.autograd.Function):
@@ -528,19 +543,20 @@ def linear_value(m, f: Tensor, g: Tensor, eps: float, *, unbalanced=None, differ
     balanced problems get :class:`LinearValueFn` (implicit differentiation through the fixed point,
     ``implicit`` settings; default: those given to :func:`sinkhorn_value` on ``m``, else
     :class:`ImplicitDiff` ``()``); unbalanced ones a value whose backward raises
-    ``NotImplementedError``.  Otherwise a plain (detached) value.
+    ``NotImplementedError``.  Otherwise a plain (detached) value.  Points-sharded measures (``m.reduce``
+    an all-reduce): the value is the whole problem's, the gradients this process's slices.
     """
     x, y, a, b = m.x, m.y, m.a, m.b
     f, g = f.detach(), g.detach()
     needs = differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, a, b))
     if not needs:
-        return _cost_sum(x, y, a, b, f, g, eps, m.cost, m.engine)
+        return m.reduce(_cost_sum(x, y, a, b, f, g, eps, m.cost, m.engine))
     if unbalanced is not None:
-        v = _cost_sum(x, y, a, b, f, g, eps, m.cost, m.engine)
+        v = m.reduce(_cost_sum(x, y, a, b, f, g, eps, m.cost, m.engine))
         return _NoGradFn.apply(
             v, "value_linear: gradients of <C, P> are implemented for balanced problems only (unbalanced="
             f"{tuple(unbalanced)!r} was given); use value / value_dual (differentiable), or grad='detach'",
             x, y, a, b)
     cfg = check_implicit(implicit if implicit is not None else getattr(m, "implicit_diff", None))
-    return LinearValueFn.apply(x, y, a, b, f, g, eps, m.cost, m.engine, cfg)
+    return LinearValueFn.apply(x, y, a, b, f, g, eps, m.cost, m.engine, cfg, m.reduce)
 

@@ -272,8 +272,9 @@ def solve_sample(
             ``"points"`` (every rank passes only its slice of ``X_a``, ``a``, ``X_b``, ``b``; the other
             slices travel around a ring of the ranks: for clouds that do not fit one device).  With
             ``"points"``, ``potentials``, ``marginals`` and the gradients are this rank's slices, ``value``
-            the whole problem's; ``a=None`` means ``1 / N`` with ``N`` the points of all ranks.  Not with
-            ``acceleration`` or ``implicit`` (see :mod:`flashot.distributed`).
+            the whole problem's; ``a=None`` means ``1 / N`` with ``N`` the points of all ranks; ``implicit``
+            sets ``value_linear``'s gradient only (no second derivatives there).  Not with ``acceleration``
+            (see :mod:`flashot.distributed`).
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
@@ -324,7 +325,7 @@ def solve_sample(
         from .distributed import points_solve
 
         return points_solve(X_a, X_b, a, b, cost=cost, backend=backend, opts=opts, group=group,
-                            potentials_init=potentials_init, implicit=implicit, numpy=is_np)
+                            potentials_init=potentials_init, numpy=is_np)
     cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
     truncate = check_positive("truncate", truncate, allow_none=True)
     if backend == "multiscale":
