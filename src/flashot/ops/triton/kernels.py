@@ -165,22 +165,33 @@ def _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _tile_probs(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j0, j_hi, D, k2, s, min_sq, log2e, m_i,
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One streamed column tile [j0, min(j0 + BLOCK_M, j_hi)): (cols, col_ok, p_ij = exp2(t_ij - m_new_i),
+    cost tile, new running max, factor exp2(m_i - m_new_i) that rescales the sums so far)."""
+    cols = j0 + tl.arange(0, BLOCK_M)
+    col_ok = cols < j_hi
+    hb = tl.load(h_ptr + cols, mask=col_ok, other=float("-inf")) * log2e
+    t, c = _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
+                   BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+    m_new = tl.maximum(m_i, tl.max(t, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return cols, col_ok, tl.exp2(t - m_safe[:, None]), c, m_new, tl.exp2(m_i - m_safe)
+
+
+@triton.jit
 def _lse_range(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j_lo, j_hi, D, k2, s, min_sq, log2e, m_i, l_i,
                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
                FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """The online (max m_i, sum l_i) of the row tile's scores, updated over the columns [j_lo, j_hi)."""
     for j0 in range(j_lo, j_hi, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M)
-        col_ok = cols < j_hi
-        hb = tl.load(h_ptr + cols, mask=col_ok, other=float("-inf")) * log2e
-        t, c = _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
-                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
-        m_new = tl.maximum(m_i, tl.max(t, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(t - m_safe[:, None])
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(p, axis=1)
-        m_i = m_new
+        cols, col_ok, p, c, m_i, rescale = _tile_probs(
+            x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j0, j_hi, D, k2, s, min_sq, log2e, m_i,
+            BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+        l_i = l_i * rescale + tl.sum(p, axis=1)
     return m_i, l_i
 
 
@@ -252,14 +263,9 @@ def _plan_range(x_ptr, y_ptr, beta_ptr, v_ptr, xt, xsq, rows, row_ok, kc, k_ok, 
     """The online max m_i and the rescaled (BLOCK_N, BLOCK_K) sums of exp2(t_ij - m_i) W_ij V_j, updated
     over the columns [j_lo, j_hi)."""
     for j0 in range(j_lo, j_hi, BLOCK_M):
-        cols = j0 + tl.arange(0, BLOCK_M)
-        col_ok = cols < j_hi
-        hb = tl.load(beta_ptr + cols, mask=col_ok, other=float("-inf")) * log2e
-        t, c = _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
-                       BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
-        m_new = tl.maximum(m_i, tl.max(t, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(t - m_safe[:, None])
+        cols, col_ok, p, c, m_i, rescale = _tile_probs(
+            x_ptr, y_ptr, beta_ptr, xt, xsq, rows, row_ok, j0, j_hi, D, k2, s, min_sq, log2e, m_i,
+            BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
         if WEIGHT == 1:
             p = p * c
         if WEIGHT == 2:
@@ -267,8 +273,7 @@ def _plan_range(x_ptr, y_ptr, beta_ptr, v_ptr, xt, xsq, rows, row_ok, kc, k_ok, 
                 p = tl.where(c > 0.0, p / tl.where(c > 0.0, c, 1.0), 0.0)
         v = tl.load(v_ptr + cols[:, None] * K + kc[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = acc * tl.exp2(m_i - m_safe)[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
-        m_i = m_new
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
     return m_i, acc
 
 
