@@ -81,6 +81,23 @@ def _linear(group, part, *, cost="sqeuclidean", B=None, method="auto"):
             "n_iter": torch.tensor(res.n_iter)}
 
 
+def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
+    """``solve_sample(acceleration=...)`` to ``tol``: Momentum's safeguard and Anderson's Gram matrix and
+    right-hand side (inner products over all the potentials: all-reduced) decide the same steps on every
+    rank as in one process; values, potentials, gradients, iterations."""
+    from flashot import Anderson, Momentum, solve_sample
+
+    x, y, a, b = _leaves(*_slices(part, *_data(8, 80, 70)))
+    kw = {} if part is None else {"shard": "points"}
+    cfg = Momentum(1.6) if acc == "momentum" else Anderson(m=4)
+    res = solve_sample(x, y, a, b, reg=reg, tol=1e-9, max_iter=2000, backend="cpu", method=method,
+                       unbalanced=unbalanced, acceleration=cfg, inner_iterations=1, group=group, **kw)
+    res.value_dual.backward()
+    f, g = res.potentials
+    return {"value": res.value.detach(), "f": f.detach(), "g": g.detach(), "gx": x.grad, "gy": y.grad,
+            "ga": a.grad, "gb": b.grad, "n_iter": torch.tensor(res.n_iter)}
+
+
 CASES = {
     "warm_debiased": lambda g, p: _warm(g, p),
     "warm_plain": lambda g, p: _warm(g, p, debias=False, weights=False),
@@ -90,9 +107,14 @@ CASES = {
     "linear_grad": lambda g, p: _linear(g, p),
     "linear_grad_euclidean_symmetric": lambda g, p: _linear(g, p, cost="euclidean", method="symmetric"),
     "linear_grad_batched": lambda g, p: _linear(g, p, B=2),
+    "momentum_alt": lambda g, p: _accel(g, p, "momentum"),
+    "momentum_symmetric": lambda g, p: _accel(g, p, "momentum", method="symmetric", reg=0.2),
+    "anderson_alt": lambda g, p: _accel(g, p, "anderson"),
+    "anderson_symmetric": lambda g, p: _accel(g, p, "anderson", method="symmetric"),
+    "anderson_unbalanced": lambda g, p: _accel(g, p, "anderson", unbalanced=1.0),
 }
 RUN = {2: list(CASES), 3: ["warm_debiased", "warm_plain", "warm_one_point_moves", "linear_grad",
-                           "linear_grad_euclidean_symmetric"]}
+                           "linear_grad_euclidean_symmetric", "momentum_alt", "anderson_alt", "anderson_symmetric"]}
 
 
 def _refusals(group, part) -> dict[str, str | None]:

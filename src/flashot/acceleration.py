@@ -165,6 +165,11 @@ def _finite_rows(t: Tensor) -> Tensor:
     return torch.isfinite(t).all(-1)
 
 
+def _local(t: Tensor, op: str = "sum") -> Tensor:
+    """The identity: the potentials are all on this process."""
+    return t
+
+
 class Accelerator:
     """Per-solve state of an acceleration (internal).
 
@@ -172,10 +177,16 @@ class Accelerator:
     ``extrapolate(z, tz, err, eps)`` returns the next iterate given the current one ``z``
     and its plain image ``tz`` (Anderson; Momentum returns ``tz``).  ``err`` is the (B,)
     error of the current iterate, used by the safeguard (no host sync).
+
+    ``reduce(t, op)`` (``op`` ``"sum"`` / ``"max"``) completes over all processes what this one computed
+    over its entries of the potentials (points-sharded mode, :meth:`flashot.measures.Measures.reduce`):
+    Anderson's Gram matrix ``dR^T dR`` and right-hand side ``dR^T r`` are sums over all the potentials,
+    and a candidate is finite only if it is finite everywhere, so every process takes the same steps.
     """
 
-    def __init__(self, cfg, batch: int, device, dtype):
+    def __init__(self, cfg, batch: int, device, dtype, reduce=_local):
         self.cfg = cfg
+        self._reduce = reduce
         self.ref: Tensor | None = None  # smallest error seen since the last change of eps
         self.prev_acc = torch.zeros(batch, dtype=torch.bool, device=device)  # was the last step accelerated?
         self.eps: float | None = None
@@ -224,9 +235,14 @@ class Accelerator:
         self.prev_acc = ok & (self.w[:, 0] != 1.0)
         return w
 
+    def _finite(self, t: Tensor) -> Tensor:
+        """(B,) mask: problems whose (B, n) ``t`` has no NaN / Inf on any process."""
+        bad = (~_finite_rows(t)).to(torch.float64)
+        return self._reduce(bad, "max") == 0
+
     def momentum_guard(self, cand: Tensor, plain: Tensor) -> Tensor:
         """Replace non-finite rows of an over-relaxed candidate by the plain step."""
-        return torch.where(_finite_rows(cand).unsqueeze(-1), cand, plain)
+        return torch.where(self._finite(cand).unsqueeze(-1), cand, plain)
 
     def extrapolate(self, z: Tensor, tz: Tensor, err: Tensor, eps: float) -> Tensor:
         ok, worse = self._accept(err, eps)
@@ -255,13 +271,13 @@ class Accelerator:
         dR = (R[..., 1:] - R[..., :-1]) * valid.unsqueeze(1)
         dT = (T[..., 1:] - T[..., :-1]) * valid.unsqueeze(1)
         r = R[..., -1:]
-        G = dR.transpose(-1, -2) @ dR  # (B, k-1, k-1)
+        G = self._reduce(dR.transpose(-1, -2) @ dR)  # (B, k-1, k-1): inner products over all the potentials
         scale = G.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(G.dtype).tiny)
         lam = (self.cfg.reg + 1e-14) * scale
         G = G + torch.diag_embed(lam.unsqueeze(-1) + (1.0 - valid))  # masked columns: gamma = 0
-        rhs = dR.transpose(-1, -2) @ r
+        rhs = self._reduce(dR.transpose(-1, -2) @ r)
         gamma, _ = torch.linalg.solve_ex(G, rhs)  # (B, k-1, 1); never raises
         cand = tz - (dT @ gamma)[..., 0]
-        good = ok & (valid.sum(-1) > 0) & _finite_rows(cand) & torch.isfinite(gamma).all(-1).all(-1)
+        good = ok & (valid.sum(-1) > 0) & self._finite(cand) & torch.isfinite(gamma).all(-1).all(-1)
         self.prev_acc = good
         return torch.where(good.unsqueeze(-1), cand, tz)

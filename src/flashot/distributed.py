@@ -849,14 +849,10 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
         "eps_scaling": opts.eps_scaling, "unbalanced": (opts.rho_a, opts.rho_b),
         "inner_iterations": opts.inner_iterations, "grad": opts.grad,
         "callback (given or not)": opts.callback is not None, "potentials_init (given or not)": potentials_init is not None,
-        "implicit": repr(opts.implicit),
+        "implicit": repr(opts.implicit), "acceleration": repr(opts.acceleration),
     }
 
     def build(x, y, a_, b_):  # inside points_measures: an error on one rank is raised on every rank
-        if opts.acceleration is not None:
-            raise NotImplementedError("acceleration: not implemented with shard='points' (its extrapolation "
-                                      "weights are inner products over all potentials); use acceleration=None "
-                                      "or shard='replicated'")
         return Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
 
     m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))

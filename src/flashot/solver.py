@@ -212,7 +212,7 @@ def sinkhorn_loop(
     progress = make_progress(verbose, n_total)
     want_err = tol is not None or callback is not None or progress.active
     B = a_log.shape[0]
-    acc = None if acceleration is None else Accelerator(acceleration, B, a_log.device, a_log.dtype)
+    acc = None if acceleration is None else Accelerator(acceleration, B, a_log.device, a_log.dtype, m.reduce)
     momentum = isinstance(acceleration, Momentum)
     anderson = isinstance(acceleration, Anderson)
     t0 = time.perf_counter()
