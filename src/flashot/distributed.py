@@ -2,8 +2,8 @@ r"""One OT problem spread over the ranks of a ``torch.distributed`` process grou
 
 Replicated mode (``shard="replicated"``, the default): every rank holds all the points and weights,
 and :class:`ShardedEngine` wraps the ordinary single-device engine (``cpu``, ``tiled``,
-``triton``, ``dense``) so that each primitive computes only this rank's contiguous slice of
-the output rows and all-gathers the rest:
+``triton``, ``dense``, and the block-sparse engine of ``backend="multiscale"``) so that each
+primitive computes only this rank's contiguous slice of the output rows and all-gathers the rest:
 
 * ``softmin(x, y, h)`` and ``plan_product(x, y, ...)``: rank ``r`` computes rows
   ``[r N / W, (r + 1) N / W)`` with the inner engine; one ``all_gather`` of ``O(N K)`` numbers
@@ -15,6 +15,12 @@ the output rows and all-gathers the rest:
   which differs from one process by float reassociation only.  Both travel in ONE
   ``all_gather`` per step (``W M + N`` numbers received per rank per step; see ``stats``).
 * ``softmin_sym`` (debiasing) is a row-sharded ``softmin(x, x, h)``.
+* multiscale (:mod:`flashot.multiscale`): the coarse stage shards the engine of the centroids as
+  above; the fine stage's block-sparse engine chooses the slices itself (``row_bounds``: ranges of
+  whole row clusters, balanced by kept pairs) and computes only those rows (``rows=(lo, hi)``).
+  Clustering, extrapolation and pruning run on every rank on the same points and all-gathered
+  potentials, so the ranks keep the same blocks; a hash of the kept blocks enters every header.
+  ``shard="points"`` refuses it (the clustering needs the whole clouds).
 
 Because every rank receives the same gathered bits and reduces them in the same order, every
 rank holds bit-identical potentials, so the solver (:func:`flashot.solver.sinkhorn_loop`) runs
@@ -153,7 +159,7 @@ def check_same(group, fields: dict[str, Any]) -> None:
     world = dist.get_world_size(group)
     got: list = [None] * world
     dist.all_gather_object(got, fields, group=group)
-    for name in fields:
+    for name in dict.fromkeys(k for g in got for k in g):  # every rank's names: each rank sees the same mismatch
         vals = [g.get(name, "<missing>") for g in got]
         if any(v != vals[0] for v in vals[1:]):
             bad = [r for r, v in enumerate(vals) if v != vals[0]]
@@ -168,6 +174,12 @@ class ShardedEngine:
     Implements the engine contract (:mod:`flashot.ops.base`) plus ``softmin_pair`` / ``softmin_alt``
     when ``inner`` has them, ``softmin_sym`` and ``expect_reuse``.  ``stats``: ``calls`` (collectives)
     and ``bytes`` (bytes received by this rank's all-gathers, own slice included).
+
+    An inner engine bound to fixed row blocks (the multiscale engine,
+    :class:`~flashot.ops.blocksparse.BlockSparseEngine`) chooses the slices itself: ``row_bounds(x, y,
+    world)`` gives every rank's rows ``[lo, hi)`` of the pair (whole row clusters) and its ``softmin`` /
+    ``plan_product`` take ``rows=(lo, hi)`` and the whole clouds; its ``digest(x, y)`` (the kept blocks)
+    enters the header's checksum, so ranks whose pruning diverged raise at that call.
     """
 
     def __init__(self, inner, group):
@@ -179,9 +191,10 @@ class ShardedEngine:
         self.stats = {"calls": 0, "bytes": 0}
         self._calls = 0
         self._slices: OrderedDict = OrderedDict()
-        if hasattr(inner, "softmin_pair"):
+        self._own_rows = hasattr(inner, "row_bounds")  # the inner engine picks the slices (whole row blocks)
+        if hasattr(inner, "softmin_pair") and not self._own_rows:  # the fused forms shard by even slices
             self.softmin_pair = self._softmin_pair
-        if hasattr(inner, "softmin_alt"):
+        if hasattr(inner, "softmin_alt") and not self._own_rows:
             self.softmin_alt = self._softmin_alt
 
     def __repr__(self) -> str:
@@ -218,11 +231,30 @@ class ShardedEngine:
         lo, hi = self.bounds(h.shape[1])
         return h if (lo, hi) == (0, h.shape[1]) else h[:, lo:hi].contiguous()
 
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        """Every rank's even slice ``[lo, hi)`` of ``n`` rows (:meth:`bounds`)."""
+        return [self.bounds(n, k) for k in range(self.world)]
+
+    def _row_call(self, op: str, x: Tensor, y: Tensor, inputs: tuple, even, own) -> Tensor:
+        """This rank's rows of a row-wise primitive on ``(x, y)``, all-gathered: ``even(x_r)`` on this rank's
+        even slice (``None`` when it is empty), or, where the inner engine picks the slices, ``own(rows)``
+        with this rank's ``rows=(lo, hi)`` of ``inner.row_bounds`` (checksummed with ``inner.digest``)."""
+        if self._own_rows:
+            spans = self.inner.row_bounds(x, y, self.world)
+            out = own(spans[self.rank])
+            inputs = (*inputs, self.inner.digest(x, y))
+        else:
+            spans, xr = self._spans(x.shape[1]), self._rows(x)
+            out = even(xr if xr.shape[1] else None)
+        return self._exchange(op, [(out, spans)], [], inputs)[0]
+
     # -- the one collective ---------------------------------------------------------------
-    def _exchange(self, op: str, rows: list[tuple[Tensor, int]], partials: list[Tensor], inputs) -> tuple:
-        """One all-gather: ``rows`` = (this rank's (B, n_r, ...) slice, N) pieces, concatenated across ranks
-        in rank order; ``partials`` = (B, M) pieces, returned stacked as (W, B, M).  A header (op, call
-        number, input checksum) checks that all ranks are at the same call with the same inputs."""
+    def _exchange(self, op: str, rows: list[tuple[Tensor, list[tuple[int, int]]]], partials: list[Tensor],
+                  inputs) -> tuple:
+        """One all-gather: ``rows`` = (this rank's (B, n_r, ...) slice, every rank's rows ``[lo, hi)``) pieces,
+        concatenated across ranks in rank order; ``partials`` = (B, M) pieces, returned stacked as (W, B, M).
+        A header (op, call number, input checksum) checks that all ranks are at the same call with the same
+        inputs."""
         ref = (rows[0][0] if rows else partials[0])
         dtype, device = ref.dtype, ref.device
         self._calls += 1
@@ -230,14 +262,14 @@ class ShardedEngine:
         head = torch.tensor([_OPS[op], self._calls % _MOD, chk], dtype=dtype, device=device)
         flat = [head]
         shapes = []
-        for t, n in rows:
+        for t, spans in rows:
             B, nr = t.shape[0], t.shape[1]
             rest = tuple(t.shape[2:])
-            cap = -(-n // self.world)  # the largest slice
+            cap = max(hi - lo for lo, hi in spans)  # the largest slice
             pad = t.new_zeros((B, cap, *rest))
             pad[:, :nr] = t
             flat.append(pad.reshape(-1))
-            shapes.append((B, cap, rest, n))
+            shapes.append((B, cap, rest, spans))
         for p in partials:
             flat.append(p.reshape(-1))
         send = torch.cat(flat).contiguous()
@@ -254,11 +286,11 @@ class ShardedEngine:
                                "calls on the same data (same options, torch build, CPU type and thread count)")
         out = []
         off = _HEADER
-        for B, cap, rest, n in shapes:
+        for B, cap, rest, spans in shapes:
             size = B * cap * math.prod(rest)
             parts = []
             for k in range(self.world):
-                lo, hi = self.bounds(n, k)
+                lo, hi = spans[k]
                 parts.append(recv[k][off:off + size].view(B, cap, *rest)[:, : hi - lo])
             out.append(torch.cat(parts, 1))
             off += size
@@ -275,20 +307,20 @@ class ShardedEngine:
 
     # -- the contract ---------------------------------------------------------------------
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:
-        xr = self._rows(x)
-        if xr.shape[1] == 0:
-            out = x.new_full((x.shape[0], 0), math.inf)
-        else:
-            out = self.inner.softmin(xr, y, h, eps, cost)
-        return self._exchange("softmin", [(out, x.shape[1])], [], (x, y, h))[0]
+        return self._softmin("softmin", x, y, h, eps, cost, (x, y, h))
+
+    def _softmin(self, op: str, x: Tensor, y: Tensor, h: Tensor, eps: float, cost, inputs: tuple) -> Tensor:
+        def even(xr):
+            return x.new_full((x.shape[0], 0), math.inf) if xr is None else self.inner.softmin(xr, y, h, eps, cost)
+        return self._row_call(op, x, y, inputs, even, lambda rows: self.inner.softmin(x, y, h, eps, cost, rows=rows))
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
-        xr = self._rows(x)
-        if xr.shape[1] == 0:
-            out = V.new_zeros((x.shape[0], 0, V.shape[-1]))
-        else:
-            out = self.inner.plan_product(xr, y, self._vec(alpha), beta, eps, V, cost, weight)
-        return self._exchange("plan_product", [(out, x.shape[1])], [], (x, y, alpha, beta, V))[0]
+        def even(xr):
+            if xr is None:
+                return V.new_zeros((x.shape[0], 0, V.shape[-1]))
+            return self.inner.plan_product(xr, y, self._vec(alpha), beta, eps, V, cost, weight)
+        return self._row_call("plan_product", x, y, (x, y, alpha, beta, V), even,
+                              lambda rows: self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, rows=rows))
 
     def _fused(self, op: str, x, y, hx, hy, eps, call) -> tuple[Tensor, Tensor]:
         xr, hr = self._rows(x), self._vec(hx)
@@ -297,7 +329,7 @@ class ShardedEngine:
             gp = x.new_full(hy.shape, math.inf)
         else:
             fr, gp = call(xr, hr)
-        f, parts = self._exchange(op, [(fr, x.shape[1])], [gp.contiguous()], (x, y, hx, hy))
+        f, parts = self._exchange(op, [(fr, self._spans(x.shape[1]))], [gp.contiguous()], (x, y, hx, hy))
         return f, self._lse_combine(parts, eps)
 
     def _softmin_pair(self, x, y, hx, hy, eps, cost):
@@ -309,16 +341,11 @@ class ShardedEngine:
                            lambda xr, hr: self.inner.softmin_alt(xr, y, hr, hy, eps, cost, lam))
 
     def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost) -> Tensor:
-        xr = self._rows(x)
-        if xr.shape[1] == 0:
-            out = x.new_full((x.shape[0], 0), math.inf)
-        else:
-            out = self.inner.softmin(xr, x, h, eps, cost)
-        return self._exchange("softmin_sym", [(out, x.shape[1])], [], (x, h))[0]
+        return self._softmin("softmin_sym", x, x, h, eps, cost, (x, h))
 
     def expect_reuse(self, x: Tensor, y: Tensor, cost) -> None:
         hint = getattr(self.inner, "expect_reuse", None)
-        if hint is not None and self.bounds(x.shape[1])[1] > self.bounds(x.shape[1])[0]:
+        if hint is not None and not self._own_rows and self.bounds(x.shape[1])[1] > self.bounds(x.shape[1])[0]:
             hint(self._rows(x), y, cost)
 
 
@@ -372,10 +399,10 @@ def _collective_callback(cb, group):
     return wrapped
 
 
-def distribute_solve(m, opts, group, potentials_init=None):
-    """:func:`flashot.solve_sample`'s hook: check the problem and the options across ranks, shard the
-    engine, make the callback's stop decision collective and show the progress bar on rank 0 only.
-    Returns the options to solve with."""
+def distribute_solve(m, opts, group, potentials_init=None, options: dict[str, Any] | None = None):
+    """:func:`flashot.solve_sample`'s hook: check the problem and the options (plus ``options``, name ->
+    value) across ranks, shard the engine, make the callback's stop decision collective and show the
+    progress bar on rank 0 only.  Returns the options to solve with."""
     check_group(group)
     fields = {
         "reg": opts.reg, "max_iter": opts.max_iter, "tol": opts.tol, "method": opts.method,
@@ -388,6 +415,7 @@ def distribute_solve(m, opts, group, potentials_init=None):
     else:
         f0, g0 = potentials_init
         fields["potentials_init"] = tuple(_bits_checksum(torch.as_tensor(t)) for t in (f0, g0))
+    fields.update(options or {})
     distribute_measures(m, group, fields, names=("X_a", "X_b", "a", "b"))
     rank = dist.get_rank(group)
     cb = None if opts.callback is None else _collective_callback(opts.callback, group)

@@ -29,12 +29,20 @@ r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backe
 The returned fine :class:`~flashot.measures.Measures` hold the sorted clouds (gathered from the
 inputs, so gradients flow back to them) and the engine of the last pruning: the final step,
 values and gradients are those of the ordinary solver on the pruned plan.
+
+Distributed (``group``, replicated mode: every rank holds all the points): the coarse stage runs on
+:class:`~flashot.distributed.ShardedEngine` (after :func:`~flashot.distributed.distribute_measures`
+checks the centroids across ranks), and every fine engine is a ``ShardedEngine`` over the block-sparse
+one, each rank computing a range of whole row clusters (balanced by kept pairs).  Clustering,
+extrapolation and pruning run on every rank, on the same points and the same all-gathered potentials,
+so every rank takes the same pruning decisions; the kept blocks enter the checksum of every collective.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -69,6 +77,7 @@ class MultiscaleRun:
     hier: "_Hier | None" = None  # the fine clusterings and pruning hierarchies (continue_fine)
     bounds: "list[BlockBounds] | None" = None  # the bounds of the last state
     truncate: float | None = None
+    group: Any = None  # the torch.distributed process group of a distributed solve (replicated mode), or None
 
 
 def jump_index(eps_list: list[float], threshold: float) -> int:
@@ -382,9 +391,16 @@ def _prune_radius(cost, eps: float, truncate: float | None) -> float:
     return (c / cost.scale) ** 0.5 if cost.is_dot else c
 
 
-def _coarse_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
-    """The centroids with the cluster weights, on the engine ``auto`` picks for their size."""
-    return Measures.build(cx.centroids, cy.centroids, cx.weights, cy.weights, cost=m.cost, backend="auto")
+def _coarse_measures(m: Measures, cx: Clusters, cy: Clusters, group: Any = None) -> Measures:
+    """The centroids with the cluster weights, on the engine ``auto`` picks for their size (sharded over the
+    ranks of ``group``, after checking that every rank has the same centroids)."""
+    mc = Measures.build(cx.centroids, cy.centroids, cx.weights, cy.weights, cost=m.cost, backend="auto")
+    if group is not None:
+        from .distributed import distribute_measures
+
+        distribute_measures(mc, group, names=("centroids of x", "centroids of y", "cluster weights of x",
+                                              "cluster weights of y"))
+    return mc
 
 
 def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps: float, lam: float, cost) -> Tensor:
@@ -395,8 +411,9 @@ def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps
 
 def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleConfig, *, debias: bool,
                     diameter: float, labels: tuple[Tensor | None, Tensor | None] = (None, None),
-                    verbose: bool = False) -> MultiscaleRun:
-    """Run GeomLoss' symmetric, debiased-or-not schedule ``eps_list`` coarse-to-fine on ``m`` (B = 1)."""
+                    verbose: bool = False, group: Any = None) -> MultiscaleRun:
+    """Run GeomLoss' symmetric, debiased-or-not schedule ``eps_list`` coarse-to-fine on ``m`` (B = 1); with a
+    ``torch.distributed`` ``group``, over its ranks (replicated mode: every rank passes the same ``m``)."""
     D = m.x.shape[-1]
     scale = cfg.cluster_scale if cfg.cluster_scale is not None else default_cluster_scale(diameter, D)
     x, y = m.x[0], m.y[0]
@@ -409,7 +426,7 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
             scale = bs
     cx, cy = cluster(x, m.a[0], scale, labels[0]), cluster(y, m.b[0], scale, labels[1])
     jump = jump_index(eps_list, _jump_threshold(m.cost, scale, p))
-    mc = _coarse_measures(m, cx, cy)
+    mc = _coarse_measures(m, cx, cy, group)
     st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, verbose=verbose)
     if bs < scale:
         cx, cy = cluster(x, m.a[0], bs), cluster(y, m.b[0], bs)
@@ -421,8 +438,9 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     tail = eps_list[jump + 1:]
     if not tail:  # extrapolation only: the final step reads the potentials at this temperature
         bounds = _bounds(fine, hier, state, eps, cfg.truncate)
-        fine = _with_patterns(fine, hier, _keeps(bounds, eps, cfg.truncate), kept, debias)
-        return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate)
+        fine = _with_patterns(fine, hier, _keeps(bounds, eps, cfg.truncate), kept, debias, group)
+        return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate,
+                             group)
     bounds = _bounds(fine, hier, state, max(tail), cfg.truncate)
     for level in sorted(set(tail), reverse=True):
         steps = [e for e in tail if e == level]
@@ -431,8 +449,9 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
             return sinkhorn_loop(fine_, steps, symmetric=True, debias=debias, init=(st.f, st.g),
                                  init_self=(st.f_aa, st.g_bb) if debias else None)
 
-        fine, state, bounds = _fine_level(fine, hier, state, bounds, level, loop, cfg.truncate, debias, kept)
-    return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate)
+        fine, state, bounds = _fine_level(fine, hier, state, bounds, level, loop, cfg.truncate, debias, kept, group)
+    return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate,
+                         group)
 
 
 def continue_fine(run: MultiscaleRun, loop) -> MultiscaleRun:
@@ -441,12 +460,12 @@ def continue_fine(run: MultiscaleRun, loop) -> MultiscaleRun:
     as every temperature of :func:`multiscale_loop`."""
     eps, kept = run.state.eps, list(run.kept)
     fine, state, bounds = _fine_level(run.m, run.hier, run.state, run.bounds, eps, loop, run.truncate,
-                                      run.state.f_aa is not None, kept)
+                                      run.state.f_aa is not None, kept, run.group)
     return replace(run, m=fine, state=replace(state, eps=eps), kept=kept, bounds=bounds)
 
 
 def _fine_level(fine: Measures, hier: "_Hier", state: SinkhornState, bounds, level: float, loop, truncate,
-                debias: bool, kept: list[float]):
+                debias: bool, kept: list[float], group: Any = None):
     """``loop(fine, state)`` (iterations at temperature ``level``) on the blocks whose ``bounds`` (from the
     potentials of ``state``) are within ``truncate * level``.  The bounds are then recomputed from the new
     potentials; where they keep a block that was dropped, the iterations run again on the union (once), so
@@ -454,7 +473,7 @@ def _fine_level(fine: Measures, hier: "_Hier", state: SinkhornState, bounds, lev
     the last engine, the new state and its bounds (valid for margins up to ``truncate * level``)."""
     keeps = _keeps(bounds, level, truncate)
     for attempt in range(2):
-        fine = _with_patterns(fine, hier, keeps, kept, debias)
+        fine = _with_patterns(fine, hier, keeps, kept, debias, group)
         with warnings.catch_warnings(record=True) as caught:  # shown only for the attempt that is kept
             warnings.simplefilter("always")
             new = loop(fine, state)
@@ -531,8 +550,9 @@ def _extrapolated_state(fine: Measures, mc: Measures, cx, cy, st: SinkhornState,
 
 
 def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept: list[float],
-                   debias: bool) -> Measures:
-    """``fine`` on a block-sparse engine over the kept blocks ``keeps`` (see :func:`_keeps`; None: all)."""
+                   debias: bool, group: Any = None) -> Measures:
+    """``fine`` on a block-sparse engine over the kept blocks ``keeps`` (see :func:`_keeps`; None: all),
+    sharded by whole row clusters over the ranks of ``group`` when given."""
     x, y = fine.x.detach(), fine.y.detach()
     if keeps is None:
         keeps = [torch.ones(u.n_clusters, v.n_clusters, dtype=torch.bool, device=x.device)
@@ -543,7 +563,12 @@ def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept:
         pats.append((x, x, BlockPattern(h.cx.offsets, h.cx.offsets, keeps[1])))
         pats.append((y, y, BlockPattern(h.cy.offsets, h.cy.offsets, keeps[2])))
     kept.append(pxy.fraction)
-    return replace(fine, engine=BlockSparseEngine(pats))
+    engine = BlockSparseEngine(pats)
+    if group is not None:
+        from .distributed import ShardedEngine
+
+        engine = ShardedEngine(engine, group)
+    return replace(fine, engine=engine)
 
 
 class InputOrderEngine:
@@ -558,6 +583,7 @@ class InputOrderEngine:
     def __init__(self, inner: BlockSparseEngine, x: Tensor, y: Tensor, xs: Tensor, ys: Tensor, px: Tensor,
                  py: Tensor):
         self.inner = inner
+        self.name = inner.name  # "multiscale", or "sharded(multiscale)" in a distributed solve
         inv = [torch.empty_like(p).scatter_(0, p, torch.arange(p.numel(), device=p.device)) for p in (px, py)]
         key = BlockSparseEngine._key
         self._sides = {key(x): (xs, px, inv[0]), key(y): (ys, py, inv[1])}

@@ -235,7 +235,8 @@ def solve_sample(
             the ordinary iterations to ``tol`` on the same blocks (re-pruned if the potentials move).
             Dropped entries of the plan are below ``e^-truncate a_i b_j``; ``plan @ V`` and the
             gradients use the pruned plan, ``plan.to_dense()`` / ``topk`` the full one of the same
-            potentials.
+            potentials.  With ``group``: replicated mode only (each rank computes a range of whole row
+            clusters; the same result as one process).
         potentials_init: ``(f, g)`` warm start (same shapes as the returned potentials).
         unbalanced: KL marginal penalties (POT's ``unbalanced`` / ``reg_m``): a number ``rho``
             for both sides, or a pair ``(rho_a, rho_b)`` where None (or inf) keeps that
@@ -324,6 +325,10 @@ def solve_sample(
     if shard == "points":  # one problem whose points are split over the ranks (flashot.distributed)
         from .distributed import points_solve
 
+        if backend == "multiscale":
+            raise NotImplementedError("backend='multiscale' with shard='points': the clustering needs the whole "
+                                      "clouds on every rank; use shard='replicated' (the default: every rank passes "
+                                      "all the points)")
         return points_solve(X_a, X_b, a, b, cost=cost, backend=backend, opts=opts, group=group,
                             potentials_init=potentials_init, numpy=is_np)
     cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
@@ -447,8 +452,7 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
     ordinary loop to ``tol`` on the pruned points (:func:`flashot.multiscale.continue_fine`)."""
     from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule
 
-    refused = [name for name, bad in (("unbalanced", o.unbalanced), ("group", group is not None),
-                                      ("potentials_init", potentials_init is not None),
+    refused = [name for name, bad in (("unbalanced", o.unbalanced), ("potentials_init", potentials_init is not None),
                                       ("acceleration", o.acceleration is not None)) if bad]
     if refused:
         raise NotImplementedError(f"backend='multiscale' does not support {', '.join(refused)} yet; use backend='auto'")
@@ -458,9 +462,15 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
                                   "use backend='auto'")
     check_eps_scale("reg", o.reg, m.cmax, m.x.dtype)
     _check_equal_masses(m)
+    if group is not None:  # replicated mode: the problem and options checked across ranks, callback collective
+        from .distributed import distribute_solve
+
+        o = distribute_solve(m, o, group, options={"backend": "multiscale", "cluster_scale": cluster_scale,
+                                                   "truncate": truncate})
     diameter = m.bbox_diameter()
     run = multiscale_loop(m, schedule(m.cost, diameter, o.reg), 2 if m.cost.is_dot else 1,
-                          MultiscaleConfig(cluster_scale, truncate), debias=False, diameter=diameter, verbose=o.verbose)
+                          MultiscaleConfig(cluster_scale, truncate), debias=False, diameter=diameter, verbose=o.verbose,
+                          group=group)
     symmetric = METHODS[o.method]
 
     def loop(fine: Measures, st: SinkhornState) -> SinkhornState:

@@ -163,8 +163,9 @@ class SamplesLoss(torch.nn.Module):
             PyTorch elsewhere.  ``"auto"`` picks it where GeomLoss does and where it pays here
             (:func:`auto_multiscale`: one pair of CPU clouds, D <= 3, p = 2, ``N M`` at least
             ``AUTO_MULTISCALE_PAIRS``, blur at most ``diameter / 20``, balanced, built-in cost, no
-            ``implicit`` / ``warm_start`` / ``group``); its value then follows GeomLoss'
-            coarse-to-fine trajectory, which lands within ~1% of the single-scale one.
+            ``implicit`` / ``warm_start`` / ``shard="points"``; with ``group`` in replicated mode the
+            same choice as one process); its value then follows GeomLoss' coarse-to-fine trajectory,
+            which lands within ~1% of the single-scale one.
         verbose: show a progress bar (tqdm if installed) over the epsilon-scaling steps.
         implicit: :class:`~flashot.ImplicitDiff` settings of the second derivatives
             (``create_graph=True``: Hessian-vector products by implicit differentiation).
@@ -173,7 +174,8 @@ class SamplesLoss(torch.nn.Module):
             number); see :mod:`flashot.warmstart`.  ``L.last_n_iter`` counts the iterations.
         group: a ``torch.distributed`` process group: each call solves ONE problem over its ranks
             (:mod:`flashot.distributed`; every rank passes the same points, checked at the start);
-            ``loss="sinkhorn"`` with the built-in costs, not ``backend="multiscale"``.
+            ``loss="sinkhorn"`` with the built-in costs.  ``backend="multiscale"`` in replicated mode
+            only (each rank computes a range of whole row clusters of the fine blocks).
         shard: with ``group``: ``"replicated"`` (default; every rank passes all the points) or ``"points"``
             (every rank passes only its slice of the points and weights; the slices travel around a ring of
             the ranks).  With ``"points"`` the value is the whole problem's (same on every rank), the
@@ -274,10 +276,14 @@ class SamplesLoss(torch.nn.Module):
                 "implicit= and warm_start= support balanced OT only; use reach=None (reach_x/reach_y=None) "
                 "or drop implicit/warm_start"
             )
+        if multiscale and shard == "points":
+            raise NotImplementedError("backend='multiscale' with shard='points': the clustering needs the whole clouds "
+                                      "on every rank; use shard='replicated' (the default: every rank passes all the "
+                                      "points)")
         if group is not None:
-            if loss != "sinkhorn" or cost is not None or multiscale:
+            if loss != "sinkhorn" or cost is not None:
                 raise NotImplementedError("group: distributed solves support loss='sinkhorn' with the built-in costs "
-                                          "(p=1 or 2), not cost functions, kernel norms or backend='multiscale'")
+                                          "(p=1 or 2), not cost functions or kernel norms")
             from .distributed import check_group
             check_group(group)
         if group is not None or shard != "replicated":
@@ -359,7 +365,7 @@ class SamplesLoss(torch.nn.Module):
 
                 distribute_measures(m, self.group, {k: repr(getattr(self, k)) for k in (
                     "p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling", "debias", "potentials",
-                    "backend", "warm_start")})
+                    "backend", "warm_start", "cluster_scale", "truncate")})
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
         diameter = self.diameter if self.diameter is not None else (
@@ -398,8 +404,8 @@ class SamplesLoss(torch.nn.Module):
 
     def _auto_multiscale(self, m: Measures, diameter: float) -> bool:
         """Whether ``backend="auto"`` runs this call coarse-to-fine (see :func:`auto_multiscale`)."""
-        if self.cost is not None or self._implicit_given or self.warm_start is not None or self.group is not None:
-            return False
+        if self.cost is not None or self._implicit_given or self.warm_start is not None:
+            return False  # (shard="points": auto_multiscale refuses points-sharded measures)
         return auto_multiscale(m, self.p, self.blur, diameter)
 
     def _multiscale(self, m: Measures, eps_list, diameter: float) -> MultiscaleRun:
@@ -409,7 +415,8 @@ class SamplesLoss(torch.nn.Module):
             raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
                                       "use backend='auto' for batches")
         run = multiscale_loop(m, eps_list, self.p, MultiscaleConfig(self.cluster_scale, self.truncate),
-                              debias=self.debias, diameter=diameter, labels=self._labels, verbose=self.verbose)
+                              debias=self.debias, diameter=diameter, labels=self._labels, verbose=self.verbose,
+                              group=self.group)
         self.last_multiscale, self.last_n_iter = run, len(eps_list)
         return run
 

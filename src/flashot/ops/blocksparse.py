@@ -16,9 +16,16 @@ each cluster padded to the kernels' step), and so do the plan products with a na
 columns: marginals, and the gradients for d <= 3) in two passes; wider ones run in PyTorch.  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
 pairs that the solver passes (identified by their storage) to their patterns, and raises on any
 other pair rather than computing a different sum.
+
+Row ranges (a distributed solve, :class:`flashot.distributed.ShardedEngine`): ``softmin`` and
+``plan_product`` take ``rows=(lo, hi)``, a range of whole row clusters, and compute only those rows
+(each row's sum is the same as in the full call: the same kept columns, the same kernels);
+:meth:`BlockSparseEngine.row_bounds` splits the rows of a pair into such ranges, balanced by kept pairs.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch import Tensor
@@ -75,6 +82,54 @@ class BlockPattern:
     @property
     def T(self) -> "BlockPattern":
         return BlockPattern(self.col_offsets, self.row_offsets, self.keep.T, self.tile_elems)
+
+    def split(self, parts: int) -> list[tuple[int, int]]:
+        r"""``parts`` contiguous row ranges ``[lo, hi)`` of whole row clusters covering the rows, balanced by
+        kept pairs: range ``r`` ends at the cluster boundary whose count of kept pairs before it is nearest
+        to ``(r + 1) P / parts`` (``P`` = :attr:`pairs`).  Integer arithmetic: the same on every process.
+        A range may be empty (more parts than row clusters).  Cached per ``parts``."""
+        cache = self.__dict__.setdefault("_splits", {})
+        if parts not in cache:
+            if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+                raise ValueError(f"parts: expected a positive integer, got {parts!r}")
+            cum = torch.zeros(self.keep.shape[0] + 1, dtype=torch.long)
+            cum[1:] = torch.cumsum((self._rs * self._k_row).cpu(), 0)
+            cuts, ro = [0], self.row_offsets.cpu().tolist()
+            for r in range(1, parts):
+                target = r * self.pairs // parts
+                k = int(torch.searchsorted(cum, torch.tensor([target]))[0])  # cum[k - 1] < target <= cum[k]
+                if k > 0 and target - int(cum[k - 1]) < int(cum[k]) - target:
+                    k -= 1
+                cuts.append(max(cuts[-1], k))
+            cuts.append(self.keep.shape[0])
+            cache[parts] = [(ro[cuts[r]], ro[cuts[r + 1]]) for r in range(parts)]
+        return cache[parts]
+
+    def rows(self, lo: int, hi: int) -> "BlockPattern":
+        """The pattern of the rows ``[lo, hi)``, a non-empty range of whole row clusters (row offsets from
+        ``lo``; the same kept blocks).  ``ValueError`` if ``lo`` or ``hi`` is not a cluster boundary.
+        Cached per range."""
+        cache = self.__dict__.setdefault("_rows", {})
+        if (lo, hi) not in cache:
+            ro = self.row_offsets.cpu()
+            k0, k1 = (int(torch.searchsorted(ro, torch.tensor([v]))[0]) for v in (lo, hi))
+            if not (0 <= lo < hi <= self.n_rows) or int(ro[k0]) != lo or int(ro[k1]) != hi:
+                raise ValueError(f"rows: [{lo}, {hi}) is not a non-empty range of whole row clusters of this pattern "
+                                 f"({self.keep.shape[0]} clusters over {self.n_rows} rows)")
+            cache[(lo, hi)] = BlockPattern(self.row_offsets[k0:k1 + 1] - lo, self.col_offsets, self.keep[k0:k1],
+                                           self.tile_elems)
+        return cache[(lo, hi)]
+
+    @property
+    def digest(self) -> int:
+        """A 62-bit hash of the cluster boundaries and the kept blocks (processes that must agree on the
+        pruning compare it; see :class:`flashot.distributed.ShardedEngine`)."""
+        if "_digest" not in self.__dict__:
+            h = hashlib.blake2b(digest_size=8)
+            for t in (self.row_offsets, self.col_offsets, *self._IJ):
+                h.update(t.detach().cpu().to(torch.int64).numpy().tobytes())
+            self._digest = int.from_bytes(h.digest(), "little") >> 2
+        return self._digest
 
     def padded(self, unit: int) -> "PaddedColumns":
         """The columns laid out cluster by cluster, each cluster padded to a multiple of ``unit`` (the C++
@@ -253,6 +308,26 @@ class BlockSparseEngine:
                                "(it is bound to one problem; this is a flashot bug, please report it)")
         return p
 
+    def row_bounds(self, x: Tensor, y: Tensor, parts: int) -> list[tuple[int, int]]:
+        """``parts`` contiguous ranges of whole row clusters of ``x`` for the pair ``(x, y)``, balanced by kept
+        pairs (:meth:`BlockPattern.split`): the row slices of a distributed solve."""
+        return self.pattern(x, y).split(parts)
+
+    def digest(self, x: Tensor, y: Tensor) -> Tensor:
+        """(1,) int64: a hash of the pair's kept blocks (:attr:`BlockPattern.digest`)."""
+        return torch.tensor([self.pattern(x, y).digest], dtype=torch.int64)
+
+    def _select(self, x: Tensor, y: Tensor, rows: tuple[int, int] | None) -> tuple[BlockPattern | None, Tensor, int]:
+        """(pattern, rows of ``x``, first row) for the rows ``[lo, hi)`` (whole row clusters; all when None);
+        the pattern is None for an empty range."""
+        pat = self.pattern(x, y)
+        if rows is None:
+            return pat, x, 0
+        lo, hi = (int(v) for v in rows)
+        if lo == hi and 0 <= lo <= x.shape[1]:
+            return None, x[:, lo:hi], lo
+        return pat.rows(lo, hi), x[:, lo:hi], lo
+
     def _scores(self, x: Tensor, y: Tensor, h: Tensor, rows: Tensor, cols: Tensor, eps: float, cost: Cost):
         """(G, n, k) scores ``h_j - C_ij / eps`` of one batch (padding columns -inf) and its cost block."""
         xg, yg = _gather(x[0], rows), _gather(y[0], cols)
@@ -260,8 +335,13 @@ class BlockSparseEngine:
         hg = torch.where(cols >= 0, _gather(h[0], cols), torch.full_like(cols, float("-inf"), dtype=h.dtype))
         return hg.unsqueeze(-2) - C / eps, C
 
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
-        pat = self.pattern(x, y)
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost,
+                rows: tuple[int, int] | None = None) -> Tensor:
+        """``out_i = -eps log sum_{j in kept(I(i))} exp(h_j - C_ij / eps)``, (1, N); with ``rows=(lo, hi)``
+        (whole row clusters) only those rows, (1, hi - lo)."""
+        pat, x, _ = self._select(x, y, rows)
+        if pat is None:
+            return x.new_empty((1, 0))
         if self._lib is not None and h.dtype == x.dtype:
             return _softmin_cpu(self._lib, pat, x, y, h.contiguous(), eps, cost)
         out = torch.empty(1, x.shape[1], dtype=x.dtype, device=x.device)
@@ -272,8 +352,14 @@ class BlockSparseEngine:
             out[0, rows[valid]] = -eps * lse[valid]
         return out
 
-    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
-        pat = self.pattern(x, y)
+    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan",
+                     rows: tuple[int, int] | None = None):
+        """``out_i = sum_{j in kept(I(i))} exp(alpha_i + beta_j - C_ij / eps) W_ij V_j``, (1, N, K); with
+        ``rows=(lo, hi)`` (whole row clusters) only those rows, (1, hi - lo, K)."""
+        pat, x, lo = self._select(x, y, rows)
+        alpha = alpha[:, lo:lo + x.shape[1]]
+        if pat is None:
+            return V.new_zeros((1, 0, V.shape[-1]))
         if self._lib is not None and 1 <= V.shape[-1] <= NARROW_K and V.dtype == x.dtype == alpha.dtype == beta.dtype:
             return _plan_cpu(self._lib, pat, x, y, alpha, beta, eps, V.contiguous(), cost, weight)
         out = torch.zeros(1, x.shape[1], V.shape[-1], dtype=x.dtype, device=x.device)
