@@ -152,8 +152,12 @@ class FeatureBilinearCost:
     ``C(s, t) = s_0 + t_0 + <s_1:, S t_1:>`` with ``S = [[0, M], [M^T, 0]]`` symmetric, so
     ``C(t, s) = C(s, t)`` and the transposed primitives are the same calls with the sides swapped.
     A tile is one batched GEMM plus the two biases.  Not translation invariant: the points are not
-    centred (``solve_sample(s, t, cost=cost)`` takes the augmented points as they are; gradients
-    w.r.t. them are refused: differentiate through the features).  The linearised
+    centred (``solve_sample(s, t, cost=cost)`` takes the augmented points as they are).  Its ``value``
+    and potentials are differentiable w.r.t. ``s`` and ``t`` (hence w.r.t. ``u``, ``v``, ``phi``, ``psi``
+    built into them by :meth:`pair`): ``d value / d s_i = sum_j P_ij [1, S t'_j]``, a plan product,
+    since ``grad_s C(s_i, t_j) = [1, S t'_j]`` is linear in ``t_j``.  Not w.r.t. ``M`` (``S``): a cost
+    whose ``S`` requires grad is refused by :meth:`bound` (``d value / d M = Phi^T P Psi`` is
+    ``phi.T @ (plan @ psi)``, available from the plan), nor through ``value_linear``.  The linearised
     Gromov-Wasserstein cost is of this kind (:mod:`flashot.gromov`).
     Engines: ``dense`` and ``tiled`` natively; ``cpu`` and ``triton`` through their squared-Euclidean
     kernels (:mod:`flashot.ops.bilinear`: ``C_ij = |xh_i - yh_j|^2 + ox_i + oy_j`` with points of
@@ -190,7 +194,12 @@ class FeatureBilinearCost:
 
     def bound(self, x: Tensor, y: Tensor) -> float:
         """``max |C_ij| <= max |u| + max |v| + max_i |S^T phi_i| max_j |psi_j|`` over augmented points
-        ``x`` (B, N, 1 + K), ``y`` (B, M, 1 + K) (float64, no N x M matrix); ``ValueError`` when not finite."""
+        ``x`` (B, N, 1 + K), ``y`` (B, M, 1 + K) (float64, no N x M matrix); ``ValueError`` when not finite,
+        ``NotImplementedError`` when ``S`` requires grad (gradients w.r.t. ``M`` are not implemented)."""
+        if torch.is_grad_enabled() and self.S.requires_grad:
+            raise NotImplementedError("feature-bilinear cost: gradients w.r.t. its matrix M (S) are not implemented "
+                                      "(only w.r.t. the augmented points); detach M, and take d value / d M = "
+                                      "phi^T P psi from the plan (phi.T @ (plan @ psi))")
         X, Y = x.detach().double(), y.detach().double()
         S = self.S.detach().to(X.device, torch.float64)
         lin = torch.bmm(X[..., 1:], S).norm(dim=-1).amax(-1) * Y[..., 1:].norm(dim=-1).amax(-1)
@@ -208,8 +217,9 @@ class FeatureBilinearCost:
     matrix = tile
 
     def dcost_weight(self, c: Tensor) -> Tensor:
-        raise NotImplementedError("a feature-bilinear cost has no gradient of the form w (x - y) (weight='dcost'); "
-                                  "differentiate through its features instead")
+        raise NotImplementedError("a feature-bilinear cost has no gradient of the form w (x - y) (weight='dcost'): "
+                                  "gradients of value_linear w.r.t. its augmented points are not implemented (those "
+                                  "of value and of the potentials are)")
 
     def from_sqdist(self, d2: Tensor) -> Tensor:
         raise NotImplementedError("a feature-bilinear cost is not a function of squared distances")

@@ -59,6 +59,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .costs import Cost
+from .ops.autograd import plan_grad_x
 from .ops.base import Engine
 
 __all__ = ["ImplicitDiff", "PlanProductFn", "OTValueFn", "ImplicitGradFn", "LinearValueFn", "sinkhorn_value",
@@ -325,19 +326,14 @@ def _first_order(x, y, a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engi
     """Envelope gradients of ``<a, f_new> + <b, g_new>`` (GeomLoss' last-step rule), no autograd.
 
     ``grad_x_i = sum_j P_ij grad_x C(x_i, y_j)`` with ``P`` built from ``(f_new, g_old)``,
-    ``grad_y`` with ``P`` built from ``(f_old, g_new)``: one ``dcost`` plan product per side.
+    ``grad_y`` with ``P`` built from ``(f_old, g_new)``: one plan product per side (:func:`~flashot.ops.autograd.plan_grad_x`).
     """
-    D = x.shape[-1]
     gx = gy = None
     with torch.no_grad():
         if need_x:
-            V = torch.cat([y, torch.ones_like(y[..., :1])], -1)
-            S = engine.plan_product(x, y, f_new / eps + a_log, g_old / eps + b_log, eps, V, cost, "dcost")
-            gx = x * S[..., D:] - S[..., :D]
+            gx = plan_grad_x(x, y, f_new / eps + a_log, g_old / eps + b_log, eps, cost, engine)
         if need_y:
-            V = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-            S = engine.plan_product(y, x, g_new / eps + b_log, f_old / eps + a_log, eps, V, cost, "dcost")
-            gy = y * S[..., D:] - S[..., :D]
+            gy = plan_grad_x(y, x, g_new / eps + b_log, f_old / eps + a_log, eps, cost, engine)
     return gx, gy
 
 

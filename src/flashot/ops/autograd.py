@@ -7,7 +7,10 @@ For ``out_i = -eps log sum_j exp(h_j - C_ij / eps)`` and the soft-argmin weights
     d out_i / d y_j = w_ij grad_y C(x_i, y_j)
     d out_i / d h_j = -eps w_ij
 
-so the backward pass is one plan product per input side and memory stays linear.
+so the backward pass is one plan product per input side and memory stays linear.  For a
+:class:`~flashot.costs.FeatureBilinearCost` ``C(x, y) = x_0 + y_0 + <x', S y'>`` the gradient
+``grad_x C(x_i, y_j) = [1, S y'_j]`` is linear in ``y_j``: the same plan products with the plan weight
+(:func:`plan_grad_x`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class SoftminFn(torch.autograd.Function):
         need_x, need_y, need_h = ctx.needs_input_grad[:3]
         gx = gy = gh = None
         alpha = out / eps
+        if getattr(cost, "bilinear", False):
+            return (*_bilinear_grads(x, y, h, alpha, G, eps, cost, engine, (need_x, need_y, need_h)), None, None, None)
         D = x.shape[-1]
         ones = torch.ones_like(y[..., :1])
         if need_x and cost.is_dot:
@@ -70,6 +75,42 @@ class SoftminFn(torch.autograd.Function):
                 if need_h:
                     gh = -eps * engine.plan_product(y, x, h, alpha, eps, Gc, cost, "plan")[..., 0]
         return gx, gy, gh, None, None, None
+
+
+def plan_grad_x(x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost, engine: Engine) -> Tensor:
+    """``g_i = sum_j K_ij grad_x C(x_i, y_j)`` with ``K_ij = exp(alpha_i + beta_j - C_ij / eps)``, (B, N, D): one plan
+    product.  ``grad_x C = w (x - y)`` (``"dcost"`` weight) for the translation-invariant costs; for a
+    :class:`~flashot.costs.FeatureBilinearCost` ``grad_x C(x_i, y_j) = [1, S y'_j]``, linear in ``y_j``."""
+    D = x.shape[-1]
+    if getattr(cost, "bilinear", False):
+        P = engine.plan_product(x, y, alpha, beta, eps, torch.cat([torch.ones_like(y[..., :1]), y[..., 1:]], -1),
+                                cost, "plan")
+        return torch.cat([P[..., :1], torch.bmm(P[..., 1:], cost.S.to(device=x.device, dtype=x.dtype))], -1)
+    S = engine.plan_product(x, y, alpha, beta, eps, torch.cat([y, torch.ones_like(y[..., :1])], -1), cost, "dcost")
+    return x * S[..., D:] - S[..., :D]
+
+
+def _bilinear_grads(x: Tensor, y: Tensor, h: Tensor, alpha: Tensor, G: Tensor, eps: float, cost, engine: Engine,
+                    need: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """VJPs of the softmin for a :class:`~flashot.costs.FeatureBilinearCost` ``C(x, y) = x_0 + y_0 + <x', S y'>``:
+    ``grad_x C(x_i, y_j) = [1, S y'_j]`` is linear in ``y_j``, so each side is one plan product
+    (``gx_i = G_i [1, S sum_j w_ij y'_j]`` with the row-normalised weights ``w``)."""
+    need_x, need_y, need_h = need
+    gx = gy = gh = None
+    if need_x:  # the row-normalised weights: d out_i / d x_i0 = 1 exactly
+        P = plan_grad_x(x, y, alpha, h, eps, cost, engine)
+        mass = P[..., :1]
+        ok = torch.isfinite(mass) & (mass > 0)  # not ok: all weights zero (out = +inf), gradient 0
+        gx = G.unsqueeze(-1) * P / torch.where(ok, mass, torch.ones_like(mass))
+        gx = torch.where(ok, gx, torch.zeros_like(gx))
+    if need_y or need_h:
+        Gc = G.unsqueeze(-1)
+        T = engine.plan_product(y, x, h, alpha, eps, torch.cat([Gc, Gc * x[..., 1:]], -1), cost, "plan")
+        if need_y:
+            gy = torch.cat([T[..., :1], torch.bmm(T[..., 1:], cost.S.to(device=x.device, dtype=x.dtype))], -1)
+        if need_h:
+            gh = -eps * T[..., 0]
+    return gx, gy, gh
 
 
 def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine) -> Tensor:

@@ -186,7 +186,8 @@ class BilinearAdapter:
             return self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight)
         if weight == "dcost":
             raise NotImplementedError("a feature-bilinear cost has no gradient of the form w (x - y) "
-                                      "(weight='dcost'); differentiate through its features instead")
+                                      "(weight='dcost'): gradients of value_linear w.r.t. its "
+                                      "augmented points are not implemented (those of value and of the potentials are)")
         sp = self.split(x, y, cost)
         a2, b2 = _shift(alpha, sp.ox, eps), _shift(beta, sp.oy, eps)
         if weight == "plan":
