@@ -98,6 +98,21 @@ def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
             "ga": a.grad, "gb": b.grad, "n_iter": torch.tensor(res.n_iter)}
 
 
+def _rows(group, part, *, backend="cpu", B=None, k=3):
+    """This rank's rows of the plan (``to_dense``, ``topk``) and of its transpose (ring passes of the other
+    side's blocks), against the single process's rows of the same points."""
+    from flashot import solve_sample
+
+    x, y, a, b = _slices(part, *_data(9, 40, 33, B=B))
+    kw = {} if part is None else {"shard": "points"}
+    P = solve_sample(x, y, a, b, reg=0.3, tol=1e-10, max_iter=1000, backend=backend, group=group, **kw).plan
+    out = {}
+    for name, Q in (("", P), ("T", P.T)):
+        out["dense" + name] = Q.to_dense()
+        out["topv" + name], out["topi" + name] = Q.topk(k)
+    return out
+
+
 CASES = {
     "warm_debiased": lambda g, p: _warm(g, p),
     "warm_plain": lambda g, p: _warm(g, p, debias=False, weights=False),
@@ -112,9 +127,11 @@ CASES = {
     "anderson_alt": lambda g, p: _accel(g, p, "anderson"),
     "anderson_symmetric": lambda g, p: _accel(g, p, "anderson", method="symmetric"),
     "anderson_unbalanced": lambda g, p: _accel(g, p, "anderson", unbalanced=1.0),
+    "plan_rows": lambda g, p: _rows(g, p),
+    "plan_rows_batched_dense": lambda g, p: _rows(g, p, backend="dense", B=2, k=5),
 }
 RUN = {2: list(CASES), 3: ["warm_debiased", "warm_plain", "warm_one_point_moves", "linear_grad",
-                           "linear_grad_euclidean_symmetric", "momentum_alt", "anderson_alt", "anderson_symmetric"]}
+                           "linear_grad_euclidean_symmetric", "momentum_alt", "anderson_alt", "anderson_symmetric", "plan_rows"]}
 
 
 def _refusals(group, part) -> dict[str, str | None]:
@@ -130,17 +147,46 @@ def _refusals(group, part) -> dict[str, str | None]:
         msgs["create_graph"] = None
     except NotImplementedError as e:
         msgs["create_graph"] = str(e)
+    try:
+        import numpy as np
+
+        np.asarray(res.plan)
+        msgs["asarray"] = None
+    except NotImplementedError as e:
+        msgs["asarray"] = str(e)
     return msgs
 
 
-def _side(key: str) -> str | None:
-    """``"x"`` / ``"y"`` for this rank's slices (their axis: -2 for point gradients, else -1), None for the
-    whole problem's quantities."""
+def _bad_arguments(group, part) -> dict[str, str | None]:
+    """Bad arguments of the plan's collectives raise on every rank (the one at fault its own error, the
+    others a ValueError naming it), and the ranks stay usable."""
+    from flashot import solve_sample
+
+    rank = part[0]
+    x, y, _, _ = _slices(part, *_data(6, 30, 20))
+    P = solve_sample(x, y, reg=0.5, backend="cpu", group=group, shard="points").plan
+    msgs = {}
+    for name, call in (("to_dense_limit", lambda: P.to_dense(max_elems=10 if rank == 1 else 10**6)),
+                       ("topk_too_many", lambda: P.topk(21)),
+                       ("topk_k_differs", lambda: P.topk(2 + rank))):
+        try:
+            call()
+            msgs[name] = None
+        except (MemoryError, ValueError) as e:
+            msgs[name] = f"{type(e).__name__}: {e}"
+    msgs["after"] = float(P.to_dense().sum())  # still in step
+    return msgs
+
+
+def _axis(key: str) -> int | None:
+    """The axis along which the ranks' slices of ``key`` are put back together in rank order: -1 for
+    per-point vectors, -2 for per-point rows (point gradients, plan rows); None for the whole problem's
+    quantities (the same on every rank)."""
     name = key.rstrip("0123456789")
-    if name in ("F", "gx", "ga", "f", "row", "dense", "topv", "topi"):
-        return "x"
-    if name in ("G", "gy", "gb", "g"):
-        return "y"
+    if name in ("F", "G", "ga", "gb", "f", "g"):
+        return -1
+    if name in ("gx", "gy", "dense", "topv", "topi", "denseT", "topvT", "topiT"):
+        return -2
     return None
 
 
@@ -151,6 +197,7 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     pg = dist.group.WORLD
     res = {name: CASES[name](pg, (rank, world)) for name in RUN[world]}
     res["_refusals"] = _refusals(pg, (rank, world))
+    res["_bad"] = _bad_arguments(pg, (rank, world))
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -171,18 +218,27 @@ def test_points_mode_matches_single_process(world, tmp_path):
             if k.startswith("n_iter"):
                 assert all(int(p[k]) == int(v) for p in parts), (name, k, [int(p[k]) for p in parts], int(v))
                 continue
-            side = _side(k)
-            if side is None:  # the whole problem's: the same on every rank
+            axis = _axis(k)
+            if axis is None:  # the whole problem's: the same on every rank
                 got = [p[k] for p in parts]
             else:
-                dim = -2 if k.startswith(("gx", "gy")) else -1
-                got = [torch.cat([p[k] for p in parts], dim)]
+                got = [torch.cat([p[k] for p in parts], axis)]
+            if k.startswith("topi"):  # column indices: the same columns
+                assert all(torch.equal(t, v) for t in got), (name, k)
+                continue
             for t in got:
                 worst[f"{name}.{k}"] = r = _rel(t, v)
                 assert r <= RTOL, (name, k, r)
     for rk in ranks:  # the refusals name the option and shard='replicated'
         for what, msg in rk["_refusals"].items():
             assert msg is not None and "shard='points'" in msg and "shard='replicated'" in msg, (what, msg)
+    for r, rk in enumerate(ranks):
+        bad = rk["_bad"]
+        want = "MemoryError: to_dense" if r == 1 else "ValueError: rank 1 rejected its input (MemoryError"
+        assert bad["to_dense_limit"] is not None and bad["to_dense_limit"].startswith(want), bad["to_dense_limit"]
+        assert bad["topk_too_many"] is not None and "at most 20" in bad["topk_too_many"], bad["topk_too_many"]
+        assert bad["topk_k_differs"] is not None and "k: differs" in bad["topk_k_differs"], bad["topk_k_differs"]
+        assert bad["after"] > 0
     per_case = {n: max(v for k, v in worst.items() if k.startswith(n + ".")) for n in RUN[world]}
     print(f"world={world}: worst relative difference per case: " + ", ".join(f"{n} {v:.1e}" for n, v in per_case.items()))
 

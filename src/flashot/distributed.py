@@ -86,7 +86,9 @@ from torch import Tensor
 
 from .measures import Measures, _log64
 from .ot_samples import OTResult
-from .plan import LazyPlan
+from ._checks import check_int
+from .ops.dense import check_dense_budget
+from .plan import DENSE_PLAN_LIMIT, LazyPlan
 
 __all__ = [
     "SHARDS",
@@ -427,7 +429,7 @@ def distribute_solve(m, opts, group, potentials_init=None, options: dict[str, An
 # =====================================================================================================
 
 SHARDS = ("replicated", "points")
-_RING_OPS = {"softmin": 1, "plan_product": 2, "softmin_pair": 3}
+_RING_OPS = {"softmin": 1, "plan_product": 2, "softmin_pair": 3, "to_dense": 4, "topk": 5}
 _RING_HEAD = 7  # op, call number, batch, three part widths, this rank's block length
 
 
@@ -554,6 +556,13 @@ class RingEngine:
                 self.stats["bytes"] += nxt.numel() * nxt.element_size()
                 buf, nxt = nxt, buf
         return acc
+
+    def ring_visit(self, op: str, parts: list[Tensor], fn, combine):
+        """:meth:`_ring` with ``fn(src, *block)``, ``src`` the rank whose block it is (the blocks arrive in
+        the order rank, rank - 1, ..., rank + 1): for results that depend on the block's place (its
+        global column indices)."""
+        steps = iter(range(self.world))
+        return self._ring(op, parts, lambda *blk: fn((self.rank - next(steps)) % self.world, *blk), combine)
 
     # -- the contract ---------------------------------------------------------------------
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:
@@ -811,18 +820,83 @@ class PointsPlan(LazyPlan):
         """``<C, P>`` over all ranks, (B,)."""
         return self._m.reduce(super().cost_sum())
 
-    def _refuse(self, what: str):
-        raise NotImplementedError(f"{what}: not available for a points-sharded plan (shard='points': each rank "
-                                  "holds a slice of the points); use plan @ V, plan.sum(axis) or shard='replicated'")
-
-    def to_dense(self, max_elems: int = 0):
-        self._refuse("to_dense")
-
     def __array__(self, dtype=None, copy=None):
-        self._refuse("np.asarray(plan)")
+        raise NotImplementedError("np.asarray(plan): not available for a points-sharded plan (shard='points': "
+                                  "each rank holds a slice of the rows); plan.to_dense() gives this rank's rows, "
+                                  "shard='replicated' the whole plan")
+
+    def _columns(self) -> tuple[int, list[int]]:
+        """``(M, offsets)``: the columns of the plan (over all ranks) and where each rank's block starts."""
+        c = self._m.counts[0 if self._t else 1]
+        return sum(c), [sum(c[:r]) for r in range(len(c))]
+
+    def _agree(self, error: Exception | None, **fields) -> None:
+        """Raise on every rank if one rank's arguments were rejected or ``fields`` differ (before a ring
+        pass, which would otherwise wait for the rank that raised)."""
+        got = _shared(self._m.group, error, fields)
+        for name in fields:
+            check_same_values(name, [g[name] for g in got])
+
+    def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT):
+        """THIS rank's rows of ``P`` over all columns: (n_r, M) (or (B, n_r, M)), ``P_ij = exp(alpha_i +
+        beta_j - C(x_i, y_j) / eps)``, the single process's rows of this rank's points.  A collective (one
+        ring pass of the column blocks: points and ``beta``): call it on every rank.  ``max_elems`` bounds
+        this rank's entries; ``MemoryError`` (on the rank over it, ``ValueError`` naming it on the others)
+        as for one process."""
+        err = None
+        x, y, alpha, beta = self._sides()
+        M, _ = self._columns()
+        try:
+            max_elems = check_int("max_elems", max_elems, minimum=0)
+            n = x.shape[0] * x.shape[1] * M
+            if n > max_elems:
+                raise MemoryError(f"to_dense: this rank's rows of the plan have {n:,} entries (shape "
+                                  f"{(x.shape[0], x.shape[1], M)}), above max_elems={max_elems:,}; use plan @ V, "
+                                  "plan.T @ U or raise max_elems explicitly")
+            check_dense_budget(x.shape[0], x.shape[1], M, x.dtype, x.device)
+        except (MemoryError, TypeError, ValueError) as e:
+            err = e
+        self._agree(err)
+
+        def block(src, yb, bb):
+            C = self._m.cost.matrix(x, yb)
+            return [(src, torch.exp(alpha.unsqueeze(-1) + bb[..., 0].unsqueeze(-2) - C / self.eps))]
+        with torch.no_grad():
+            parts = self._m.engine.ring_visit("to_dense", [y, beta.unsqueeze(-1)], block, lambda acc, o: acc + o)
+        return self._finish(torch.cat([P for _, P in sorted(parts, key=lambda t: t[0])], -1))
 
     def topk(self, k: int):
-        self._refuse("topk")
+        """The ``k`` largest entries of each of THIS rank's rows over all columns, and their (global)
+        column indices: (n_r, k) (or (B, n_r, k)), sorted in decreasing order (the single process's rows
+        of this rank's points).  A collective: one ring pass of the column blocks, each rank keeping a
+        running top-k of ``g_j + eps log b_j - C(x_i, y_j)`` merged block by block (memory O(n_r k))."""
+        from .ops.rowtopk import row_topk
+
+        err = None
+        M, offsets = self._columns()
+        try:
+            k = check_int("k", k, minimum=1)
+            if k > M:
+                raise ValueError(f"k: expected at most {M} (the number of columns of the plan), got {k}")
+        except (TypeError, ValueError) as e:
+            err = e
+        self._agree(err, k=k)
+        x, y, alpha, beta = self._sides()
+        dense = getattr(self._m.engine, "inner", self._m.engine).name == "dense"
+
+        def block(src, yb, bb):
+            v, i = row_topk(x, yb, bb[..., 0], 1.0 / self.eps, self._m.cost, min(k, yb.shape[1]), dense=dense)
+            return v, i + offsets[src]
+
+        def merge(acc, o):
+            v, i = torch.cat([acc[0], o[0]], -1), torch.cat([acc[1], o[1]], -1)
+            top = v.topk(min(k, v.shape[-1]), dim=-1)
+            return top.values, i.gather(-1, top.indices)
+        with torch.no_grad():
+            vals, idx = self._m.engine.ring_visit("topk", [y, beta.unsqueeze(-1)], block, merge)
+            vals = torch.exp(vals + alpha.unsqueeze(-1))
+        idx = idx if self._m.batched else idx[0]
+        return self._finish(vals), (idx.cpu().numpy() if self._numpy else idx)
 
 
 class PointsOTResult(OTResult):
