@@ -15,11 +15,12 @@ primitive computes only this rank's contiguous slice of the output rows and all-
   which differs from one process by float reassociation only.  Both travel in ONE
   ``all_gather`` per step (``W M + N`` numbers received per rank per step; see ``stats``).
 * ``softmin_sym`` (debiasing) is a row-sharded ``softmin(x, x, h)``.
-* multiscale (:mod:`flashot.multiscale`): the coarse stage shards the engine of the centroids as
-  above; the fine stage's block-sparse engine chooses the slices itself (``row_bounds``: ranges of
-  whole row clusters, balanced by kept pairs) and computes only those rows (``rows=(lo, hi)``).
-  Clustering, extrapolation and pruning run on every rank on the same points and all-gathered
-  potentials, so the ranks keep the same blocks; a hash of the kept blocks enters every header.
+* multiscale (:mod:`flashot.multiscale`): the coarse stage and the extrapolation of its potentials
+  to the points shard their engine as above; the fine stage's block-sparse engine chooses the slices
+  itself (``row_bounds``: ranges of whole row clusters, balanced by kept pairs) and computes only those
+  rows (``rows=(lo, hi)``).  Clustering and pruning run on every rank on the same points and
+  all-gathered potentials, so the ranks keep the same blocks; a hash of the kept blocks enters every
+  header.
   ``shard="points"`` refuses it (the clustering needs the whole clouds).
 
 Because every rank receives the same gathered bits and reduces them in the same order, every

@@ -33,9 +33,10 @@ values and gradients are those of the ordinary solver on the pruned plan.
 Distributed (``group``, replicated mode: every rank holds all the points): the coarse stage runs on
 :class:`~flashot.distributed.ShardedEngine` (after :func:`~flashot.distributed.distribute_measures`
 checks the centroids across ranks), and every fine engine is a ``ShardedEngine`` over the block-sparse
-one, each rank computing a range of whole row clusters (balanced by kept pairs).  Clustering,
-extrapolation and pruning run on every rank, on the same points and the same all-gathered potentials,
-so every rank takes the same pruning decisions; the kept blocks enter the checksum of every collective.
+one, each rank computing a range of whole row clusters (balanced by kept pairs).  The extrapolation
+to the points is row-sharded too.  Clustering and pruning run on every rank, on the same points and the
+same all-gathered potentials, so every rank takes the same pruning decisions; the kept blocks enter the
+checksum of every collective.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from torch import Tensor
 
 from .clusters import Clusters, block_scale, cluster, coarsen, default_cluster_scale
 from .measures import Measures, log_weights
+from .ops import prepare_pair
 from .ops import softmin as ops_softmin
 from .ops.blocksparse import BlockPattern, BlockSparseEngine
 from .solver import SinkhornState, sinkhorn_loop
@@ -403,10 +405,20 @@ def _coarse_measures(m: Measures, cx: Clusters, cy: Clusters, group: Any = None)
     return mc
 
 
-def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps: float, lam: float, cost) -> Tensor:
-    """Fine potential from a coarse one: ``lam * softmin_J (log w_J + pot_J / eps)`` at the points."""
+def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps: float, lam: float, cost,
+                 group: Any = None) -> Tensor:
+    """Fine potential from a coarse one: ``lam * softmin_J (log w_J + pot_J / eps)`` at the points (B = 1
+    tensors); with ``group``, each rank computes its slice of the points (the same engine call as
+    :func:`flashot.ops.softmin` on those rows) and all-gathers the rest."""
     with torch.no_grad():
-        return lam * ops_softmin(pts, centroids, w_log + pot / eps, eps, cost=cost, backend="auto")
+        h = w_log + pot / eps
+        if group is None:
+            return lam * ops_softmin(pts, centroids, h, eps, cost=cost, backend="auto")
+        from .distributed import ShardedEngine
+
+        pp = prepare_pair(pts, centroids, cost=cost, backend="auto")
+        eng = ShardedEngine(pp.engine, group)
+        return lam * eng.softmin(pp.x, pp.y, h.to(pp.x.dtype), eps, pp.cost).to(pts.dtype)
 
 
 def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleConfig, *, debias: bool,
@@ -433,7 +445,7 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     fine = _fine_measures(m, cx, cy)
     hier = _Hier.build(fine, cx, cy, debias)
     eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
-    state = replace(_extrapolated_state(fine, mc, cx, cy, st, eps, debias), eps=eps)
+    state = replace(_extrapolated_state(fine, mc, cx, cy, st, eps, debias, group), eps=eps)
     kept: list[float] = []
     tail = eps_list[jump + 1:]
     if not tail:  # extrapolation only: the final step reads the potentials at this temperature
@@ -535,17 +547,17 @@ def _fine_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
 
 
 def _extrapolated_state(fine: Measures, mc: Measures, cx, cy, st: SinkhornState, eps: float,
-                        debias: bool) -> SinkhornState:
+                        debias: bool, group: Any = None) -> SinkhornState:
     """Coarse potentials (cluster centroids) carried to the sorted points."""
     cost = fine.cost
     x, y = fine.x.detach(), fine.y.detach()
     xc, yc = mc.x.detach() + mc.center, mc.y.detach() + mc.center  # back in fine's coordinates
-    f = _extrapolate(x, yc, mc.b_log, st.g, eps, 1.0, cost)
-    g = _extrapolate(y, xc, mc.a_log, st.f, eps, 1.0, cost)
+    f = _extrapolate(x, yc, mc.b_log, st.g, eps, 1.0, cost, group)
+    g = _extrapolate(y, xc, mc.a_log, st.f, eps, 1.0, cost, group)
     f_aa = g_bb = None
     if debias:
-        f_aa = _extrapolate(x, xc, mc.a_log, st.f_aa, eps, 1.0, cost)
-        g_bb = _extrapolate(y, yc, mc.b_log, st.g_bb, eps, 1.0, cost)
+        f_aa = _extrapolate(x, xc, mc.a_log, st.f_aa, eps, 1.0, cost, group)
+        g_bb = _extrapolate(y, yc, mc.b_log, st.g_bb, eps, 1.0, cost, group)
     return replace(st, f=f, g=g, f_aa=f_aa, g_bb=g_bb)
 
 
