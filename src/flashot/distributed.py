@@ -65,9 +65,16 @@ rounding floor, finiteness check and masses are all-reduced (:meth:`PointsMeasur
 rank takes the same stopping decision, and values are computed from all-gathered ``O(N + M)`` vectors
 (:meth:`PointsMeasures.full`, differentiable: each rank's backward gets its own slice), the same on every
 rank.  Potentials, marginals, ``plan @ V`` and the gradients w.r.t. points and weights are this rank's
-slices (the single-process results' slices up to float reassociation).  Not supported there (a clear
-error): ``acceleration``, ``implicit`` / second derivatives, ``value_linear``'s gradient, ``warm_start``,
-``plan.to_dense`` / ``topk``.  The user chooses the mode (:func:`pick_shard` states a simple rule).
+slices (the single-process results' slices up to float reassociation).  Also there:
+``SamplesLoss(warm_start=...)`` (each rank caches its slices; the displacement and the cold / warm
+decision are all-reduced, :mod:`flashot.warmstart`), ``acceleration`` (Anderson's Gram matrix and
+right-hand side and the finiteness tests all-reduced, :mod:`flashot.acceleration`), ``value_linear``'s
+gradient (implicit differentiation with the conjugate gradients' inner products all-reduced,
+:mod:`flashot.implicit`; ``implicit=`` sets its CG), and ``plan.to_dense()`` / ``plan.topk(k)``: THIS
+rank's rows over all columns (one ring pass of the column blocks; top-k merged block by block).  Not
+supported there (a clear error naming ``shard='replicated'``): second derivatives (``create_graph=True``,
+``SamplesLoss(implicit=...)``) and ``np.asarray(plan)`` (the whole plan).  The user chooses the mode
+(:func:`pick_shard` states a simple rule).
 """
 
 from __future__ import annotations
@@ -799,7 +806,8 @@ def _global_measures(m: Measures, x, y, a, b, group, counts) -> PointsMeasures:
 class PointsPlan(LazyPlan):
     """The plan of a points-sharded solve: ``P @ V`` takes this rank's rows of ``V`` (its points of the
     column cloud) and returns this rank's rows (a collective: call it on every rank); ``sum()`` and
-    ``cost_sum()`` are totals over all ranks.  ``shape`` is the whole plan's."""
+    ``cost_sum()`` are totals over all ranks; ``to_dense()`` and ``topk(k)`` this rank's rows over all
+    columns (collectives too).  ``shape`` is the whole plan's."""
 
     @property
     def shape(self) -> tuple[int, ...]:

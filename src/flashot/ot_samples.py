@@ -274,8 +274,8 @@ def solve_sample(
             slices travel around a ring of the ranks: for clouds that do not fit one device).  With
             ``"points"``, ``potentials``, ``marginals`` and the gradients are this rank's slices, ``value``
             the whole problem's; ``a=None`` means ``1 / N`` with ``N`` the points of all ranks; ``implicit``
-            sets ``value_linear``'s gradient only (no second derivatives there).  Not with ``acceleration``
-            (see :mod:`flashot.distributed`).
+            sets ``value_linear``'s gradient only (no second derivatives there); ``plan.to_dense()`` and
+            ``plan.topk(k)`` give this rank's rows (see :mod:`flashot.distributed`).
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
