@@ -4,9 +4,10 @@ Each test starts its ranks as subprocesses running this file (``python tests/tes
 <mode> <rank> <world> <init> <dir>``, file:// rendezvous), which write their results to ``<dir>``; the
 parent makes the same calls in one process (``group=None``) and compares: ``SamplesLoss(backend=
 "multiscale")`` values, potentials and gradients w.r.t. points and weights, ``solve_sample(backend=
-"multiscale")`` values, potentials, marginals, ``plan @ V`` and gradients, to 1e-10 relative in float64,
-the kept fractions of every pruning exactly (the pruning really drops blocks: under 25% of the pairs
-are kept at the end), and every rank's results bit for bit.  Also: ``backend="auto"`` picks the
+"multiscale")`` values, potentials, marginals, ``plan @ V`` and gradients, the six-argument call with
+cluster labels and one DistributedDataParallel SGD step (gradients and parameters), to 1e-10 relative
+in float64, the kept fractions of every pruning exactly (the pruning really drops blocks: under 25% of
+the pairs are kept at the end), and every rank's results bit for bit.  Also: ``backend="auto"`` picks the
 multiscale solver with ``group`` where it does in one process; ``shard="points"`` is refused; options
 that differ across ranks and ranks whose pruning diverged raise.  The block-sparse engine's row ranges
 (whole row clusters) are checked against its full calls without any process group.
@@ -66,6 +67,44 @@ def _loss(group, **kw) -> dict:
             "kept": run.kept, "engine": run.m.engine.name}
 
 
+def _labels(group) -> dict:
+    """GeomLoss' six-argument call: the clusters given as labels (a grid of side 0.15 here)."""
+    from flashot import SamplesLoss
+    from flashot.clusters import grid_labels
+
+    x, y, a, b = _leaves(*_data())
+    lx, ly = grid_labels(x.detach(), 0.15), grid_labels(y.detach(), 0.15)
+    L = SamplesLoss(backend="multiscale", blur=0.03, group=group)
+    v = L(lx, a, x, ly, b, y)
+    v.backward()
+    return {"value": v.detach(), "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad,
+            "kept": L.last_multiscale.kept, "engine": L.last_multiscale.m.engine.name}
+
+
+def _ddp(group, lr: float = 0.5) -> dict:
+    """One SGD step of a small model whose loss is the multiscale SamplesLoss, in DistributedDataParallel
+    on the ranks (replicated mode: every rank maps all the points), plain in one process."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from flashot import SamplesLoss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    with torch.no_grad():  # start near the identity: the image stays a thin shape that pruning thins out
+        model[0].weight.mul_(0.1)
+        model[2].weight.mul_(0.1)
+    net = model if group is None else DDP(model, process_group=group)
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    x, y, _, _ = _data(2000, 1800)
+    L = SamplesLoss(backend="multiscale", blur=0.03, group=group)
+    loss = L(x + net(x), y)
+    loss.backward()
+    grads = {f"grad{k}": p.grad.clone() for k, p in enumerate(model.parameters())}
+    opt.step()
+    return {"value": loss.detach(), "kept": L.last_multiscale.kept, **grads,
+            **{f"param{k}": p.detach().clone() for k, p in enumerate(model.parameters())}}
+
+
 def _solve(group, **kw) -> dict:
     """solve_sample: the coarse-to-fine schedule, then the ordinary loop to tol on the pruned points."""
     from flashot import solve_sample
@@ -102,6 +141,8 @@ CASES = {
     "solve": lambda g: _solve(g),
     "solve_symmetric": lambda g: _solve(g, method="symmetric", cluster_scale=0.1),
     "auto": _auto,
+    "labels": _labels,
+    "ddp": _ddp,
 }
 RUN = {2: list(CASES), 3: ["loss", "solve"]}
 
