@@ -618,7 +618,9 @@ class RingEngine:
 
 class _GatherFn(torch.autograd.Function):
     """All-gather of per-rank (B, n_r) slices into whole vectors; backward: this rank's slice of the
-    gradient (every rank computes the same function of the gathered vectors)."""
+    gradient (every rank computes the same function of the gathered vectors).  Every points-sharded value
+    goes through it, so its backward refuses ``create_graph=True`` (the values have first derivatives
+    only: the final step's envelope gradients), with an error that says so."""
 
     @staticmethod
     def forward(ctx, m, sides, *ts):
@@ -627,6 +629,9 @@ class _GatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise NotImplementedError("second derivatives (create_graph=True) are not implemented with "
+                                      "shard='points'; use shard='replicated' (implicit differentiation)")
         return (None, None, *(None if g is None else ctx.m._own(s, g) for g, s in zip(grads, ctx.sides)))
 
 
@@ -915,33 +920,11 @@ class PointsOTResult(OTResult):
     weights.  Both are collectives: call them on every rank."""
 
 
-class _FirstOrderFn(torch.autograd.Function):
-    """The identity, whose backward refuses ``create_graph=True``: the points-sharded values have first
-    derivatives only (the final step's envelope gradients); without it autograd's error would not say so."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise NotImplementedError("second derivatives (create_graph=True) are not implemented with "
-                                      "shard='points'; use shard='replicated' (implicit differentiation)")
-        return grad
-
-
-def first_order_only(t):
-    """``t`` (a tensor that requires grad) with :class:`_FirstOrderFn` on top; anything else unchanged."""
-    return _FirstOrderFn.apply(t) if isinstance(t, Tensor) and t.requires_grad else t
-
-
 def _points_result(res: OTResult) -> PointsOTResult:
-    """``res`` with the plan of a points-sharded solve (values refusing second derivatives clearly)."""
+    """``res`` with the plan of a points-sharded solve."""
     p = res.plan
     out = PointsOTResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(OTResult)})
     out.plan = PointsPlan(p._m, p._f, p._g, p.eps, numpy=p._numpy)
-    out.value, out.value_dual = first_order_only(res.value), first_order_only(res.value_dual)
     return out
 
 
