@@ -1,7 +1,7 @@
 """Points-sharded mode (``shard="points"``, flashot.distributed) beyond the basic solves of test_distributed.py:
-SamplesLoss warm starts over a sequence of calls, the gradient of ``value_linear`` (implicit differentiation
-with all-reduced inner products), ``acceleration`` and the plan's rows (``to_dense``, ``topk``), on 2 and 3
-gloo processes.
+SamplesLoss warm starts over a sequence of calls (one case in replicated mode too), the gradient of
+``value_linear`` (implicit differentiation with all-reduced inner products), ``acceleration`` and the plan's
+rows (``to_dense``, ``topk``), on 2 and 3 gloo processes.
 
 The ranks run this file (``python tests/test_distributed_points.py compare <rank> <world> <init> <dir>``,
 test_distributed's launcher) with uneven slices of the points (test_distributed._cuts), write their
@@ -122,6 +122,7 @@ CASES = {
     "warm_p1": lambda g, p: _warm(g, p, p=1, steps=3),
     "warm_potentials": lambda g, p: _warm(g, p, potentials=True, steps=3),
     "warm_one_point_moves": lambda g, p: _warm(g, p, debias=False, steps=3, last_only=True),  # a longer tail
+    "warm_replicated": lambda g, p: _warm(g, None, steps=3),  # replicated mode: every rank passes all points
     "linear_grad": lambda g, p: _linear(g, p),
     "linear_grad_euclidean_symmetric": lambda g, p: _linear(g, p, cost="euclidean", method="symmetric"),
     "linear_grad_batched": lambda g, p: _linear(g, p, B=2),
@@ -133,7 +134,8 @@ CASES = {
     "plan_rows": lambda g, p: _rows(g, p),
     "plan_rows_batched_dense": lambda g, p: _rows(g, p, backend="dense", B=2, k=5),
 }
-RUN = {2: list(CASES), 3: ["warm_debiased", "warm_plain", "warm_one_point_moves", "linear_grad",
+REPLICATED = {"warm_replicated"}  # whole results on every rank
+RUN = {2: list(CASES), 3: ["warm_debiased", "warm_replicated", "warm_plain", "warm_one_point_moves", "linear_grad",
                            "linear_grad_euclidean_symmetric", "momentum_alt", "anderson_alt", "anderson_symmetric",
                            "plan_rows"]}
 
@@ -228,7 +230,7 @@ def test_points_mode_matches_single_process(world, tmp_path):
             if k.startswith("n_iter"):
                 assert all(int(p[k]) == int(v) for p in parts), (name, k, [int(p[k]) for p in parts], int(v))
                 continue
-            axis = _axis(k)
+            axis = None if name in REPLICATED else _axis(k)
             if axis is None:  # the whole problem's: the same on every rank
                 got = [p[k] for p in parts]
             else:
