@@ -6,12 +6,19 @@ Public API:
     solve, sinkhorn, sinkhorn2  POT's ot.solve / ot.sinkhorn / ot.sinkhorn2 on a precomputed cost matrix
     free_support_barycenter  POT's entropic free-support barycenter, streamed
     gromov_wasserstein, fused_gromov_wasserstein  entropic (fused) Gromov-Wasserstein, POT's conventions, streamed
+    semirelaxed_gromov_wasserstein, semirelaxed_fused_gromov_wasserstein  the same with a free second marginal
     ops           the two streamed primitives (softmin, plan product) and the engine registry
 """
 
 from .acceleration import Anderson, Momentum
 from .barycenter import BarycenterResult, free_support_barycenter
-from .gromov import GWResult, fused_gromov_wasserstein, gromov_wasserstein
+from .gromov import (
+    GWResult,
+    fused_gromov_wasserstein,
+    gromov_wasserstein,
+    semirelaxed_fused_gromov_wasserstein,
+    semirelaxed_gromov_wasserstein,
+)
 from .costs import Cost, get_cost
 from .implicit import ImplicitDiff
 from .plan import LazyPlan, plan_from_potentials
@@ -39,6 +46,8 @@ __all__ = [
     "BarycenterResult",
     "gromov_wasserstein",
     "fused_gromov_wasserstein",
+    "semirelaxed_gromov_wasserstein",
+    "semirelaxed_fused_gromov_wasserstein",
     "GWResult",
     "__version__",
 ]

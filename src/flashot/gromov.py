@@ -69,13 +69,17 @@ from .ops import get_engine
 from .ot_samples import solve_measures, solve_options
 from .plan import LazyPlan
 
-__all__ = ["GWResult", "fused_gromov_wasserstein", "gromov_wasserstein"]
+__all__ = ["GWResult", "fused_gromov_wasserstein", "gromov_wasserstein", "semirelaxed_fused_gromov_wasserstein",
+           "semirelaxed_gromov_wasserstein"]
 
 # POT reads the change of the coupling every CHECK_EVERY outer iterations (cpt % 10 == 0)
 CHECK_EVERY = 10
 # below this relative change the expansion |T|^2 + |T'|^2 - 2 <T, T'> has lost its digits to
 # cancellation: the change is then taken from the second-order form (``small_change``)
 SMALL_CHANGE = 1e-3
+# semi-relaxed: the expansion is kept while its estimated rounding error (an overestimate, ~10x on the tests'
+# problems) is below this fraction of |T - T'|^2
+NOISE_RTOL = 0.1
 
 
 @dataclass
@@ -129,7 +133,11 @@ class GWResult:
     @property
     def value_entropic(self):
         """``value + reg KL(T | a b^T)``: the entropic objective whose exact gradient ``value``'s
-        gradient is (detached; streamed, one plan product)."""
+        gradient is (detached; streamed, one plan product).  ``NotImplementedError`` for the semi-relaxed solvers
+        (mirror descent on the unregularised loss: no entropic objective)."""
+        if self._entropic is None:
+            raise NotImplementedError("value_entropic: the semi-relaxed solvers minimise the unregularised loss "
+                                      "by mirror descent (reg is a step size); use value")
         return self._entropic()
 
     @property
@@ -167,22 +175,32 @@ class GWPlan(LazyPlan):
 # features of one cloud (float64, differentiable)
 
 
-def _features(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(E, h, R)`` for a centred cloud x (n, d) with weights w (n,): ``E = [1, |x|^2, x]`` (n, d + 2),
-    ``h_i = sum_k w_k |x_i - x_k|^4`` (n,) from moments (no n x n matrix), and ``R`` with ``D = E R E^T``."""
+def _embed(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(E, R)`` for a cloud x (n, d): ``E = [1, |x|^2, x]`` (n, d + 2) and ``R`` with ``|x_i - x_k|^2 = (E R E^T)_ik``."""
     d = x.shape[1]
+    s = (x * x).sum(-1, keepdim=True)
+    E = torch.cat([torch.ones_like(s), s, x], -1)
+    R = torch.zeros(d + 2, d + 2, dtype=x.dtype, device=x.device)
+    R[0, 1] = R[1, 0] = 1.0
+    R[2:, 2:] = -2.0 * torch.eye(d, dtype=x.dtype, device=x.device)
+    return E, R
+
+
+def _quartic(x: Tensor, w: Tensor) -> Tensor:
+    """``h_i = sum_k w_k |x_i - x_k|^4`` (n,) for a cloud x (n, d) (centred, for accuracy) and weights w (n,),
+    from moments: expanding ``(s_i + s_k - 2 <x_i, x_k>)^2`` with ``s = |x|^2`` costs O(n d^2), no n x n matrix."""
     s = (x * x).sum(-1)
-    E = torch.cat([torch.ones_like(s).unsqueeze(-1), s.unsqueeze(-1), x], -1)
-    # |x_i - x_k|^4 = (s_i + s_k - 2 <x_i, x_k>)^2, summed over k with weights w
     w0, s1, s2 = w.sum(), (w * s).sum(), (w * s * s).sum()
     m1 = w @ x
     m3 = (w * s) @ x
     sig = x.T @ (w.unsqueeze(-1) * x)
-    h = (s * s * w0 + s2 + 4.0 * ((x @ sig) * x).sum(-1) + 2.0 * s * s1 - 4.0 * s * (x @ m1) - 4.0 * (x @ m3))
-    R = torch.zeros(d + 2, d + 2, dtype=x.dtype, device=x.device)
-    R[0, 1] = R[1, 0] = 1.0
-    R[2:, 2:] = -2.0 * torch.eye(d, dtype=x.dtype, device=x.device)
-    return E, h, R
+    return s * s * w0 + s2 + 4.0 * ((x @ sig) * x).sum(-1) + 2.0 * s * s1 - 4.0 * s * (x @ m1) - 4.0 * (x @ m3)
+
+
+def _features(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(E, h, R)``: :func:`_embed` and :func:`_quartic` of a centred cloud x (n, d) with weights w (n,)."""
+    E, R = _embed(x)
+    return E, _quartic(x, w), R
 
 
 def _check_cloud(name: str, x) -> Tensor:
@@ -360,11 +378,9 @@ class _Options:
                         self.backend, check_bool("verbose", self.verbose), None, self.solver)
 
 
-def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
-    """(Fused) GW with the options of the public functions; ``FX = FY = None`` for plain GW."""
-    o = opts.checked()
-    reg, max_iter, tol, backend, verbose = o.reg, o.max_iter, o.tol, o.backend, o.verbose
-    inner_max_iter, inner_tol, warmstart = o.inner_max_iter, o.inner_tol, o.warmstart
+def _check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
+    """Validated ``(X, Y, a, b, FX, FY, is_np)`` (clear errors before any work); ``FX = FY = None`` for plain GW,
+    ``b`` uniform when ``semirelaxed`` (no second marginal)."""
     is_np = isinstance(X, np.ndarray)
     if is_np != isinstance(Y, np.ndarray):
         raise TypeError("X and Y: give both as torch tensors or both as numpy arrays")
@@ -373,8 +389,7 @@ def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
         raise TypeError(f"X and Y: expected the same dtype, got {X.dtype} and {Y.dtype}")
     if X.device != Y.device:
         raise ValueError(f"X and Y: are on different devices ({X.device} and {Y.device})")
-    fused = FX is not None
-    if fused:
+    if FX is not None:
         if isinstance(FX, np.ndarray) != is_np or isinstance(FY, np.ndarray) != is_np:
             raise TypeError("FX and FY: give them as the points (torch tensors or numpy arrays)")
         FX, FY = _check_cloud("FX", FX), _check_cloud("FY", FY)
@@ -387,14 +402,27 @@ def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
         if FX.dtype != X.dtype or FY.dtype != X.dtype or FX.device != X.device or FY.device != X.device:
             raise TypeError(f"FX and FY: expected the dtype and device of X ({X.dtype}, {X.device})")
     a = check_weights("a", None if a is None else to_tensor("a", a, like=X), X, "X")
-    b = check_weights("b", None if b is None else to_tensor("b", b, like=Y), Y, "Y")
+    if semirelaxed:  # the second marginal is free: uniform weights only centre Y
+        b = torch.full((Y.shape[0],), 1.0 / Y.shape[0], dtype=Y.dtype, device=Y.device)
+    else:
+        b = check_weights("b", None if b is None else to_tensor("b", b, like=Y), Y, "Y")
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         raise NotImplementedError("a, b: gradients of the GW value w.r.t. the weights are not implemented (only "
                                   "w.r.t. the points and features); detach the weights")
     ma, mb = float(a.detach().double().sum()), float(b.detach().double().sum())
-    if abs(ma - mb) > 1e-3 * max(ma, mb):
+    if not semirelaxed and abs(ma - mb) > 1e-3 * max(ma, mb):
         raise ValueError(f"a and b: Gromov-Wasserstein couples measures of equal total mass, got {ma:.6g} and "
                          f"{mb:.6g}; normalise the weights")
+    return X, Y, a, b, FX, FY, is_np
+
+
+def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
+    """(Fused) GW with the options of the public functions; ``FX = FY = None`` for plain GW."""
+    o = opts.checked()
+    reg, max_iter, tol, backend, verbose = o.reg, o.max_iter, o.tol, o.backend, o.verbose
+    inner_max_iter, inner_tol, warmstart = o.inner_max_iter, o.inner_tol, o.warmstart
+    X, Y, a, b, FX, FY, is_np = _check_inputs(X, Y, a, b, FX, FY)
+    fused = FX is not None
     opts = solve_options(reg, max_iter=inner_max_iter, tol=inner_tol, method="alternating", grad="detach")
 
     out_dtype = X.dtype
@@ -617,3 +645,348 @@ def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
         _entropic=entropic,
     )
     return res_out
+
+
+# ---------------------------------------------------------------------------------------------
+# semi-relaxed (F)GW: mirror descent with only the first marginal constrained
+
+
+def semirelaxed_gromov_wasserstein(
+    X,
+    Y,
+    a=None,
+    *,
+    reg: float,
+    loss_fun: str = "square_loss",
+    max_iter: int = 10000,
+    tol: float = 1e-9,
+    backend: str = "auto",
+    verbose: bool = False,
+    G0=None,
+) -> GWResult:
+    r"""Entropic semi-relaxed Gromov-Wasserstein, streamed: POT's ``ot.gromov.entropic_semirelaxed_gromov_wasserstein``.
+
+    POT's ``entropic_semirelaxed_gromov_wasserstein(C1, C2, a, "square_loss", epsilon=reg)`` with
+    ``C1 = |X_i - X_k|^2`` and ``C2 = |Y_j - Y_l|^2``, in memory O((n + m)(dx + dy)): the coupling's rows
+    sum to ``a``, its columns ``q = T^T 1`` are free.  Mirror descent in the KL geometry from
+    ``T = a 1^T / m``: ``T <- diag(a / (K 1)) K`` with ``K = T * exp(-grad(T) / reg)`` (one row-wise
+    softmin per step, see :mod:`flashot.gromov`); POT's stopping rule (``|T - T_prev|_F <= tol`` read at
+    outer iterations 1, 11, 21, ...).
+
+    Args:
+        X, Y: (n, dx) and (m, dy) points (``dx != dy`` allowed), torch tensors or numpy arrays, same dtype.
+        a: weights (n,) of ``X``; uniform when None.  ``Y`` has no weights (its marginal is free).
+        reg: the step's temperature (POT's ``epsilon``), > 0, in units of the linearised cost
+            (~ 4 diameter(X)^2 diameter(Y)^2); smaller steps (larger ``reg``) need more iterations.
+        loss_fun: only ``"square_loss"``.
+        max_iter, tol: iterations at most (POT's default 1e4) and the bound on ``|T - T_prev|_F`` (1e-9),
+            measured as in :func:`gromov_wasserstein` (with the same rounding floor).
+        backend, verbose: as in :func:`gromov_wasserstein`.
+        G0: only None (POT's default ``a 1^T / m``).
+
+    Returns:
+        :class:`GWResult`: ``value`` the semi-relaxed GW loss of the coupling (POT's ``log["srgw_dist"]``,
+        differentiable w.r.t. torch points that require grad by the envelope theorem at the returned
+        coupling), ``n_outer`` the mirror steps (``n_inner = n_outer``: one softmin each), ``plan`` lazy.
+
+    ``min_T sum_ijkl (|X_i - X_k|^2 - |Y_j - Y_l|^2)^2 T_ij T_kl`` over ``T >= 0`` with ``T 1 = a``, by KL mirror
+    descent with step ``1 / reg``.
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> X, Y = torch.randn(6, 2, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+        >>> res = flashot.semirelaxed_gromov_wasserstein(X, Y, reg=5.0, tol=1e-7)
+        >>> T = res.plan.to_dense()
+        >>> res.converged, bool(torch.allclose(T.sum(1), torch.full((6,), 1 / 6, dtype=torch.float64)))
+        (True, True)
+        >>> DX, DY = torch.cdist(X, X) ** 2, torch.cdist(Y, Y) ** 2
+        >>> srgw = ((DX[:, None, :, None] - DY[None, :, None, :]) ** 2 * T[:, :, None, None] * T).sum()
+        >>> bool(torch.allclose(res.value, srgw))
+        True
+    """
+    opts = _SROptions(reg, loss_fun, max_iter, tol, backend, verbose, G0)
+    return _semirelaxed(X, Y, a, None, None, 1.0, opts)
+
+
+def semirelaxed_fused_gromov_wasserstein(
+    X,
+    Y,
+    FX,
+    FY,
+    a=None,
+    *,
+    reg: float,
+    alpha: float = 0.5,
+    loss_fun: str = "square_loss",
+    max_iter: int = 10000,
+    tol: float = 1e-9,
+    backend: str = "auto",
+    verbose: bool = False,
+    G0=None,
+) -> GWResult:
+    r"""Entropic semi-relaxed fused GW, streamed: POT's ``ot.gromov.entropic_semirelaxed_fused_gromov_wasserstein``.
+
+    That is POT's ``entropic_semirelaxed_fused_gromov_wasserstein(M, C1, C2, a, "square_loss", epsilon=reg,
+    alpha=alpha)`` with ``M_ij = |FX_i - FY_j|^2``: the step's gradient is ``alpha`` times the semi-relaxed GW
+    gradient plus ``(1 - alpha) M``; ``value`` is ``(1 - alpha) <M, T> + alpha srGW(T)`` (POT's
+    ``log["srfgw_dist"]``), differentiable w.r.t. the points and the features.  ``FX`` (n, df), ``FY`` (m, df);
+    the other arguments are those of :func:`semirelaxed_gromov_wasserstein`.
+
+    It minimises ``(1 - alpha) <M, T> + alpha sum_ijkl (|X_i - X_k|^2 - |Y_j - Y_l|^2)^2 T_ij T_kl`` over
+    ``T >= 0`` with ``T 1 = a`` (KL mirror descent, step ``1 / reg``).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> X, Y = torch.randn(6, 2, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+        >>> FX, FY = torch.randn(6, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+        >>> res = flashot.semirelaxed_fused_gromov_wasserstein(X, Y, FX, FY, reg=5.0, alpha=0.5, tol=1e-7)
+        >>> res.converged, res.plan.shape
+        (True, (6, 8))
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"alpha: expected a number in [0, 1] (the weight of the GW term), got {alpha!r}")
+    opts = _SROptions(reg, loss_fun, max_iter, tol, backend, verbose, G0)
+    return _semirelaxed(X, Y, a, FX, FY, float(alpha), opts)
+
+
+@dataclass(frozen=True)
+class _SROptions:
+    """The options of the semi-relaxed solvers."""
+
+    reg: float
+    loss_fun: str
+    max_iter: int
+    tol: float
+    backend: str
+    verbose: bool
+    G0: Any
+
+    def checked(self) -> _SROptions:
+        """A copy with validated values (the checks of :class:`_Options`)."""
+        _Options(self.reg, self.loss_fun, 1, 1.0, 1, 1.0, True, self.backend, False, self.G0, "PGD").checked()
+        return _SROptions(float(self.reg), self.loss_fun, check_int("max_iter", self.max_iter),
+                          check_positive("tol", self.tol), self.backend, check_bool("verbose", self.verbose), None)
+
+
+@dataclass
+class _SRIterate:
+    """``T_ij = a_i / m exp((f_i + g_j - <phi_i, M psi_j>) / reg)``: the cumulated gradients of the mirror steps
+    (their row constants dropped: the row normalisation removes them) are the bilinear part ``M`` and the
+    column part ``-g``; ``f`` normalises the rows."""
+
+    M: Tensor  # (P, Q) float64
+    g: Tensor  # (1, m) float64 (it grows with the steps: accumulated in float64)
+    f: Tensor  # (1, n) compute dtype
+    mm: Measures
+
+
+class _SRProblem:
+    """The fixed parts of a semi-relaxed (F)GW solve: features, engine, augmented points and weights."""
+
+    def __init__(self, X: Tensor, Y: Tensor, a: Tensor, FX, FY, alpha: float, o: _SROptions):
+        self.alpha, self.reg, self.fused = alpha, o.reg, FX is not None
+        self.n, self.m = X.shape[0], Y.shape[0]
+        self.cdt, self.dev = compute_dtype(X.dtype), X.device
+        self.a64 = a.detach().double()
+        self.w_y = torch.full((self.m,), 1.0 / self.m, dtype=torch.float64, device=self.dev)
+        self.X, self.Y, self.FX, self.FY = X, Y, FX, FY
+        self.Ex, self.hx, self.Rx, self.Ey, self.Ry, self.Yc, self.F, self.G = self.features(False)
+        self.p, self.q = self.Ex.shape[1], self.Ey.shape[1]
+        self.Phi = torch.cat([self.Ex, self.F], -1) if self.fused else self.Ex
+        self.Psi = torch.cat([self.Ey, self.G], -1) if self.fused else self.Ey
+        P, Q = self.Phi.shape[1], self.Psi.shape[1]
+        zero = torch.zeros(1, P, Q, dtype=torch.float64, device=self.dev)
+        cost0, xs, ys = FeatureBilinearCost.pair(torch.zeros(1, self.n, dtype=torch.float64, device=self.dev),
+                                                 self.Phi.unsqueeze(0),
+                                                 torch.zeros(1, self.m, dtype=torch.float64, device=self.dev),
+                                                 self.Psi.unsqueeze(0), zero)
+        self.xs, self.ys = xs.to(self.cdt), ys.to(self.cdt)
+        self.engine = get_engine(o.backend, device=self.dev, dtype=self.cdt, cost=cost0,
+                                 size=(1, self.n, self.m, self.xs.shape[-1]))
+        self.a_c = a.detach().to(self.cdt).unsqueeze(0)
+        self.b_c = self.w_y.to(self.cdt).unsqueeze(0)
+        self.a_log, self.b_log = log_weights(self.a_c), log_weights(self.b_c)
+        cols = [self.Ey] + ([self.G] if self.fused else [])
+        self.Vy = torch.cat(cols, -1).to(self.cdt).unsqueeze(0).contiguous()  # T @ Vy: A (and T G)
+
+    def features(self, with_grad: bool) -> tuple:
+        """``(E_x, h_x, R_x, E_y, R_y, Y_c, F, G)`` in float64 (differentiable when asked): ``h_x`` with the weights
+        ``a``; ``h_y`` depends on ``q`` and is computed per step (:func:`_quartic` of ``Y_c``)."""
+        with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+            X64, Y64 = self.X.double(), self.Y.double()
+            Xc = X64 - self.a64 @ X64.detach() / self.a64.sum()  # D is translation invariant: centre for accuracy
+            Yc = Y64 - Y64.detach().mean(0)
+            Ex, Rx = _embed(Xc)
+            Ey, Ry = _embed(Yc)
+            F = G = None
+            if self.fused:  # |F_i - G_j|^2 is translation invariant: a common centre for accuracy
+                F64, G64 = self.FX.double(), self.FY.double()
+                c = 0.5 * (self.a64 @ F64.detach() / self.a64.sum() + G64.detach().mean(0))
+                F, G = F64 - c, G64 - c
+            return Ex, _quartic(Xc, self.a64), Rx, Ey, Ry, Yc, F, G
+
+    def iterate(self, M: Tensor, g: Tensor, f: Tensor | None = None) -> _SRIterate:
+        """The iterate of cumulated ``(M, g)``; ``f`` (the row normaliser) is one softmin when not given."""
+        cost = FeatureBilinearCost(FeatureBilinearCost.block(M.unsqueeze(0)).to(self.cdt))
+        bound = float((self.Phi @ M).norm(dim=-1).max() * self.Psi.norm(dim=-1).max() + g.abs().max())
+        mm = Measures(self.xs, self.ys, self.a_c, self.b_c, self.a_log, self.b_log, cost, self.engine, False,
+                      self.cdt, torch.zeros(1, 1, self.xs.shape[-1], dtype=self.cdt, device=self.dev), bound)
+        if f is None:  # rows of T sum to a: f_i = -reg log sum_j exp(g_j / reg + log(1 / m) - C_ij / reg)
+            with torch.no_grad():
+                f = self.engine.softmin(self.xs, self.ys, (g / self.reg).to(self.cdt) + self.b_log, self.reg, cost)
+        return _SRIterate(M, g, f, mm)
+
+    def logs(self, it: _SRIterate) -> tuple[Tensor, Tensor]:
+        """``(log a + f / reg, log(1 / m) + g / reg)``: the plan's log-weights for the engine's plan products."""
+        return it.f / self.reg + self.a_log, (it.g / self.reg).to(self.cdt) + self.b_log
+
+    def marginal_and_products(self, it: _SRIterate) -> tuple[Tensor, Tensor]:
+        """``(q, Q)``: the free marginal ``q = T^T 1`` (m,) and ``Q = T @ [E_y, G]`` (n, q (+ df)), float64."""
+        al, be = self.logs(it)
+        ones = torch.ones(1, self.n, 1, dtype=self.cdt, device=self.dev)
+        with torch.no_grad():
+            q = self.engine.plan_product(self.ys, self.xs, be, al, self.reg, ones, it.mm.cost)[0, :, 0].double()
+            Q = self.engine.plan_product(self.xs, self.ys, al, be, self.reg, self.Vy, it.mm.cost)[0].double()
+        return q, Q
+
+    def loss(self, Ex, hx, hy, F, G, Q, q) -> tuple[Tensor, Tensor]:
+        """``(A, value)``: ``A = E_x^T T E_y`` and POT's ``srgw_dist`` (``srfgw_dist`` when fused) from ``Q``, ``q``
+        and ``h_y = sum_l q_l |y_j - y_l|^4``: ``<h_x, a> + <h_y, q> - 2 <A, R_x A R_y>`` (``T 1 = a``)."""
+        A = Ex.T @ Q[:, :self.q]
+        val = hx @ self.a64 + hy @ q - 2.0 * (A * (self.Rx @ A @ self.Ry.T)).sum()
+        if self.fused:  # (1 - alpha) <|F_i - G_j|^2, T> + alpha srGW
+            feat = (F * F).sum(-1) @ self.a64 + (G * G).sum(-1) @ q - 2.0 * (F * Q[:, self.q:]).sum()
+            val = self.alpha * val + (1.0 - self.alpha) * feat
+        return A, val
+
+    def step(self, it: _SRIterate, A: Tensor, hy: Tensor) -> tuple[_SRIterate, Tensor]:
+        """The mirror step ``T <- diag(a / K 1) K``, ``K = T exp(-grad / reg)``, with POT's gradient
+        ``grad = alpha 2 (h_x 1^T + 1 h_y^T - 2 D^x T D^y) + (1 - alpha) M`` less its row constants:
+        ``(next iterate, dM)``."""
+        al = self.alpha
+        dM = torch.zeros_like(it.M)
+        dM[:self.p, :self.q] = (-4.0 * al) * self.Rx @ A @ self.Ry.T
+        dv = 2.0 * al * hy
+        if self.fused:
+            dM[self.p:, self.q:] = -2.0 * (1.0 - al) * torch.eye(self.F.shape[1], dtype=torch.float64, device=self.dev)
+            dv = dv + (1.0 - al) * (self.G * self.G).sum(-1)
+        return self.iterate(it.M + dM, it.g - dv), dM
+
+    # -- |T - T_prev|_F from plan products (POT's err) -----------------------------------------
+    def sq_norm(self, it: _SRIterate) -> float:
+        """``|T|_F^2``: a plan product at ``reg / 2`` with doubled log-weights."""
+        al, be = self.logs(it)
+        ones = torch.ones(1, self.m, 1, dtype=self.cdt, device=self.dev)
+        with torch.no_grad():
+            r = self.engine.plan_product(self.xs, self.ys, 2 * al, 2 * be, self.reg / 2, ones, it.mm.cost)
+        return float(r.double().sum())
+
+    def dot(self, i1: _SRIterate, i2: _SRIterate) -> float:
+        """``<T1, T2>``: a plan product with the mean of the two (feature-bilinear) costs at ``reg / 2``."""
+        (a1, b1), (a2, b2) = self.logs(i1), self.logs(i2)
+        mid = FeatureBilinearCost(0.5 * (i1.mm.cost.S + i2.mm.cost.S))
+        ones = torch.ones(1, self.m, 1, dtype=self.cdt, device=self.dev)
+        with torch.no_grad():
+            r = self.engine.plan_product(self.xs, self.ys, a1 + a2, b1 + b2, self.reg / 2, ones, mid)
+        return float(r.double().sum())
+
+    def small_change(self, i1: _SRIterate, i2: _SRIterate, dM: Tensor) -> tuple[float, float]:
+        """``(sum_ij T1_ij T2_ij d_ij^2, its rounding error)`` with ``T2 = T1 exp(d)``, ``d_ij = <w_i, z_j>`` (``w = [df / reg, 1, -Phi dM / reg]``,
+        ``z = [1, dg / reg, Psi]``): ``|T2 - T1|_F^2 = 4 sum T1 T2 sinh(d / 2)^2`` to relative order ``d^2 / 12``, one
+        plan product of ``T1 T2`` (the mean cost at ``reg / 2``) with ``z (x) z``; no cancellation."""
+        reg, dev = self.reg, self.dev
+        w = torch.cat([((i2.f - i1.f)[0].double() / reg).unsqueeze(-1), torch.ones(self.n, 1, dtype=torch.float64,
+                                                                                    device=dev),
+                       -(self.Phi @ dM) / reg], -1)
+        z = torch.cat([torch.ones(self.m, 1, dtype=torch.float64, device=dev),
+                       ((i2.g - i1.g)[0] / reg).unsqueeze(-1), self.Psi], -1)
+        k = z.shape[1]
+        Z2 = (z.unsqueeze(-1) * z.unsqueeze(-2)).reshape(1, self.m, k * k).to(self.cdt).contiguous()
+        (a1, b1), (a2, b2) = self.logs(i1), self.logs(i2)
+        mid = FeatureBilinearCost(0.5 * (i1.mm.cost.S + i2.mm.cost.S))
+        with torch.no_grad():
+            R = self.engine.plan_product(self.xs, self.ys, a1 + a2, b1 + b2, reg / 2, Z2, mid)[0].double()
+        R = R.reshape(self.n, k, k)
+        # rounding: the terms w_k w_l R_kl cancel to the small d^2 (d is a sum of terms of size |grad| / reg);
+        # |w_k w_l R_kl| <= |w_k| |w_l| sqrt(R_kk R_ll), rows rounding independently
+        b = (w.abs() * R.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()).sum(-1) ** 2
+        return float(torch.einsum("ik,ikl,il->", w, R, w)), torch.finfo(self.cdt).eps * float(b.norm())
+
+    def change(self, prev: _SRIterate, cur: _SRIterate, dM: Tensor) -> tuple[float, float]:
+        """``(|T - T_prev|_F, floor)``: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or, once that is below ``1e-3 |T|_F`` and
+        its rounding error above ``NOISE_RTOL`` of it, :meth:`small_change` when its rounding error is the smaller
+        (its truncation error grows with the entries' relative changes, which mirror descent leaves O(1) on
+        the decaying entries: the expansion is preferred while it is accurate); ``floor`` is what the compute dtype resolves
+        (the larger of :func:`gromov_wasserstein`'s floor and the square root of the chosen form's rounding error)."""
+        cur_sq, prev_sq = self.sq_norm(cur), self.sq_norm(prev)
+        err_sq = cur_sq + prev_sq - 2.0 * self.dot(cur, prev)
+        u = torch.finfo(self.cdt).eps
+        scale = (cur.mm.cmax + float(cur.f.abs().max())) / self.reg + 2.0 * math.log2(1 + max(self.n, self.m))
+        noise = u * scale * (cur_sq + prev_sq)
+        if err_sq < SMALL_CHANGE**2 * cur_sq and noise > NOISE_RTOL * err_sq:
+            small, small_noise = self.small_change(prev, cur, dM)
+            if small_noise < noise:
+                err_sq, noise = small, small_noise
+        return math.sqrt(max(0.0, err_sq)), max(u * scale * math.sqrt(cur_sq), math.sqrt(noise))
+
+    def value(self, it: _SRIterate, plan: GWPlan, q: Tensor, Q: Tensor) -> Tensor:
+        """The loss of the final coupling, differentiable w.r.t. the points and features (coupling fixed)."""
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                for t in (self.X, self.Y, self.FX, self.FY))):
+            return self.loss(self.Ex, self.hx, _quartic(self.Yc, q), self.F, self.G, Q, q)[1]
+        Ex, hx, _, Ey, _, Yc, F, G = self.features(True)
+        Qg = plan.apply(torch.cat([Ey] + ([G] if self.fused else []), -1).to(self.cdt)).double()
+        return self.loss(Ex, hx, _quartic(Yc, q), F, G, Qg, q)[1]
+
+
+def _semirelaxed(X, Y, a, FX, FY, alpha: float, opts: _SROptions) -> GWResult:
+    """Semi-relaxed (fused) GW: POT's mirror descent, each step one softmin and two plan products."""
+    o = opts.checked()
+    X, Y, a, _, FX, FY, is_np = _check_inputs(X, Y, a, None, FX, FY, semirelaxed=True)
+    pb = _SRProblem(X, Y, a, FX, FY, alpha, o)
+    P, Q0 = pb.Phi.shape[1], pb.Psi.shape[1]
+    it = pb.iterate(torch.zeros(P, Q0, dtype=torch.float64, device=pb.dev),
+                    torch.zeros(1, pb.m, dtype=torch.float64, device=pb.dev),
+                    torch.zeros(1, pb.n, dtype=pb.cdt, device=pb.dev))  # T = a 1^T / m
+    q, Q = pb.marginal_and_products(it)
+    log = {"err": [], "value": [], "n_inner": []}
+    err, converged, cpt, t0 = None, False, 0, time.perf_counter()
+    name = "semirelaxed_fused_gromov_wasserstein" if pb.fused else "semirelaxed_gromov_wasserstein"
+    while cpt < o.max_iter:
+        hy = _quartic(pb.Yc, q)
+        A, _ = pb.loss(pb.Ex, pb.hx, hy, pb.F, pb.G, Q, q)
+        nxt, dM = pb.step(it, A, hy)
+        if cpt % CHECK_EVERY == 0:
+            err, floor = pb.change(it, nxt, dM)
+            log["err"].append(err)
+        it = nxt
+        q, Q = pb.marginal_and_products(it)
+        val = pb.loss(pb.Ex, pb.hx, _quartic(pb.Yc, q), pb.F, pb.G, Q, q)[1]
+        log["value"].append(float(val))
+        log["n_inner"].append(1)
+        if o.verbose:
+            e = f"  err {err:.3e}" if cpt % CHECK_EVERY == 0 else ""
+            print(f"{name}: outer {cpt + 1}/{o.max_iter}  value {float(val):.10g}{e}  "
+                  f"({time.perf_counter() - t0:.2f}s)", file=sys.stderr, flush=True)
+        cpt += 1
+        if cpt % CHECK_EVERY == 1 and err <= max(o.tol, floor):
+            converged = True
+            break
+    plan = GWPlan(it.mm, it.f, it.g.to(pb.cdt), o.reg, (X.detach().to(pb.cdt).unsqueeze(0),
+                                                        Y.detach().to(pb.cdt).unsqueeze(0)), numpy=is_np)
+    value = pb.value(it, plan, q, Q).to(X.dtype)
+    g = it.g.to(pb.cdt)
+    return GWResult(
+        value=value.detach().cpu().numpy()[()] if is_np else value,
+        plan=plan,
+        potentials=(it.f[0].cpu().numpy(), g[0].cpu().numpy()) if is_np else (it.f[0], g[0]),
+        n_outer=cpt,
+        n_inner=cpt,
+        converged=converged,
+        error=err,
+        reg=o.reg,
+        backend=pb.engine.name,
+        log=log,
+    )
