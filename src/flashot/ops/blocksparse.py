@@ -13,7 +13,10 @@ one batched GEMM and one LogSumExp, padding entering as ``-inf`` log-weights (ex
 On the CPU the softmin runs in the C++ kernels of the ``cpu`` engine (``flashot_softmin_bs``:
 each row cluster streams its kept column ranges with the dense LSE micro-kernels, the columns of
 each cluster padded to the kernels' step), and so do the plan products with a narrow ``V`` (at most 4
-columns: marginals, and the gradients for d <= 3) in two passes; wider ones run in PyTorch.  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
+columns: marginals, and the gradients for d <= 3) in two passes; wider ones run in PyTorch.  On CUDA
+tensors both primitives run in the Triton kernels (:mod:`flashot.ops.triton.blocksparse`: one program
+per row tile of a cluster, streaming its kept column ranges with an online LogSumExp, any ``V``
+width).  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
 pairs that the solver passes (identified by their storage) to their patterns, and raises on any
 other pair rather than computing a different sum.
 
@@ -26,6 +29,7 @@ Row ranges (a distributed solve, :class:`flashot.distributed.ShardedEngine`): ``
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 from torch import Tensor
@@ -276,6 +280,37 @@ def _plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta:
     return out.unsqueeze(0)
 
 
+KERNELS_ENV = "FLASHOT_BLOCKSPARSE"
+
+
+def _kernels_choice(native: bool | str) -> bool | str:
+    """``native`` checked, with ``FLASHOT_BLOCKSPARSE`` (``torch`` / ``triton``) overriding ``True``."""
+    if native not in (True, False, "triton"):
+        raise ValueError(f"native: expected True, False or 'triton', got {native!r}")
+    env = os.environ.get(KERNELS_ENV, "").strip().lower()
+    if native is not True or not env:
+        return native
+    if env not in ("torch", "triton"):
+        raise ValueError(f"{KERNELS_ENV}: expected 'torch' or 'triton', got {env!r}")
+    return False if env == "torch" else "triton"
+
+
+def _triton_engine():
+    """A :class:`~flashot.ops.triton.TritonEngine` for the block-sparse kernels, or None without Triton
+    (the PyTorch path then runs)."""
+    try:
+        from .triton import TritonEngine
+    except ImportError:
+        return None
+    return TritonEngine()
+
+
+def _lists(pat: BlockPattern, device: torch.device):
+    from .triton.blocksparse import BlockLists
+
+    return BlockLists.of(pat, device)
+
+
 def _gather(t: Tensor, idx: Tensor) -> Tensor:
     """``t[idx]`` along dim 0 with ``-1`` entries reading row 0 (masked by the caller)."""
     return t[idx.clamp_min(0)]
@@ -285,14 +320,21 @@ class BlockSparseEngine:
     """The two primitives over the kept blocks of fixed patterns (one problem; see the module docstring).
 
     ``patterns`` maps ``(row cloud, column cloud)`` tensors (B = 1) to their :class:`BlockPattern`.
+    ``native``: ``True`` runs the C++ kernels on the CPU and the Triton kernels on CUDA tensors (PyTorch
+    where neither is available), ``False`` PyTorch only, ``"triton"`` the Triton kernels (on CPU tensors
+    under ``TRITON_INTERPRET=1``: how they are tested).  The environment variable ``FLASHOT_BLOCKSPARSE``
+    (``torch`` or ``triton``) overrides ``native=True``.
     """
 
     name = "multiscale"
 
-    def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool = True):
+    def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool | str = True):
         self._patterns = {(self._key(u), self._key(v)): p for u, v, p in patterns}
+        native = _kernels_choice(native)
         on_cpu = all(u.device.type == "cpu" and u.dtype in (torch.float32, torch.float64) for u, _, _ in patterns)
-        self._lib = _cpu_lib() if native and on_cpu else None
+        on_cuda = all(u.device.type == "cuda" for u, _, _ in patterns)
+        self._lib = _cpu_lib() if native is True and on_cpu else None
+        self._triton = _triton_engine() if native == "triton" or (native is True and on_cuda) else None
 
     @staticmethod
     def _key(t: Tensor):
@@ -342,6 +384,8 @@ class BlockSparseEngine:
         pat, x, _ = self._select(x, y, rows)
         if pat is None:
             return x.new_empty((1, 0))
+        if self._triton is not None:
+            return self._triton.softmin_blocks(x, y, h, eps, cost, _lists(pat, x.device)).to(x.dtype)
         if self._lib is not None and h.dtype == x.dtype:
             return _softmin_cpu(self._lib, pat, x, y, h.contiguous(), eps, cost)
         out = torch.empty(1, x.shape[1], dtype=x.dtype, device=x.device)
@@ -360,6 +404,9 @@ class BlockSparseEngine:
         alpha = alpha[:, lo:lo + x.shape[1]]
         if pat is None:
             return V.new_zeros((1, 0, V.shape[-1]))
+        if self._triton is not None:
+            return self._triton.plan_product_blocks(x, y, alpha, beta, eps, V, cost, _lists(pat, x.device),
+                                                    weight).to(V.dtype)
         if self._lib is not None and 1 <= V.shape[-1] <= NARROW_K and V.dtype == x.dtype == alpha.dtype == beta.dtype:
             return _plan_cpu(self._lib, pat, x, y, alpha, beta, eps, V.contiguous(), cost, weight)
         out = torch.zeros(1, x.shape[1], V.shape[-1], dtype=x.dtype, device=x.device)
