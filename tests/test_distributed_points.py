@@ -1,15 +1,15 @@
 """Points-sharded mode (``shard="points"``, flashot.distributed) beyond the basic solves of test_distributed.py:
-SamplesLoss warm starts over a sequence of calls (one case in replicated mode too), the gradient of
-``value_linear`` (implicit differentiation with all-reduced inner products), ``acceleration`` and the plan's
-rows (``to_dense``, ``topk``), on 2 and 3 gloo processes.
+SamplesLoss warm starts over a sequence of calls (one case in replicated mode too), second derivatives and
+the gradient of ``value_linear`` (implicit differentiation: ring plan products, all-reduced inner products),
+``acceleration`` and the plan's rows (``to_dense``, ``topk``), on 2 and 3 gloo processes.
 
 The ranks run this file (``python tests/test_distributed_points.py compare <rank> <world> <init> <dir>``,
 test_distributed's launcher) with uneven slices of the points (test_distributed._cuts), write their
 results, and the parent compares them with the same calls in one process (``group=None``): every
 per-point quantity put back together in rank order, every whole-problem quantity on every rank,
 iteration counts equal, 1e-10 relative in float64 (measured: at most ~1e-12), plan column indices equal.
-Also on the ranks: what points mode still refuses (second derivatives, ``np.asarray(plan)``) raises
-``NotImplementedError`` naming ``shard='replicated'``, and bad arguments of the plan's collectives raise on
+Also on the ranks: what points mode still refuses (second derivatives of unbalanced values,
+``np.asarray(plan)``) raises ``NotImplementedError`` naming the alternative, and bad arguments of the plan's collectives raise on
 every rank (the one at fault its own error, the others a ``ValueError`` naming it) without a hang.
 """
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_distributed import RTOL, _data, _launch, _leaves, _rel, _slices  # noqa: E402
+from test_distributed import F64, RTOL, _data, _launch, _leaves, _part, _rel, _slices  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -116,6 +116,29 @@ def _rows(group, part, *, backend="cpu", B=None, k=3):
     return out
 
 
+def _hvp(group, part, *, loss=False):
+    """Second derivatives: the gradient of ``<gx, Vx> + <ga, Va>`` (``gx``, ``ga`` the first derivatives
+    of the value, ``create_graph=True``; ``Vx``, ``Va`` fixed directions, each rank its slices) w.r.t. this
+    rank's points and weights (implicit differentiation: ring plan products, CG's inner products
+    all-reduced; CG to 1e-12 relative, so that the comparison measures the distributed arithmetic)."""
+    from flashot import ImplicitDiff, SamplesLoss, solve_sample
+
+    N, M = 60, 50
+    x, y, a, b = _leaves(*_slices(part, *_data(2, N, M)))
+    Vx = _part(part, torch.linspace(-1, 1, N * 3, dtype=F64).view(N, 3), -2)
+    Va = _part(part, torch.cos(torch.arange(N, dtype=F64)), -1)
+    kw = {} if part is None else {"shard": "points"}
+    cfg = ImplicitDiff(tol=1e-12, max_iter=1000)
+    if loss:  # debiased: the self terms' second derivatives too
+        v = SamplesLoss(blur=0.4, backend="cpu", implicit=cfg, group=group, **kw)(a, x, b, y)
+    else:
+        v = solve_sample(x, y, a, b, reg=0.5, tol=1e-12, max_iter=1000, backend="cpu", implicit=cfg, group=group,
+                         **kw).value
+    gx, ga = torch.autograd.grad(v, (x, a), create_graph=True)
+    hx, hy, hA, hB = torch.autograd.grad((gx * Vx).sum() + (ga * Va).sum(), (x, y, a, b))
+    return {"value": v.detach(), "gx": gx.detach(), "ga": ga.detach(), "hx": hx, "hy": hy, "hA": hA, "hB": hB}
+
+
 CASES = {
     "warm_debiased": lambda g, p: _warm(g, p),
     "warm_plain": lambda g, p: _warm(g, p, debias=False, weights=False),
@@ -131,22 +154,25 @@ CASES = {
     "anderson_alt": lambda g, p: _accel(g, p, "anderson"),
     "anderson_symmetric": lambda g, p: _accel(g, p, "anderson", method="symmetric"),
     "anderson_unbalanced": lambda g, p: _accel(g, p, "anderson", unbalanced=1.0),
+    "hvp": lambda g, p: _hvp(g, p),
+    "hvp_loss": lambda g, p: _hvp(g, p, loss=True),
     "plan_rows": lambda g, p: _rows(g, p),
     "plan_rows_batched_dense": lambda g, p: _rows(g, p, backend="dense", B=2, k=5),
 }
 REPLICATED = {"warm_replicated"}  # whole results on every rank
 RUN = {2: list(CASES), 3: ["warm_debiased", "warm_replicated", "warm_plain", "warm_one_point_moves", "linear_grad",
                            "linear_grad_euclidean_symmetric", "momentum_alt", "anderson_alt", "anderson_symmetric",
-                           "plan_rows"]}
+                           "plan_rows", "hvp", "hvp_loss"]}
 
 
 def _refusals(group, part) -> dict[str, str | None]:
-    """What points-sharded mode still refuses, each with a clear error (run on the ranks only)."""
+    """What points-sharded mode still refuses, each with a clear error (run on the ranks only): second
+    derivatives of unbalanced values, and the whole plan as an array."""
     from flashot import SamplesLoss, solve_sample
 
     x, y, _, _ = _slices(part, *_data(6, 30, 20))
     x = x.clone().requires_grad_()
-    res = solve_sample(x, y, reg=0.5, backend="cpu", group=group, shard="points")
+    res = solve_sample(x, y, reg=0.5, unbalanced=1.0, backend="cpu", group=group, shard="points")
     msgs = {}
     try:
         torch.autograd.grad(res.value, x, create_graph=True)
@@ -195,9 +221,9 @@ def _axis(key: str) -> int | None:
     per-point vectors, -2 for per-point rows (point gradients, plan rows); None for the whole problem's
     quantities (the same on every rank)."""
     name = key.rstrip("0123456789")
-    if name in ("F", "G", "ga", "gb", "f", "g"):
+    if name in ("F", "G", "ga", "gb", "f", "g", "hA", "hB"):
         return -1
-    if name in ("gx", "gy", "dense", "topv", "topi", "denseT", "topvT", "topiT"):
+    if name in ("gx", "gy", "hx", "hy", "dense", "topv", "topi", "denseT", "topvT", "topiT"):
         return -2
     return None
 
@@ -241,9 +267,10 @@ def test_points_mode_matches_single_process(world, tmp_path):
             for t in got:
                 worst[f"{name}.{k}"] = r = _rel(t, v)
                 assert r <= RTOL, (name, k, r)
-    for rk in ranks:  # the refusals name the option and shard='replicated'
+    for rk in ranks:  # the refusals name what is refused and the alternative
         for what, msg in rk["_refusals"].items():
-            assert msg is not None and "shard='points'" in msg and "shard='replicated'" in msg, (what, msg)
+            alt = "to_dense" if what == "asarray" else "balanced problems have them"
+            assert msg is not None and "shard='points'" in msg and alt in msg, (what, msg)
     for r, rk in enumerate(ranks):
         bad = rk["_bad"]
         want = "MemoryError: to_dense" if r == 1 else "ValueError: rank 1 rejected its input (MemoryError"

@@ -62,19 +62,22 @@ alternating iteration (versus ``N + W M`` in replicated mode).  A symmetric step
 GeomLoss' updates) is ONE ring pass: each y block travels with its partial column softmin, which every
 rank updates with its rows, and comes home complete after W hops (``M (D + 2)`` numbers received).  The potentials stay sliced: the solver's error,
 rounding floor, finiteness check and masses are all-reduced (:meth:`PointsMeasures.reduce`), so every
-rank takes the same stopping decision, and values are computed from all-gathered ``O(N + M)`` vectors
-(:meth:`PointsMeasures.full`, differentiable: each rank's backward gets its own slice), the same on every
-rank.  Potentials, marginals, ``plan @ V`` and the gradients w.r.t. points and weights are this rank's
-slices (the single-process results' slices up to float reassociation).  Also there:
-``SamplesLoss(warm_start=...)`` (each rank caches its slices; the displacement and the cold / warm
-decision are all-reduced, :mod:`flashot.warmstart`), ``acceleration`` (Anderson's Gram matrix and
-right-hand side and the finiteness tests all-reduced, :mod:`flashot.acceleration`), ``value_linear``'s
-gradient (implicit differentiation with the conjugate gradients' inner products all-reduced,
-:mod:`flashot.implicit`; ``implicit=`` sets its CG), and ``plan.to_dense()`` / ``plan.topk(k)``: THIS
-rank's rows over all columns (one ring pass of the column blocks; top-k merged block by block).  Not
-supported there (a clear error naming ``shard='replicated'``): second derivatives (``create_graph=True``,
-``SamplesLoss(implicit=...)``) and ``np.asarray(plan)`` (the whole plan).  The user chooses the mode
-(:func:`pick_shard` states a simple rule).
+rank takes the same stopping decision.  Balanced values are the ranks' partial sums ``<a_r, f_r> + <b_r,
+g_r>`` all-reduced (:func:`flashot.implicit.sinkhorn_value`), unbalanced ones are computed from
+all-gathered ``O(N + M)`` vectors (:meth:`PointsMeasures.full`, differentiable: each rank's backward gets
+its own slice); the same on every rank.  Potentials, marginals, ``plan @ V`` and the gradients w.r.t.
+points and weights are this rank's slices (the single-process results' slices up to float
+reassociation).  Also there: second derivatives of balanced values (``create_graph=True``: implicit
+differentiation, whose plan products are ring passes that carry the other ranks' cotangents and whose
+conjugate gradients all-reduce their inner products, :mod:`flashot.implicit`), ``value_linear``'s
+gradient (the same machinery), ``SamplesLoss(warm_start=...)`` (each rank caches its slices; the
+displacement and the cold / warm decision are all-reduced, :mod:`flashot.warmstart`),
+``acceleration`` (Anderson's Gram matrix and right-hand side and the finiteness tests all-reduced,
+:mod:`flashot.acceleration`), and ``plan.to_dense()`` / ``plan.topk(k)``: THIS rank's rows over all
+columns (one ring pass of the column blocks; top-k merged block by block).  Not supported there (a
+clear error): second derivatives of unbalanced values and ``np.asarray(plan)`` (the whole plan; naming
+``to_dense`` and ``shard='replicated'``).  The user chooses the mode (:func:`pick_shard` states a simple
+rule).
 """
 
 from __future__ import annotations
@@ -618,9 +621,10 @@ class RingEngine:
 
 class _GatherFn(torch.autograd.Function):
     """All-gather of per-rank (B, n_r) slices into whole vectors; backward: this rank's slice of the
-    gradient (every rank computes the same function of the gathered vectors).  Every points-sharded value
-    goes through it, so its backward refuses ``create_graph=True`` (the values have first derivatives
-    only: the final step's envelope gradients), with an error that says so."""
+    gradient (every rank computes the same function of the gathered vectors).  The unbalanced
+    points-sharded values go through it (the balanced ones through :func:`flashot.implicit.sinkhorn_value`),
+    so its backward refuses ``create_graph=True``: those values have first derivatives only (the final
+    step's envelope gradients)."""
 
     @staticmethod
     def forward(ctx, m, sides, *ts):
@@ -630,8 +634,8 @@ class _GatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if torch.is_grad_enabled():
-            raise NotImplementedError("second derivatives (create_graph=True) are not implemented with "
-                                      "shard='points'; use shard='replicated' (implicit differentiation)")
+            raise NotImplementedError("second derivatives (create_graph=True) of unbalanced OT are not implemented "
+                                      "with shard='points'; balanced problems have them (implicit differentiation)")
         return (None, None, *(None if g is None else ctx.m._own(s, g) for g, s in zip(grads, ctx.sides)))
 
 
@@ -933,8 +937,8 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     """:func:`flashot.solve_sample` with ``shard="points"``: ONE problem whose points and weights are split
     over the ranks of ``group`` (this rank passes its slices); potentials, marginals and gradients are this
     rank's slices, values the whole problem's (same on every rank).  Options are checked across ranks.
-    ``opts.implicit`` sets the conjugate gradients of ``value_linear``'s gradient (first derivatives: the
-    second ones, ``create_graph=True``, are not available here)."""
+    ``opts.implicit`` sets the conjugate gradients of the second derivatives and of ``value_linear``'s
+    gradient (:mod:`flashot.implicit`, as in one process)."""
     from .ot_samples import solve_measures
 
     check_group(group)
@@ -952,5 +956,5 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))
     cb = None if opts.callback is None else _collective_callback(opts.callback, group)
     opts = replace(opts, callback=cb, verbose=opts.verbose and dist.get_rank(group) == 0)
-    m.implicit_diff = opts.implicit  # value_linear's gradient (flashot.implicit.linear_value)
+    m.implicit_diff = opts.implicit  # value_linear's gradient of an unbalanced solve (sinkhorn_value sets it else)
     return _points_result(solve_measures(m, opts, potentials_init, numpy=numpy))

@@ -286,12 +286,12 @@ class ImplicitGradFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg):
+    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, reduce=_local_sum):
         a_log, b_log = _safe_log(a.detach()), _safe_log(b.detach())
         gx, gy = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
                               eps, cost, engine, True, True)
         ctx.save_for_backward(x, y, a, b, f_new, g_new)
-        ctx.eps, ctx.cost, ctx.engine, ctx.cfg = eps, cost, engine, cfg
+        ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.reduce = eps, cost, engine, cfg, reduce
         return gx, gy, f_new.clone(), g_new.clone()
 
     @staticmethod
@@ -310,7 +310,7 @@ class ImplicitGradFn(torch.autograd.Function):
         z = lambda t, ref: torch.zeros_like(ref) if t is None else t  # noqa: E731
         dX, dY, dA, dB, dF, dG = z(dX, x), z(dY, y), z(dA, a), z(dB, b), z(dF, f), z(dG, g)
 
-        w1, w2 = _solve_h(x, y, alpha, beta, r, c, eps * dF, eps * dG, eps, cost, engine, cfg)
+        w1, w2 = _solve_h(x, y, alpha, beta, r, c, eps * dF, eps * dG, eps, cost, engine, cfg, ctx.reduce)
 
         # - d/dtheta <w, E(theta, f, g)>,  <w, E> = sum_ij P_ij (w1_i + w2_j) - <w1, a> - <w2, b>
         with torch.enable_grad():
@@ -319,7 +319,7 @@ class ImplicitGradFn(torch.autograd.Function):
             o = PlanProductFn.apply(X, Y, al, be, torch.stack([torch.ones_like(w2), w2], -1), eps, cost, engine)
             E = (o[..., 0] * w1 + o[..., 1]).sum()
             eX, eY, eA, eB = torch.autograd.grad(E, (X, Y, A, Bw))
-        return (dX - eX, dY - eY, dA - eA + w1, dB - eB + w2, None, None, None, None, None, None, None, None)
+        return (dX - eX, dY - eY, dA - eA + w1, dB - eB + w2, None, None, None, None, None, None, None, None, None)
 
 
 def _first_order(x, y, a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engine, need_x, need_y):
@@ -342,13 +342,19 @@ class OTValueFn(torch.autograd.Function):
 
     ``sym=True`` is the self problem OT(a, a) (``y is x``, ``b is a``; pass ``y=x``,
     ``b=a`` and ``g_* = f_*``): ``W = 2 <a, f_new>``, one plan product for ``grad_x``.
+
+    Points-sharded (``reduce`` an all-reduce sum, ``engine`` the ring engine): ``x, a, f_*`` are this
+    process's rows and ``y, b, g_*`` its columns; ``W`` is summed over the processes, and the backward
+    gives the gradients w.r.t. this process's points and weights (the envelope gradients' plan products
+    run over all the points; the second derivatives' conjugate gradients all-reduce their inner
+    products).  Every process must run the backward.
     """
 
     @staticmethod
-    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, sym):
+    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, sym, reduce=_local_sum):
         ctx.save_for_backward(x, y, a, b, f_new, g_new, f_old, g_old)
-        ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.sym = eps, cost, engine, cfg, sym
-        return (a * f_new).sum(-1) + (b * g_new).sum(-1)
+        ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.sym, ctx.reduce = eps, cost, engine, cfg, sym, reduce
+        return reduce((a * f_new).sum(-1) + (b * g_new).sum(-1))
 
     @staticmethod
     def backward(ctx, G: Tensor):
@@ -362,7 +368,8 @@ class OTValueFn(torch.autograd.Function):
                     f"second derivatives (create_graph=True) need a dot-product cost (p=2, 'sqeuclidean' or "
                     f"'half_sqeuclidean'); got cost={cost.name!r}"
                 )
-            gx, gy, fa, gb = ImplicitGradFn.apply(x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg)
+            gx, gy, fa, gb = ImplicitGradFn.apply(x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg,
+                                                  ctx.reduce)
             out = [Gv.unsqueeze(-1) * gx, Gv.unsqueeze(-1) * gy, Gv * fa, Gv * gb]
         else:
             a_log, b_log = _safe_log(a.detach()), _safe_log(b.detach())
@@ -381,7 +388,7 @@ class OTValueFn(torch.autograd.Function):
             ]
         needs = (nx, ny, na, nb)
         out = [o if n else None for o, n in zip(out, needs)]
-        return (*out, None, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None, None)
 
 
 def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb: Tensor | None = None,
@@ -391,20 +398,21 @@ def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb
     ``f, g, f_aa, g_bb`` come from :func:`~flashot.solver.final_step` (their values
     only are used) and ``st`` is the loop state (the previous potentials).  First
     derivatives are those of the final step; second derivatives use implicit
-    differentiation with the ``implicit`` settings.
+    differentiation with the ``implicit`` settings.  Points-sharded measures: the whole problem's
+    value (``m.reduce``), each process's gradients w.r.t. its own points and weights.
     """
     cfg = check_implicit(implicit)
     m.implicit_diff = cfg  # OTResult.value_linear's gradient (linear_value) uses the same settings
     eps = st.eps
     d = lambda t: t.detach()  # noqa: E731
     x, y, a, b = m.x, m.y, m.a, m.b
-    v = OTValueFn.apply(x, y, a, b, d(f), d(g), d(st.f), d(st.g), eps, m.cost, m.engine, cfg, False)
+    v = OTValueFn.apply(x, y, a, b, d(f), d(g), d(st.f), d(st.g), eps, m.cost, m.engine, cfg, False, m.reduce)
     if f_aa is not None:
         # <a, f_aa> = OT(a, a) / 2 and <b, g_bb> = OT(b, b) / 2
         v = v - 0.5 * OTValueFn.apply(x, x, a, a, d(f_aa), d(f_aa), d(st.f_aa), d(st.f_aa),
-                                      eps, m.cost, m.engine, cfg, True)
+                                      eps, m.cost, m.engine, cfg, True, m.reduce)
         v = v - 0.5 * OTValueFn.apply(y, y, b, b, d(g_bb), d(g_bb), d(st.g_bb), d(st.g_bb),
-                                      eps, m.cost, m.engine, cfg, True)
+                                      eps, m.cost, m.engine, cfg, True, m.reduce)
     return v
 
 

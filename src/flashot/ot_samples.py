@@ -35,7 +35,7 @@ from .measures import Measures
 from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
 from .plan import LazyPlan
 from .acceleration import check_acceleration
-from .solver import IterationRecord, SinkhornState, balanced_value, final_step, sinkhorn_loop
+from .solver import IterationRecord, SinkhornState, final_step, sinkhorn_loop
 from .unbalanced import dual_value, parse_unbalanced, pot_value
 
 METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
@@ -273,9 +273,8 @@ def solve_sample(
             ``"points"`` (every rank passes only its slice of ``X_a``, ``a``, ``X_b``, ``b``; the other
             slices travel around a ring of the ranks: for clouds that do not fit one device).  With
             ``"points"``, ``potentials``, ``marginals`` and the gradients are this rank's slices, ``value``
-            the whole problem's; ``a=None`` means ``1 / N`` with ``N`` the points of all ranks; ``implicit``
-            sets ``value_linear``'s gradient only (no second derivatives there); ``plan.to_dense()`` and
-            ``plan.topk(k)`` give this rank's rows (see :mod:`flashot.distributed`).
+            the whole problem's; ``a=None`` means ``1 / N`` with ``N`` the points of all ranks;
+            ``plan.to_dense()`` and ``plan.topk(k)`` give this rank's rows (see :mod:`flashot.distributed`).
 
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
@@ -421,9 +420,7 @@ def _result(m: Measures, st: SinkhornState, o: SolveOptions, numpy: bool) -> OTR
     if o.unbalanced:  # m.full: the whole vectors when the points are split over ranks (else the same)
         value = pot_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b)
         value_dual = dual_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b)
-    elif m.points_sharded:  # first derivatives through the final step (no second ones)
-        value = value_dual = balanced_value(*m.full("xyxy", m.a, m.b, f, g))
-    else:
+    else:  # points-sharded too: summed over the ranks, each rank's gradients its slices
         value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
     res = OTResult(
         value=None,

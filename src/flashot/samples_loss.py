@@ -24,7 +24,7 @@ from .multiscale import MultiscaleConfig, MultiscaleRun, multiscale_loop, unsort
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
-from .solver import balanced_value, final_step, sinkhorn_loop
+from .solver import final_step, sinkhorn_loop
 from .unbalanced import (
     geomloss_debiased,
     geomloss_debiased_two_sided,
@@ -179,8 +179,7 @@ class SamplesLoss(torch.nn.Module):
         shard: with ``group``: ``"replicated"`` (default; every rank passes all the points) or ``"points"``
             (every rank passes only its slice of the points and weights; the slices travel around a ring of
             the ranks).  With ``"points"`` the value is the whole problem's (same on every rank), the
-            potentials and gradients this rank's slices; ``warm_start`` caches this rank's slices; not with
-            ``implicit``.
+            potentials and gradients this rank's slices; ``warm_start`` caches this rank's slices.
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.  Balanced (no ``reach``) weights whose total
@@ -289,9 +288,6 @@ class SamplesLoss(torch.nn.Module):
         if group is not None or shard != "replicated":
             from .distributed import check_shard
             check_shard(shard, group)
-            if shard == "points" and implicit is not None:
-                raise NotImplementedError("shard='points': implicit= (second derivatives) is not implemented with "
-                                          "points split over ranks; use shard='replicated'")
         self.group, self.shard = group, shard
         self._warm_cache = None
         self.last_n_iter = None
@@ -390,10 +386,6 @@ class SamplesLoss(torch.nn.Module):
         if not self.potentials and self.cost is not None:  # autograd through the cost function's matrices
             value = (m.a * f).sum(-1) + (m.b * g).sum(-1)
             return m.restore(value - (m.a * f_aa).sum(-1) - (m.b * g_bb).sum(-1) if self.debias else value)
-        if not self.potentials and m.points_sharded:  # the whole vectors; first derivatives only
-            A, Bw, F, G, Faa, Gbb = m.full("xyxyxy", m.a, m.b, f, g, f_aa, g_bb)
-            value = balanced_value(A, Bw, F, G)
-            return m.restore(value - balanced_value(A, Bw, Faa, Gbb) if self.debias else value)
         if not self.potentials:
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
         if self.debias:
@@ -433,7 +425,8 @@ class SamplesLoss(torch.nn.Module):
         from .distributed import points_measures
 
         opts = {k: repr(getattr(self, k)) for k in ("p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling",
-                                                    "debias", "potentials", "backend", "warm_start")}
+                                                    "debias", "potentials", "backend", "warm_start",
+                                                    "implicit")}
         return points_measures(x, y, a_in, b_in, group=self.group, build=build, options=opts,
                                names=("x", "y", "α", "β"))
 
