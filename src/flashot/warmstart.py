@@ -64,8 +64,8 @@ def check_warm_start(v) -> float | None:
 
 
 def _key(module, m):
-    """What a cached state must match: shapes (and, points-sharded, the points of every rank: the same
-    on all ranks), dtype, device and the loss's ``p``, ``blur``, ``debias``."""
+    """What a cached state must match: shapes (and, points-sharded, the number of points of every rank,
+    the same on all ranks), dtype, device and the loss's ``p``, ``blur``, ``debias``."""
     return (m.shape, getattr(m, "counts", None), m.x.dtype, m.x.device, module.p, module.blur, module.debias)
 
 
