@@ -53,7 +53,7 @@ from .measures import Measures, log_weights
 from .ops import prepare_pair
 from .ops import softmin as ops_softmin
 from .ops.blocksparse import BlockPattern, BlockSparseEngine
-from .solver import SinkhornState, sinkhorn_loop
+from .solver import SinkhornState, damping, sinkhorn_loop
 
 
 @dataclass(frozen=True)
@@ -423,9 +423,17 @@ def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps
 
 def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleConfig, *, debias: bool,
                     diameter: float, labels: tuple[Tensor | None, Tensor | None] = (None, None),
-                    verbose: bool = False, group: Any = None) -> MultiscaleRun:
+                    verbose: bool = False, group: Any = None,
+                    rho: tuple[float | None, float | None] = (None, None)) -> MultiscaleRun:
     """Run GeomLoss' symmetric, debiased-or-not schedule ``eps_list`` coarse-to-fine on ``m`` (B = 1); with a
-    ``torch.distributed`` ``group``, over its ranks (replicated mode: every rank passes the same ``m``)."""
+    ``torch.distributed`` ``group``, over its ranks (replicated mode: every rank passes the same ``m``).
+    ``rho = (rho_x, rho_y)``: KL marginal penalties (unbalanced OT, GeomLoss' ``reach**p``; None: strict),
+    applied at every temperature, coarse and fine, and in the extrapolation (``f = lam_x softmin``, as
+    GeomLoss' multiscale does); debiasing needs ``rho_x == rho_y`` here."""
+    if debias and rho[0] != rho[1]:
+        raise NotImplementedError("backend='multiscale': debiasing with different marginal penalties (reach_x != "
+                                  "reach_y) is not implemented; use backend='auto'")
+    rx, ry = rho
     D = m.x.shape[-1]
     scale = cfg.cluster_scale if cfg.cluster_scale is not None else default_cluster_scale(diameter, D)
     x, y = m.x[0], m.y[0]
@@ -439,13 +447,13 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     cx, cy = cluster(x, m.a[0], scale, labels[0]), cluster(y, m.b[0], scale, labels[1])
     jump = jump_index(eps_list, _jump_threshold(m.cost, scale, p))
     mc = _coarse_measures(m, cx, cy, group)
-    st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, verbose=verbose)
+    st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, rho_x=rx, rho_y=ry, verbose=verbose)
     if bs < scale:
         cx, cy = cluster(x, m.a[0], bs), cluster(y, m.b[0], bs)
     fine = _fine_measures(m, cx, cy)
     hier = _Hier.build(fine, cx, cy, debias)
     eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
-    state = replace(_extrapolated_state(fine, mc, cx, cy, st, eps, debias, group), eps=eps)
+    state = replace(_extrapolated_state(fine, mc, cx, cy, st, eps, debias, group, rho), eps=eps)
     kept: list[float] = []
     tail = eps_list[jump + 1:]
     if not tail:  # extrapolation only: the final step reads the potentials at this temperature
@@ -458,7 +466,7 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
         steps = [e for e in tail if e == level]
 
         def loop(fine_, st, steps=steps):
-            return sinkhorn_loop(fine_, steps, symmetric=True, debias=debias, init=(st.f, st.g),
+            return sinkhorn_loop(fine_, steps, symmetric=True, debias=debias, rho_x=rx, rho_y=ry, init=(st.f, st.g),
                                  init_self=(st.f_aa, st.g_bb) if debias else None)
 
         fine, state, bounds = _fine_level(fine, hier, state, bounds, level, loop, cfg.truncate, debias, kept, group)
@@ -547,17 +555,19 @@ def _fine_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
 
 
 def _extrapolated_state(fine: Measures, mc: Measures, cx, cy, st: SinkhornState, eps: float,
-                        debias: bool, group: Any = None) -> SinkhornState:
-    """Coarse potentials (cluster centroids) carried to the sorted points."""
+                        debias: bool, group: Any = None, rho: tuple = (None, None)) -> SinkhornState:
+    """Coarse potentials (cluster centroids) carried to the sorted points (one damped softmin each:
+    ``f = lam_x softmin_J(log b_J + g_J / eps)``, ``lam = 1 / (1 + eps / rho)``, 1 on a strict side)."""
     cost = fine.cost
     x, y = fine.x.detach(), fine.y.detach()
     xc, yc = mc.x.detach() + mc.center, mc.y.detach() + mc.center  # back in fine's coordinates
-    f = _extrapolate(x, yc, mc.b_log, st.g, eps, 1.0, cost, group)
-    g = _extrapolate(y, xc, mc.a_log, st.f, eps, 1.0, cost, group)
+    lx, ly = damping(eps, rho[0]), damping(eps, rho[1])
+    f = _extrapolate(x, yc, mc.b_log, st.g, eps, lx, cost, group)
+    g = _extrapolate(y, xc, mc.a_log, st.f, eps, ly, cost, group)
     f_aa = g_bb = None
     if debias:
-        f_aa = _extrapolate(x, xc, mc.a_log, st.f_aa, eps, 1.0, cost, group)
-        g_bb = _extrapolate(y, yc, mc.b_log, st.g_bb, eps, 1.0, cost, group)
+        f_aa = _extrapolate(x, xc, mc.a_log, st.f_aa, eps, lx, cost, group)
+        g_bb = _extrapolate(y, yc, mc.b_log, st.g_bb, eps, ly, cost, group)
     return replace(st, f=f, g=g, f_aa=f_aa, g_bb=g_bb)
 
 

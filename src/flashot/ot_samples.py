@@ -229,7 +229,7 @@ def solve_sample(
             ``converged=False``.  ``tol=None``: exactly ``max_iter`` iterations, no warning.
             NaN / Inf potentials raise ``FloatingPointError`` (naming ``reg`` and the engine).
         backend: engine name or ``"auto"``; ``"multiscale"``: GeomLoss' coarse-to-fine solver
-            (:mod:`flashot.multiscale`) for one balanced pair of clouds (D <= 3 prunes best): its schedule down to
+            (:mod:`flashot.multiscale`) for one pair of clouds, balanced or ``unbalanced`` (D <= 3 prunes best): its schedule down to
             ``reg`` on cluster centroids then on the points with only the blocks of clusters within
             ``truncate * reg`` of the potentials (GeomLoss' ``cluster_scale`` and ``truncate``), then
             the ordinary iterations to ``tol`` on the same blocks (re-pruned if the potentials move).
@@ -449,7 +449,7 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
     ordinary loop to ``tol`` on the pruned points (:func:`flashot.multiscale.continue_fine`)."""
     from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule
 
-    refused = [name for name, bad in (("unbalanced", o.unbalanced), ("potentials_init", potentials_init is not None),
+    refused = [name for name, bad in (("potentials_init", potentials_init is not None),
                                       ("acceleration", o.acceleration is not None)) if bad]
     if refused:
         raise NotImplementedError(f"backend='multiscale' does not support {', '.join(refused)} yet; use backend='auto'")
@@ -458,7 +458,8 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
         raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
                                   "use backend='auto'")
     check_eps_scale("reg", o.reg, m.cmax, m.x.dtype)
-    _check_equal_masses(m)
+    if not o.unbalanced:
+        _check_equal_masses(m)
     if group is not None:  # replicated mode: the problem and options checked across ranks, callback collective
         from .distributed import distribute_solve
 
@@ -467,12 +468,13 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
     diameter = m.bbox_diameter()
     run = multiscale_loop(m, schedule(m.cost, diameter, o.reg), 2 if m.cost.is_dot else 1,
                           MultiscaleConfig(cluster_scale, truncate), debias=False, diameter=diameter, verbose=o.verbose,
-                          group=group)
+                          group=group, rho=(o.rho_a, o.rho_b))
     symmetric = METHODS[o.method]
 
     def loop(fine: Measures, st: SinkhornState) -> SinkhornState:
         return sinkhorn_loop(fine, _Schedule(o.reg, o.max_iter), symmetric=symmetric, tol=o.tol, init=(st.f, st.g),
-                             callback=o.callback, inner_iterations=o.inner_iterations, verbose=o.verbose)
+                             rho_x=o.rho_a, rho_y=o.rho_b, callback=o.callback, inner_iterations=o.inner_iterations,
+                             verbose=o.verbose)
 
     run = continue_fine(run, loop)
     mo, st = in_input_order(m, run)

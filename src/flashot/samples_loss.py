@@ -38,7 +38,8 @@ AUTO_MULTISCALE_PAIRS = 10_000**2  # GeomLoss' threshold; multiscale is faster f
 
 
 def auto_multiscale(m: Measures, p: int, blur: float, diameter: float) -> bool:
-    r"""Whether ``backend="auto"`` picks the multiscale solver for the balanced problem ``m``: one pair of
+    r"""Whether ``backend="auto"`` picks the multiscale solver for the problem ``m`` (balanced or with
+    ``reach``; not two-sided debiasing, see :meth:`SamplesLoss._auto_multiscale`): one pair of
     clouds on the CPU, :math:`D \le 3`, :math:`p = 2`, :math:`NM \ge` ``AUTO_MULTISCALE_PAIRS`` and
     ``blur <= diameter / 20`` (below GeomLoss' default cluster scale, so the fine stage prunes).
 
@@ -57,8 +58,6 @@ def auto_multiscale(m: Measures, p: int, blur: float, diameter: float) -> bool:
 
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto", "multiscale": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
-
-
 
 
 _FUNCTION_BACKENDS = ("auto", "tensorized", "dense", "tiled")
@@ -157,12 +156,14 @@ class SamplesLoss(torch.nn.Module):
             ``"multiscale"``: GeomLoss' coarse-to-fine solver (:mod:`flashot.multiscale`):
             clusters of side ``cluster_scale``, the coarse schedule on their centroids, then the
             points with only the blocks kept by ``truncate``.  One pair of clouds (no
-            batch), balanced, ``loss="sinkhorn"``; the six-argument call ``L(labels_x, a, x,
+            batch), balanced or with ``reach`` (semi-unbalanced ``reach_x`` / ``reach_y`` with
+            ``debias=False``), ``loss="sinkhorn"``; the six-argument call ``L(labels_x, a, x,
             labels_y, b, y)`` gives the clusters.  ``L.last_multiscale.kept`` lists the kept fractions
             of the pairs.  Its fine iterations run in the ``cpu`` engine's C++ kernels on the CPU, in
-            PyTorch elsewhere.  ``"auto"`` picks it where GeomLoss does and where it pays here
+            the ``triton`` engine's block-sparse kernels on CUDA tensors (PyTorch without Triton).
+            ``"auto"`` picks it where GeomLoss does and where it pays here
             (:func:`auto_multiscale`: one pair of CPU clouds, D <= 3, p = 2, ``N M`` at least
-            ``AUTO_MULTISCALE_PAIRS``, blur at most ``diameter / 20``, balanced, built-in cost, no
+            ``AUTO_MULTISCALE_PAIRS``, blur at most ``diameter / 20``, built-in cost, no
             ``implicit`` / ``warm_start`` / ``shard="points"``; with ``group`` in replicated mode the
             same choice as one process); its value then follows GeomLoss' coarse-to-fine trajectory,
             which lands within ~1% of the single-scale one.
@@ -245,9 +246,9 @@ class SamplesLoss(torch.nn.Module):
                            or (warm_start is not False and warm_start is not None)):
             raise NotImplementedError("backend='multiscale' runs loss='sinkhorn' with the built-in costs (p=1 or 2), "
                                       "without implicit= or warm_start=; use backend='auto' for the others")
-        if multiscale and (reach is not None or reach_x is not None or reach_y is not None):
-            raise NotImplementedError("backend='multiscale' with reach (unbalanced OT) is not implemented yet; "
-                                      "use backend='auto'")
+        if multiscale and debias and self.rho_x != self.rho_y:
+            raise NotImplementedError("backend='multiscale': debiasing with reach_x != reach_y (two-sided self "
+                                      "problems) is not implemented; use backend='auto', or reach= for both sides")
         self.cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
         self.blur = check_positive("blur", blur)
         check_power("blur", self.blur, p)  # eps = blur^p: neither 0 nor inf in float64
@@ -371,9 +372,9 @@ class SamplesLoss(torch.nn.Module):
         rx, ry = self.rho_x, self.rho_y
         if rx is None and ry is None and (a_in is not None or b_in is not None):  # uniform: mass 1, no sync
             _warn_unequal_masses(m)
-        if rx is not None or ry is not None:
-            return self._unbalanced(m, eps_list, rx, ry, a_in, b_in)
         multiscale = self.backend == "multiscale" or (self.backend == "auto" and self._auto_multiscale(m, diameter))
+        if rx is not None or ry is not None:
+            return self._unbalanced(m, eps_list, rx, ry, a_in, b_in, diameter if multiscale else None)
         if multiscale:
             run = self._multiscale(m, eps_list, diameter)
             m, st = run.m, run.state
@@ -398,17 +399,19 @@ class SamplesLoss(torch.nn.Module):
         """Whether ``backend="auto"`` runs this call coarse-to-fine (see :func:`auto_multiscale`)."""
         if self.cost is not None or self._implicit_given or self.warm_start is not None:
             return False  # (shard="points": auto_multiscale refuses points-sharded measures)
+        if self.debias and self.rho_x != self.rho_y:
+            return False  # two-sided self problems: single-scale only
         return auto_multiscale(m, self.p, self.blur, diameter)
 
-    def _multiscale(self, m: Measures, eps_list, diameter: float) -> MultiscaleRun:
-        """GeomLoss' coarse-to-fine schedule (:mod:`flashot.multiscale`); ``L.last_multiscale`` keeps the run
-        (clusters, kept fractions of the pairs)."""
+    def _multiscale(self, m: Measures, eps_list, diameter: float, rho: tuple = (None, None)) -> MultiscaleRun:
+        """GeomLoss' coarse-to-fine schedule (:mod:`flashot.multiscale`, marginal penalties ``rho``);
+        ``L.last_multiscale`` keeps the run (clusters, kept fractions of the pairs)."""
         if m.batched:
             raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
                                       "use backend='auto' for batches")
         run = multiscale_loop(m, eps_list, self.p, MultiscaleConfig(self.cluster_scale, self.truncate),
                               debias=self.debias, diameter=diameter, labels=self._labels, verbose=self.verbose,
-                              group=self.group)
+                              group=self.group, rho=rho)
         self.last_multiscale, self.last_n_iter = run, len(eps_list)
         return run
 
@@ -514,12 +517,18 @@ class SamplesLoss(torch.nn.Module):
                            max_iter=max_iter, potentials_init=(F, G), backend=backend)
         return res.plan
 
-    def _unbalanced(self, m: Measures, eps_list, rx, ry, a_in, b_in):
-        """KL-penalised marginals (GeomLoss' reach, or our semi-unbalanced reach_x / reach_y)."""
-        st = sinkhorn_loop(
-            m, eps_list, symmetric=True, debias=self.debias, rho_x=rx, rho_y=ry, verbose=self.verbose
-        )
-        self.last_n_iter = st.n_iter
+    def _unbalanced(self, m: Measures, eps_list, rx, ry, a_in, b_in, multiscale_diameter: float | None = None):
+        """KL-penalised marginals (GeomLoss' reach, or our semi-unbalanced reach_x / reach_y); coarse-to-fine
+        when ``multiscale_diameter`` is given."""
+        run = None
+        if multiscale_diameter is not None:
+            run = self._multiscale(m, eps_list, multiscale_diameter, rho=(rx, ry))
+            m, st = run.m, run.state
+        else:
+            st = sinkhorn_loop(
+                m, eps_list, symmetric=True, debias=self.debias, rho_x=rx, rho_y=ry, verbose=self.verbose
+            )
+            self.last_n_iter = st.n_iter
         if st.g_aa is not None:  # debiasing with rho_x != rho_y: two-sided self problems
             f, g, _, _ = final_step(m, replace(st, f_aa=None, g_bb=None), rho_x=rx, rho_y=ry)
             f_aa, g_aa, f_bb, g_bb = self_terms_final(m, st, rx, ry)
@@ -532,6 +541,8 @@ class SamplesLoss(torch.nn.Module):
         if self.potentials:
             if self.debias:
                 f, g = f - f_aa, g - g_bb
+            if run is not None:  # back to the input order
+                f, g = unsort(f, run.cx.perm), unsort(g, run.cy.perm)
             return self._potentials(m, f, g, a_in, b_in)
         if self.debias:
             return m.restore(geomloss_debiased(*m.full("xyxyxy", m.a, m.b, f, g, f_aa, g_bb), st.eps, rx, ry))
