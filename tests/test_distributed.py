@@ -427,3 +427,14 @@ def test_torchrun_example_matches_one_process():
     ref = ref + ref[:2]  # the points-sharded solve is the same problem
     for g, r in zip(got, ref):  # printed to 6 decimals; float32 sums in another order: 1e-5 relative
         assert abs(g - r) <= 1e-5 * abs(r) + 1e-6, (got, ref)
+
+
+def test_control_tensors_follow_the_backend(monkeypatch):
+    """The collective stop decision's tensor: CUDA for NCCL (which refuses CPU tensors), CPU for gloo."""
+    import flashot.distributed as D
+
+    monkeypatch.setattr(D.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(D.torch.cuda, "current_device", lambda: 1)
+    assert D._control_device(None) == torch.device("cuda", 1)
+    monkeypatch.setattr(D.dist, "get_backend", lambda group=None: "gloo")
+    assert D._control_device(None) == torch.device("cpu")

@@ -402,11 +402,21 @@ def distribute_measures(m, group, options: dict[str, Any] | None = None,
     return m
 
 
+def _control_device(group) -> torch.device:
+    """Where a small control tensor of ``group``'s collectives lives: NCCL takes CUDA tensors only (the current
+    device, which torchrun users set with ``torch.cuda.set_device``), gloo and mixed backends CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _collective_callback(cb, group):
     """A callback whose stop decision is taken by all ranks together (any rank stopping stops all)."""
+    device = _control_device(group)
+
     def wrapped(rec):
         stop = cb(rec) is True
-        t = torch.tensor([1 if stop else 0], dtype=torch.int64)
+        t = torch.tensor([1 if stop else 0], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return bool(t.item())
     return wrapped
