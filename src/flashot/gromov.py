@@ -32,6 +32,24 @@ Stopping follows POT: every 10th outer iteration (the 1st, 11th, ...) the change
 ``eps / 2``, ``<T, T'>`` one with the mean of the two costs, also feature-bilinear), and the loop
 stops when it is at most ``tol``.
 
+Semi-relaxed GW (:func:`semirelaxed_gromov_wasserstein`, POT's ``entropic_semirelaxed_gromov_wasserstein``):
+only ``T 1 = a`` is imposed, ``q = T^T 1`` is free, and ``reg`` is the step of a KL mirror descent from
+``T = a 1^T / m``:
+
+.. math::
+    T \leftarrow \mathrm{diag}(a / K 1) K, \quad K = T \odot \exp(-G(T) / \varepsilon), \qquad
+    G(T) = 2\,(D^x)^{\circ 2} a\, 1^T + 2\, 1\, q^T (D^y)^{\circ 2} - 4\, D^x T D^y
+
+(fused: ``alpha G + (1 - alpha) M``).  ``h^q_j = sum_l q_l |y_j - y_l|^4`` comes from moments of ``Y`` weighted by
+``q`` (O(m dy^2)).  ``log T`` accumulates the steps' costs, all feature-bilinear in the same features, and the row
+constants drop out of the normalisation: ``T_ij = a_i / m exp((f_i + g_j - <phi_i, M psi_j>) / eps)`` with the
+cumulated ``M`` and ``g`` (float64) and ``f`` one row softmin per step; ``q`` and ``A`` are two plan products.
+The loss (POT's ``srgw_dist``) is ``<(D^x)^2 a, a> + <(D^y)^2 q, q> - 2 <A, R_x A R_y>``.  The change of the
+coupling is measured as below, with a second-order form weighted by ``T T_prev`` (relative truncation
+``d^2 / 12``) when the expansion has lost its digits; both carry a rounding estimate, and the loop stops at
+``max(tol, floor)`` (``floor`` ~1e-7 in float64 once the coupling is nearly a hard assignment: the cumulated
+exponents are large).
+
 Gradients: ``value`` is differentiable w.r.t. the points (torch inputs that require grad) by the
 envelope theorem at the returned coupling: the coupling is held fixed and ``A``, the biases and
 the marginal terms are differentiated (plan products w.r.t. their right-hand side).  This is the
@@ -176,7 +194,8 @@ class GWPlan(LazyPlan):
 
 
 def _embed(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(E, R)`` for a cloud x (n, d): ``E = [1, |x|^2, x]`` (n, d + 2) and ``R`` with ``|x_i - x_k|^2 = (E R E^T)_ik``."""
+    """``(E, R)`` for a cloud x (n, d): ``E = [1, |x|^2, x]`` (n, d + 2) and ``R`` with
+    ``|x_i - x_k|^2 = (E R E^T)_ik``."""
     d = x.shape[1]
     s = (x * x).sum(-1, keepdim=True)
     E = torch.cat([torch.ones_like(s), s, x], -1)
@@ -416,235 +435,274 @@ def _check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
     return X, Y, a, b, FX, FY, is_np
 
 
-def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
-    """(Fused) GW with the options of the public functions; ``FX = FY = None`` for plain GW."""
-    o = opts.checked()
-    reg, max_iter, tol, backend, verbose = o.reg, o.max_iter, o.tol, o.backend, o.verbose
-    inner_max_iter, inner_tol, warmstart = o.inner_max_iter, o.inner_tol, o.warmstart
-    X, Y, a, b, FX, FY, is_np = _check_inputs(X, Y, a, b, FX, FY)
-    fused = FX is not None
-    opts = solve_options(reg, max_iter=inner_max_iter, tol=inner_tol, method="alternating", grad="detach")
+@dataclass
+class _GWRun:
+    """The state of the outer loop of :func:`_gromov`."""
 
-    out_dtype = X.dtype
-    cdt = compute_dtype(X.dtype)
-    dev = X.device
-    n, m = X.shape[0], Y.shape[0]
-    a64, b64 = a.detach().double(), b.detach().double()
+    prev: tuple | None = None  # (measures, f, g, GW block of M) of the last coupling; None: a b^T
+    res: Any = None  # the last inner OTResult
+    cpt: int = 0
+    n_inner: int = 0
+    err: float | None = None
+    converged: bool = False
+    inner_ok: bool = True
+    log: dict = field(default_factory=lambda: {"err": [], "value": [], "n_inner": []})
 
-    # features in float64 (small algebra and biases); the engines run in the compute dtype
-    def feats(with_grad: bool):
+
+class _GWProblem:
+    """The fixed parts of a balanced (fused) GW solve: features and biases (float64), the engine, the augmented
+    points and the weights (compute dtype); ``FX = FY = None`` for plain GW."""
+
+    def __init__(self, X: Tensor, Y: Tensor, a: Tensor, b: Tensor, FX, FY, alpha: float, o: _Options):
+        self.X, self.Y, self.FX, self.FY, self.alpha, self.reg = X, Y, FX, FY, alpha, o.reg
+        self.fused = FX is not None
+        self.cdt, self.dev = compute_dtype(X.dtype), X.device
+        self.n, self.m = X.shape[0], Y.shape[0]
+        self.a64, self.b64 = a.detach().double(), b.detach().double()
+        Ex, hx, Rx, Ey, hy, Ry, F, G = (None if t is None else t.detach() for t in self.features(False))
+        self.Ex, self.hx, self.Rx, self.Ey, self.hy, self.Ry, self.F, self.G = Ex, hx, Rx, Ey, hy, Ry, F, G
+        self.p, self.q = Ex.shape[1], Ey.shape[1]
+        self.u, self.v = 2.0 * alpha * hx, 2.0 * alpha * hy  # biases of the linearised cost (POT: 2 constC)
+        self.Phi, self.Psi = Ex, Ey  # the features of the cost
+        if self.fused:
+            self.u, self.v = self.u + (1.0 - alpha) * (F * F).sum(-1), self.v + (1.0 - alpha) * (G * G).sum(-1)
+            self.Phi, self.Psi = torch.cat([Ex, F], -1), torch.cat([Ey, G], -1)
+        cost0, _, _ = self.make_cost(torch.zeros(self.p, self.q, dtype=torch.float64, device=self.dev))
+        _, xs, ys = FeatureBilinearCost.pair(self.u.unsqueeze(0), self.Phi.unsqueeze(0), self.v.unsqueeze(0),
+                                             self.Psi.unsqueeze(0),
+                                             torch.zeros(1, self.Phi.shape[1], self.Psi.shape[1], dtype=torch.float64,
+                                                         device=self.dev))
+        self.xs, self.ys = xs.to(self.cdt), ys.to(self.cdt)
+        K = self.xs.shape[-1]
+        self.engine = get_engine(o.backend, device=self.dev, dtype=self.cdt, cost=cost0, size=(1, self.n, self.m, K))
+        self.a_c, self.b_c = a.detach().to(self.cdt).unsqueeze(0), b.detach().to(self.cdt).unsqueeze(0)
+        self.a_log, self.b_log = log_weights(self.a_c), log_weights(self.b_c)
+        self.center = torch.zeros(1, 1, K, dtype=self.cdt, device=self.dev)
+        self.Vy = self.right(Ey, hy, G).to(self.cdt).unsqueeze(0).contiguous()
+
+    def features(self, with_grad: bool) -> tuple:
+        """``(E_x, h_x, R_x, E_y, h_y, R_y, F, G)`` in float64 (small algebra and biases; the engines run in the
+        compute dtype), differentiable w.r.t. the points and features when asked."""
+        a64, b64 = self.a64, self.b64
         with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
-            X64, Y64 = X.double(), Y.double()
+            X64, Y64 = self.X.double(), self.Y.double()
             Xc = X64 - (a64 @ X64.detach() / a64.sum())  # D is translation invariant: centre for accuracy
             Yc = Y64 - (b64 @ Y64.detach() / b64.sum())
             Ex, hx, Rx = _features(Xc, a64)
             Ey, hy, Ry = _features(Yc, b64)
-            if fused:  # |F_i - G_j|^2 is translation invariant: a common centre for accuracy
-                F64, G64 = FX.double(), FY.double()
+            if self.fused:  # |F_i - G_j|^2 is translation invariant: a common centre for accuracy
+                F64, G64 = self.FX.double(), self.FY.double()
                 c = 0.5 * (a64 @ F64.detach() / a64.sum() + b64 @ G64.detach() / b64.sum())
                 F, G = F64 - c, G64 - c
             else:
                 F = G = None
         return Ex, hx, Rx, Ey, hy, Ry, F, G
 
-    Ex, hx, Rx, Ey, hy, Ry, F, G = (None if t is None else t.detach() for t in feats(False))
-    p, q = Ex.shape[1], Ey.shape[1]
-    u, v = 2.0 * alpha * hx, 2.0 * alpha * hy  # biases of the linearised cost (POT: 2 constC)
-    Phi, Psi = Ex, Ey  # the features of the cost
-    if fused:
-        df = F.shape[1]
-        u, v = u + (1.0 - alpha) * (F * F).sum(-1), v + (1.0 - alpha) * (G * G).sum(-1)
-        Phi, Psi = torch.cat([Ex, F], -1), torch.cat([Ey, G], -1)
-
-    def make_cost(A: Tensor) -> tuple[FeatureBilinearCost, Tensor, float]:
-        Mm = (-4.0 * alpha) * Rx @ A @ Ry.T  # the GW block (the only part that changes)
+    def make_cost(self, A: Tensor) -> tuple[FeatureBilinearCost, Tensor, float]:
+        """``(cost, GW block of M, bound)`` of the linearised cost at the coupling with ``A = E_x^T T E_y``."""
+        p, q, alpha = self.p, self.q, self.alpha
+        Mm = (-4.0 * alpha) * self.Rx @ A @ self.Ry.T  # the GW block (the only part that changes)
         Mf = Mm
-        if fused:
-            Mf = torch.zeros(p + df, q + df, dtype=torch.float64, device=dev)
+        if self.fused:
+            df = self.F.shape[1]
+            Mf = torch.zeros(p + df, q + df, dtype=torch.float64, device=self.dev)
             Mf[:p, :q] = Mm
-            Mf[p:, q:] = -2.0 * (1.0 - alpha) * torch.eye(df, dtype=torch.float64, device=dev)
-        cost = FeatureBilinearCost(FeatureBilinearCost.block(Mf.unsqueeze(0)).to(cdt))
+            Mf[p:, q:] = -2.0 * (1.0 - alpha) * torch.eye(df, dtype=torch.float64, device=self.dev)
+        cost = FeatureBilinearCost(FeatureBilinearCost.block(Mf.unsqueeze(0)).to(self.cdt))
         # |C_ij| <= max|u| + max|v| + max_i |phi_i M| max_j |psi_j|
-        bound = float(u.abs().max() + v.abs().max()
-                      + (Phi @ Mf).norm(dim=-1).max() * Psi.norm(dim=-1).max())
+        bound = float(self.u.abs().max() + self.v.abs().max()
+                      + (self.Phi @ Mf).norm(dim=-1).max() * self.Psi.norm(dim=-1).max())
         return cost, Mm, bound
 
-    cost0, _, _ = make_cost(torch.zeros(p, q, dtype=torch.float64, device=dev))
-    _, xs, ys = FeatureBilinearCost.pair(u.unsqueeze(0), Phi.unsqueeze(0), v.unsqueeze(0), Psi.unsqueeze(0),
-                                         torch.zeros(1, Phi.shape[1], Psi.shape[1], dtype=torch.float64, device=dev))
-    xs, ys = xs.to(cdt), ys.to(cdt)
-    K = xs.shape[-1]
-    engine = get_engine(backend, device=dev, dtype=cdt, cost=cost0, size=(1, n, m, K))
-    a_c, b_c = a.detach().to(cdt).unsqueeze(0), b.detach().to(cdt).unsqueeze(0)
-    a_log, b_log = log_weights(a_c), log_weights(b_c)
-    center = torch.zeros(1, 1, K, dtype=cdt, device=dev)
+    def measures(self, cost: FeatureBilinearCost, bound: float) -> Measures:
+        return Measures(self.xs, self.ys, self.a_c, self.b_c, self.a_log, self.b_log, cost, self.engine, False,
+                        self.cdt, self.center, bound)
 
-    def measures(cost, bound) -> Measures:
-        return Measures(xs, ys, a_c, b_c, a_log, b_log, cost, engine, False, cdt, center, bound)
-
-    def right(Ey, hy, G) -> Tensor:
+    def right(self, Ey, hy, G) -> Tensor:
         """``[E_y, h_y]`` (and ``[|G|^2, G]`` when fused): ``T @`` it gives ``A``, the value and the row sums."""
-        cols = [Ey, hy.unsqueeze(-1)] + ([(G * G).sum(-1, keepdim=True), G] if fused else [])
+        cols = [Ey, hy.unsqueeze(-1)] + ([(G * G).sum(-1, keepdim=True), G] if self.fused else [])
         return torch.cat(cols, -1)
 
-    def loss(Ex, hx, F, Q, r) -> tuple[Tensor, Tensor]:
+    def loss(self, Ex, hx, F, Q, r) -> tuple[Tensor, Tensor]:
         """``(A, value)`` from ``Q = T @ right(...)`` and the row sums ``r = T 1``."""
+        q = self.q
         A = Ex.T @ Q[:, :q]
-        val = hx @ r + Q[:, q].sum() - 2.0 * (A * (Rx @ A @ Ry.T)).sum()
-        if fused:  # (1 - alpha) <|F_i - G_j|^2, T> + alpha GW
+        val = hx @ r + Q[:, q].sum() - 2.0 * (A * (self.Rx @ A @ self.Ry.T)).sum()
+        if self.fused:  # (1 - alpha) <|F_i - G_j|^2, T> + alpha GW
             feat = (F * F).sum(-1) @ r + Q[:, q + 1].sum() - 2.0 * (F * Q[:, q + 2:]).sum()
-            val = alpha * val + (1.0 - alpha) * feat
+            val = self.alpha * val + (1.0 - self.alpha) * feat
         return A, val
 
-    Vy = right(Ey, hy, G).to(cdt).unsqueeze(0).contiguous()
+    def logs(self, f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """The plan's log-weights ``(f / reg + log a, g / reg + log b)``."""
+        return f / self.reg + self.a_log, g / self.reg + self.b_log
 
-    def stats(mm: Measures, f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    def stats(self, mm: Measures, f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """``(A, value)`` of the plan (f, g) on ``mm``: ``A = E_x^T T E_y`` and the GW loss (float64)."""
-        alpha, beta = f / reg + a_log, g / reg + b_log
+        alpha, beta = self.logs(f, g)
         with torch.no_grad():
-            Q = engine.plan_product(xs, ys, alpha, beta, reg, Vy, mm.cost, "plan")[0].double()
-        return loss(Ex, hx, F, Q, Q[:, 0])
+            Q = self.engine.plan_product(self.xs, self.ys, alpha, beta, self.reg, self.Vy, mm.cost, "plan")[0].double()
+        return self.loss(self.Ex, self.hx, self.F, Q, Q[:, 0])
 
-    def sq_norm(mm: Measures, f: Tensor, g: Tensor) -> float:
+    def sq_norm(self, mm: Measures, f: Tensor, g: Tensor) -> float:
         """``|T|_F^2``: a plan product at eps / 2 with doubled log-weights."""
-        ones = torch.ones(1, m, 1, dtype=cdt, device=dev)
+        reg, a_log, b_log = self.reg, self.a_log, self.b_log
+        ones = torch.ones(1, self.m, 1, dtype=self.cdt, device=self.dev)
         with torch.no_grad():
-            r = engine.plan_product(xs, ys, 2 * (f / reg + a_log), 2 * (g / reg + b_log), reg / 2, ones, mm.cost)
+            r = self.engine.plan_product(self.xs, self.ys, 2 * (f / reg + a_log), 2 * (g / reg + b_log), reg / 2,
+                                         ones, mm.cost)
         return float(r.double().sum())
 
-    def dot(m1: Measures, f1, g1, m2: Measures, f2, g2) -> float:
+    def dot(self, m1: Measures, f1, g1, m2: Measures, f2, g2) -> float:
         """``<T1, T2>``: a plan product with the mean of the two (feature-bilinear) costs at eps / 2."""
+        reg, a_log, b_log = self.reg, self.a_log, self.b_log
         mid = FeatureBilinearCost(0.5 * (m1.cost.S + m2.cost.S))
-        ones = torch.ones(1, m, 1, dtype=cdt, device=dev)
+        ones = torch.ones(1, self.m, 1, dtype=self.cdt, device=self.dev)
         with torch.no_grad():
-            r = engine.plan_product(xs, ys, (f1 + f2) / reg + 2 * a_log, (g1 + g2) / reg + 2 * b_log, reg / 2,
-                                    ones, mid)
+            r = self.engine.plan_product(self.xs, self.ys, (f1 + f2) / reg + 2 * a_log, (g1 + g2) / reg + 2 * b_log,
+                                         reg / 2, ones, mid)
         return float(r.double().sum())
 
-    def small_change(mm: Measures, f, g, M1, f2, g2, M2) -> float:
+    def small_change(self, mm: Measures, f, g, M1, f2, g2, M2) -> float:
         """``sum_ij T_ij^2 d_ij^2`` with ``T2 = T exp(d)``, ``d_ij = <w_i, z_j>`` (``w = [df / eps, 1, -E_x dM / eps]``,
         ``z = [1, dg / eps, E_y]``): ``|T2 - T|_F^2`` to second order in ``d``, one plan product of ``T^2`` with
         ``z (x) z``; no cancellation."""
+        reg, n, m, dev = self.reg, self.n, self.m, self.dev
         dM = M2 - M1
         w = torch.cat([((f2 - f)[0].double() / reg).unsqueeze(-1), torch.ones(n, 1, dtype=torch.float64, device=dev),
-                       -(Ex @ dM) / reg], -1)
+                       -(self.Ex @ dM) / reg], -1)
         z = torch.cat([torch.ones(m, 1, dtype=torch.float64, device=dev),
-                       ((g2 - g)[0].double() / reg).unsqueeze(-1), Ey], -1)
+                       ((g2 - g)[0].double() / reg).unsqueeze(-1), self.Ey], -1)
         k = z.shape[1]
-        Z2 = (z.unsqueeze(-1) * z.unsqueeze(-2)).reshape(1, m, k * k).to(cdt).contiguous()
+        Z2 = (z.unsqueeze(-1) * z.unsqueeze(-2)).reshape(1, m, k * k).to(self.cdt).contiguous()
         with torch.no_grad():
-            R = engine.plan_product(xs, ys, 2 * (f / reg + a_log), 2 * (g / reg + b_log), reg / 2, Z2, mm.cost)
+            R = self.engine.plan_product(self.xs, self.ys, 2 * (f / reg + self.a_log), 2 * (g / reg + self.b_log),
+                                         reg / 2, Z2, mm.cost)
         R = R[0].double().reshape(n, k, k)
         return float(torch.einsum("ik,ikl,il->", w, R, w))
 
+    def change(self, mm: Measures, f: Tensor, g: Tensor, Mm: Tensor, bound: float, prev) -> tuple[float, float]:
+        """``(|T - T_prev|_F, floor)`` from plan products (``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, the second-order
+        form once that cancels) and the smallest change the compute dtype resolves."""
+        cur_sq = self.sq_norm(mm, f, g)
+        if prev is None:  # T_prev = a b^T: |a|^2 |b|^2 and <T, a b^T> = a^T T b
+            prev_sq = float((self.a64 @ self.a64) * (self.b64 @ self.b64))
+            with torch.no_grad():
+                Tb = self.engine.plan_product(self.xs, self.ys, f / self.reg + self.a_log, g / self.reg + self.b_log,
+                                              self.reg, self.b_c.unsqueeze(-1), mm.cost)
+            cross = float((self.a_c.double() * Tb[..., 0].double()).sum())
+        else:
+            prev_sq = self.sq_norm(*prev[:3])
+            cross = self.dot(mm, f, g, *prev[:3])
+        err = math.sqrt(max(0.0, cur_sq + prev_sq - 2.0 * cross))
+        if prev is not None and err < SMALL_CHANGE * math.sqrt(cur_sq):
+            # the expansion has lost the digits (it cancels to ~sqrt(u) |T|): second-order form
+            err = math.sqrt(max(0.0, self.small_change(mm, f, g, Mm, *prev[1:])))
+        # rounding: each entry of T carries a relative error ~ u (cmax + |f| + |g|) / eps, so the
+        # change stalls near this floor (float32: ~1e-7 |T|_F); it cannot resolve a smaller tol
+        u_c = torch.finfo(self.cdt).eps
+        scale = (bound + float(f.abs().max()) + float(g.abs().max())) / self.reg + 2.0 * math.log2(1 + max(self.n,
+                                                                                                         self.m))
+        return err, u_c * scale * math.sqrt(cur_sq)
+
+    def value(self, plan: GWPlan, mm: Measures, f: Tensor, g: Tensor) -> Tensor:
+        """The loss of the returned coupling, differentiable w.r.t. the points (coupling fixed: envelope theorem)."""
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (self.X, self.Y, self.FX,
+                                                                                         self.FY)):
+            Ex_g, hx_g, _, Ey_g, hy_g, _, F_g, G_g = self.features(True)
+            Q = plan.apply(self.right(Ey_g, hy_g, G_g).to(self.cdt)).double()  # differentiable in V (transposed)
+            return self.loss(Ex_g, hx_g, F_g, Q, Q[:, 0].detach())[1]  # Q[:, 0] = T 1, a constant
+        return self.stats(mm, f, g)[1]
+
+    def entropic(self, value: Tensor, mm: Measures, f: Tensor, g: Tensor) -> float:
+        """``value + reg KL(T | a b^T)`` (detached; streamed)."""
+        reg, n, m, cdt, dev = self.reg, self.n, self.m, self.cdt, self.dev
+        xs, ys = self.xs, self.ys
+        with torch.no_grad():
+            alpha, beta = self.logs(f, g)
+            ones = torch.ones(1, m, 1, dtype=cdt, device=dev)
+            lin = self.engine.plan_product(xs, ys, alpha, beta, reg, ones, mm.cost, "cost")[0, :, 0].double().sum()
+            rows = self.engine.plan_product(xs, ys, alpha, beta, reg, ones, mm.cost, "plan")[0, :, 0].double()
+            cols = self.engine.plan_product(ys, xs, beta, alpha, reg, torch.ones(1, n, 1, dtype=cdt, device=dev),
+                                            mm.cost, "plan")[0, :, 0].double()
+            # KL(T | a b^T) = sum T log(T / (a b)) - sum T + sum a b, log(T_ij / (a_i b_j)) = (f_i + g_j - C_ij) / reg
+            mass = rows.sum()
+            kl = ((rows * f[0].double()).sum() + (cols * g[0].double()).sum() - lin) / reg - mass \
+                + self.a64.sum() * self.b64.sum()
+            v = float(value.detach()) + reg * float(kl)
+        return v
+
+
+def _gw_loop(pb: _GWProblem, o: _Options) -> _GWRun:
+    """The outer loop: linearise at the coupling, solve the entropic OT problem (warm-started), measure the change
+    every ``CHECK_EVERY`` outer steps; POT's stopping rule."""
+    inner = solve_options(o.reg, max_iter=o.inner_max_iter, tol=o.inner_tol, method="alternating", grad="detach")
     # T_0 = a b^T: A_0 = (E_x^T a)(E_y^T b)^T, |T_0|^2 = |a|^2 |b|^2
-    A = torch.outer(Ex.T @ a64, Ey.T @ b64)
-    prev = None  # (measures, f, g) of the previous coupling; None: a b^T
-    init = None
-    err = None
-    floor = 0.0  # the smallest change the dtype resolves (see below)
-    converged, inner_ok = False, True
-    log = {"err": [], "value": [], "n_inner": []}
-    n_inner = 0
-    t0 = time.perf_counter()
-    cpt = 0
-    res = None
+    A = torch.outer(pb.Ex.T @ pb.a64, pb.Ey.T @ pb.b64)
+    run, init, floor, t0 = _GWRun(), None, 0.0, time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        while cpt < max_iter:
-            cost, Mm, bound = make_cost(A)
-            mm = measures(cost, bound)
+        while run.cpt < o.max_iter:
+            cost, Mm, bound = pb.make_cost(A)
+            mm = pb.measures(cost, bound)
             n_warn = len(caught)
-            res = solve_measures(mm, opts, init)
+            res = run.res = solve_measures(mm, inner, init)
             if len(caught) > n_warn or not res.converged:
-                inner_ok = False
+                run.inner_ok = False
             f, g = res.plan._f, res.plan._g
-            if warmstart:
+            if o.warmstart:
                 init = res.potentials
-            n_inner += res.n_iter
-            A, val = stats(mm, f, g)
-            log["value"].append(float(val))
-            log["n_inner"].append(res.n_iter)
-            if cpt % CHECK_EVERY == 0:
-                # |T - T_prev|_F^2 = |T|^2 + |T_prev|^2 - 2 <T, T_prev>, from plan products
-                cur_sq = sq_norm(mm, f, g)
-                if prev is None:  # T_prev = a b^T: |a|^2 |b|^2 and <T, a b^T> = a^T T b
-                    prev_sq = float((a64 @ a64) * (b64 @ b64))
-                    with torch.no_grad():
-                        Tb = engine.plan_product(xs, ys, f / reg + a_log, g / reg + b_log, reg,
-                                                 b_c.unsqueeze(-1), cost)
-                    cross = float((a_c.double() * Tb[..., 0].double()).sum())
-                else:
-                    prev_sq = sq_norm(*prev[:3])
-                    cross = dot(mm, f, g, *prev[:3])
-                err = math.sqrt(max(0.0, cur_sq + prev_sq - 2.0 * cross))
-                if prev is not None and err < SMALL_CHANGE * math.sqrt(cur_sq):
-                    # the expansion has lost the digits (it cancels to ~sqrt(u) |T|): second-order form
-                    err = math.sqrt(max(0.0, small_change(mm, f, g, Mm, *prev[1:])))
-                log["err"].append(err)
-                # rounding: each entry of T carries a relative error ~ u (cmax + |f| + |g|) / eps, so the
-                # change stalls near this floor (float32: ~1e-7 |T|_F); it cannot resolve a smaller tol
-                u_c = torch.finfo(cdt).eps
-                scale = (bound + float(f.abs().max()) + float(g.abs().max())) / reg + 2.0 * math.log2(1 + max(n, m))
-                floor = u_c * scale * math.sqrt(cur_sq)
-            prev = (mm, f, g, Mm)
-            if verbose:
-                e = f"  err {err:.3e}" if cpt % CHECK_EVERY == 0 else ""
-                print(f"gromov_wasserstein: outer {cpt + 1}/{max_iter}  inner {res.n_iter}  value {float(val):.10g}"
-                      f"{e}  ({time.perf_counter() - t0:.2f}s)", file=sys.stderr, flush=True)
-            cpt += 1
-            if err is not None and cpt % CHECK_EVERY == 1 and err <= max(tol, floor):
-                converged = True
+            run.n_inner += res.n_iter
+            A, val = pb.stats(mm, f, g)
+            run.log["value"].append(float(val))
+            run.log["n_inner"].append(res.n_iter)
+            if run.cpt % CHECK_EVERY == 0:
+                run.err, floor = pb.change(mm, f, g, Mm, bound, run.prev)
+                run.log["err"].append(run.err)
+            run.prev = (mm, f, g, Mm)
+            if o.verbose:
+                e = f"  err {run.err:.3e}" if run.cpt % CHECK_EVERY == 0 else ""
+                print(f"gromov_wasserstein: outer {run.cpt + 1}/{o.max_iter}  inner {res.n_iter}  value "
+                      f"{float(val):.10g}{e}  ({time.perf_counter() - t0:.2f}s)", file=sys.stderr, flush=True)
+            run.cpt += 1
+            if run.err is not None and run.cpt % CHECK_EVERY == 1 and run.err <= max(o.tol, floor):
+                run.converged = True
                 break
     for w in caught:  # the inner solves' own non-convergence warnings are summarised below
         if not (issubclass(w.category, RuntimeWarning) and str(w.message).startswith("Sinkhorn did not reach")):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if not inner_ok:
-        warnings.warn(f"gromov_wasserstein: some inner Sinkhorn solves did not reach inner_tol={inner_tol:g} in "
-                      f"{inner_max_iter} iterations; raise inner_max_iter or reg", RuntimeWarning, stacklevel=2)
+    return run
 
-    mm, f, g, _ = prev
-    plan = GWPlan(mm, f, g, reg, (X.detach().to(cdt).unsqueeze(0), Y.detach().to(cdt).unsqueeze(0)), numpy=is_np)
 
-    # the value, differentiable w.r.t. the points (coupling fixed: envelope theorem)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (X, Y, FX, FY))
-    if grad:
-        Ex_g, hx_g, _, Ey_g, hy_g, _, F_g, G_g = feats(True)
-        Q = plan.apply(right(Ey_g, hy_g, G_g).to(cdt)).double()  # differentiable in V (the transposed product)
-        _, value = loss(Ex_g, hx_g, F_g, Q, Q[:, 0].detach())  # Q[:, 0] = T 1, a constant
-    else:
-        _, value = stats(mm, f, g)
-
-    def entropic():
-        with torch.no_grad():
-            alpha, beta = f / reg + a_log, g / reg + b_log
-            ones = torch.ones(1, m, 1, dtype=cdt, device=dev)
-            lin = engine.plan_product(xs, ys, alpha, beta, reg, ones, mm.cost, "cost")[0, :, 0].double().sum()
-            rows = engine.plan_product(xs, ys, alpha, beta, reg, ones, mm.cost, "plan")[0, :, 0].double()
-            cols = engine.plan_product(ys, xs, beta, alpha, reg, torch.ones(1, n, 1, dtype=cdt, device=dev),
-                                       mm.cost, "plan")[0, :, 0].double()
-            # KL(T | a b^T) = sum T log(T / (a b)) - sum T + sum a b, log(T_ij / (a_i b_j)) = (f_i + g_j - C_ij) / reg
-            mass = rows.sum()
-            kl = ((rows * f[0].double()).sum() + (cols * g[0].double()).sum() - lin) / reg - mass + a64.sum() * b64.sum()
-            v = float(value.detach()) + reg * float(kl)
-        return v
-
-    value = value.to(out_dtype)
-    res_out = GWResult(
+def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
+    """(Fused) GW with the options of the public functions; ``FX = FY = None`` for plain GW."""
+    o = opts.checked()
+    X, Y, a, b, FX, FY, is_np = _check_inputs(X, Y, a, b, FX, FY)
+    pb = _GWProblem(X, Y, a, b, FX, FY, alpha, o)
+    run = _gw_loop(pb, o)
+    if not run.inner_ok:
+        warnings.warn(f"gromov_wasserstein: some inner Sinkhorn solves did not reach inner_tol={o.inner_tol:g} in "
+                      f"{o.inner_max_iter} iterations; raise inner_max_iter or reg", RuntimeWarning, stacklevel=2)
+    mm, f, g, _ = run.prev
+    plan = GWPlan(mm, f, g, o.reg, (X.detach().to(pb.cdt).unsqueeze(0), Y.detach().to(pb.cdt).unsqueeze(0)),
+                  numpy=is_np)
+    value = pb.value(plan, mm, f, g)
+    res = run.res
+    value = value.to(X.dtype)
+    return GWResult(
         value=value.detach().cpu().numpy()[()] if is_np else value,
         plan=plan,
         potentials=tuple(t.detach().cpu().numpy() for t in res.potentials) if is_np else res.potentials,
-        n_outer=cpt,
-        n_inner=n_inner,
-        converged=converged,
-        error=err,
-        reg=reg,
-        backend=engine.name,
-        inner_converged=inner_ok,
-        log=log,
-        _entropic=entropic,
+        n_outer=run.cpt,
+        n_inner=run.n_inner,
+        converged=run.converged,
+        error=run.err,
+        reg=o.reg,
+        backend=pb.engine.name,
+        inner_converged=run.inner_ok,
+        log=run.log,
+        _entropic=lambda: pb.entropic(value, mm, f, g),
     )
-    return res_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,6 +733,8 @@ def semirelaxed_gromov_wasserstein(
 
     Args:
         X, Y: (n, dx) and (m, dy) points (``dx != dy`` allowed), torch tensors or numpy arrays, same dtype.
+            The solver computes in float64 whatever their dtype (the iterate's exponents accumulate every
+            step's cost: float32 loses the plan and the change of the coupling); results come in their dtype.
         a: weights (n,) of ``X``; uniform when None.  ``Y`` has no weights (its marginal is free).
         reg: the step's temperature (POT's ``epsilon``), > 0, in units of the linearised cost
             (~ 4 diameter(X)^2 diameter(Y)^2); smaller steps (larger ``reg``) need more iterations.
@@ -788,7 +848,9 @@ class _SRProblem:
     def __init__(self, X: Tensor, Y: Tensor, a: Tensor, FX, FY, alpha: float, o: _SROptions):
         self.alpha, self.reg, self.fused = alpha, o.reg, FX is not None
         self.n, self.m = X.shape[0], Y.shape[0]
-        self.cdt, self.dev = compute_dtype(X.dtype), X.device
+        # float64 whatever the inputs: the iterate's exponents accumulate every step's cost (|g| / reg grows
+        # like steps x cost / reg), which float32 rounds to garbage (plans and changes off by ~1 at 30 x 45)
+        self.cdt, self.dev = torch.float64, X.device
         self.a64 = a.detach().double()
         self.w_y = torch.full((self.m,), 1.0 / self.m, dtype=torch.float64, device=self.dev)
         self.X, self.Y, self.FX, self.FY = X, Y, FX, FY
@@ -893,9 +955,10 @@ class _SRProblem:
         return float(r.double().sum())
 
     def small_change(self, i1: _SRIterate, i2: _SRIterate, dM: Tensor) -> tuple[float, float]:
-        """``(sum_ij T1_ij T2_ij d_ij^2, its rounding error)`` with ``T2 = T1 exp(d)``, ``d_ij = <w_i, z_j>`` (``w = [df / reg, 1, -Phi dM / reg]``,
-        ``z = [1, dg / reg, Psi]``): ``|T2 - T1|_F^2 = 4 sum T1 T2 sinh(d / 2)^2`` to relative order ``d^2 / 12``, one
-        plan product of ``T1 T2`` (the mean cost at ``reg / 2``) with ``z (x) z``; no cancellation."""
+        """``(sum_ij T1_ij T2_ij d_ij^2, its rounding error)`` with ``T2 = T1 exp(d)``, ``d_ij = <w_i, z_j>``
+        (``w = [df / reg, 1, -Phi dM / reg]``, ``z = [1, dg / reg, Psi]``): ``|T2 - T1|_F^2 = 4 sum T1 T2 sinh(d / 2)^2``
+        to relative order ``d^2 / 12``, one plan product of ``T1 T2`` (the mean cost at ``reg / 2``) with
+        ``z (x) z``; no cancellation."""
         reg, dev = self.reg, self.dev
         w = torch.cat([((i2.f - i1.f)[0].double() / reg).unsqueeze(-1), torch.ones(self.n, 1, dtype=torch.float64,
                                                                                     device=dev),
@@ -915,21 +978,22 @@ class _SRProblem:
         return float(torch.einsum("ik,ikl,il->", w, R, w)), torch.finfo(self.cdt).eps * float(b.norm())
 
     def change(self, prev: _SRIterate, cur: _SRIterate, dM: Tensor) -> tuple[float, float]:
-        """``(|T - T_prev|_F, floor)``: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or, once that is below ``1e-3 |T|_F`` and
+        """``(|T - T_prev|_F, floor)``: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or, below ``1e-3 |T|_F`` and
         its rounding error above ``NOISE_RTOL`` of it, :meth:`small_change` when its rounding error is the smaller
         (its truncation error grows with the entries' relative changes, which mirror descent leaves O(1) on
-        the decaying entries: the expansion is preferred while it is accurate); ``floor`` is what the compute dtype resolves
-        (the larger of :func:`gromov_wasserstein`'s floor and the square root of the chosen form's rounding error)."""
+        the decaying entries: the expansion is preferred while it is accurate); ``floor`` is what the compute
+        dtype resolves: :func:`gromov_wasserstein`'s floor, or the square root of :meth:`small_change`'s rounding
+        error when that form is used (the expansion's error estimate is an overestimate that only chooses)."""
         cur_sq, prev_sq = self.sq_norm(cur), self.sq_norm(prev)
         err_sq = cur_sq + prev_sq - 2.0 * self.dot(cur, prev)
         u = torch.finfo(self.cdt).eps
         scale = (cur.mm.cmax + float(cur.f.abs().max())) / self.reg + 2.0 * math.log2(1 + max(self.n, self.m))
-        noise = u * scale * (cur_sq + prev_sq)
+        noise, floor = u * scale * (cur_sq + prev_sq), u * scale * math.sqrt(cur_sq)
         if err_sq < SMALL_CHANGE**2 * cur_sq and noise > NOISE_RTOL * err_sq:
             small, small_noise = self.small_change(prev, cur, dM)
             if small_noise < noise:
-                err_sq, noise = small, small_noise
-        return math.sqrt(max(0.0, err_sq)), max(u * scale * math.sqrt(cur_sq), math.sqrt(noise))
+                err_sq, floor = small, max(floor, math.sqrt(small_noise))
+        return math.sqrt(max(0.0, err_sq)), floor
 
     def value(self, it: _SRIterate, plan: GWPlan, q: Tensor, Q: Tensor) -> Tensor:
         """The loss of the final coupling, differentiable w.r.t. the points and features (coupling fixed)."""
@@ -977,11 +1041,11 @@ def _semirelaxed(X, Y, a, FX, FY, alpha: float, opts: _SROptions) -> GWResult:
     plan = GWPlan(it.mm, it.f, it.g.to(pb.cdt), o.reg, (X.detach().to(pb.cdt).unsqueeze(0),
                                                         Y.detach().to(pb.cdt).unsqueeze(0)), numpy=is_np)
     value = pb.value(it, plan, q, Q).to(X.dtype)
-    g = it.g.to(pb.cdt)
+    f, g = it.f[0].to(X.dtype), it.g[0].to(X.dtype)
     return GWResult(
         value=value.detach().cpu().numpy()[()] if is_np else value,
         plan=plan,
-        potentials=(it.f[0].cpu().numpy(), g[0].cpu().numpy()) if is_np else (it.f[0], g[0]),
+        potentials=(f.cpu().numpy(), g.cpu().numpy()) if is_np else (f, g),
         n_outer=cpt,
         n_inner=cpt,
         converged=converged,

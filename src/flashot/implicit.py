@@ -326,7 +326,8 @@ def _first_order(x, y, a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engi
     """Envelope gradients of ``<a, f_new> + <b, g_new>`` (GeomLoss' last-step rule), no autograd.
 
     ``grad_x_i = sum_j P_ij grad_x C(x_i, y_j)`` with ``P`` built from ``(f_new, g_old)``,
-    ``grad_y`` with ``P`` built from ``(f_old, g_new)``: one plan product per side (:func:`~flashot.ops.autograd.plan_grad_x`).
+    ``grad_y`` with ``P`` built from ``(f_old, g_new)``: one plan product per side
+    (:func:`~flashot.ops.autograd.plan_grad_x`).
     """
     gx = gy = None
     with torch.no_grad():
