@@ -48,7 +48,8 @@ The loss (POT's ``srgw_dist``) is ``<(D^x)^2 a, a> + <(D^y)^2 q, q> - 2 <A, R_x 
 coupling is measured as below, with a second-order form weighted by ``T T_prev`` (relative truncation
 ``d^2 / 12``) when the expansion has lost its digits; both carry a rounding estimate, and the loop stops at
 ``max(tol, floor)`` (``floor`` ~1e-7 in float64 once the coupling is nearly a hard assignment: the cumulated
-exponents are large).
+exponents are large).  It computes in float64 whatever the inputs' dtype: those exponents grow like steps x
+cost / eps, which float32 rounds beyond use.
 
 Gradients: ``value`` is differentiable w.r.t. the points (torch inputs that require grad) by the
 envelope theorem at the returned coupling: the coupling is held fixed and ``A``, the biases and
@@ -102,7 +103,7 @@ NOISE_RTOL = 0.1
 
 @dataclass
 class GWResult:
-    """Result of :func:`gromov_wasserstein`.
+    """Result of :func:`gromov_wasserstein` (and of the fused and semi-relaxed solvers).
 
     Attributes:
         value: (fused: ``(1 - alpha) <M, T> + alpha`` times) the GW loss of the returned coupling, ``sum_{ijkl} (D^x_ik - D^y_jl)^2 T_ij T_kl`` in
@@ -116,6 +117,11 @@ class GWResult:
         converged: ``|T - T_prev|_F <= tol`` at a check; error: the last change measured.
         log: ``{"err": [...], "value": [...], "n_inner": [...]}``: the change at each check
             (POT's ``log["err"]``), the GW loss and the Sinkhorn iterations of each outer step.
+
+    Semi-relaxed solvers: ``value`` is POT's ``srgw_dist`` (``srfgw_dist``); ``n_outer`` counts the mirror
+    steps, each one softmin (``n_inner = n_outer``, ``log["n_inner"]`` all ones); ``potentials`` ``(f, g)``
+    represent the coupling ``T_ij = a_i / m exp((f_i + g_j - <phi_i, M psi_j>) / reg)`` (``g`` the cumulated
+    column terms of the steps, not dual potentials); ``value_entropic`` raises.
 
     ``value = sum_ijkl (|X_i - X_k|^2 - |Y_j - Y_l|^2)^2 T_ij T_kl`` (GW), or
     ``(1 - alpha) <M, T> + alpha`` times it (fused), at the coupling ``T`` of the entropic problem
