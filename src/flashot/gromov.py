@@ -831,8 +831,8 @@ class _SROptions:
 
     def checked(self) -> _SROptions:
         """A copy with validated values (the checks of :class:`_Options`)."""
-        _Options(self.reg, self.loss_fun, 1, 1.0, 1, 1.0, True, self.backend, False, self.G0, "PGD").checked()
-        return _SROptions(float(self.reg), self.loss_fun, check_int("max_iter", self.max_iter),
+        reg = _Options(self.reg, self.loss_fun, 1, 1.0, 1, 1.0, True, self.backend, False, self.G0, "PGD").checked().reg
+        return _SROptions(reg, self.loss_fun, check_int("max_iter", self.max_iter),
                           check_positive("tol", self.tol), self.backend, check_bool("verbose", self.verbose), None)
 
 
