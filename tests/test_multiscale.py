@@ -121,6 +121,36 @@ def test_blocksparse_primitives_match_masked_dense(cost_name, native):
         eng.softmin(xs, xs, hx, eps, cost)
 
 
+@pytest.mark.parametrize("shift, passes", [(0.0, 1), (-80.0, 2)])
+def test_native_plan_product_one_pass_and_fallback(shift, passes, monkeypatch):
+    """The C++ plan product runs in one pass (the weights are the plan entries); a float32 row whose plan mass
+    is below 2^-75 (alpha shifted by -80: its entries would fall under float32's normal range) is redone in
+    two passes.  Both against the masked dense float64 product on the same (rounded) inputs, 2e-5 relative.
+    Without the fallback the second case loses its small entries."""
+    import flashot.ops.blocksparse as BS
+
+    xs, ys, pat, mask = _pattern_case(seed=5)
+    xf, yf = xs.float(), ys.float()
+    eng = BlockSparseEngine([(xf, yf, pat)])
+    assert eng._lib is not None
+    cost, eps = get_cost("sqeuclidean"), 0.05
+    g = torch.Generator().manual_seed(2)
+    hy, V = torch.randn(1, 180, generator=g, dtype=F64), torch.randn(1, 180, 3, generator=g, dtype=F64)
+    C = cost.matrix(xs, ys)[0]
+    S = torch.where(mask, hy[0][None] - C / eps, torch.tensor(-math.inf, dtype=F64))
+    hx = (-torch.logsumexp(S, -1) + shift)[None]  # rows of plan mass 1 (the solver's plans), or e^shift
+    calls = []
+    real = BS._plan_call
+    monkeypatch.setattr(BS, "_plan_call", lambda *a: calls.append(a[-1] is None) or real(*a))
+    out = eng.plan_product(xf, yf, hx.float(), hy.float(), eps, V.float(), cost)[0].double()
+    hx, hy, V = hx.float().double(), hy.float().double(), V.float().double()  # the reference on the rounded inputs
+    C = cost.matrix(xf.double(), yf.double())[0]
+    P = torch.where(mask, torch.exp(hx[0][:, None] + hy[0][None] - C / eps), torch.zeros((), dtype=F64))
+    ref = P @ V[0]
+    assert len(calls) == passes and calls[0]
+    assert float((out - ref).abs().max() / ref.abs().max()) < 2e-5
+
+
 def test_native_softmin_float32():
     xs, ys, pat, mask = _pattern_case(seed=4)
     xs, ys = xs.float(), ys.float()

@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-// ---- the exported C ABI under test (signatures of ABI version 14, see engine.py _SIGS) ----
+// ---- the exported C ABI under test (signatures of ABI version 15, see engine.py _SIGS) ----
 extern "C" {
 int flashot_abi_version();
 int flashot_isa();
@@ -77,13 +77,13 @@ int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, 
                            int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                            const int64_t* cr, double kcoef, double minsq, int kind, double oscale, int cfg, int nth);
 int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
-                        const float* alpha, const float* VTk, int K, float* out, int64_t Mp, int D, const int64_t* tasks,
-                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef, double minsq, int kind,
-                        int wk, double wconst, int nth);
+                        const float* alpha, const float* VTk, int K, float* out, float* mass, int single, int64_t Mp,
+                        int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                        double kcoef, double minsq, int kind, int wk, double wconst, int nth);
 int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
-                        const double* alpha, const double* VTk, int K, double* out, int64_t Mp, int D,
-                        const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef,
-                        double minsq, int kind, int wk, double wconst, int nth);
+                        const double* alpha, const double* VTk, int K, double* out, double* mass, int single,
+                        int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                        const int64_t* cr, double kcoef, double minsq, int kind, int wk, double wconst, int nth);
 int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int64_t Kcx, const int64_t* cptr,
                        const int64_t* ccols, const int64_t* px, const int64_t* py, int kind, int linear, double s,
                        double minsq, double margin, uint8_t* keep, int nth);
@@ -91,7 +91,7 @@ int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int6
 
 namespace {
 
-constexpr int EXPECTED_ABI = 14;  // the declarations above; update both together
+constexpr int EXPECTED_ABI = 15;  // the declarations above; update both together
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -339,20 +339,22 @@ int softmin_bs(const Problem<double>& p, const std::vector<double>& yT, const st
                                 (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, oscale, cfg, NTH);
 }
 
+// lse == nullptr: the one-pass mode (weights e^{a_i + h_j - C_ij/eps} themselves); mass: the rows' plan mass.
 int plan_bs(const Problem<float>& p, const std::vector<float>& yT, const std::vector<float>& yy,
-            const std::vector<float>& hs, const float* lse, const std::vector<float>& VTk, int K, float* out, int64_t Mp,
-            const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr) {
-  return flashot_plan_bs_f32(p.x.data(), yT.data(), yy.data(), hs.data(), lse, p.a.data(), VTk.data(), K, out, Mp, p.D,
-                             tasks.data(), (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, 0, 1.0,
-                             NTH);
+            const std::vector<float>& hs, const float* lse, const std::vector<float>& VTk, int K, float* out, float* mass,
+            int64_t Mp, const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr,
+            const std::vector<int64_t>& cr) {
+  return flashot_plan_bs_f32(p.x.data(), yT.data(), yy.data(), hs.data(), lse ? lse : p.a.data(), p.a.data(), VTk.data(),
+                             K, out, mass, lse == nullptr, Mp, p.D, tasks.data(), (int64_t)tasks.size() / 3, cptr.data(),
+                             cr.data(), p.k, 0.0, KIND_DOT, 0, 1.0, NTH);
 }
 int plan_bs(const Problem<double>& p, const std::vector<double>& yT, const std::vector<double>& yy,
             const std::vector<double>& hs, const double* lse, const std::vector<double>& VTk, int K, double* out,
-            int64_t Mp, const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr,
+            double* mass, int64_t Mp, const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr,
             const std::vector<int64_t>& cr) {
-  return flashot_plan_bs_f64(p.x.data(), yT.data(), yy.data(), hs.data(), lse, p.a.data(), VTk.data(), K, out, Mp,
-                             p.D, tasks.data(), (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, 0,
-                             1.0, NTH);
+  return flashot_plan_bs_f64(p.x.data(), yT.data(), yy.data(), hs.data(), lse ? lse : p.a.data(), p.a.data(),
+                             VTk.data(), K, out, mass, lse == nullptr, Mp, p.D, tasks.data(), (int64_t)tasks.size() / 3,
+                             cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, 0, 1.0, NTH);
 }
 
 // Also the block-sparse plan product (K = 3 columns of V, W = 1): out_i = sum_{kept j} e^{a_i + h_j - C_ij/eps} V_jk,
@@ -417,8 +419,10 @@ template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, doubl
         V[(size_t)col_of[q] * K + kk] = (double)v;
       }
   const int rc1 = softmin_bs(p, yT, yy, hs, Mp, lse2.data(), tasks, cptr, cr, 1.0, cfg_for(D));
-  const int rc2 = plan_bs(p, yT, yy, hs, lse2.data(), VTk, K, po.data(), Mp, tasks, cptr, cr);
-  MaxErr ep;
+  std::vector<T> mass((size_t)N), po1((size_t)N * K);
+  const int rc2 = plan_bs(p, yT, yy, hs, lse2.data(), VTk, K, po.data(), mass.data(), Mp, tasks, cptr, cr);
+  const int rc3 = plan_bs(p, yT, yy, hs, nullptr, VTk, K, po1.data(), mass.data(), Mp, tasks, cptr, cr);
+  MaxErr ep, e1, em;
   for (size_t u = 0; u < tasks.size() / 3; ++u)
     for (int64_t i = tasks[3 * u]; i < tasks[3 * u + 1]; ++i) {
       const auto& kk = kept[tasks[3 * u + 2]];
@@ -432,10 +436,15 @@ template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, doubl
         double ref = 0;
         for (int j = 0; j < M; ++j) ref += std::exp(s_ij(j) - lse) * V[(size_t)j * K + q];
         ep.add((double)po[(size_t)i * K + q] * std::exp(-lse), ref, 1.0);
+        e1.add((double)po1[(size_t)i * K + q] * std::exp(-lse), ref, 1.0);
       }
+      em.add((double)mass[(size_t)i] * std::exp(-lse), 1.0, 1.0);
     }
   t.error_check(describe("plan_bs", tname<T>(), D, N, M, eps_rel, (" clusters=" + std::to_string(Kc)).c_str()),
                 rc1 | rc2, ep.worst, TOL<T> * 10);
+  t.error_check(describe("plan_bs one-pass", tname<T>(), D, N, M, eps_rel,
+                         (" clusters=" + std::to_string(Kc) + " (out and plan mass)").c_str()),
+                rc3, std::max(e1.worst, em.worst), TOL<T> * 10);
 }
 
 // ---- pair (sym = 0): rs_i = sum_j E_ij, cs_j = sum_i E_ij, E_ij = e^{a_i + h_j - C_ij / eps} --

@@ -13,7 +13,8 @@ one batched GEMM and one LogSumExp, padding entering as ``-inf`` log-weights (ex
 On the CPU the softmin runs in the C++ kernels of the ``cpu`` engine (``flashot_softmin_bs``:
 each row cluster streams its kept column ranges with the dense LSE micro-kernels, the columns of
 each cluster padded to the kernels' step), and so do the plan products with a narrow ``V`` (at most 4
-columns: marginals, and the gradients for d <= 3) in two passes; wider ones run in PyTorch.  On CUDA
+columns: marginals, and the gradients for d <= 3) in one pass (two where a row's plan mass is out of
+range); wider ones run in PyTorch.  On CUDA
 tensors both primitives run in the Triton kernels (:mod:`flashot.ops.triton.blocksparse`: one program
 per row tile of a cluster, streaming its kept column ranges with an online LogSumExp, any ``V``
 width).  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
@@ -254,12 +255,29 @@ def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: f
 
 def _plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
               cost: Cost, weight: Weight) -> Tensor:
-    """The block-sparse plan product by the C++ kernels, two passes (row LSE, then the weighted sums with
-    every weight <= 1): V of at most ``NARROW_K`` columns, B = 1."""
+    """The block-sparse plan product by the C++ kernels (V of at most ``NARROW_K`` columns, B = 1).  One pass:
+    the weights are the plan entries ``exp(alpha_i + beta_j - C_ij / eps)`` themselves (as the ``cpu``
+    engine's plan product), which neither overflow nor lose the row when its plan mass is between
+    ``PAIR_MIN_SUM`` and 1-ish (the solver's plans).  If any row's mass is outside that range or its output
+    is not finite, the call is redone in two passes (the row LSE first, every weight <= 1)."""
+    from .cpu.engine import PAIR_MIN_SUM
+
+    out, mass = _plan_call(lib, pat, x, y, alpha, beta, eps, V, cost, weight, None)
+    al = alpha[0]
+    bad = torch.isfinite(al) & ~(torch.isfinite(mass) & (mass >= PAIR_MIN_SUM) & torch.isfinite(out[0]).all(-1))
+    if bool(bad.any()):
+        lse = _softmin_cpu(lib, pat, x, y, beta, eps, cost, base2=True)[0].contiguous()
+        out, _ = _plan_call(lib, pat, x, y, alpha, beta, eps, V, cost, weight, lse)
+    return out
+
+
+def _plan_call(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
+               cost: Cost, weight: Weight, lse: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One ``flashot_plan_bs`` call: ``(out (1, N, K), plan mass per row (N,))``; two-pass mode when the row
+    LSE ``lse`` (base 2) is given, one-pass otherwise."""
     from .cpu.engine import KIND_DOT, W_COST, W_INV, W_ONE, CpuEngine
 
     N, D, K = x.shape[1], x.shape[2], V.shape[-1]
-    lse = _softmin_cpu(lib, pat, x, y, beta, eps, cost, base2=True)[0].contiguous()
     kind, kcoef, minsq = CpuEngine._cost_args(cost, eps)
     lay, yT, yy, hs = _padded_y(lib, pat, y, beta, kind)
     wk, wconst = W_ONE, 1.0
@@ -271,13 +289,15 @@ def _plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta:
     VTk[:, lay.pos] = V[0].T
     xc, al = x[0].contiguous(), alpha[0].contiguous()
     out = torch.empty(N, K, dtype=x.dtype)
+    mass = torch.empty(N, dtype=x.dtype)
     fn = lib.flashot_plan_bs_f32 if x.dtype == torch.float32 else lib.flashot_plan_bs_f64
-    rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), lse.data_ptr(), al.data_ptr(),
-            VTk.data_ptr(), K, out.data_ptr(), lay.width, D, lay.tasks.data_ptr(), pat.keep.shape[0],
-            lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind, wk, wconst, torch.get_num_threads())
+    rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), (al if lse is None else lse).data_ptr(),
+            al.data_ptr(), VTk.data_ptr(), K, out.data_ptr(), mass.data_ptr(), int(lse is None), lay.width, D,
+            lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
+            wk, wconst, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse plan kernel returned {rc}")
-    return out.unsqueeze(0)
+    return out.unsqueeze(0), mass
 
 
 KERNELS_ENV = "FLASHOT_BLOCKSPARSE"

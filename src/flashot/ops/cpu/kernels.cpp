@@ -1316,8 +1316,8 @@ static int plan_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
 // the same columns (flashot_softmin_bs with oscale 1).
 template <typename T, int KIND, int WK>
 static void plan_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
-                         const T* VTk, T* out, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                         const int64_t* cr, const Args& a, T wconst, int nth) {
+                         const T* VTk, T* out, T* mass, int single, const int64_t* tasks, int64_t ntasks,
+                         const int64_t* cptr, const int64_t* cr, const Args& a, T wconst, int nth) {
   typedef typename VT<T>::v v;
   constexpr int R = Shape::PV_R;
   constexpr int RB = 64;
@@ -1332,15 +1332,16 @@ static void plan_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
         T m[RB];
         v pa[RB * (PV_K + 1)];
         for (int r = 0; r < nr; ++r) {
-          m[r] = row_shift(0, lse, alpha, i0 + r);
+          m[r] = row_shift(single, lse, alpha, i0 + r);
           for (int kk = 0; kk <= PV_K; ++kk) pa[r * (PV_K + 1) + kk] = v{};
         }
         for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q)
           panel_rows<T, R, 1, KIND, 0, MODE_PV, WK>(nr, x + i0 * D, yT, yy, hs, cr[2 * q], cr[2 * q + 1], a, m, pa,
                                                      const_cast<T*>(VTk), 0);
         for (int r = 0; r < nr; ++r) {
-          const T f = row_factor(0, lse, alpha, i0 + r, wconst);
+          const T f = row_factor(single, lse, alpha, i0 + r, wconst);
           for (int kk = 0; kk < K; ++kk) out[(i0 + r) * K + kk] = f == 0 ? (T)0 : hsum(pa[r * (PV_K + 1) + kk]) * f;
+          mass[i0 + r] = hsum(pa[r * (PV_K + 1) + PV_K]);
         }
       }
     }
@@ -1349,13 +1350,13 @@ static void plan_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
 
 template <typename T>
 static int plan_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* lse, const T* alpha,
-                         const T* VTk, int K, T* out, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
-                         const int64_t* cptr, const int64_t* cr, double kcoef, double minsq, int kind, int wk,
-                         double wconst, int nth) {
+                         const T* VTk, int K, T* out, T* mass, int single, int64_t Mp, int D, const int64_t* tasks,
+                         int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef, double minsq, int kind,
+                         int wk, double wconst, int nth) {
   if (K < 1 || K > PV_K) return -3;
   Args a{D, Mp, kcoef, minsq, K};
-#define FL_PLAN_BS(KD, W) plan_bs_impl<T, KD, W>(x, yT, yy, hs, lse, alpha, VTk, out, tasks, ntasks, cptr, cr, a, \
-                                                 (T)wconst, nth)
+#define FL_PLAN_BS(KD, W) plan_bs_impl<T, KD, W>(x, yT, yy, hs, lse, alpha, VTk, out, mass, single, tasks, ntasks, \
+                                                 cptr, cr, a, (T)wconst, nth)
   if (kind == KIND_DOT) {
     if (wk == W_ONE) { FL_PLAN_BS(KIND_DOT, W_ONE); return 0; }
     if (wk == W_COST) { FL_PLAN_BS(KIND_DOT, W_COST); return 0; }
@@ -1428,7 +1429,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 14; }
+int flashot_abi_version() { return 15; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -1669,21 +1670,21 @@ int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, 
 
 #if FL_PART(3)
 int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
-                        const float* alpha, const float* VTk, int K, float* out, int64_t Mp, int D, const int64_t* tasks,
-                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef, double minsq, int kind,
-                        int wk, double wconst, int nth) {
-  return plan_bs_entry<float>(x, yT, yy, hs, lse, alpha, VTk, K, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq,
-                              kind, wk, wconst, nth);
+                        const float* alpha, const float* VTk, int K, float* out, float* mass, int single, int64_t Mp,
+                        int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                        double kcoef, double minsq, int kind, int wk, double wconst, int nth) {
+  return plan_bs_entry<float>(x, yT, yy, hs, lse, alpha, VTk, K, out, mass, single, Mp, D, tasks, ntasks, cptr, cr,
+                              kcoef, minsq, kind, wk, wconst, nth);
 }
 #endif
 
 #if FL_PART(1)
 int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
-                        const double* alpha, const double* VTk, int K, double* out, int64_t Mp, int D,
-                        const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef,
-                        double minsq, int kind, int wk, double wconst, int nth) {
-  return plan_bs_entry<double>(x, yT, yy, hs, lse, alpha, VTk, K, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq,
-                               kind, wk, wconst, nth);
+                        const double* alpha, const double* VTk, int K, double* out, double* mass, int single,
+                        int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                        const int64_t* cr, double kcoef, double minsq, int kind, int wk, double wconst, int nth) {
+  return plan_bs_entry<double>(x, yT, yy, hs, lse, alpha, VTk, K, out, mass, single, Mp, D, tasks, ntasks, cptr, cr,
+                               kcoef, minsq, kind, wk, wconst, nth);
 }
 #endif
 #if FL_PART(1)
