@@ -43,3 +43,13 @@ def cpu_lib():
 def lib(cpu_lib):
     """Short name of :func:`cpu_lib` (the kernel-level tests call it ``lib``)."""
     return cpu_lib
+
+
+@pytest.fixture(scope="session")
+def private_build_cache(tmp_path_factory):
+    """A private (0700) kernel cache shared by the tests that build the library in a subprocess
+    (tests/test_cli.py, tests/test_cpu_build.py): each full build costs ~35 s on 2 cores, so the
+    x86-64-v2 library is compiled once for all of them."""
+    d = tmp_path_factory.mktemp("flashot-cache")
+    os.chmod(d, 0o700)
+    return d
