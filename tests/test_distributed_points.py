@@ -15,6 +15,7 @@ every rank (the one at fault its own error, the others a ``ValueError`` naming i
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -87,13 +88,15 @@ def _linear(group, part, *, cost="sqeuclidean", B=None, method="auto"):
 def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
     """``solve_sample(acceleration=...)`` to ``tol``: Momentum's safeguard and Anderson's Gram matrix and
     right-hand side (inner products over all the potentials: all-reduced) decide the same steps on every
-    rank as in one process; values, potentials, gradients, iterations."""
+    rank as in one process; values, potentials, gradients, iterations.  tol = 1e-6: every step costs a few
+    collectives, and 1e-9 ran ~1.5 times the steps (e.g. 310 instead of 194) with the same Anderson
+    restarts (4 alternating, 17 symmetric; measured)."""
     from flashot import Anderson, Momentum, solve_sample
 
     x, y, a, b = _leaves(*_slices(part, *_data(8, 80, 70)))
     kw = {} if part is None else {"shard": "points"}
     cfg = Momentum(1.6) if acc == "momentum" else Anderson(m=4)
-    res = solve_sample(x, y, a, b, reg=reg, tol=1e-9, max_iter=2000, backend="cpu", method=method,
+    res = solve_sample(x, y, a, b, reg=reg, tol=1e-6, max_iter=2000, backend="cpu", method=method,
                        unbalanced=unbalanced, acceleration=cfg, inner_iterations=1, group=group, **kw)
     res.value_dual.backward()
     f, g = res.potentials
@@ -103,12 +106,13 @@ def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
 
 def _rows(group, part, *, backend="cpu", B=None, k=3):
     """This rank's rows of the plan (``to_dense``, ``topk``) and of its transpose (ring passes of the other
-    side's blocks), against the single process's rows of the same points."""
+    side's blocks), against the single process's rows of the same points (of the same potentials: tol = 1e-6
+    stops both after 140 steps, 1e-10 after 240)."""
     from flashot import solve_sample
 
     x, y, a, b = _slices(part, *_data(9, 40, 33, B=B))
     kw = {} if part is None else {"shard": "points"}
-    P = solve_sample(x, y, a, b, reg=0.3, tol=1e-10, max_iter=1000, backend=backend, group=group, **kw).plan
+    P = solve_sample(x, y, a, b, reg=0.3, tol=1e-6, max_iter=1000, backend=backend, group=group, **kw).plan
     out = {}
     for name, Q in (("", P), ("T", P.T)):
         out["dense" + name] = Q.to_dense()
@@ -243,6 +247,12 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     os._exit(0)  # torch 2.13's gloo can abort a clean interpreter exit (pytorch/pytorch#190489)
 
 
+@functools.lru_cache(maxsize=None)
+def _reference(name: str) -> dict:
+    """``name``'s calls in one process (``group=None``), computed once for both worlds."""
+    return CASES[name](None, None)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_points_mode_matches_single_process(world, tmp_path):
     rcs, outs, _ = _launch("compare", world, tmp_path, timeout=240, script=HERE)
@@ -250,7 +260,7 @@ def test_points_mode_matches_single_process(world, tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     worst = {}
     for name in RUN[world]:
-        ref = CASES[name](None, None)
+        ref = _reference(name)
         parts = [rk[name] for rk in ranks]
         for k, v in ref.items():
             if k.startswith("n_iter"):

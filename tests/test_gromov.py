@@ -9,6 +9,8 @@ Measured (float64, n, m = 30-45, reg = 0.03 on unit-box clouds, inner tolerances
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,9 @@ from flashot.ops.dense import DenseEngine
 from flashot.ops.tiled import TiledEngine
 
 ot = pytest.importorskip("ot")
+
+# tiny problems, thousands of inner iterations: one intra-op thread is faster, and much faster on a loaded machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REG = 0.03
 TIGHT = dict(inner_tol=1e-12, inner_max_iter=5000)
@@ -75,7 +80,7 @@ def test_matches_pot(backend, weighted):
 
 
 def test_invariance_rotation_reflection_translation():
-    X, Y = _clouds(seed=4)
+    X, Y = _clouds(20, 25, seed=5)  # a real matching in 3440 inner iterations (30 x 45, seed 4: 7280)
     r0 = flashot.gromov_wasserstein(X, Y, reg=REG, **TIGHT)
     Q, _ = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
     Q[:, 0] = -Q[:, 0]  # make sure a reflection is in there too
@@ -91,7 +96,8 @@ def test_invariance_rotation_reflection_translation():
 def test_gradients_envelope_finite_differences():
     """``value.backward()`` is the gradient of the entropic objective ``value_entropic`` (envelope theorem
     at the coupling): central differences of re-solved problems agree."""
-    X, Y = _clouds(20, 25, seed=6)
+    # converges in 3940 inner iterations per solve (20 x 25, seed 6: 9030); |fd - grad| ~4e-10 max |grad| (measured)
+    X, Y = _clouds(15, 18, seed=0)
     kw = dict(reg=REG, inner_tol=1e-13, inner_max_iter=10000, tol=1e-13)
     Xg, Yg = X.clone().requires_grad_(), Y.clone().requires_grad_()
     r = flashot.gromov_wasserstein(Xg, Yg, **kw)
@@ -251,8 +257,9 @@ def test_fused_matches_pot(backend):
 
 
 def test_fused_gradient_in_features_finite_differences():
-    X, Y = _clouds(15, 18, seed=11)
-    FX, FY = _features_pair(15, 18, seed=12)
+    # 1880 inner iterations per solve (15 x 18, seeds 11 and 12: 4050); |fd - grad| ~2e-10 max |grad| (measured)
+    X, Y = _clouds(12, 15, seed=3)
+    FX, FY = _features_pair(12, 15, seed=4)
     kw = dict(reg=REG, alpha=0.5, inner_tol=1e-13, inner_max_iter=10000, tol=1e-13)
     FXg = FX.clone().requires_grad_()
     Xg = X.clone().requires_grad_()
@@ -283,6 +290,14 @@ def test_fused_bad_inputs():
         fgw(X, Y, FX.float(), FY, reg=REG)
 
 
+@functools.lru_cache(maxsize=None)
+def _gw64(seed):
+    """The float64 reference of :func:`test_float32_stops_at_its_rounding_floor` (``dense``; ``tiled`` agrees
+    to ~1e-14), solved once for both engines' float32 runs: it takes 241 outer iterations, float32 121."""
+    X, Y = _clouds(seed=seed)
+    return flashot.gromov_wasserstein(X, Y, reg=REG, backend="dense")
+
+
 @pytest.mark.parametrize("backend", ["dense", "tiled"])
 def test_float32_stops_at_its_rounding_floor(backend):
     """float32 iterates stall near 1e-7 |T|_F, far above the default tol = 1e-9: the loop stops at the
@@ -290,7 +305,7 @@ def test_float32_stops_at_its_rounding_floor(backend):
     plan products to ~4e-4 (measured; the coupling is less well conditioned than the value, which is
     stationary in it)."""
     X, Y = _clouds(seed=13)
-    r64 = flashot.gromov_wasserstein(X, Y, reg=REG, backend=backend)
+    r64 = _gw64(13)
     r32 = flashot.gromov_wasserstein(X.float(), Y.float(), reg=REG, backend=backend)
     assert r32.converged and r32.n_outer < 200 and r32.value.dtype == torch.float32
     assert abs(float(r32.value) - float(r64.value)) <= 1e-5 * float(r64.value)

@@ -26,6 +26,9 @@ from flashot.ops.bilinear import BilinearAdapter, split_bilinear
 
 ot = pytest.importorskip("ot")
 
+# tiny problems, thousands of inner iterations: one intra-op thread is faster, and much faster on a loaded machine
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
 REG = 0.03
 
@@ -155,7 +158,7 @@ def _pot(X, Y, reg, **kw):
 
 def test_gw_cpu_matches_dense_and_pot():
     _engine("cpu")
-    X, Y = _clouds()
+    X, Y = _clouds(20, 25, seed=5)  # a real matching in 3440 inner iterations (30 x 45, seed 0: 5560)
     kw = {"reg": REG, "inner_tol": 1e-12, "inner_max_iter": 5000}
     rc = flashot.gromov_wasserstein(X, Y, backend="cpu", **kw)
     rd = flashot.gromov_wasserstein(X, Y, backend="dense", **kw)
@@ -188,19 +191,21 @@ def test_fused_gw_cpu_matches_pot():
 
 
 def test_gw_triton_matches_dense_and_pot():
-    """Small and quickly converging (the interpreter runs ~10 ms per kernel call)."""
+    """Small and quickly converging (the interpreter runs ~60 ms per kernel call, ~22 calls per outer
+    iteration): the outer tol 1e-5 (POT's too) stops both at outer iteration 11, where |T - T_prev| = 8.7e-7
+    (at 1e-8 they ran 21)."""
     _engine("triton")
     X, Y = _clouds(12, 15, seed=3)
     reg = 0.3
-    kw = {"reg": reg, "inner_tol": 1e-11, "inner_max_iter": 2000, "tol": 1e-8}
+    kw = {"reg": reg, "inner_tol": 1e-11, "inner_max_iter": 2000, "tol": 1e-5}
     rt = flashot.gromov_wasserstein(X, Y, backend="triton", **kw)
     rd = flashot.gromov_wasserstein(X, Y, backend="dense", **kw)
     assert rt.backend == "triton" and rt.converged and rt.n_outer == rd.n_outer
     assert abs(float(rt.value) - float(rd.value)) <= 1e-10 * float(rd.value)
     V = torch.randn(15, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     assert _rel(rt.plan @ V, rd.plan @ V) < 1e-10
-    T, log = _pot(X, Y, reg)
-    assert len(log["err"]) == len(rt.log["err"])
+    T, log = _pot(X, Y, reg, tol=kw["tol"])  # POT's outer tolerance (stopThr is its inner one)
+    assert len(log["err"]) == len(rt.log["err"]) == 2
     assert abs(float(rt.value) - log["gw_dist"]) <= 1e-6 * log["gw_dist"]
     assert _rel(rt.plan.to_dense(), T) < 1e-6
 
@@ -242,7 +247,8 @@ def test_gw_float32_cpu_close_to_float64():
 
 def test_gw_gradients_cpu_finite_differences():
     _engine("cpu")
-    X, Y = _clouds(15, 18, seed=6)
+    # 1450 inner iterations per solve (seed 6: 2090); |fd - grad| ~1e-10 max |grad| (measured)
+    X, Y = _clouds(15, 18, seed=4)
     kw = {"reg": 0.1, "inner_tol": 1e-13, "inner_max_iter": 10000, "tol": 1e-13, "backend": "cpu"}
     Xg, Yg = X.clone().requires_grad_(), Y.clone().requires_grad_()
     r = flashot.gromov_wasserstein(Xg, Yg, **kw)

@@ -12,11 +12,13 @@ Tolerances: float64 vs the references 1e-6 relative (converged solves); float32 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
-from flashot import SamplesLoss, solve_sample
+from flashot import Anderson, SamplesLoss, solve_sample
 
 geomloss = pytest.importorskip("geomloss")
 ot = pytest.importorskip("ot")
@@ -79,6 +81,12 @@ def _primal_generalised_kl(x, y, reg, rho_a, rho_b):
         P.sum(0), b)
 
 
+@functools.lru_cache(maxsize=None)
+def _primal_of_clouds(seed, reg, rho):
+    """:func:`_primal_generalised_kl` on ``_clouds(seed)``, computed once for the three engines."""
+    return _primal_generalised_kl(*_clouds(seed), reg, rho, rho)
+
+
 @pytest.mark.parametrize("backend", ENGINES)
 @pytest.mark.parametrize("rho", REACHES)
 def test_value_dual_large_rho_float32(backend, rho):
@@ -86,9 +94,12 @@ def test_value_dual_large_rho_float32(backend, rho):
     reg = 0.05
     kw = dict(reg=reg, unbalanced=rho, backend=backend, tol=None, max_iter=400)
     if rho <= 100:  # at rho = 1e4 both solvers need ~1e6 iterations (the mass mode contracts by ~reg/rho)
-        ref = solve_sample(x, y, reg=reg, unbalanced=rho, backend=backend, tol=1e-12, max_iter=50_000)
+        # the same fixed point (tol = 1e-12), reached with Anderson: at rho = 100 plain iterations took 21290
+        # steps (13 s per engine), Anderson takes 530 and lands within 5e-14 of POT's value (measured)
+        ref = solve_sample(x, y, reg=reg, unbalanced=rho, backend=backend, tol=1e-12, max_iter=50_000,
+                           acceleration=Anderson(m=5))
         assert ref.converged
-        _close(ref.value_dual, _primal_generalised_kl(x, y, reg, rho, rho), 1e-6)
+        _close(ref.value_dual, _primal_of_clouds(2, reg, rho), 1e-6)
     v64 = solve_sample(x, y, **kw).value_dual
     v32 = solve_sample(x.float(), y.float(), **kw).value_dual
     _close(v32, v64, F32_RTOL)
