@@ -66,33 +66,28 @@ def _cpu_has(*flags):
     return all(f in have for f in flags)
 
 
-@pytest.fixture(scope="module")
-def shared_cache(private_build_cache):
-    return private_build_cache
-
-
 @pytest.mark.parametrize("march,has,lacks,vbytes", [
     ("x86-64-v2", ["sse4.2"], ["avx", "avx2", "avx512f"], 16),
     ("x86-64-v3", ["avx2", "fma"], ["avx512f"], 32),
 ])
-def test_march_override_selects_the_isa(shared_cache, march, has, lacks, vbytes):
+def test_march_override_selects_the_isa(private_build_cache, march, has, lacks, vbytes):
     if not _cpu_has(*build._X86_LEVELS[march]):
         pytest.skip(f"this CPU cannot run {march}")
-    res = _result(_run(shared_cache, FLASHOT_CPU_MARCH=march))
+    res = _result(_run(private_build_cache, FLASHOT_CPU_MARCH=march))
     assert all(f in res["isa"] for f in has) and not any(f in res["isa"] for f in lacks), res
     assert res["vbytes"] == vbytes and res["err"] < 1e-10
 
 
-def test_march_is_part_of_the_cache_key(shared_cache):
+def test_march_is_part_of_the_cache_key(private_build_cache):
     if not _cpu_has(*build._X86_LEVELS["x86-64-v2"]):
         pytest.skip("this CPU cannot run x86-64-v2")
-    a = _result(_run(shared_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
+    a = _result(_run(private_build_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
     # the other target: x86-64-v3 where the CPU runs it (built by the test above, so no second
     # ~35 s compile), otherwise native
     other = {"FLASHOT_CPU_MARCH": "x86-64-v3"} if _cpu_has(*build._X86_LEVELS["x86-64-v3"]) else {}
-    b = _result(_run(shared_cache, **other))
+    b = _result(_run(private_build_cache, **other))
     assert a["path"] != b["path"] and b["cached"] in (True, False)
-    again = _result(_run(shared_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
+    again = _result(_run(private_build_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
     assert again["cached"] and again["path"] == a["path"]
 
 
@@ -258,11 +253,11 @@ def test_killed_build_leaves_nothing_behind_and_concurrent_builds_compile_once(t
     assert not list(cache.glob(".tmp-build-*"))
 
 
-def test_cached_library_is_used_without_a_compiler(shared_cache):
+def test_cached_library_is_used_without_a_compiler(private_build_cache):
     march = "x86-64-v2" if _cpu_has("sse4_2") else "native"
-    first = _result(_run(shared_cache, FLASHOT_CPU_MARCH=march))
-    res = _result(_run(shared_cache, FLASHOT_CPU_MARCH=march, PATH="/nonexistent", CXX=""))
+    first = _result(_run(private_build_cache, FLASHOT_CPU_MARCH=march))
+    res = _result(_run(private_build_cache, FLASHOT_CPU_MARCH=march, PATH="/nonexistent", CXX=""))
     assert res["cached"] and res["path"] == first["path"]
-    r = _run(shared_cache / "empty", FLASHOT_CPU_MARCH=march, PATH="/nonexistent", CXX="")
+    r = _run(private_build_cache / "empty", FLASHOT_CPU_MARCH=march, PATH="/nonexistent", CXX="")
     assert r.returncode != 0 and "no C++ compiler" in r.stderr
 
