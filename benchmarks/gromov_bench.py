@@ -94,8 +94,9 @@ def case_inner(n: int, backend: str, repeats: int) -> dict:
     return {"n": n, "backend": r.backend, "inner_s": statistics.median(times), "rss_gib": _rss_gib()}
 
 
-def case_solve(n: int, backend: str, max_iter: int, float64: bool = False) -> dict:
-    """A full GW solve (POT's default tol, at most ``max_iter`` outer iterations)."""
+def case_solve(n: int, backend: str, max_iter: int, float64: bool = False, verbose: bool = False) -> dict:
+    """A full GW solve (POT's default tol, at most ``max_iter`` outer iterations; ``verbose``: one line per
+    outer iteration on stderr)."""
     import torch
 
     import flashot
@@ -103,7 +104,8 @@ def case_solve(n: int, backend: str, max_iter: int, float64: bool = False) -> di
     X, Y, reg = clouds(n)
     dt = torch.float64 if float64 else torch.float32
     t0 = time.perf_counter()
-    r = flashot.gromov_wasserstein(X.to(dt), Y.to(dt), reg=reg, backend=backend, max_iter=max_iter)
+    r = flashot.gromov_wasserstein(X.to(dt), Y.to(dt), reg=reg, backend=backend, max_iter=max_iter,
+                                    verbose=verbose)
     secs = time.perf_counter() - t0
     return {"n": n, "backend": r.backend, "seconds": secs, "n_outer": r.n_outer, "n_inner": r.n_inner,
             "converged": r.converged, "value": float(r.value), "rss_gib": _rss_gib()}
@@ -129,11 +131,13 @@ def case_pot(n: int, max_iter: int) -> dict:
 CASES = {"inner": case_inner, "solve": case_solve, "pot": case_pot}
 
 
-def run_sub(kind: str, threads: int, *args) -> dict:
+def run_sub(kind: str, threads: int, *args, show_stderr: bool = False) -> dict:
+    """Run one case in a fresh process; its stderr is shown as it comes with ``show_stderr`` (progress)."""
     cmd = [sys.executable, __file__, "--one", json.dumps([kind, threads, *args])]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if show_stderr else subprocess.PIPE, text=True,
+                       check=False)
     if r.returncode != 0:
-        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+        return {"error": (r.stderr or "see its stderr above").strip().splitlines()[-1]}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -163,13 +167,14 @@ def section_big(a) -> None:
     print(f"\n### n = m = {a.big_n:,} and POT's dense solver ({a.threads} threads)\n")
     print("| solver | n = m | dtype | outer iterations | inner iterations | seconds | s / outer | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|")
-    big = run_sub("solve", a.threads, a.big_n, "cpu", a.big_outer)
+    big = run_sub("solve", a.threads, a.big_n, "cpu", a.big_outer, False, a.progress, show_stderr=a.progress)
     if "error" in big:
         print(f"| flashot cpu | {a.big_n:,} | float32 | failed: {big['error']} |")
     else:
         print(f"| flashot cpu | {a.big_n:,} | float32 | {big['n_outer']} | {big['n_inner']} | {big['seconds']:.0f} | "
               f"{big['seconds'] / big['n_outer']:.0f} | {big['rss_gib']:.2f} |", flush=True)
-        print(f"\n{big['seconds'] / big['n_inner']:.2f} s per inner iteration (outer-step work included)", flush=True)
+        print(f"\n{big['seconds'] / big['n_inner']:.2f} s per inner iteration (outer-step work included); converged "
+              f"(outer tol met): {big['converged']}; GW value {big['value']:.6g}", flush=True)
     for n in a.pot_n:
         pot = run_sub("pot", a.threads, n, a.pot_outer)
         ours = run_sub("solve", a.threads, n, "cpu", a.pot_outer, True)
@@ -199,6 +204,7 @@ def main() -> None:
     ap.add_argument("--big-outer", type=int, default=1000, help="outer iterations at most at --big-n")
     ap.add_argument("--pot-n", default="8000", help="comma list of sizes for POT and flashot")
     ap.add_argument("--pot-outer", type=int, default=1000)
+    ap.add_argument("--progress", action="store_true", help="one line per outer iteration of the --big-n solve (stderr)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:

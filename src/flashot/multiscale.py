@@ -2,7 +2,7 @@ r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backe
 
 1. Both clouds are clustered on a voxel grid of side ``cluster_scale`` (:mod:`flashot.clusters`)
    and sorted by cluster.  GeomLoss' default ``diameter / (sqrt(D) 2000^(1/D))`` is halved while
-   the cells stay wider than half the last temperature's pruning radius and hold >= 64 points on
+   the cells stay wider than a quarter of the last temperature's pruning radius and hold >= 64 points on
    average (:func:`~flashot.clusters.block_scale`): large clouds get finer cells, for the coarse
    stage and the pruning alike.  A given ``cluster_scale`` is GeomLoss' (the coarse stage's); the
    fine blocks may still be halved from it.

@@ -147,7 +147,7 @@ class SamplesLoss(torch.nn.Module):
             ranges=)`` -> (B, N, M), materialised.
         cluster_scale: ``backend="multiscale"``: the side of its clusters (default: GeomLoss' from the
             diameter and the dimension, halved for large clouds while the cells keep >= 64 points on
-            average and stay wider than half the last pruning radius).
+            average and stay wider than a quarter of the last pruning radius).
         truncate: ``backend="multiscale"``: keep only the blocks of clusters whose bound on
             ``C - f - g`` is within ``truncate * eps`` (re-pruned at every temperature;
             ``truncate=None`` keeps all).
