@@ -349,3 +349,31 @@ def test_semi_unbalanced_debiased_against_dense_reference():
 
     S_ref = D(a, x, b, y) - 0.5 * D(a, x, a, x) - 0.5 * D(b, y, b, y)
     assert abs(float(v) - S_ref) < 5e-3 * abs(D(a, x, b, y))
+
+
+# --------------------------------------------------------------------------- second derivatives
+@pytest.mark.parametrize("front", ["samples_loss", "samples_loss_debiased", "solve_sample"])
+def test_unbalanced_second_derivatives_warn_final_step_only(front):
+    """create_graph=True on an unbalanced value warns (its second derivatives are the final step's, as in
+    GeomLoss), plain gradients do not, and the first derivatives are the same either way; balanced
+    values (exact second derivatives, implicit differentiation) do not warn."""
+    import warnings
+
+    x, y, a, b = _clouds(30, 40)
+
+    def value(xx, reach):
+        if front == "solve_sample":
+            return solve_sample(xx, y, a, b, reg=0.05, unbalanced=reach, tol=1e-10, backend="tiled").value
+        return SamplesLoss(blur=0.2, reach=reach, debias=front.endswith("debiased"), backend="tiled")(a, xx, b, y)
+
+    for reach, warns in ((0.5, True), (None, False)):
+        results = []
+        for create_graph in (False, True):
+            xx = x.clone().requires_grad_()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                (gx,) = torch.autograd.grad(value(xx, reach), xx, create_graph=create_graph)
+            hits = [w for w in caught if "final Sinkhorn step" in str(w.message)]
+            assert len(hits) == int(create_graph and warns), (reach, create_graph, [str(w.message) for w in caught])
+            results.append(gx.detach())
+        torch.testing.assert_close(results[1], results[0], rtol=1e-10, atol=1e-12)

@@ -39,12 +39,39 @@ Two value conventions:
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = ["parse_unbalanced", "parse_reach", "geomloss_value", "geomloss_debiased", "dual_value"]
+
+SECOND_ORDER_WARNING = (
+    "second derivatives (create_graph=True) of an unbalanced OT value are those of the final Sinkhorn step "
+    "with the previous potentials held fixed (GeomLoss' approximation), not the exact ones; balanced problems "
+    "(reach=None / unbalanced=None) have exact ones by implicit differentiation")
+
+
+class _FirstOrderExact(torch.autograd.Function):
+    """Identity on an unbalanced value whose backward, when it is itself recorded (``create_graph=True``),
+    warns that the second derivatives are the final step's only (see :data:`SECOND_ORDER_WARNING`)."""
+
+    @staticmethod
+    def forward(ctx, v):
+        return v.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            warnings.warn(SECOND_ORDER_WARNING, RuntimeWarning, stacklevel=2)
+        return grad
+
+
+def first_order_exact(v: Tensor) -> Tensor:
+    """``v`` unchanged; differentiating it with ``create_graph=True`` warns that its second derivatives are
+    the final step's only (exact first derivatives: envelope theorem)."""
+    return _FirstOrderExact.apply(v) if v.requires_grad else v
 
 
 def _rho(name: str, v) -> float | None:
