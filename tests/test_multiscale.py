@@ -502,3 +502,33 @@ def test_solve_sample_multiscale_refusals():
         flashot.solve_sample(x, y, reg=0.1, truncate=3.0)
     with pytest.raises(TypeError, match="truncate"):
         flashot.solve_sample(x, y, reg=0.1, truncate="5")
+
+
+def test_native_plan_product_fallback_redoes_only_the_clusters_of_bad_rows(monkeypatch):
+    """One row cluster's plan mass is e^-80 (below 2^-75 in float32): only that cluster is redone in two passes
+    (its rows' two-pass calls see that cluster alone), and every row matches the masked dense float64 product."""
+    import flashot.ops.blocksparse as BS
+
+    xs, ys, pat, mask = _pattern_case(seed=5)
+    xf, yf = xs.float(), ys.float()
+    eng = BlockSparseEngine([(xf, yf, pat)])
+    cost, eps = get_cost("sqeuclidean"), 0.05
+    g = torch.Generator().manual_seed(2)
+    hy, V = torch.randn(1, 180, generator=g, dtype=F64), torch.randn(1, 180, 3, generator=g, dtype=F64)
+    C = cost.matrix(xs, ys)[0]
+    S = torch.where(mask, hy[0][None] - C / eps, torch.tensor(-math.inf, dtype=F64))
+    hx = -torch.logsumexp(S, -1)[None]
+    k = 2  # the low-mass cluster
+    lo, hi = int(pat.row_offsets[k]), int(pat.row_offsets[k + 1])
+    hx[0, lo:hi] -= 80.0
+    rows = []
+    real = BS._plan_call
+    monkeypatch.setattr(BS, "_plan_call", lambda *a: rows.append((a[-1] is None, a[2].shape[1])) or real(*a))
+    out = eng.plan_product(xf, yf, hx.float(), hy.float(), eps, V.float(), cost)[0].double()
+    assert rows == [(True, 240), (False, hi - lo)]
+    hx, hy, V = hx.float().double(), hy.float().double(), V.float().double()
+    C = cost.matrix(xf.double(), yf.double())[0]
+    P = torch.where(mask, torch.exp(hx[0][:, None] + hy[0][None] - C / eps), torch.zeros((), dtype=F64))
+    ref = P @ V[0]
+    for sl in (slice(lo, hi), slice(0, lo), slice(hi, None)):  # each part against its own scale
+        assert float((out[sl] - ref[sl]).abs().max() / ref[sl].abs().max()) < 2e-5, sl

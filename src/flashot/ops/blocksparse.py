@@ -125,6 +125,22 @@ class BlockPattern:
                                            self.tile_elems)
         return cache[(lo, hi)]
 
+    def clusters_of(self, rows: Tensor) -> tuple["BlockPattern", Tensor]:
+        """The pattern restricted to the row clusters that hold a ``True`` of ``rows`` (n_rows,) bool, and the
+        (n_sub,) indices of their rows: the rows of the restricted pattern are ``x[:, index]``."""
+        ro = self.row_offsets.cpu()
+        sizes = ro[1:] - ro[:-1]
+        cid = torch.repeat_interleave(torch.arange(self.keep.shape[0]), sizes)
+        hit = torch.zeros(self.keep.shape[0], dtype=torch.bool)
+        hit[cid[rows.cpu()]] = True
+        k = hit.nonzero().squeeze(1)
+        offsets = torch.zeros(k.numel() + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(sizes[k], 0)
+        index = hit[cid].nonzero().squeeze(1)  # the clusters' rows, in order
+        dev = self.row_offsets.device
+        sub = BlockPattern(offsets.to(dev), self.col_offsets, self.keep[k.to(self.keep.device)], self.tile_elems)
+        return sub, index.to(rows.device)
+
     @property
     def digest(self) -> int:
         """A 62-bit hash of the cluster boundaries and the kept blocks (processes that must agree on the
@@ -258,16 +274,21 @@ def _plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta:
     """The block-sparse plan product by the C++ kernels (V of at most ``NARROW_K`` columns, B = 1).  One pass:
     the weights are the plan entries ``exp(alpha_i + beta_j - C_ij / eps)`` themselves (as the ``cpu``
     engine's plan product), which neither overflow nor lose the row when its plan mass is between
-    ``PAIR_MIN_SUM`` and 1-ish (the solver's plans).  If any row's mass is outside that range or its output
-    is not finite, the call is redone in two passes (the row LSE first, every weight <= 1)."""
+    ``PAIR_MIN_SUM`` and 1-ish (the solver's plans).  Rows whose mass is outside that range or whose output
+    is not finite are redone in two passes (the row LSE first, every weight <= 1), on the row clusters that
+    hold them only."""
     from .cpu.engine import PAIR_MIN_SUM
 
     out, mass = _plan_call(lib, pat, x, y, alpha, beta, eps, V, cost, weight, None)
     al = alpha[0]
     bad = torch.isfinite(al) & ~(torch.isfinite(mass) & (mass >= PAIR_MIN_SUM) & torch.isfinite(out[0]).all(-1))
     if bool(bad.any()):
-        lse = _softmin_cpu(lib, pat, x, y, beta, eps, cost, base2=True)[0].contiguous()
-        out, _ = _plan_call(lib, pat, x, y, alpha, beta, eps, V, cost, weight, lse)
+        sub, idx = pat.clusters_of(bad)
+        xs, als = x[:, idx].contiguous(), alpha[:, idx].contiguous()
+        lse = _softmin_cpu(lib, sub, xs, y, beta, eps, cost, base2=True)[0].contiguous()
+        redo, _ = _plan_call(lib, sub, xs, y, als, beta, eps, V, cost, weight, lse)
+        sel = bad[idx]
+        out[0, idx[sel]] = redo[0, sel]
     return out
 
 
