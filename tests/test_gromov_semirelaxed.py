@@ -58,7 +58,10 @@ def _same_run(r, log, dist: float, T: np.ndarray, a: np.ndarray) -> None:
     assert r.converged
     assert len(r.log["err"]) == len(log["err"])
     assert r.n_outer == r.n_inner == 10 * (len(log["err"]) - 1) + 1 == len(r.log["value"])
-    np.testing.assert_allclose(r.log["err"], log["err"], rtol=1e-2)
+    # the late checks are differences of nearly equal couplings: rounding-level differences (the cpu engine's
+    # float64 softmin is within 4e-16 of dense) grow over the steps; measured on an AVX-512 Intel Xeon,
+    # |T - T_prev| ~ 4e-6 came out 1.1% (4.3e-8) away from POT's, so the bound has an absolute part
+    np.testing.assert_allclose(r.log["err"], log["err"], rtol=1e-2, atol=1e-6 * max(log["err"]))
     assert abs(float(r.value) - dist) <= 1e-6 * abs(dist)
     assert _rel(r.log["value"][-1], dist) < 1e-6
     m, n = T.shape[1], T.shape[0]
