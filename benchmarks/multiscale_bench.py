@@ -98,9 +98,11 @@ def main() -> None:
             ref_secs, note = math.nan, ""
         for cs in a.cluster_scales.split(","):
             r = run_sub(n, "multiscale", cs)
-            diff = abs(r["value"] - ref["value"]) / abs(ref["value"]) if ref is not None and ref["n"] == n else math.nan
+            same = ref is not None and ref["n"] == n
+            diff = f"{abs(r['value'] - ref['value']) / abs(ref['value']):.1e}" if same else "-"
+            speed = f"{ref_secs / r['seconds']:.1f}x{note}" if math.isfinite(ref_secs) else "- (no cpu run)"
             print(f"| {n:,} | multiscale | {cs} | {r['clusters']:,} | {r['kept']:.4f} | {r['seconds']:.1f} | "
-                  f"{r['rss_gib']:.2f} | {ref_secs / r['seconds']:.1f}x{note} | {diff:.1e} |", flush=True)
+                  f"{r['rss_gib']:.2f} | {speed} | {diff} |", flush=True)
 
 
 if __name__ == "__main__":
