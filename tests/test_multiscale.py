@@ -532,3 +532,20 @@ def test_native_plan_product_fallback_redoes_only_the_clusters_of_bad_rows(monke
     ref = P @ V[0]
     for sl in (slice(lo, hi), slice(0, lo), slice(hi, None)):  # each part against its own scale
         assert float((out[sl] - ref[sl]).abs().max() / ref[sl].abs().max()) < 2e-5, sl
+
+
+def test_block_and_coarse_scales_halve_to_their_limits():
+    """On a regular 100 x 100 grid of spacing 0.01 (cells of side s: about (1 / s)^2 occupied): the fine blocks
+    stop halving at 64 points a cell or a quarter of the radius, the coarse cells at ``max_cells`` or a
+    quarter of the radius, whichever comes first; the coarse cells go finer than the blocks when the
+    blocks are held by their points."""
+    from flashot.clusters import block_scale, coarse_scale, occupied_cells
+
+    g = torch.stack(torch.meshgrid(torch.arange(100.0), torch.arange(100.0), indexing="ij"), -1).reshape(-1, 2)
+    x = torch.cat([(g + 0.5) * 0.01, torch.zeros(10_000, 1)], 1).double()
+    assert occupied_cells(x, 0.1) == 100 and occupied_cells(x, 0.025) == 1600
+    assert block_scale(x, x, 0.4, radius=0.01) == 0.1  # 0.05 would hold 25 points a cell
+    assert block_scale(x, x, 0.4, radius=0.8) == 0.2  # a quarter of the radius (0.1 would hold 100 points)
+    assert coarse_scale(x, x, 0.4, radius=0.01, max_cells=5000) == 0.025  # 6,400 cells at 0.0125
+    assert coarse_scale(x, x, 0.4, radius=0.2, max_cells=5000) == 0.05  # a quarter of the radius
+    assert coarse_scale(x, x, 0.1, radius=0.01, max_cells=50) == 0.1  # 400 cells at 0.05

@@ -1,11 +1,13 @@
 r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backend="multiscale"``).
 
 1. Both clouds are clustered on a voxel grid of side ``cluster_scale`` (:mod:`flashot.clusters`)
-   and sorted by cluster.  GeomLoss' default ``diameter / (sqrt(D) 2000^(1/D))`` is halved while
-   the cells stay wider than a quarter of the last temperature's pruning radius and hold >= 64 points on
-   average (:func:`~flashot.clusters.block_scale`): large clouds get finer cells, for the coarse
-   stage and the pruning alike.  A given ``cluster_scale`` is GeomLoss' (the coarse stage's); the
-   fine blocks may still be halved from it.
+   and sorted by cluster.  The fine blocks: GeomLoss' default ``diameter / (sqrt(D) 2000^(1/D))``
+   halved while the cells stay wider than a quarter of the last temperature's pruning radius and
+   hold >= 64 points on average (:func:`~flashot.clusters.block_scale`): large clouds get finer
+   blocks.  The coarse stage, by default: those blocks halved further while both clouds occupy at
+   most 10,000 cells (:func:`~flashot.clusters.coarse_scale`), so it jumps to the points later.  A
+   given ``cluster_scale`` is GeomLoss' (the coarse stage's); the fine blocks may still be halved
+   from it.
 2. The epsilon-scaling runs on the cluster centroids with the cluster weights while
    ``eps >= cluster_scale^p`` (GeomLoss' jump rule), with the ordinary engines.
 3. The coarse potentials are extrapolated to the points (one softmin against the centroids),
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .clusters import Clusters, block_scale, cluster, coarsen, default_cluster_scale
+from .clusters import Clusters, block_scale, cluster, coarse_scale, coarsen, default_cluster_scale
 from .measures import Measures, log_weights
 from .ops import prepare_pair
 from .ops import softmin as ops_softmin
@@ -443,12 +445,12 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     if labels[0] is None and labels[1] is None:
         bs = block_scale(x.detach(), y.detach(), scale, _prune_radius(m.cost, eps_list[-1], cfg.truncate))
         if cfg.cluster_scale is None:
-            scale = bs
+            scale = coarse_scale(x.detach(), y.detach(), bs, _prune_radius(m.cost, eps_list[-1], cfg.truncate))
     cx, cy = cluster(x, m.a[0], scale, labels[0]), cluster(y, m.b[0], scale, labels[1])
     jump = jump_index(eps_list, _jump_threshold(m.cost, scale, p))
     mc = _coarse_measures(m, cx, cy, group)
     st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, rho_x=rx, rho_y=ry, verbose=verbose)
-    if bs < scale:
+    if bs != scale:
         cx, cy = cluster(x, m.a[0], bs), cluster(y, m.b[0], bs)
     fine = _fine_measures(m, cx, cy)
     hier = _Hier.build(fine, cx, cy, debias)

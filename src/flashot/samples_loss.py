@@ -146,9 +146,10 @@ class SamplesLoss(torch.nn.Module):
             raise ``NotImplementedError``.
         kernel: GeomLoss' kernel function for the kernel norms: ``kernel(x, y, blur=, use_keops=,
             ranges=)`` -> (B, N, M), materialised.
-        cluster_scale: ``backend="multiscale"``: the side of its clusters (default: GeomLoss' from the
-            diameter and the dimension, halved for large clouds while the cells keep >= 64 points on
-            average and stay wider than a quarter of the last pruning radius).
+        cluster_scale: ``backend="multiscale"``: the side of its coarse clusters (default: GeomLoss' from
+            the diameter and the dimension, halved while both clouds occupy at most 10,000 cells and the
+            cells stay wider than a quarter of the last pruning radius; the fine blocks are halved from
+            GeomLoss' while they keep >= 64 points on average).
         truncate: ``backend="multiscale"``: keep only the blocks of clusters whose bound on
             ``C - f - g`` is within ``truncate * eps`` (re-pruned at every temperature;
             ``truncate=None`` keeps all).
