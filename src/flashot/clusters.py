@@ -151,16 +151,16 @@ def block_scale(x: Tensor, y: Tensor, start: float, radius: float, min_points: i
 
     A kept region is about ``radius`` plus two block radii wide, so finer blocks prune more, and the
     coarse stage (run on these blocks or finer ones by default, :func:`coarse_scale`) jumps later.
-    Measured on the two tori of ``benchmarks/multiscale_profile.py`` at n = 10^6: stopping at ``radius / 2`` gave 2,142 blocks and
-    0.89 softmin pairs per n^2, ``radius / 4`` 8,558 blocks and 0.25 (2.2x less time); 33,718 blocks of
-    ~30 points (``min_points`` 16) evaluated fewer pairs again but took 3x longer."""
+    Measured on the two tori of ``benchmarks/multiscale_profile.py`` at n = 10^6: stopping at
+    ``radius / 2`` gave 2,142 blocks and 0.89 softmin pairs per n^2, ``radius / 4`` 8,558 blocks and
+    0.25 (2.2x less time); 33,718 blocks of ~30 points (``min_points`` 16) evaluated fewer pairs
+    again but took 3x longer."""
     s = start
     while s / 2 >= radius / 4:
         if min(x.shape[0] / occupied_cells(x, s / 2), y.shape[0] / occupied_cells(y, s / 2)) < min_points:
             break
         s /= 2
     return s
-
 
 
 # the coarse stage's clusters: at most this many a side (its dense softmins cost up to this squared per

@@ -36,7 +36,7 @@ from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
 from .plan import LazyPlan
 from .acceleration import check_acceleration
 from .solver import IterationRecord, SinkhornState, final_step, sinkhorn_loop
-from .unbalanced import dual_value, first_order_exact, parse_unbalanced, pot_value
+from .unbalanced import dual_value, parse_unbalanced, pot_value, warn_on_second_order
 
 METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
 
@@ -418,8 +418,8 @@ def _result(m: Measures, st: SinkhornState, o: SolveOptions, numpy: bool) -> OTR
     reg = o.reg
     f, g, _, _ = final_step(m, st, rho_x=o.rho_a, rho_y=o.rho_b)
     if o.unbalanced:  # m.full: the whole vectors when the points are split over ranks (else the same)
-        value = first_order_exact(pot_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b))
-        value_dual = first_order_exact(dual_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b))
+        value = warn_on_second_order(pot_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b))
+        value_dual = warn_on_second_order(dual_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b))
     else:  # points-sharded too: summed over the ranks, each rank's gradients its slices
         value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
     res = OTResult(

@@ -53,7 +53,7 @@ SECOND_ORDER_WARNING = (
     "(reach=None / unbalanced=None) have exact ones by implicit differentiation")
 
 
-class _FirstOrderExact(torch.autograd.Function):
+class _WarnOnSecondOrder(torch.autograd.Function):
     """Identity on an unbalanced value whose backward, when it is itself recorded (``create_graph=True``),
     warns that the second derivatives are the final step's only (see :data:`SECOND_ORDER_WARNING`)."""
 
@@ -68,10 +68,10 @@ class _FirstOrderExact(torch.autograd.Function):
         return grad
 
 
-def first_order_exact(v: Tensor) -> Tensor:
+def warn_on_second_order(v: Tensor) -> Tensor:
     """``v`` unchanged; differentiating it with ``create_graph=True`` warns that its second derivatives are
-    the final step's only (exact first derivatives: envelope theorem)."""
-    return _FirstOrderExact.apply(v) if v.requires_grad else v
+    the final step's only (its first derivatives are unchanged: see each value's docstring)."""
+    return _WarnOnSecondOrder.apply(v) if v.requires_grad else v
 
 
 def _rho(name: str, v) -> float | None:
