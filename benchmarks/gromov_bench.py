@@ -137,7 +137,7 @@ def run_sub(kind: str, threads: int, *args, show_stderr: bool = False) -> dict:
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if show_stderr else subprocess.PIPE, text=True,
                        check=False)
     if r.returncode != 0:
-        return {"error": (r.stderr or "see its stderr above").strip().splitlines()[-1]}
+        return {"error": "see its stderr above" if show_stderr else (r.stderr.strip().splitlines() or ["?"])[-1]}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

@@ -3,8 +3,8 @@
 Same data as ``multiscale_bench.py`` (two generated tori, blur = 0.01 x the diameter, debiased value
 plus its gradient in x).  Counts the pairs the block-sparse engine evaluates (softmins: the kept pairs
 of each call's pattern; plan products: once, their one pass, not counting rows that fall back to two
-passes), divided by ``n^2``, and the
-process CPU time (all threads) of the block bounds, the forward and the backward.
+passes), divided by ``n^2``, and the process CPU time (all threads) of the block bounds, the forward
+and the backward.
 
     python benchmarks/multiscale_profile.py --n 1000000
     python benchmarks/multiscale_profile.py --n 300000 --cluster-scale 0.02

@@ -117,9 +117,8 @@ def test_blocksparse_primitives_match_masked_dense(cost_name, native):
     for weight, W in (("plan", torch.ones_like(C)), ("cost", C), ("dcost", cost.dcost_weight(C))):
         out = eng.plan_product(xs, ys, hx, hy, eps, V, cost, weight)[0]
         # V has mixed signs, so an entry can cancel far below its summands: the bound is relative to
-        # (|P W| @ |V|), the scale of what was summed. Measured on an AVX-512 Xeon: 1.2e-12 (weight
-        # "cost": the kernels' |x|^2 + |y|^2 - 2<x, y> loses digits on near pairs), 2e-11 relative to
-        # the cancelled entry itself.
+        # (|P W| @ |V|), the scale of what was summed. Measured on an AVX-512 Xeon: at most 1.2e-12 of
+        # that scale (weight "cost"), where the old bound, relative to the cancelled entry itself, saw 2e-11.
         scale = (P * W).abs() @ V[0].abs()
         ratio = ((out - (P * W) @ V[0]).abs() / scale).nan_to_num(0.0)
         assert float(ratio.max()) <= 1e-11, (weight, float(ratio.max()))

@@ -443,9 +443,10 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     # by default the coarse stage runs on those blocks too (and jumps at their scale)
     bs = scale
     if labels[0] is None and labels[1] is None:
-        bs = block_scale(x.detach(), y.detach(), scale, _prune_radius(m.cost, eps_list[-1], cfg.truncate))
+        radius = _prune_radius(m.cost, eps_list[-1], cfg.truncate)
+        bs = block_scale(x.detach(), y.detach(), scale, radius)
         if cfg.cluster_scale is None:
-            scale = coarse_scale(x.detach(), y.detach(), bs, _prune_radius(m.cost, eps_list[-1], cfg.truncate))
+            scale = coarse_scale(x.detach(), y.detach(), bs, radius)
     cx, cy = cluster(x, m.a[0], scale, labels[0]), cluster(y, m.b[0], scale, labels[1])
     jump = jump_index(eps_list, _jump_threshold(m.cost, scale, p))
     mc = _coarse_measures(m, cx, cy, group)
