@@ -4,10 +4,13 @@ Same data as ``multiscale_bench.py`` (two generated tori, blur = 0.01 x the diam
 plus its gradient in x).  Counts the pairs the block-sparse engine evaluates (softmins: the kept pairs
 of each call's pattern; plan products: once, their one pass, not counting rows that fall back to two
 passes), divided by ``n^2``, and the process CPU time (all threads) of the block bounds, the forward
-and the backward.
+and the backward.  A fused step counts its exponentials: ``softmin_pair`` the kept pairs once (for both
+potentials), ``softmin_sym`` half of them.  ``--unfused`` runs without the fused steps (two softmins per
+symmetric step, a full one per debiasing step), for comparison.
 
     python benchmarks/multiscale_profile.py --n 1000000
     python benchmarks/multiscale_profile.py --n 300000 --cluster-scale 0.02
+    python benchmarks/multiscale_profile.py --n 300000 --unfused
     python -m cProfile -s tottime benchmarks/multiscale_profile.py --n 1000000   # by function
 """
 
@@ -32,7 +35,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100000)
     ap.add_argument("--cluster-scale", type=float, default=None, help="fraction of the diameter (default: GeomLoss')")
+    ap.add_argument("--unfused", action="store_true", help="without softmin_pair / softmin_sym")
     a = ap.parse_args()
+    if a.unfused:
+        del BS.BlockSparseEngine.softmin_pair, BS.BlockSparseEngine.softmin_sym
     x, y = surfaces(a.n)
     pts = torch.cat([x, y])
     diam = float((pts.amax(0) - pts.amin(0)).norm())
@@ -54,21 +60,34 @@ def main() -> None:
         prune[0] += time.process_time() - t0
         return out
 
+    def counted(name, share):
+        fn = getattr(BS.BlockSparseEngine, name)
+
+        def wrapped(self, u, *args, **kw):
+            v = args[0] if name == "softmin_pair" else u
+            pairs["softmin"] += self.pattern(u, v).pairs * share
+            return fn(self, u, *args, **kw)
+        return wrapped
+
     BS.BlockSparseEngine.softmin, BS.BlockSparseEngine.plan_product = counted_softmin, counted_plan
+    if not a.unfused:
+        BS.BlockSparseEngine.softmin_pair = counted("softmin_pair", 1.0)
+        BS.BlockSparseEngine.softmin_sym = counted("softmin_sym", 0.5)
     MS.BlockBounds.compute = classmethod(timed_compute)
     kw = {} if a.cluster_scale is None else {"cluster_scale": a.cluster_scale * diam}
     L = flashot.SamplesLoss(blur=0.01 * diam, backend="multiscale", **kw)
     xg = x.clone().requires_grad_()
-    t0 = time.process_time()
+    w0, t0 = time.perf_counter(), time.process_time()
     v = L(xg, y)
     t1 = time.process_time()
     torch.autograd.grad(v, xg)
     t2 = time.process_time()
+    wall = time.perf_counter() - w0
     run = L.last_multiscale
     n2 = float(a.n) ** 2
     print(f"n = {a.n:,}: {run.cx.n_clusters:,} clusters, kept {[round(k, 4) for k in run.kept]}; pairs per n^2: "
           f"softmins {pairs['softmin'] / n2:.3f}, plan products {pairs['plan'] / n2:.3f}; CPU seconds: block "
-          f"bounds {prune[0]:.2f}, forward {t1 - t0:.2f}, backward {t2 - t1:.2f}")
+          f"bounds {prune[0]:.2f}, forward {t1 - t0:.2f}, backward {t2 - t1:.2f}; wall {wall:.1f} s")
 
 
 if __name__ == "__main__":

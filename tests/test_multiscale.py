@@ -156,6 +156,57 @@ def test_native_plan_product_one_pass_and_fallback(shift, passes, monkeypatch):
     assert float((out - ref).abs().max() / ref.abs().max()) < 2e-5
 
 
+def _masked_softmin(x, y, h, mask, eps, cost):
+    C = cost.matrix(x.double(), y.double())[0]
+    S = torch.where(mask, h[0].double()[None] - C / eps, torch.tensor(-math.inf, dtype=F64))
+    return -eps * torch.logsumexp(S, -1)
+
+
+@pytest.mark.parametrize("dtype, tol", [(F64, 1e-11), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("cost_name", ["sqeuclidean", "euclidean"])
+def test_fused_pair_and_sym_steps_match_masked_dense(cost_name, dtype, tol):
+    """``softmin_pair`` (one exponential per kept pair for both potentials) and ``softmin_sym`` (the blocks on
+    and right of the diagonal of a symmetric pattern) in the C++ kernels, against masked dense LogSumExps in
+    float64 on the same (rounded) inputs; tolerance relative to the largest cost.  Row 7 is shifted by -200:
+    its sums fall below ``PAIR_MIN_SUM`` and it is recomputed by the block-sparse softmin (in float32 its
+    terms underflow to zero, so without that fallback its column sums would lose it and its own value
+    would be infinite)."""
+    xs, ys, pat, mask = _pattern_case(seed=6)
+    xs, ys = xs.to(dtype), ys.to(dtype)
+    cx = cluster(xs[0].double(), torch.ones(240, dtype=F64), 0.25)
+    g = torch.Generator().manual_seed(7)
+    kx = torch.rand(pat.keep.shape[0], pat.keep.shape[0], generator=g) < 0.3
+    kx = kx | kx.T | torch.eye(pat.keep.shape[0], dtype=torch.bool)
+    sx = BlockPattern(cx.offsets, cx.offsets, kx)
+    assert sx.symmetric and not pat.symmetric
+    mxx = torch.repeat_interleave(torch.repeat_interleave(kx, cx.sizes, 0), cx.sizes, 1)
+    eng = BlockSparseEngine([(xs, ys, pat), (ys, xs, pat.T), (xs, xs, sx)])
+    cost, eps = get_cost(cost_name), 0.05
+    # potentials near a Sinkhorn fixed point (the solver's regime): h_x = log a + f / eps with f = softmin(y, g)
+    hy = (torch.randn(1, 180, generator=g, dtype=F64) * 0.3 - math.log(180)).to(dtype)
+    hx = (math.log(1 / 240) + _masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).to(dtype)
+    hx[0, 7] -= 200.0
+    f, gy = eng.softmin_pair(xs, ys, hx, hy, eps, cost)
+    assert eng.stats["pair"] == 1 and eng.stats["fixup"] >= 1
+    scale = float(cost.matrix(xs.double(), ys.double()).max())
+    for out, ref in ((f, _masked_softmin(xs, ys, hy, mask, eps, cost)),
+                     (gy, _masked_softmin(ys, xs, hx, mask.T, eps, cost))):
+        assert out.dtype == dtype and out.shape == (1, ref.shape[0])
+        assert float((out[0].double() - ref).abs().max()) <= tol * scale
+    h = hx.clone()
+    out = eng.softmin_sym(xs, h, eps, cost)
+    assert eng.stats["sym"] == 1
+    assert float((out[0].double() - _masked_softmin(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * scale
+    # a non-symmetric self pattern: the plain block-sparse softmin
+    e2 = BlockSparseEngine([(xs, xs, BlockPattern(cx.offsets, cx.offsets, kx & ~torch.eye(len(kx), dtype=torch.bool)
+                                                  | torch.triu(torch.ones_like(kx))))])
+    out2 = e2.softmin_sym(xs, h, eps, cost)
+    assert e2.stats["sym"] == 0
+    m2 = e2.pattern(xs, xs).keep
+    m2 = torch.repeat_interleave(torch.repeat_interleave(m2, cx.sizes, 0), cx.sizes, 1)
+    assert float((out2[0].double() - _masked_softmin(xs, xs, h, m2, eps, cost)).abs().max()) <= tol * scale
+
+
 def test_native_softmin_float32():
     xs, ys, pat, mask = _pattern_case(seed=4)
     xs, ys = xs.float(), ys.float()

@@ -31,7 +31,7 @@ from torch import Tensor
 from ._checks import check_weights
 from .costs import Cost
 from .ops import get_engine, prepare_pair
-from .ops.autograd import softmin_fn
+from .ops.autograd import softmin_fn, softmin_pair_fn
 from .ops.base import Engine, self_softmin
 
 
@@ -234,6 +234,14 @@ class Measures:
         # high temperature (see h_a): float64 value; autograd goes back through the cast
         out64 = softmin_fn(out.double(), src.double(), h.detach(), eps, self.cost, self._engine64)
         return out64.to(self.x.dtype)
+
+    def softmin_grad_pair(self, hy: Tensor, hx: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """``(softmin_grad("xy", hy, eps), softmin_grad("yx", hx, eps))``, the values from one fused pass where
+        the engine has ``softmin_pair`` (:func:`~flashot.ops.autograd.softmin_pair_fn`)."""
+        if (getattr(self.cost, "graph", None) is not None or hx.dtype != self.x.dtype
+                or hy.dtype != self.x.dtype):
+            return self.softmin_grad("xy", hy, eps), self.softmin_grad("yx", hx, eps)
+        return softmin_pair_fn(self.x, self.y, hx.detach(), hy.detach(), eps, self.cost, self.engine)
 
     def masses(self) -> tuple[Tensor, Tensor]:
         """``(sum a, sum b)`` per problem, (B,) each, in float64 (detached)."""

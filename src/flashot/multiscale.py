@@ -584,9 +584,9 @@ def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept:
                  for u, v in ((h.cx, h.cy), (h.cx, h.cx), (h.cy, h.cy))]
     pxy = BlockPattern(h.cx.offsets, h.cy.offsets, keeps[0])
     pats = [(x, y, pxy), (y, x, pxy.T)]
-    if debias:
-        pats.append((x, x, BlockPattern(h.cx.offsets, h.cx.offsets, keeps[1])))
-        pats.append((y, y, BlockPattern(h.cy.offsets, h.cy.offsets, keeps[2])))
+    if debias:  # symmetric (keep or its transpose): softmin_sym then computes half the blocks
+        pats.append((x, x, BlockPattern(h.cx.offsets, h.cx.offsets, keeps[1] | keeps[1].T)))
+        pats.append((y, y, BlockPattern(h.cy.offsets, h.cy.offsets, keeps[2] | keeps[2].T)))
     kept.append(pxy.fraction)
     engine = BlockSparseEngine(pats)
     if group is not None:

@@ -362,8 +362,8 @@ def final_step(
     """
     eps = st.eps
     lx, ly = damping(eps, rho_x), damping(eps, rho_y)
-    f = lx * m.softmin_grad("xy", m.h_b(st.g, eps), eps)
-    g = ly * m.softmin_grad("yx", m.h_a(st.f, eps), eps)
+    f, g = m.softmin_grad_pair(m.h_b(st.g, eps), m.h_a(st.f, eps), eps)
+    f, g = lx * f, ly * g
     f_aa = g_bb = None
     if st.f_aa is not None:
         f_aa = lx * m.softmin_grad("xx", m.h_a(st.f_aa, eps), eps)

@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-// ---- the exported C ABI under test (signatures of ABI version 15, see engine.py _SIGS) ----
+// ---- the exported C ABI under test (signatures of ABI version 16, see engine.py _SIGS) ----
 extern "C" {
 int flashot_abi_version();
 int flashot_isa();
@@ -80,6 +80,14 @@ int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const 
                         const float* alpha, const float* VTk, int K, float* out, float* mass, int single, int64_t Mp,
                         int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                         double kcoef, double minsq, int kind, int wk, double wconst, int nth);
+int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
+                        float* cs, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                        const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
+                        int nth);
+int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
+                        double* rs, double* cs, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
+                        const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
+                        int kind, int cfg, int sym, int nth);
 int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
                         const double* alpha, const double* VTk, int K, double* out, double* mass, int single,
                         int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
@@ -91,7 +99,7 @@ int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int6
 
 namespace {
 
-constexpr int EXPECTED_ABI = 15;  // the declarations above; update both together
+constexpr int EXPECTED_ABI = 16;  // the declarations above; update both together
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -445,6 +453,104 @@ template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, doubl
   t.error_check(describe("plan_bs one-pass", tname<T>(), D, N, M, eps_rel,
                          (" clusters=" + std::to_string(Kc) + " (out and plan mass)").c_str()),
                 rc3, std::max(e1.worst, em.worst), TOL<T> * 10);
+}
+
+// ---- block-sparse pair (flashot_pair_bs): row and column sums of E_ij = e^{a_i + h_j - C_ij / eps} over
+// the kept blocks (clusters of 1..40 points, columns padded per cluster as in check_softmin_bs).  sym: y = x
+// and h = a, the same clusters on both sides and a symmetric pattern; the kernel sums the blocks on and right
+// of the diagonal only and the full row sums are rs_i + cs_i.  Reference: double sums over the kept pairs.
+int pair_bs(const float* x, const std::vector<float>& yT, const std::vector<float>& yy, const std::vector<float>& hs,
+            const float* hx, float* rs, float* cs, int64_t Mp, int D, const std::vector<int64_t>& tasks,
+            const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr, const std::vector<int64_t>& poff,
+            double k, int cfg, int sym) {
+  return flashot_pair_bs_f32(x, yT.data(), yy.data(), hs.data(), hx, rs, cs, Mp, D, tasks.data(),
+                             (int64_t)tasks.size() / 3, cptr.data(), cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym,
+                             NTH);
+}
+int pair_bs(const double* x, const std::vector<double>& yT, const std::vector<double>& yy,
+            const std::vector<double>& hs, const double* hx, double* rs, double* cs, int64_t Mp, int D,
+            const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr,
+            const std::vector<int64_t>& poff, double k, int cfg, int sym) {
+  return flashot_pair_bs_f64(x, yT.data(), yy.data(), hs.data(), hx, rs, cs, Mp, D, tasks.data(),
+                             (int64_t)tasks.size() / 3, cptr.data(), cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym,
+                             NTH);
+}
+
+std::vector<int64_t> random_clusters(Rng& g, int64_t n) {
+  std::vector<int64_t> off{0};
+  while (off.back() < n) off.push_back(off.back() + std::min<int64_t>(n - off.back(), 1 + (int64_t)(g.next() % 40)));
+  return off;
+}
+
+template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym, uint64_t seed) {
+  const double eps_rel = 0.05;
+  Problem<T> p = make_problem<T>(seed, N, sym ? N : M, D, eps_rel);
+  if (sym) {  // y = x, h = a
+    p.y = p.x;
+    p.h = p.a;
+    exact_costs(p);
+    kernel_layout(p);
+  }
+  M = p.M;
+  Rng g(seed + 11);
+  const std::vector<int64_t> roff = random_clusters(g, N), coff = sym ? roff : random_clusters(g, M);
+  const int64_t Kr = (int64_t)roff.size() - 1, Kc = (int64_t)coff.size() - 1;
+  std::vector<int64_t> poff{0}, pos(M);
+  for (int64_t c = 0; c < Kc; ++c) poff.push_back(poff.back() + (coff[c + 1] - coff[c] + PAD - 1) / PAD * PAD);
+  const int64_t Mp = poff.back();
+  std::vector<T> yT((size_t)D * Mp, (T)0), yy((size_t)Mp, (T)0), hs((size_t)Mp, zero_weight<T>());
+  for (int64_t c = 0; c < Kc; ++c)
+    for (int64_t j = coff[c]; j < coff[c + 1]; ++j) {
+      const int64_t q = poff[c] + (j - coff[c]);
+      for (int d = 0; d < D; ++d) yT[(size_t)d * Mp + q] = p.yT[(size_t)d * p.Mp + j];
+      yy[q] = p.yy[j];
+      hs[q] = p.hs[j];
+      pos[j] = q;
+    }
+  std::vector<std::vector<char>> kept(Kr, std::vector<char>(Kc, 0));
+  for (int64_t r = 0; r < Kr; ++r) {
+    kept[r][sym ? r : g.next() % Kc] = 1;
+    for (int64_t c = sym ? r + 1 : 0; c < Kc; ++c) kept[r][c] |= (g.next() % 3) == 0;
+  }
+  if (sym)
+    for (int64_t r = 0; r < Kr; ++r)
+      for (int64_t c = 0; c < r; ++c) kept[r][c] = kept[c][r];
+  std::vector<int64_t> tasks, cptr{0}, cr;
+  for (int64_t r = 0; r < Kr; ++r) {
+    tasks.insert(tasks.end(), {roff[r], roff[r + 1], r});
+    for (int64_t c = 0; c < Kc; ++c)  // runs of kept clusters as one range, as blocksparse.py builds them
+      if (kept[r][c]) {
+        if (!cr.empty() && (int64_t)cr.size() / 2 > cptr.back() && cr.back() == poff[c]) cr.back() = poff[c + 1];
+        else cr.insert(cr.end(), {poff[c], poff[c + 1]});
+      }
+    cptr.push_back((int64_t)cr.size() / 2);
+  }
+  std::vector<T> hx((size_t)N), rs((size_t)N), cs((size_t)Mp);
+  for (int i = 0; i < N; ++i) hx[i] = (T)(p.a[i] * LOG2E);
+  const int rc = pair_bs(p.x.data(), yT, yy, hs, hx.data(), rs.data(), cs.data(), Mp, D, tasks, cptr, cr, poff, p.k,
+                         cfg_for(D), (int)sym);
+  auto cl = [](const std::vector<int64_t>& off, int64_t i) {
+    int64_t c = 0;
+    while (off[c + 1] <= i) ++c;
+    return c;
+  };
+  MaxErr e;
+  for (int i = 0; i < N; ++i) {
+    double r = 0;
+    for (int j = 0; j < M; ++j) r += kept[cl(roff, i)][cl(coff, j)] ? std::exp(p.s(0, i, j)) : 0.0;
+    const double got = sym ? (double)rs[i] + (double)cs[pos[i]] : (double)rs[i];
+    e.add(got, r, r * p.expo_scale());
+  }
+  if (!sym)
+    for (int j = 0; j < M; ++j) {
+      double c = 0;
+      for (int i = 0; i < N; ++i) c += kept[cl(roff, i)][cl(coff, j)] ? std::exp(p.s(0, i, j)) : 0.0;
+      e.add(cs[pos[j]], c, c * p.expo_scale());
+    }
+  t.error_check(describe("pair_bs", tname<T>(), D, N, M, eps_rel,
+                         ((sym ? " sym=1 rows" : " sym=0 rows+cols") + std::string(" clusters=") +
+                          std::to_string(Kr) + "x" + std::to_string(Kc)).c_str()),
+                rc, e.worst, TOL<T>);
 }
 
 // ---- pair (sym = 0): rs_i = sum_j E_ij, cs_j = sum_i E_ij, E_ij = e^{a_i + h_j - C_ij / eps} --
@@ -835,6 +941,11 @@ void run_all(Tally& t) {
   check_pair<float>(t, 17, 131, 70, 51);
   check_pair<double>(t, 2, 100, 37, 52);
   check_pair<double>(t, 40, 64, 129, 53);
+  check_pair_bs<float>(t, 3, 137, 201, false, 54);
+  check_pair_bs<float>(t, 3, 190, 190, true, 55);
+  check_pair_bs<double>(t, 2, 211, 97, false, 56);
+  check_pair_bs<double>(t, 5, 160, 160, true, 57);
+  check_pair_bs<float>(t, 17, 150, 150, true, 58);
   check_plan<float>(t, {3, 37, 131, 3, W_ONE, 1, 1}, 60);
   check_plan<float>(t, {5, 131, 40, 4, W_COST, 0, 1}, 61);
   check_plan<float>(t, {40, 70, 101, 37, W_ONE, 0, 0}, 62);

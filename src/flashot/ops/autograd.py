@@ -25,8 +25,11 @@ from .base import Engine, self_softmin
 
 class SoftminFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine):
-        if x.shape == y.shape and x.data_ptr() == y.data_ptr() and x.stride() == y.stride():
+    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine,
+                value: Tensor | None = None):
+        if value is not None:  # computed by the caller (a fused step): only the backward is ours
+            out = value.detach()
+        elif x.shape == y.shape and x.data_ptr() == y.data_ptr() and x.stride() == y.stride():
             out = self_softmin(engine, x.detach(), h.detach(), eps, cost)  # softmin(x, x, h)
         else:
             out = engine.softmin(x.detach(), y.detach(), h.detach(), eps, cost)
@@ -43,7 +46,8 @@ class SoftminFn(torch.autograd.Function):
         gx = gy = gh = None
         alpha = out / eps
         if getattr(cost, "bilinear", False):
-            return (*_bilinear_grads(x, y, h, alpha, G, eps, cost, engine, (need_x, need_y, need_h)), None, None, None)
+            return (*_bilinear_grads(x, y, h, alpha, G, eps, cost, engine, (need_x, need_y, need_h)), None, None, None,
+                    None)
         D = x.shape[-1]
         ones = torch.ones_like(y[..., :1])
         if need_x and cost.is_dot:
@@ -74,7 +78,7 @@ class SoftminFn(torch.autograd.Function):
                 gy = y * T[..., D:] - T[..., :D]
                 if need_h:
                     gh = -eps * engine.plan_product(y, x, h, alpha, eps, Gc, cost, "plan")[..., 0]
-        return gx, gy, gh, None, None, None
+        return gx, gy, gh, None, None, None, None
 
 
 def plan_grad_x(x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost, engine: Engine) -> Tensor:
@@ -115,13 +119,34 @@ def _bilinear_grads(x: Tensor, y: Tensor, h: Tensor, alpha: Tensor, G: Tensor, e
 
 def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine) -> Tensor:
     """Softmin that is differentiable w.r.t. ``x``, ``y`` and ``h`` (batched tensors)."""
-    if engine.name == "dense" and cost.is_dot and torch.is_grad_enabled() and (
-        x.requires_grad or y.requires_grad or h.requires_grad
-    ):
-        # The dense engine is plain torch: let autograd see it (double backward works).
-        # Not for |x - y|, whose autograd derivative at x = y is NaN.
+    if plain_autograd(x, y, h, cost, engine):
         return engine.softmin(x, y, h, eps, cost)
     return SoftminFn.apply(x, y, h, eps, cost, engine)
+
+
+def plain_autograd(x: Tensor, y: Tensor, h: Tensor, cost: Cost, engine: Engine) -> bool:
+    """Does :func:`softmin_fn` let autograd see the engine's own torch code?  The dense engine is plain
+    torch, so double backward works through it; not for ``|x - y|``, whose autograd derivative at
+    ``x = y`` is NaN."""
+    return engine.name == "dense" and cost.is_dot and torch.is_grad_enabled() and (
+        x.requires_grad or y.requires_grad or h.requires_grad)
+
+
+def softmin_pair_fn(x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
+                    engine: Engine) -> tuple[Tensor, Tensor]:
+    """``(softmin_fn(x, y.detach(), hy), softmin_fn(y, x.detach(), hx))``: each potential differentiable w.r.t.
+    its own points and its log-weights (the final step of a symmetric solve).  The values come from the
+    engine's fused ``softmin_pair`` (one pass for both) where the engine asks for it (``fused_final_step``:
+    the multiscale engine, whose fine stage runs few iterations, so the final step is a large share of
+    its work) and :func:`softmin_fn` would use :class:`SoftminFn`; the backward is :class:`SoftminFn`'s
+    either way.  Elsewhere the final step keeps the two softmins (the same rounding as ``dense``)."""
+    xd, yd = x.detach(), y.detach()
+    pair = getattr(engine, "softmin_pair", None) if getattr(engine, "fused_final_step", False) else None
+    if pair is None or plain_autograd(x, yd, hy, cost, engine) or plain_autograd(y, xd, hx, cost, engine):
+        return softmin_fn(x, yd, hy, eps, cost, engine), softmin_fn(y, xd, hx, eps, cost, engine)
+    with torch.no_grad():
+        f, g = pair(xd, yd, hx.detach(), hy.detach(), eps, cost)
+    return SoftminFn.apply(x, yd, hy, eps, cost, engine, f), SoftminFn.apply(y, xd, hx, eps, cost, engine, g)
 
 
 class PlanVFn(torch.autograd.Function):

@@ -14,7 +14,11 @@ On the CPU the softmin runs in the C++ kernels of the ``cpu`` engine (``flashot_
 each row cluster streams its kept column ranges with the dense LSE micro-kernels, the columns of
 each cluster padded to the kernels' step), and so do the plan products with a narrow ``V`` (at most 4
 columns: marginals, and the gradients for d <= 3) in one pass (two where a row's plan mass is out of
-range); wider ones run in PyTorch.  On CUDA
+range); wider ones run in PyTorch.  The solver's symmetric steps are fused there as in the ``cpu``
+engine: :meth:`BlockSparseEngine.softmin_pair` gives both potentials from one exponential per kept pair
+(``flashot_pair_bs``, column sums per fixed group of row clusters, so the bits do not depend on the thread
+count), and :meth:`BlockSparseEngine.softmin_sym` (debiasing, a symmetric pattern) computes only the
+blocks on and right of the diagonal.  On CUDA
 tensors both primitives run in the Triton kernels (:mod:`flashot.ops.triton.blocksparse`: one program
 per row tile of a cluster, streaming its kept column ranges with an online LogSumExp, any ``V``
 width).  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
@@ -83,6 +87,16 @@ class BlockPattern:
     def fraction(self) -> float:
         """Kept pairs over all ``N M`` pairs."""
         return self.pairs / (self.n_rows * self.n_cols)
+
+    @property
+    def symmetric(self) -> bool:
+        """Square with the same clusters on both sides and ``keep == keep.T`` (the patterns of ``(x, x)``
+        pairs; :meth:`BlockSparseEngine.softmin_sym` then computes half the blocks).  Cached."""
+        if "_symmetric" not in self.__dict__:
+            self._symmetric = bool(self.keep.shape[0] == self.keep.shape[1]
+                                   and torch.equal(self.row_offsets, self.col_offsets)
+                                   and torch.equal(self.keep, self.keep.T))
+        return self._symmetric
 
     @property
     def T(self) -> "BlockPattern":
@@ -192,10 +206,13 @@ class PaddedColumns:
     """The C++ block-sparse softmin's view of a :class:`BlockPattern` (see :meth:`BlockPattern.padded`):
     ``pos`` (M,) padded position of each column, ``width`` the padded number of columns, ``tasks``
     (3 Kx,) ``(first row, end row, row cluster)`` per row cluster, ``cptr`` (Kx + 1,) and ``ranges``
-    (2 R,) the kept column ranges ``[start, end)`` of each row cluster."""
+    (2 R,) the kept column ranges ``[start, end)`` of each row cluster, ``offsets`` (Ky + 1,) the padded
+    column offsets of the clusters."""
 
-    def __init__(self, pos: Tensor, width: int, tasks: Tensor, cptr: Tensor, ranges: Tensor):
+    def __init__(self, pos: Tensor, width: int, tasks: Tensor, cptr: Tensor, ranges: Tensor, offsets: Tensor):
         self.pos, self.width, self.tasks, self.cptr, self.ranges = pos, width, tasks, cptr, ranges
+        self.offsets = offsets
+        self.points = None  # (key, yT, yy, y): the column cloud in this layout (_padded_y's cache)
 
     @classmethod
     def build(cls, pat: BlockPattern, unit: int) -> "PaddedColumns":
@@ -215,7 +232,7 @@ class PaddedColumns:
         cptr[1:] = torch.cumsum(torch.bincount(si, minlength=keep.shape[0]), 0)
         K = keep.shape[0]
         tasks = torch.stack([ro[:-1], ro[1:], torch.arange(K)], -1).reshape(-1).contiguous()
-        return cls(pos, int(poff[-1]), tasks, cptr, ranges)
+        return cls(pos, int(poff[-1]), tasks, cptr, ranges, poff.contiguous())
 
 
 def _cpu_lib():
@@ -238,11 +255,15 @@ def _padded_y(lib, pat: BlockPattern, y: Tensor, h: Tensor, kind: int):
     lanes = lib.flashot_vector_bytes() // y.element_size()
     lay = pat.padded(lanes if D <= 3 else 4 * lanes)  # the micro-kernels' column step (1 or <= 4 vectors)
     y0 = y[0]
-    yT = torch.zeros(D, lay.width, dtype=y.dtype)
-    yT[:, lay.pos] = y0.T
-    yy = torch.zeros(lay.width, dtype=y.dtype)
-    if kind == KIND_DOT:
-        yy[lay.pos] = (y0 * y0).sum(-1)
+    key = (y0.data_ptr(), y0._version, tuple(y0.shape), y0.dtype, kind)
+    if lay.points is None or lay.points[0] != key:  # the padded points: once per (pattern, cloud)
+        yT = torch.zeros(D, lay.width, dtype=y.dtype)
+        yT[:, lay.pos] = y0.T
+        yy = torch.zeros(lay.width, dtype=y.dtype)
+        if kind == KIND_DOT:
+            yy[lay.pos] = (y0 * y0).sum(-1)
+        lay.points = (key, yT, yy, y0)  # y0 held: its storage (data_ptr in the key) cannot be reused meanwhile
+    _, yT, yy, _ = lay.points
     hs = torch.full((lay.width,), float("-inf"), dtype=y.dtype)
     hs[lay.pos] = h[0] * LOG2E
     _encode_zero_weights(hs)
@@ -267,6 +288,31 @@ def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: f
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse softmin kernel returned {rc}")
     return out.unsqueeze(0)
+
+
+def _pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
+              sym: bool) -> tuple[Tensor, Tensor]:
+    """``flashot_pair_bs``: ``(rsum (N,), csum (M,))``, the row and column sums of ``exp(s_ij)``, ``s_ij = hx_i +
+    hy_j - C_ij / eps``, over the kept blocks, one exponential per pair.  ``sym`` (``y`` is ``x``, a symmetric
+    pattern): the blocks right of the diagonal give both sums and the diagonal ones the row sums only, so the
+    full row sums are ``rsum + csum``."""
+    from .cpu.engine import LARGE_D_CFG, LOG2E, SMALL_D, CpuEngine, _encode_zero_weights
+
+    N, D = x.shape[1], x.shape[2]
+    kind, kcoef, minsq = CpuEngine._cost_args(cost, eps)
+    lay, yT, yy, hs = _padded_y(lib, pat, y, hy, kind)
+    hx2 = _encode_zero_weights((hx[0] * LOG2E).contiguous())
+    xc = x[0].contiguous()
+    rows = torch.empty(N, dtype=x.dtype)
+    cols = torch.empty(lay.width, dtype=x.dtype)
+    fn = lib.flashot_pair_bs_f32 if x.dtype == torch.float32 else lib.flashot_pair_bs_f64
+    rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), hx2.data_ptr(), rows.data_ptr(),
+            cols.data_ptr(), lay.width, D, lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(),
+            lay.ranges.data_ptr(), lay.offsets.data_ptr(), kcoef, minsq, kind, 0 if D <= SMALL_D else LARGE_D_CFG,
+            int(sym), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"multiscale engine: block-sparse pair kernel returned {rc}")
+    return rows, cols[lay.pos]
 
 
 def _plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
@@ -368,6 +414,7 @@ class BlockSparseEngine:
     """
 
     name = "multiscale"
+    fused_final_step = True  # the solver's final step takes softmin_pair (ops.autograd.softmin_pair_fn)
 
     def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool | str = True):
         self._patterns = {(self._key(u), self._key(v)): p for u, v, p in patterns}
@@ -376,6 +423,7 @@ class BlockSparseEngine:
         on_cuda = all(u.device.type == "cuda" for u, _, _ in patterns)
         self._lib = _cpu_lib() if native is True and on_cpu else None
         self._triton = _triton_engine() if native == "triton" or (native is True and on_cuda) else None
+        self.stats = {"pair": 0, "sym": 0, "fixup": 0}  # fused C++ calls, and rows / columns they recomputed
 
     @staticmethod
     def _key(t: Tensor):
@@ -435,6 +483,49 @@ class BlockSparseEngine:
             lse = _lse_last(S).squeeze(-1)
             valid = rows >= 0
             out[0, rows[valid]] = -eps * lse[valid]
+        return out
+
+    def _native(self, *ts: Tensor) -> bool:
+        return self._lib is not None and all(t.dtype == ts[0].dtype for t in ts)
+
+    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
+                     cost: Cost) -> tuple[Tensor, Tensor]:
+        """``(softmin(x, y, hy), softmin(y, x, hx))`` over the kept blocks; on the CPU kernels one exponential
+        per kept pair gives both (``s_ij = hx_i + hy_j - C_ij / eps``: ``softmin(x, y, hy)_i = -eps (log sum_j
+        e^{s_ij} - hx_i)``, the same for the columns), as :meth:`flashot.ops.cpu.CpuEngine.softmin_pair`: rows
+        and columns whose sum is not finite or below ``PAIR_MIN_SUM`` are recomputed by :meth:`softmin`."""
+        pat = self.pattern(x, y)
+        if not self._native(x, y, hx, hy):
+            return self.softmin(x, y, hy, eps, cost), self.softmin(y, x, hx, eps, cost)
+        self.stats["pair"] += 1
+        rsum, csum = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False)
+        return self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
+
+    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+        """``softmin(x, x, h)`` over the kept blocks; on the CPU kernels, for a symmetric pattern, from the
+        blocks on and right of the diagonal only (``s_ij = h_i + h_j - C_ij / eps`` is symmetric): about half
+        the exponentials.  Same safeguards as :meth:`softmin_pair`."""
+        pat = self.pattern(x, x)
+        if not (self._native(x, h) and pat.symmetric):
+            return self.softmin(x, x, h, eps, cost)
+        self.stats["sym"] += 1
+        rsum, csum = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True)
+        return self._from_sums(rsum + csum, h, eps, x, x, h, cost)
+
+    def _from_sums(self, sums: Tensor, h: Tensor, eps: float, pts: Tensor, other: Tensor, h_other: Tensor,
+                   cost: Cost) -> Tensor:
+        """``-eps (log sums - h)``, (1, N); rows whose sum is unusable are recomputed by the block-sparse
+        softmin on the row clusters that hold them."""
+        from .cpu.engine import PAIR_MIN_SUM
+
+        out = (-eps * (sums.log() - h[0])).unsqueeze(0)
+        bad = ~(torch.isfinite(sums) & (sums >= PAIR_MIN_SUM))
+        if bool(bad.any()):
+            self.stats["fixup"] += int(bad.sum())
+            sub, idx = self.pattern(pts, other).clusters_of(bad)
+            redo = _softmin_cpu(self._lib, sub, pts[:, idx].contiguous(), other, h_other.contiguous(), eps, cost)
+            sel = bad[idx]
+            out[0, idx[sel]] = redo[0, sel]
         return out
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan",

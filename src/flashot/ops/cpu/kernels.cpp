@@ -1245,6 +1245,84 @@ static int softmin_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, T
   return -2;
 }
 
+// Block-sparse symmetric step (pair_impl over softmin_bs_impl's kept ranges, B = 1): rsum[i] = sum_j E_ij
+// over row i's kept columns and csum[j] (padded layout) = sum_i E_ij, E_ij = 2^(hx_i + hs_j - k c_ij), one
+// exponential per pair.  Column partials per group of row clusters (cluster t -> group t % G), combined in
+// group order: the same bits for any thread count.  SYM (y is x with the same clusters, a symmetric pattern,
+// coff (Kx + 1,) the clusters' padded column offsets): cluster k sums its own block for its rows only and
+// the kept columns right of it for rows and columns, skipping those left of it; the caller adds rsum + csum.
+template <typename T, int R, int NV, int KIND, int DS, bool SYM>
+static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum,
+                         int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                         const int64_t* coff, const Args& a, int nth) {
+  typedef typename VT<T>::v v;
+  const int D = a.D;
+  constexpr int RB = R * 16;
+  const int64_t G = col_groups(ntasks, Mp * (int64_t)sizeof(T));
+  std::unique_ptr<T[]> parts(new T[(size_t)G * Mp]);  // zeroed by each group's task
+  Tasks tq(G);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    std::vector<T> scratch(SYM ? (size_t)Mp : 0);  // column sums of diagonal blocks: discarded
+    for (int64_t g; tq.next(g);) {
+      T* cacc = parts.get() + (size_t)g * Mp;
+      std::fill(cacc, cacc + Mp, (T)0);
+      for (int64_t t = g; t < ntasks; t += G) {
+        const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
+        const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
+        for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
+          const int nr = (int)std::min<int64_t>(RB, i1 - i0);
+          T m[RB];
+          v sum[RB];
+          for (int r = 0; r < nr; ++r) { m[r] = hx[i0 + r]; sum[r] = v{}; }
+          const T* xb = x + i0 * D;
+          for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
+            int64_t lo = cr[2 * q];
+            const int64_t hi = cr[2 * q + 1];
+            if (SYM) {
+              if (hi <= d0) continue;
+              const int64_t dlo = std::max(lo, d0), dhi = std::min(hi, d1);
+              if (dlo < dhi)
+                panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yT, yy, hs, dlo, dhi, a, m, sum,
+                                                                 scratch.data(), 0);
+              lo = std::max(lo, d1);
+              if (lo >= hi) continue;
+            }
+            panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yT, yy, hs, lo, hi, a, m, sum, cacc, 0);
+          }
+          for (int r = 0; r < nr; ++r) rsum[i0 + r] = hsum(sum[r]);
+        }
+      }
+    }
+  });
+  merge_col_sums(parts.get(), G, (size_t)Mp, csum, nth);
+}
+
+template <typename T, int KIND, bool SYM>
+static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, int64_t Mp,
+                            const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                            const int64_t* coff, const Args& a, int cfg, int nth) {
+  return with_lse_shape(cfg, a.D, [&](auto s) {
+    using S = decltype(s);
+    pair_bs_impl<T, S::R, S::NV, KIND, S::DS, SYM>(x, yT, yy, hs, hx, rs, cs, Mp, tasks, ntasks, cptr, cr, coff, a,
+                                                   nth);
+  });
+}
+
+template <typename T>
+static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, int64_t Mp,
+                         int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                         const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym, int nth) {
+  Args a{D, Mp, kcoef, minsq};
+  if (sym && coff == nullptr) return -3;
+#define FL_PAIR_BS(KD, S) \
+  return pair_bs_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, Mp, tasks, ntasks, cptr, cr, coff, a, cfg, nth)
+  if (kind == KIND_DOT) { if (sym) FL_PAIR_BS(KIND_DOT, true); FL_PAIR_BS(KIND_DOT, false); }
+  if (kind == KIND_DIRECT) { if (sym) FL_PAIR_BS(KIND_DIRECT, true); FL_PAIR_BS(KIND_DIRECT, false); }
+#undef FL_PAIR_BS
+  return -2;
+}
+
 // Narrow V (K <= PV_K): out[b,i,k] = exp(alpha_i + lse_i) * wconst * sum_j 2^(hs_j - k c_ij - lse2_i) W_ij V[j,k]
 // in one pass after the LSE pass, V given transposed (B, K, Mp), zero-padded columns.
 template <typename T, int NV, int KIND, int WK>
@@ -1429,7 +1507,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 15; }
+int flashot_abi_version() { return 16; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -1665,6 +1743,26 @@ int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, 
                            const int64_t* cr, double kcoef, double minsq, int kind, double oscale, int cfg, int nth) {
   return softmin_bs_entry<double>(x, yT, yy, hs, out, Mp, D, tasks, ntasks, cptr, cr, kcoef, minsq, kind, oscale,
                                   cfg, nth);
+}
+#endif
+
+#if FL_PART(3)
+int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
+                        float* cs, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                        const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
+                        int nth) {
+  return pair_bs_entry<float>(x, yT, yy, hs, hx, rs, cs, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind, cfg,
+                              sym, nth);
+}
+#endif
+
+#if FL_PART(2)
+int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
+                        double* rs, double* cs, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
+                        const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
+                        int kind, int cfg, int sym, int nth) {
+  return pair_bs_entry<double>(x, yT, yy, hs, hx, rs, cs, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind,
+                               cfg, sym, nth);
 }
 #endif
 
