@@ -105,7 +105,11 @@ struct Shape {
   static constexpr int SMALL_R = FL_SMALL_R;  // d <= 3 (NV = 1)
   static constexpr int MID_R = FL_MID_R, MID_NV = FL_MID_NV;  // 4 <= d <= 32
   static constexpr int BIG_R = FL_BIG_R, BIG_NV = FL_BIG_NV;  // d > 32
-  static constexpr int PV_R = FL_NREGS >= 32 ? 4 : 2;      // plan times a narrow V (K <= 4)
+  // plan times a narrow V (K <= 4).  16 registers: 8 rows (their accumulators spill) beat 2 (what fits)
+  // by ~12-15%, presumably by keeping more independent exponentials in flight (not profiled); 2 / 3 / 4 /
+  // 6 / 8 measured on an Intel Xeon built for AVX2 (BENCHMARKS.md, multiscale).  32 registers: 4 beat 8
+  // by ~5% (same machine, AVX-512).
+  static constexpr int PV_R = FL_NREGS >= 32 ? 4 : 8;
   static constexpr int MG_R = FL_NREGS >= 32 ? 4 : 2;      // plan times a wide V: rows per GEMM block
 };
 
