@@ -365,6 +365,24 @@ int plan_bs(const Problem<double>& p, const std::vector<double>& yT, const std::
                              cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, 0, 1.0, NTH);
 }
 
+// The padded column layout of blocksparse.py for problem b = 0: column j of cluster c (points [coff[c],
+// coff[c + 1])) at pos[j] = poff[c] + j - coff[c]; the padding slots have zero weight.
+template <typename T>
+void padded_columns(const Problem<T>& p, const std::vector<int64_t>& coff, const std::vector<int64_t>& poff,
+                    std::vector<T>& yT, std::vector<T>& yy, std::vector<T>& hs, std::vector<int64_t>& pos) {
+  const int64_t Mp = poff.back();
+  yT.assign((size_t)p.D * Mp, (T)0), yy.assign((size_t)Mp, (T)0), hs.assign((size_t)Mp, zero_weight<T>());
+  pos.assign(p.M, -1);
+  for (size_t c = 0; c + 1 < coff.size(); ++c)
+    for (int64_t j = coff[c]; j < coff[c + 1]; ++j) {
+      const int64_t q = poff[c] + (j - coff[c]);
+      for (int d = 0; d < p.D; ++d) yT[(size_t)d * Mp + q] = p.yT[(size_t)d * p.Mp + j];
+      yy[q] = p.yy[j];
+      hs[q] = p.hs[j];
+      pos[j] = q;
+    }
+}
+
 // Also the block-sparse plan product (K = 3 columns of V, W = 1): out_i = sum_{kept j} e^{a_i + h_j - C_ij/eps} V_jk,
 // after the base-2 row LSE pass (softmin_bs with oscale 1), against a double reference (relative to its row scale).
 template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, double eps_rel, uint64_t seed) {
@@ -377,16 +395,10 @@ template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, doubl
     poff.push_back(poff.back() + (n + PAD - 1) / PAD * PAD);
   }
   const int64_t Kc = (int64_t)coff.size() - 1, Mp = poff.back();
-  std::vector<T> yT((size_t)D * Mp, (T)0), yy((size_t)Mp, (T)0), hs((size_t)Mp, zero_weight<T>());
-  std::vector<int64_t> col_of(Mp, -1);
-  for (int64_t c = 0; c < Kc; ++c)
-    for (int64_t j = coff[c]; j < coff[c + 1]; ++j) {
-      const int64_t q = poff[c] + (j - coff[c]);
-      for (int d = 0; d < D; ++d) yT[(size_t)d * Mp + q] = p.yT[(size_t)d * p.Mp + j];
-      yy[q] = p.yy[j];
-      hs[q] = p.hs[j];
-      col_of[q] = j;
-    }
+  std::vector<T> yT, yy, hs;
+  std::vector<int64_t> pos, col_of(Mp, -1);
+  padded_columns(p, coff, poff, yT, yy, hs, pos);
+  for (int64_t j = 0; j < M; ++j) col_of[pos[j]] = j;
   std::vector<int64_t> tasks, cptr{0}, cr;
   std::vector<std::vector<char>> kept;
   for (int64_t i0 = 0, k = 0; i0 < N; ++k) {
@@ -495,18 +507,11 @@ template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym
   Rng g(seed + 11);
   const std::vector<int64_t> roff = random_clusters(g, N), coff = sym ? roff : random_clusters(g, M);
   const int64_t Kr = (int64_t)roff.size() - 1, Kc = (int64_t)coff.size() - 1;
-  std::vector<int64_t> poff{0}, pos(M);
+  std::vector<int64_t> poff{0}, pos;
   for (int64_t c = 0; c < Kc; ++c) poff.push_back(poff.back() + (coff[c + 1] - coff[c] + PAD - 1) / PAD * PAD);
   const int64_t Mp = poff.back();
-  std::vector<T> yT((size_t)D * Mp, (T)0), yy((size_t)Mp, (T)0), hs((size_t)Mp, zero_weight<T>());
-  for (int64_t c = 0; c < Kc; ++c)
-    for (int64_t j = coff[c]; j < coff[c + 1]; ++j) {
-      const int64_t q = poff[c] + (j - coff[c]);
-      for (int d = 0; d < D; ++d) yT[(size_t)d * Mp + q] = p.yT[(size_t)d * p.Mp + j];
-      yy[q] = p.yy[j];
-      hs[q] = p.hs[j];
-      pos[j] = q;
-    }
+  std::vector<T> yT, yy, hs;
+  padded_columns(p, coff, poff, yT, yy, hs, pos);
   std::vector<std::vector<char>> kept(Kr, std::vector<char>(Kc, 0));
   for (int64_t r = 0; r < Kr; ++r) {
     kept[r][sym ? r : g.next() % Kc] = 1;

@@ -654,6 +654,25 @@ static void merge_col_sums(const T* parts, int64_t G, size_t per, T* out, int nt
   });
 }
 
+// Column sums in a fixed order: G groups, one task each, each with its own zeroed buffer of `per` columns;
+// body(g, cacc, scratch) adds group g's rows into cacc (scratch: a per-thread buffer of scratch_n, for
+// sums to discard); the buffers are then added into csum in group order.
+template <typename T, typename F>
+static void col_group_pass(int64_t G, size_t per, size_t scratch_n, T* csum, int nth, F&& body) {
+  std::unique_ptr<T[]> parts(new T[(size_t)G * per]);  // zeroed by each group's task
+  Tasks tasks(G);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    std::vector<T> scratch(scratch_n);
+    for (int64_t g; tasks.next(g);) {
+      T* cacc = parts.get() + (size_t)g * per;
+      std::fill(cacc, cacc + per, (T)0);
+      body(g, cacc, scratch.data());
+    }
+  });
+  merge_col_sums(parts.get(), G, per, csum, nth);
+}
+
 // Symmetric Sinkhorn step in one pass: rsum[b, i] = sum_j E_ij and csum[b, j] = sum_i E_ij with
 // E_ij = 2^(hx_i + hs_j - k c_ij) (base-2 log-weights, no running max).  Column sums: per group of
 // row blocks, combined in group order (col_groups: the same bits for any thread count).
@@ -671,40 +690,30 @@ static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
   const int64_t nt = (int64_t)B * nb;
   const size_t per = (size_t)B * Mp;
   const int64_t G = col_groups(nt, (int64_t)(per * sizeof(T)));
-  std::unique_ptr<T[]> parts(new T[(size_t)G * per]);  // zeroed by each group's task
-  Tasks tasks(G);
-  run_team(nth, [&](int tid) {
-    FpScope fp(tid);
-    std::vector<T> scratch(SYM ? (size_t)Mp : 0);  // column sums of diagonal blocks: discarded
-    for (int64_t g; tasks.next(g);) {
-      T* cacc = parts.get() + (size_t)g * per;
-      std::fill(cacc, cacc + per, (T)0);
-      for (int64_t t = g; t < nt; t += G) {
-        const int64_t b = t / nb, i0 = (t % nb) * RB;
-        const int nr = (int)std::min<int64_t>(RB, N - i0);
-        T m[RB];
-        v sum[RB];
-        for (int r = 0; r < nr; ++r) { m[r] = hx[b * N + i0 + r]; sum[r] = v{}; }
-        const T* xb = x + (b * N + i0) * D;
-        const T* yTb = yT + b * (int64_t)D * Mp;
-        const T* yyb = yy + b * Mp;
-        const T* hb = hs + b * Mp;
-        int64_t jstart = 0;
-        if (SYM) {
-          jstart = std::min<int64_t>(Mp, i0 + RB);
-          panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, i0, jstart, a, m, sum,
-                                                           scratch.data(), 0);
-        }
-        for (int64_t j0 = jstart; j0 < Mp; j0 += bm) {
-          const int64_t j1 = std::min(Mp, j0 + bm);
-          panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum,
-                                                           cacc + b * Mp, 0);
-        }
-        for (int r = 0; r < nr; ++r) rsum[b * N + i0 + r] = hsum(sum[r]);
+  // scratch: column sums of diagonal blocks, discarded
+  col_group_pass<T>(G, per, SYM ? (size_t)Mp : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
+    for (int64_t t = g; t < nt; t += G) {
+      const int64_t b = t / nb, i0 = (t % nb) * RB;
+      const int nr = (int)std::min<int64_t>(RB, N - i0);
+      T m[RB];
+      v sum[RB];
+      for (int r = 0; r < nr; ++r) { m[r] = hx[b * N + i0 + r]; sum[r] = v{}; }
+      const T* xb = x + (b * N + i0) * D;
+      const T* yTb = yT + b * (int64_t)D * Mp;
+      const T* yyb = yy + b * Mp;
+      const T* hb = hs + b * Mp;
+      int64_t jstart = 0;
+      if (SYM) {
+        jstart = std::min<int64_t>(Mp, i0 + RB);
+        panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, i0, jstart, a, m, sum, scratch, 0);
       }
+      for (int64_t j0 = jstart; j0 < Mp; j0 += bm) {
+        const int64_t j1 = std::min(Mp, j0 + bm);
+        panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, j0, j1, a, m, sum, cacc + b * Mp, 0);
+      }
+      for (int r = 0; r < nr; ++r) rsum[b * N + i0 + r] = hsum(sum[r]);
     }
   });
-  merge_col_sums(parts.get(), G, per, csum, nth);
 }
 
 // acc[r, :] += sum_j P[r, j] V[j, :] for RR rows; V (w, K) row-major, K a multiple of L.
@@ -1263,43 +1272,34 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   const int D = a.D;
   constexpr int RB = R * 16;
   const int64_t G = col_groups(ntasks, Mp * (int64_t)sizeof(T));
-  std::unique_ptr<T[]> parts(new T[(size_t)G * Mp]);  // zeroed by each group's task
-  Tasks tq(G);
-  run_team(nth, [&](int tid) {
-    FpScope fp(tid);
-    std::vector<T> scratch(SYM ? (size_t)Mp : 0);  // column sums of diagonal blocks: discarded
-    for (int64_t g; tq.next(g);) {
-      T* cacc = parts.get() + (size_t)g * Mp;
-      std::fill(cacc, cacc + Mp, (T)0);
-      for (int64_t t = g; t < ntasks; t += G) {
-        const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
-        const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
-        for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
-          const int nr = (int)std::min<int64_t>(RB, i1 - i0);
-          T m[RB];
-          v sum[RB];
-          for (int r = 0; r < nr; ++r) { m[r] = hx[i0 + r]; sum[r] = v{}; }
-          const T* xb = x + i0 * D;
-          for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
-            int64_t lo = cr[2 * q];
-            const int64_t hi = cr[2 * q + 1];
-            if (SYM) {
-              if (hi <= d0) continue;
-              const int64_t dlo = std::max(lo, d0), dhi = std::min(hi, d1);
-              if (dlo < dhi)
-                panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yT, yy, hs, dlo, dhi, a, m, sum,
-                                                                 scratch.data(), 0);
-              lo = std::max(lo, d1);
-              if (lo >= hi) continue;
-            }
-            panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yT, yy, hs, lo, hi, a, m, sum, cacc, 0);
+  // scratch: column sums of diagonal blocks, discarded
+  col_group_pass<T>(G, (size_t)Mp, SYM ? (size_t)Mp : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
+    for (int64_t t = g; t < ntasks; t += G) {
+      const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
+      const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
+      for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
+        const int nr = (int)std::min<int64_t>(RB, i1 - i0);
+        T m[RB];
+        v sum[RB];
+        for (int r = 0; r < nr; ++r) { m[r] = hx[i0 + r]; sum[r] = v{}; }
+        const T* xb = x + i0 * D;
+        for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
+          int64_t lo = cr[2 * q];
+          const int64_t hi = cr[2 * q + 1];
+          if (SYM) {  // the diagonal block for the rows only; nothing left of it
+            if (hi <= d0) continue;
+            const int64_t dlo = std::max(lo, d0), dhi = std::min(hi, d1);
+            if (dlo < dhi)
+              panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yT, yy, hs, dlo, dhi, a, m, sum, scratch, 0);
+            lo = std::max(lo, d1);
+            if (lo >= hi) continue;
           }
-          for (int r = 0; r < nr; ++r) rsum[i0 + r] = hsum(sum[r]);
+          panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yT, yy, hs, lo, hi, a, m, sum, cacc, 0);
         }
+        for (int r = 0; r < nr; ++r) rsum[i0 + r] = hsum(sum[r]);
       }
     }
   });
-  merge_col_sums(parts.get(), G, (size_t)Mp, csum, nth);
 }
 
 template <typename T, int KIND, bool SYM>
