@@ -130,8 +130,10 @@ def _design(c: Clusters, pts: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Ten
         cid = torch.repeat_interleave(torch.arange(K, device=pts.device), c.sizes)
         A = torch.cat([torch.ones_like(pts[:, :1], dtype=torch.float64),
                        pts.double() - c.centroids.double()[cid]], -1)
-        G = torch.zeros(K, D + 1, D + 1, dtype=torch.float64, device=pts.device).index_add_(
-            0, cid, A.unsqueeze(-1) * A.unsqueeze(-2))
+        G = torch.zeros(K, D + 1, D + 1, dtype=torch.float64, device=pts.device)
+        for lo in range(0, A.shape[0], FIT_CHUNK):  # outer products by chunks: no (N, D + 1, D + 1) temporary
+            Ac = A[lo:lo + FIT_CHUNK]
+            G.index_add_(0, cid[lo:lo + FIT_CHUNK], Ac.unsqueeze(-1) * Ac.unsqueeze(-2))
         G = G + torch.diag_embed(1e-9 * (1.0 + G.diagonal(dim1=-2, dim2=-1)))  # singular blocks (few points)
         cache.clear()  # one points tensor at a time (the fine stage's)
         cache[key] = (cid, A, torch.linalg.lu_factor(G))
@@ -143,11 +145,16 @@ def linear_model(c: Clusters, pts: Tensor, f: Tensor) -> LinearModel:
     with torch.no_grad():
         cid, A, lu = _design(c, pts.detach())
         f = f.double()
-        r = torch.zeros(c.n_clusters, A.shape[1], dtype=torch.float64, device=pts.device).index_add_(
-            0, cid, A * f.unsqueeze(-1))
+        r = torch.zeros(c.n_clusters, A.shape[1], dtype=torch.float64, device=pts.device)
+        for lo in range(0, A.shape[0], FIT_CHUNK):  # chunks of points: temporaries of FIT_CHUNK rows
+            sl = slice(lo, lo + FIT_CHUNK)
+            r.index_add_(0, cid[sl], A[sl] * f[sl].unsqueeze(-1))
         coef = torch.linalg.lu_solve(*lu, r.unsqueeze(-1)).squeeze(-1)
-        res = (f - (A * coef[cid]).sum(-1)).abs()
-        rho = torch.zeros(c.n_clusters, dtype=torch.float64, device=pts.device).scatter_reduce_(0, cid, res, "amax")
+        rho = torch.zeros(c.n_clusters, dtype=torch.float64, device=pts.device)
+        for lo in range(0, A.shape[0], FIT_CHUNK):
+            sl = slice(lo, lo + FIT_CHUNK)
+            res = (f[sl] - (A[sl] * coef[cid[sl]]).sum(-1)).abs()
+            rho.scatter_reduce_(0, cid[sl], res, "amax")
         return LinearModel(coef[:, 0], coef[:, 1:], rho)
 
 
@@ -208,6 +215,7 @@ def _linear_pairs(X: _Terms, Y: _Terms, s: float, I: Tensor, J: Tensor) -> Tenso
 PRUNE_ROWS = 1024  # row clusters per chunk of dense bounds (memory O(PRUNE_ROWS Ky))
 PRUNE_CHUNK = 1 << 22  # candidate blocks per chunk of sparse bounds
 FLAT_ROWS = 16  # fine rows per task of the C++ pruning without a hierarchy
+FIT_CHUNK = 1 << 16  # points per chunk of the linear-model fits (temporaries of FIT_CHUNK x (D + 1)^2 float64)
 
 
 class BlockBounds:
