@@ -5,12 +5,15 @@ plus its gradient in x).  Counts the pairs the block-sparse engine evaluates (so
 of each call's pattern; plan products: once, their one pass, not counting rows that fall back to two
 passes), divided by ``n^2``, and the process CPU time (all threads) of the block bounds, the forward
 and the backward.  A fused step counts its exponentials: ``softmin_pair`` the kept pairs once (for both
-potentials), ``softmin_sym`` half of them.  ``--unfused`` runs without the fused steps (two softmins per
-symmetric step, a full one per debiasing step), for comparison.
+potentials), ``softmin_sym`` half of them; their barycentre variants (the final step, which then needs no
+plan product for the gradient) the same.  ``--unfused`` runs without the fused steps (two softmins per
+symmetric step, a full one per debiasing step, plan products for the gradient), ``--no-bary`` without the
+barycentres only (plan products for the gradient), for comparison.
 
     python benchmarks/multiscale_profile.py --n 1000000
     python benchmarks/multiscale_profile.py --n 300000 --cluster-scale 0.02
     python benchmarks/multiscale_profile.py --n 300000 --unfused
+    python benchmarks/multiscale_profile.py --n 300000 --no-bary
     python -m cProfile -s tottime benchmarks/multiscale_profile.py --n 1000000   # by function
 """
 
@@ -35,8 +38,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100000)
     ap.add_argument("--cluster-scale", type=float, default=None, help="fraction of the diameter (default: GeomLoss')")
-    ap.add_argument("--unfused", action="store_true", help="without softmin_pair / softmin_sym")
+    ap.add_argument("--unfused", action="store_true", help="without softmin_pair / softmin_sym and their barycentres")
+    ap.add_argument("--no-bary", action="store_true", help="without the barycentre variants (plan products)")
     a = ap.parse_args()
+    if a.unfused or a.no_bary:
+        del BS.BlockSparseEngine.softmin_pair_bary, BS.BlockSparseEngine.softmin_sym_bary
     if a.unfused:
         del BS.BlockSparseEngine.softmin_pair, BS.BlockSparseEngine.softmin_sym
     x, y = surfaces(a.n)
@@ -64,7 +70,7 @@ def main() -> None:
         fn = getattr(BS.BlockSparseEngine, name)
 
         def wrapped(self, u, *args, **kw):
-            v = args[0] if name == "softmin_pair" else u
+            v = args[0] if name.startswith("softmin_pair") else u
             pairs["softmin"] += self.pattern(u, v).pairs * share
             return fn(self, u, *args, **kw)
         return wrapped
@@ -73,6 +79,9 @@ def main() -> None:
     if not a.unfused:
         BS.BlockSparseEngine.softmin_pair = counted("softmin_pair", 1.0)
         BS.BlockSparseEngine.softmin_sym = counted("softmin_sym", 0.5)
+    if not (a.unfused or a.no_bary):
+        BS.BlockSparseEngine.softmin_pair_bary = counted("softmin_pair_bary", 1.0)
+        BS.BlockSparseEngine.softmin_sym_bary = counted("softmin_sym_bary", 0.5)
     MS.BlockBounds.compute = classmethod(timed_compute)
     kw = {} if a.cluster_scale is None else {"cluster_scale": a.cluster_scale * diam}
     L = flashot.SamplesLoss(blur=0.01 * diam, backend="multiscale", **kw)

@@ -207,6 +207,96 @@ def test_fused_pair_and_sym_steps_match_masked_dense(cost_name, dtype, tol):
     assert float((out2[0].double() - _masked_softmin(xs, xs, h, m2, eps, cost)).abs().max()) <= tol * scale
 
 
+def _masked_bary(x, y, h, mask, eps, cost):
+    """Float64 soft-argmin barycentres ``sum_j w_ij y_j`` of the masked softmin (rows sum to 1)."""
+    C = cost.matrix(x.double(), y.double())[0]
+    S = torch.where(mask, h[0].double()[None] - C / eps, torch.tensor(-math.inf, dtype=F64))
+    return torch.softmax(S, -1) @ y[0].double()
+
+
+@pytest.mark.parametrize("dtype, tol", [(F64, 1e-11), (torch.float32, 2e-5)])
+def test_fused_steps_with_barycentres_match_masked_dense(dtype, tol):
+    """``softmin_pair_bary`` / ``softmin_sym_bary`` (the final step: the potentials and, from the same
+    exponentials, the barycentres ``sum_j w_ij y_j`` its gradient needs) against float64 masked dense
+    softmins and softmaxes; tolerance relative to the largest cost (potentials) and to the cloud's extent
+    (barycentres).  Row 7 (shifted by -200) is redone: the softmin and the plan product on its clusters.
+    ``|x - y|`` (no barycentre gradient) and D > 3 give None."""
+    xs, ys, pat, mask = _pattern_case(seed=6)
+    xs, ys = xs.to(dtype), ys.to(dtype)
+    cx = cluster(xs[0].double(), torch.ones(240, dtype=F64), 0.25)
+    g = torch.Generator().manual_seed(7)
+    kx = torch.rand(pat.keep.shape[0], pat.keep.shape[0], generator=g) < 0.3
+    kx = kx | kx.T | torch.eye(pat.keep.shape[0], dtype=torch.bool)
+    mxx = torch.repeat_interleave(torch.repeat_interleave(kx, cx.sizes, 0), cx.sizes, 1)
+    eng = BlockSparseEngine([(xs, ys, pat), (ys, xs, pat.T), (xs, xs, BlockPattern(cx.offsets, cx.offsets, kx))])
+    cost, eps = get_cost("sqeuclidean"), 0.05
+    hy = (torch.randn(1, 180, generator=g, dtype=F64) * 0.3 - math.log(180)).to(dtype)
+    hx = (math.log(1 / 240) + _masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).to(dtype)
+    hx[0, 7] -= 200.0
+    scale = float(cost.matrix(xs.double(), ys.double()).max())
+    ext = float(torch.cat([xs, ys], 1).abs().max())
+    for cols in (False, True):
+        f, gy, bx, by = eng.softmin_pair_bary(xs, ys, hx, hy, eps, cost, cols=cols)
+        assert float((f[0].double() - _masked_softmin(xs, ys, hy, mask, eps, cost)).abs().max()) <= tol * scale
+        assert float((gy[0].double() - _masked_softmin(ys, xs, hx, mask.T, eps, cost)).abs().max()) <= tol * scale
+        assert bx.shape == (1, 240, 3) and bx.dtype == dtype
+        assert float((bx[0].double() - _masked_bary(xs, ys, hy, mask, eps, cost)).abs().max()) <= tol * ext
+        if cols:
+            assert float((by[0].double() - _masked_bary(ys, xs, hx, mask.T, eps, cost)).abs().max()) <= tol * ext
+        else:
+            assert by is None
+    assert eng.stats["pair_bary"] == 2 and eng.stats["bary_fixup"] >= 2  # row 7, twice
+    h = hx.clone()
+    out, b = eng.softmin_sym_bary(xs, h, eps, cost)
+    assert eng.stats["sym_bary"] == 1
+    assert float((out[0].double() - _masked_softmin(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * scale
+    assert float((b[0].double() - _masked_bary(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * ext
+    assert eng.softmin_pair_bary(xs, ys, hx, hy, eps, get_cost("euclidean"), cols=True) is None
+    x4 = torch.cat([xs, xs[..., :1]], -1)
+    e4 = BlockSparseEngine([(x4, x4, BlockPattern(cx.offsets, cx.offsets, kx))])
+    assert e4.softmin_sym_bary(x4, h, eps, cost) is None
+
+
+@pytest.mark.parametrize("debias, reach", [(True, {}), (False, {}), (True, dict(reach=0.5))])
+def test_gradients_from_barycentres_match_plan_products(debias, reach, monkeypatch):
+    """A multiscale ``SamplesLoss``'s gradients (points and weights, both sides) with the final step's
+    barycentres (the default on the CPU kernels: no plan product) and with them removed (the plan products
+    of the envelope gradients, or of the softmins' backward with ``reach``): the same up to float64
+    rounding."""
+    x, y = _blobs(900, 3, 7), _blobs(700, 3, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)), spread=(0.2, 0.1))
+    a, b = torch.full((900,), 1 / 900, dtype=F64), torch.full((700,), 1 / 700, dtype=F64)
+    kw = dict(blur=0.05, debias=debias, backend="multiscale", cluster_scale=0.1, **reach)
+    v1, g1, L = _loss_and_grads(x, y, a, b, **kw)
+    st = L.last_multiscale.m.engine.stats
+    assert st["pair_bary"] + st["sym_bary"] >= 1 and L.last_multiscale.kept[-1] < 0.5
+    monkeypatch.delattr(BlockSparseEngine, "softmin_pair_bary")
+    monkeypatch.delattr(BlockSparseEngine, "softmin_sym_bary")
+    v0, g0, _ = _loss_and_grads(x, y, a, b, **kw)
+    assert abs(float(v1 - v0)) <= 1e-12 * abs(float(v0))
+    for u, w in zip(g1, g0):
+        assert _rel(u - u.mean(), w - w.mean()) <= 1e-10
+
+
+def test_float32_gradients_from_barycentres_are_closer_to_float64(monkeypatch):
+    """In float32 the barycentres (normalised rows) beat the plan products (whose row masses carry the
+    rounding of ``f / eps``): measured 1.0e-5 / 4.1e-6 / 5.1e-7 (x, y, weights) from the float64 gradients
+    against 4.7e-5 / 1.1e-4 / 5.1e-7."""
+    def grads(dtype):
+        x, y = _blobs(900, 3, 7).to(dtype), _blobs(700, 3, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)),
+                                                       spread=(0.2, 0.1)).to(dtype)
+        a, b = torch.full((900,), 1 / 900, dtype=dtype), torch.full((700,), 1 / 700, dtype=dtype)
+        g = _loss_and_grads(x, y, a, b, blur=0.05, backend="multiscale", cluster_scale=0.1)[1]
+        return [t.double() - t.double().mean() for t in g]
+
+    ref, fused = grads(F64), grads(torch.float32)
+    monkeypatch.delattr(BlockSparseEngine, "softmin_pair_bary")
+    monkeypatch.delattr(BlockSparseEngine, "softmin_sym_bary")
+    plan = grads(torch.float32)
+    errs = [(_rel(u, r), _rel(w, r)) for u, w, r in zip(fused, plan, ref)]
+    assert all(e <= 3e-5 for e, _ in errs), errs
+    assert all(e <= w * 1.01 for e, w in errs), errs
+
+
 def test_native_softmin_float32():
     xs, ys, pat, mask = _pattern_case(seed=4)
     xs, ys = xs.float(), ys.float()

@@ -61,6 +61,7 @@ from torch.autograd.function import once_differentiable
 from .costs import Cost
 from .ops.autograd import plan_grad_x
 from .ops.base import Engine
+from .solver import Barycentres
 
 __all__ = ["ImplicitDiff", "PlanProductFn", "OTValueFn", "ImplicitGradFn", "LinearValueFn", "sinkhorn_value",
            "linear_value"]
@@ -322,20 +323,35 @@ class ImplicitGradFn(torch.autograd.Function):
         return (dX - eX, dY - eY, dA - eA + w1, dB - eB + w2, None, None, None, None, None, None, None, None, None)
 
 
-def _first_order(x, y, a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engine, need_x, need_y):
+def _first_order(x, y, a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engine, need_x, need_y,
+                 bary=(None, None)):
     """Envelope gradients of ``<a, f_new> + <b, g_new>`` (GeomLoss' last-step rule), no autograd.
 
     ``grad_x_i = sum_j P_ij grad_x C(x_i, y_j)`` with ``P`` built from ``(f_new, g_old)``,
     ``grad_y`` with ``P`` built from ``(f_old, g_new)``: one plan product per side
-    (:func:`~flashot.ops.autograd.plan_grad_x`).
+    (:func:`~flashot.ops.autograd.plan_grad_x`), or, given that side's soft-argmin barycentre ``b_i =
+    sum_j P_ij y_j / a_i`` (``bary``, from the final step's pass: :class:`~flashot.solver.Barycentres`), for
+    ``s |x - y|^2``: ``2 s a_i (x_i - b_i)`` (0 where ``b_i`` is not finite: the row has no plan mass).
     """
     gx = gy = None
     with torch.no_grad():
         if need_x:
-            gx = plan_grad_x(x, y, f_new / eps + a_log, g_old / eps + b_log, eps, cost, engine)
+            gx = _from_bary(x, a_log, bary[0], cost)
+            if gx is None:
+                gx = plan_grad_x(x, y, f_new / eps + a_log, g_old / eps + b_log, eps, cost, engine)
         if need_y:
-            gy = plan_grad_x(y, x, g_new / eps + b_log, f_old / eps + a_log, eps, cost, engine)
+            gy = _from_bary(y, b_log, bary[1], cost)
+            if gy is None:
+                gy = plan_grad_x(y, x, g_new / eps + b_log, f_old / eps + a_log, eps, cost, engine)
     return gx, gy
+
+
+def _from_bary(x: Tensor, a_log: Tensor, b: Tensor | None, cost) -> Tensor | None:
+    """``2 s a_i (x_i - b_i)`` (zero where ``b_i`` is not finite), or None without ``b``."""
+    if b is None:
+        return None
+    ok = torch.isfinite(b).all(-1, keepdim=True)
+    return (2.0 * cost.scale) * a_log.exp().unsqueeze(-1) * torch.where(ok, x - b, torch.zeros_like(x))
 
 
 class OTValueFn(torch.autograd.Function):
@@ -352,14 +368,15 @@ class OTValueFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, sym, reduce=_local_sum):
-        ctx.save_for_backward(x, y, a, b, f_new, g_new, f_old, g_old)
+    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, sym, reduce=_local_sum,
+                bary=(None, None)):
+        ctx.save_for_backward(x, y, a, b, f_new, g_new, f_old, g_old, *bary)
         ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.sym, ctx.reduce = eps, cost, engine, cfg, sym, reduce
         return reduce((a * f_new).sum(-1) + (b * g_new).sum(-1))
 
     @staticmethod
     def backward(ctx, G: Tensor):
-        x, y, a, b, f_new, g_new, f_old, g_old = ctx.saved_tensors
+        x, y, a, b, f_new, g_new, f_old, g_old, bx, by = ctx.saved_tensors
         eps, cost, engine, cfg, sym = ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.sym
         nx, ny, na, nb = ctx.needs_input_grad[:4]
         Gv = G.unsqueeze(-1)
@@ -376,11 +393,11 @@ class OTValueFn(torch.autograd.Function):
             a_log, b_log = _safe_log(a.detach()), _safe_log(b.detach())
             if sym:  # grad wrt x enters through both slots, equal by symmetry: one pass
                 gx, _ = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
-                                     eps, cost, engine, nx or ny, False)
+                                     eps, cost, engine, nx or ny, False, (bx, None))
                 gy = gx
             else:
                 gx, gy = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
-                                      eps, cost, engine, nx, ny)
+                                      eps, cost, engine, nx, ny, (bx, by))
             out = [
                 None if gx is None else Gv.unsqueeze(-1) * gx,
                 None if gy is None else Gv.unsqueeze(-1) * gy,
@@ -389,11 +406,11 @@ class OTValueFn(torch.autograd.Function):
             ]
         needs = (nx, ny, na, nb)
         out = [o if n else None for o, n in zip(out, needs)]
-        return (*out, None, None, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb: Tensor | None = None,
-                   implicit: ImplicitDiff | None = None) -> Tensor:
+                   implicit: ImplicitDiff | None = None, bary=None) -> Tensor:
     """``<a, f> + <b, g>`` (minus ``<a, f_aa> + <b, g_bb>`` when given), (B,), balanced problems.
 
     ``f, g, f_aa, g_bb`` come from :func:`~flashot.solver.final_step` (their values
@@ -407,13 +424,15 @@ def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb
     eps = st.eps
     d = lambda t: t.detach()  # noqa: E731
     x, y, a, b = m.x, m.y, m.a, m.b
-    v = OTValueFn.apply(x, y, a, b, d(f), d(g), d(st.f), d(st.g), eps, m.cost, m.engine, cfg, False, m.reduce)
+    bb = bary if bary is not None else Barycentres()
+    v = OTValueFn.apply(x, y, a, b, d(f), d(g), d(st.f), d(st.g), eps, m.cost, m.engine, cfg, False, m.reduce,
+                        (bb.xy, bb.yx))
     if f_aa is not None:
         # <a, f_aa> = OT(a, a) / 2 and <b, g_bb> = OT(b, b) / 2
         v = v - 0.5 * OTValueFn.apply(x, x, a, a, d(f_aa), d(f_aa), d(st.f_aa), d(st.f_aa),
-                                      eps, m.cost, m.engine, cfg, True, m.reduce)
+                                      eps, m.cost, m.engine, cfg, True, m.reduce, (bb.xx, None))
         v = v - 0.5 * OTValueFn.apply(y, y, b, b, d(g_bb), d(g_bb), d(st.g_bb), d(st.g_bb),
-                                      eps, m.cost, m.engine, cfg, True, m.reduce)
+                                      eps, m.cost, m.engine, cfg, True, m.reduce, (bb.yy, None))
     return v
 
 

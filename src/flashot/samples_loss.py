@@ -24,7 +24,7 @@ from .multiscale import MultiscaleConfig, MultiscaleRun, multiscale_loop, unsort
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import epsilon_scaling, max_diameter
-from .solver import final_step, sinkhorn_loop
+from .solver import final_step, final_values, sinkhorn_loop
 from .unbalanced import (
     geomloss_debiased,
     geomloss_debiased_two_sided,
@@ -385,12 +385,13 @@ class SamplesLoss(torch.nn.Module):
         else:
             st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias, verbose=self.verbose)
             self.last_n_iter = st.n_iter
+        if not self.potentials and self.cost is None:  # barycentres: envelope gradients without plan products
+            f, g, f_aa, g_bb, bary = final_values(m, st)
+            return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit, bary=bary))
         f, g, f_aa, g_bb = final_step(m, st)
-        if not self.potentials and self.cost is not None:  # autograd through the cost function's matrices
+        if not self.potentials:  # autograd through the cost function's matrices
             value = (m.a * f).sum(-1) + (m.b * g).sum(-1)
             return m.restore(value - (m.a * f_aa).sum(-1) - (m.b * g_bb).sum(-1) if self.debias else value)
-        if not self.potentials:
-            return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit))
         if self.debias:
             f, g = f - f_aa, g - g_bb
         if multiscale:  # back to the input order

@@ -373,6 +373,57 @@ def final_step(
     return f, g, f_aa, g_bb
 
 
+@dataclass(frozen=True)
+class Barycentres:
+    """Soft-argmin barycentres of the final step's softmins, ``b_i = sum_j w_ij z_j`` (B, N, D) with each
+    softmin's row-normalised weights ``w`` (None: not computed): ``xy`` for ``f`` (``z = y``), ``yx`` for
+    ``g``, ``xx`` for ``f_aa``, ``yy`` for ``g_bb``.  With them the envelope gradient of a dot-product cost
+    ``s |x - y|^2`` is ``2 s a_i (x_i - b_i)``: no plan-product pass (:class:`~flashot.implicit.OTValueFn`)."""
+
+    xy: Tensor | None = None
+    yx: Tensor | None = None
+    xx: Tensor | None = None
+    yy: Tensor | None = None
+
+
+def final_values(m: Measures, st: SinkhornState) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
+                                                          Barycentres | None]:
+    """The balanced final step's values for :func:`flashot.implicit.sinkhorn_value` (which uses their values
+    only) and, where the engine computes them in the same pass (the block-sparse engine's fused steps:
+    ``softmin_pair_bary`` / ``softmin_sym_bary``) and a gradient w.r.t. the points is wanted, the
+    :class:`Barycentres` of the sides that need them.  Otherwise :func:`final_step`'s values and None."""
+    need_x, need_y = (torch.is_grad_enabled() and t.requires_grad for t in (m.x, m.y))
+    pair = getattr(m.engine, "softmin_pair_bary", None)
+    eps = st.eps
+    hy, hx = m.h_b(st.g, eps), m.h_a(st.f, eps)
+    if not (need_x or need_y) or pair is None or hx.dtype != m.x.dtype or hy.dtype != m.x.dtype:
+        return (*final_step(m, st), None)
+    x, y = m.x.detach(), m.y.detach()
+    with torch.no_grad():
+        res = pair(x, y, hx, hy, eps, m.cost, cols=need_y)
+        if res is None:
+            return (*final_step(m, st), None)
+        f, g, bx, by = res
+        f_aa = g_bb = bxx = byy = None
+        if st.f_aa is not None:
+            f_aa, bxx = _self_values(m, "xx", m.h_a(st.f_aa, eps), eps, need_x)
+            g_bb, byy = _self_values(m, "yy", m.h_b(st.g_bb, eps), eps, need_y)
+    check_potentials(m, eps, "in the final step", f, g, f_aa, g_bb)
+    return f, g, f_aa, g_bb, Barycentres(bx if need_x else None, by, bxx, byy)
+
+
+def _self_values(m: Measures, side: str, h: Tensor, eps: float, need: bool) -> tuple[Tensor, Tensor | None]:
+    """``softmin(x, x, h)`` (``side`` "xx" or "yy") and, when ``need``-ed and the engine gives them, its
+    barycentres (else None)."""
+    pts = (m.x if side == "xx" else m.y).detach()
+    sym = getattr(m.engine, "softmin_sym_bary", None)
+    if need and sym is not None and h.dtype == pts.dtype:
+        res = sym(pts, h, eps, m.cost)
+        if res is not None:
+            return res
+    return (m.softmin_xx(h, eps) if side == "xx" else m.softmin_yy(h, eps)), None
+
+
 def balanced_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor) -> Tensor:
     """``<a, f> + <b, g>``, (B,)."""
     return (a * f).sum(-1) + (b * g).sum(-1)

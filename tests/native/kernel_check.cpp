@@ -26,9 +26,10 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-// ---- the exported C ABI under test (signatures of ABI version 16, see engine.py _SIGS) ----
+// ---- the exported C ABI under test (signatures of ABI version 17, see engine.py _SIGS) ----
 extern "C" {
 int flashot_abi_version();
 int flashot_isa();
@@ -81,13 +82,13 @@ int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const 
                         int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                         double kcoef, double minsq, int kind, int wk, double wconst, int nth);
 int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
-                        float* cs, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                        const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
-                        int nth);
-int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
-                        double* rs, double* cs, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
+                        float* cs, float* rb, int cb, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
                         const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
                         int kind, int cfg, int sym, int nth);
+int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
+                        double* rs, double* cs, double* rb, int cb, int64_t Mp, int D, const int64_t* tasks,
+                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
+                        double minsq, int kind, int cfg, int sym, int nth);
 int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
                         const double* alpha, const double* VTk, int K, double* out, double* mass, int single,
                         int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
@@ -99,7 +100,7 @@ int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int6
 
 namespace {
 
-constexpr int EXPECTED_ABI = 16;  // the declarations above; update both together
+constexpr int EXPECTED_ABI = 17;  // the declarations above; update both together
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -471,21 +472,25 @@ template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, doubl
 // the kept blocks (clusters of 1..40 points, columns padded per cluster as in check_softmin_bs).  sym: y = x
 // and h = a, the same clusters on both sides and a symmetric pattern; the kernel sums the blocks on and right
 // of the diagonal only and the full row sums are rs_i + cs_i.  Reference: double sums over the kept pairs.
-int pair_bs(const float* x, const std::vector<float>& yT, const std::vector<float>& yy, const std::vector<float>& hs,
-            const float* hx, float* rs, float* cs, int64_t Mp, int D, const std::vector<int64_t>& tasks,
-            const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr, const std::vector<int64_t>& poff,
-            double k, int cfg, int sym) {
-  return flashot_pair_bs_f32(x, yT.data(), yy.data(), hs.data(), hx, rs, cs, Mp, D, tasks.data(),
-                             (int64_t)tasks.size() / 3, cptr.data(), cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym,
-                             NTH);
+template <typename T, typename F>
+int pair_bs_call(F fn, const T* x, const std::vector<T>& yT, const std::vector<T>& yy, const std::vector<T>& hs,
+                 const T* hx, T* rs, T* cs, T* rb, int cb, int64_t Mp, int D, const std::vector<int64_t>& tasks,
+                 const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr, const std::vector<int64_t>& poff,
+                 double k, int cfg, int sym) {
+  return fn(x, yT.data(), yy.data(), hs.data(), hx, rs, cs, rb, cb, Mp, D, tasks.data(), (int64_t)tasks.size() / 3,
+            cptr.data(), cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym, NTH);
 }
-int pair_bs(const double* x, const std::vector<double>& yT, const std::vector<double>& yy,
-            const std::vector<double>& hs, const double* hx, double* rs, double* cs, int64_t Mp, int D,
-            const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr,
-            const std::vector<int64_t>& poff, double k, int cfg, int sym) {
-  return flashot_pair_bs_f64(x, yT.data(), yy.data(), hs.data(), hx, rs, cs, Mp, D, tasks.data(),
-                             (int64_t)tasks.size() / 3, cptr.data(), cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym,
-                             NTH);
+template <typename T> int pair_bs(const T* x, const std::vector<T>& yT, const std::vector<T>& yy,
+                                  const std::vector<T>& hs, const T* hx, T* rs, T* cs, T* rb, int cb, int64_t Mp, int D,
+                                  const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr,
+                                  const std::vector<int64_t>& cr, const std::vector<int64_t>& poff, double k, int cfg,
+                                  int sym) {
+  if constexpr (std::is_same<T, float>::value)
+    return pair_bs_call(flashot_pair_bs_f32, x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, cptr, cr, poff, k, cfg,
+                        sym);
+  else
+    return pair_bs_call(flashot_pair_bs_f64, x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, cptr, cr, poff, k, cfg,
+                        sym);
 }
 
 std::vector<int64_t> random_clusters(Rng& g, int64_t n) {
@@ -494,7 +499,9 @@ std::vector<int64_t> random_clusters(Rng& g, int64_t n) {
   return off;
 }
 
-template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym, uint64_t seed) {
+// bary (D <= 3): 1, also the rows' numerators rb_i = sum_j E_ij y_j; 2, also the columns' sum_i E_ij x_i (in cs
+// after its first Mp values).  sym needs 2; then the full numerators are rb_i + cs[(1 + d) Mp + pos_i].
+template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym, uint64_t seed, int bary = 0) {
   const double eps_rel = 0.05;
   Problem<T> p = make_problem<T>(seed, N, sym ? N : M, D, eps_rel);
   if (sym) {  // y = x, h = a
@@ -530,10 +537,10 @@ template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym
       }
     cptr.push_back((int64_t)cr.size() / 2);
   }
-  std::vector<T> hx((size_t)N), rs((size_t)N), cs((size_t)Mp);
+  std::vector<T> hx((size_t)N), rs((size_t)N), cs((size_t)Mp * (bary == 2 ? 1 + D : 1)), rb((size_t)N * D);
   for (int i = 0; i < N; ++i) hx[i] = (T)(p.a[i] * LOG2E);
-  const int rc = pair_bs(p.x.data(), yT, yy, hs, hx.data(), rs.data(), cs.data(), Mp, D, tasks, cptr, cr, poff, p.k,
-                         cfg_for(D), (int)sym);
+  const int rc = pair_bs(p.x.data(), yT, yy, hs, hx.data(), rs.data(), cs.data(), bary ? rb.data() : nullptr,
+                         (int)(bary == 2), Mp, D, tasks, cptr, cr, poff, p.k, cfg_for(D), (int)sym);
   auto cl = [](const std::vector<int64_t>& off, int64_t i) {
     int64_t c = 0;
     while (off[c + 1] <= i) ++c;
@@ -552,8 +559,30 @@ template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym
       for (int i = 0; i < N; ++i) c += kept[cl(roff, i)][cl(coff, j)] ? std::exp(p.s(0, i, j)) : 0.0;
       e.add(cs[pos[j]], c, c * p.expo_scale());
     }
+  for (int d = 0; bary && d < D; ++d) {  // numerators, scaled by sum E |coordinate|
+    for (int i = 0; i < N; ++i) {
+      double r = 0, sc = 0;
+      for (int j = 0; j < M; ++j) {
+        const double w = kept[cl(roff, i)][cl(coff, j)] ? std::exp(p.s(0, i, j)) : 0.0, v = p.y[(size_t)j * D + d];
+        r += w * v;
+        sc += w * std::fabs(v);
+      }
+      const double got = (double)rb[(size_t)i * D + d] + (sym ? (double)cs[(size_t)(1 + d) * Mp + pos[i]] : 0.0);
+      e.add(got, r, sc * p.expo_scale() + 1e-300);
+    }
+    for (int j = 0; bary == 2 && !sym && j < M; ++j) {
+      double c = 0, sc = 0;
+      for (int i = 0; i < N; ++i) {
+        const double w = kept[cl(roff, i)][cl(coff, j)] ? std::exp(p.s(0, i, j)) : 0.0, v = p.x[(size_t)i * D + d];
+        c += w * v;
+        sc += w * std::fabs(v);
+      }
+      e.add(cs[(size_t)(1 + d) * Mp + pos[j]], c, sc * p.expo_scale() + 1e-300);
+    }
+  }
   t.error_check(describe("pair_bs", tname<T>(), D, N, M, eps_rel,
-                         ((sym ? " sym=1 rows" : " sym=0 rows+cols") + std::string(" clusters=") +
+                         ((sym ? " sym=1 rows" : " sym=0 rows+cols") + std::string(" bary=") +
+                          std::to_string(bary) + " clusters=" +
                           std::to_string(Kr) + "x" + std::to_string(Kc)).c_str()),
                 rc, e.worst, TOL<T>);
 }
@@ -951,6 +980,11 @@ void run_all(Tally& t) {
   check_pair_bs<double>(t, 2, 211, 97, false, 56);
   check_pair_bs<double>(t, 5, 160, 160, true, 57);
   check_pair_bs<float>(t, 17, 150, 150, true, 58);
+  check_pair_bs<float>(t, 3, 137, 201, false, 59, 1);
+  check_pair_bs<float>(t, 3, 137, 201, false, 60, 2);
+  check_pair_bs<float>(t, 3, 190, 190, true, 61, 2);
+  check_pair_bs<double>(t, 2, 211, 97, false, 62, 2);
+  check_pair_bs<double>(t, 1, 160, 160, true, 63, 2);
   check_plan<float>(t, {3, 37, 131, 3, W_ONE, 1, 1}, 60);
   check_plan<float>(t, {5, 131, 40, 4, W_COST, 0, 1}, 61);
   check_plan<float>(t, {40, 70, 101, 37, W_ONE, 0, 0}, 62);

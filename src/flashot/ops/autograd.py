@@ -26,31 +26,36 @@ from .base import Engine, self_softmin
 class SoftminFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine,
-                value: Tensor | None = None):
-        if value is not None:  # computed by the caller (a fused step): only the backward is ours
+                value: Tensor | None = None, bary: Tensor | None = None):
+        # value: computed by the caller (a fused step): only the backward is ours.  bary (dot-product costs):
+        # the caller's soft-argmin barycentres sum_j w_ij y_j, so the x-gradient needs no plan product
+        if value is not None:
             out = value.detach()
         elif x.shape == y.shape and x.data_ptr() == y.data_ptr() and x.stride() == y.stride():
             out = self_softmin(engine, x.detach(), h.detach(), eps, cost)  # softmin(x, x, h)
         else:
             out = engine.softmin(x.detach(), y.detach(), h.detach(), eps, cost)
-        ctx.save_for_backward(x, y, h, out)
+        ctx.save_for_backward(x, y, h, out, bary)
         ctx.eps, ctx.cost, ctx.engine = eps, cost, engine
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, G: Tensor):
-        x, y, h, out = ctx.saved_tensors
+        x, y, h, out, bary = ctx.saved_tensors
         eps, cost, engine = ctx.eps, ctx.cost, ctx.engine
         need_x, need_y, need_h = ctx.needs_input_grad[:3]
         gx = gy = gh = None
         alpha = out / eps
         if getattr(cost, "bilinear", False):
             return (*_bilinear_grads(x, y, h, alpha, G, eps, cost, engine, (need_x, need_y, need_h)), None, None, None,
-                    None)
+                    None, None)
         D = x.shape[-1]
         ones = torch.ones_like(y[..., :1])
-        if need_x and cost.is_dot:
+        if need_x and bary is not None:  # rows with no kept mass (non-finite barycentre): gradient 0
+            ok = torch.isfinite(bary).all(-1, keepdim=True)
+            gx = (2.0 * cost.scale) * G.unsqueeze(-1) * torch.where(ok, x - bary, torch.zeros_like(x))
+        elif need_x and cost.is_dot:
             # dcost weight is the constant 2 s: one plan product gives the barycentre AND the
             # row mass, and the gradient uses the *normalised* weights w_ij / sum_j w_ij.  In exact
             # arithmetic the mass is 1; in float32 ``out / eps`` carries a rounding error of
@@ -78,7 +83,7 @@ class SoftminFn(torch.autograd.Function):
                 gy = y * T[..., D:] - T[..., :D]
                 if need_h:
                     gh = -eps * engine.plan_product(y, x, h, alpha, eps, Gc, cost, "plan")[..., 0]
-        return gx, gy, gh, None, None, None, None
+        return gx, gy, gh, None, None, None, None, None
 
 
 def plan_grad_x(x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost, engine: Engine) -> Tensor:
@@ -121,6 +126,13 @@ def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: 
     """Softmin that is differentiable w.r.t. ``x``, ``y`` and ``h`` (batched tensors)."""
     if plain_autograd(x, y, h, cost, engine):
         return engine.softmin(x, y, h, eps, cost)
+    sym_bary = getattr(engine, "softmin_sym_bary", None)
+    if (sym_bary is not None and torch.is_grad_enabled() and x.requires_grad and x.shape == y.shape
+            and x.data_ptr() == y.data_ptr() and x.stride() == y.stride()):
+        with torch.no_grad():  # softmin(x, x, h) and its barycentres from one (half) pass
+            res = sym_bary(x.detach(), h.detach(), eps, cost)
+        if res is not None:
+            return SoftminFn.apply(x, y, h, eps, cost, engine, *res)
     return SoftminFn.apply(x, y, h, eps, cost, engine)
 
 
@@ -144,9 +156,13 @@ def softmin_pair_fn(x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, co
     pair = getattr(engine, "softmin_pair", None) if getattr(engine, "fused_final_step", False) else None
     if pair is None or plain_autograd(x, yd, hy, cost, engine) or plain_autograd(y, xd, hx, cost, engine):
         return softmin_fn(x, yd, hy, eps, cost, engine), softmin_fn(y, xd, hx, eps, cost, engine)
+    need_x, need_y = (torch.is_grad_enabled() and t.requires_grad for t in (x, y))
+    bary = getattr(engine, "softmin_pair_bary", None) if need_x or need_y else None
     with torch.no_grad():
-        f, g = pair(xd, yd, hx.detach(), hy.detach(), eps, cost)
-    return SoftminFn.apply(x, yd, hy, eps, cost, engine, f), SoftminFn.apply(y, xd, hx, eps, cost, engine, g)
+        res = None if bary is None else bary(xd, yd, hx.detach(), hy.detach(), eps, cost, cols=need_y)
+        f, g, bx, by = res if res is not None else (*pair(xd, yd, hx.detach(), hy.detach(), eps, cost), None, None)
+    return (SoftminFn.apply(x, yd, hy, eps, cost, engine, f, bx),
+            SoftminFn.apply(y, xd, hx, eps, cost, engine, g, by))
 
 
 class PlanVFn(torch.autograd.Function):

@@ -291,11 +291,12 @@ def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: f
 
 
 def _pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
-              sym: bool) -> tuple[Tensor, Tensor]:
-    """``flashot_pair_bs``: ``(rsum (N,), csum (M,))``, the row and column sums of ``exp(s_ij)``, ``s_ij = hx_i +
-    hy_j - C_ij / eps``, over the kept blocks, one exponential per pair.  ``sym`` (``y`` is ``x``, a symmetric
-    pattern): the blocks right of the diagonal give both sums and the diagonal ones the row sums only, so the
-    full row sums are ``rsum + csum``."""
+              sym: bool, bary: int = 0) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``flashot_pair_bs``: ``(rsum (N,), csum (M,), rb, cb)``, the row and column sums of ``exp(s_ij)``, ``s_ij =
+    hx_i + hy_j - C_ij / eps``, over the kept blocks, one exponential per pair.  ``sym`` (``y`` is ``x``, a
+    symmetric pattern): the blocks right of the diagonal give both sums and the diagonal ones the row sums only,
+    so the full row sums are ``rsum + csum``.  ``bary`` (D <= 3): 1, also ``rb = sum_j exp(s_ij) y_j`` (N, D);
+    2, also ``cb = sum_i exp(s_ij) x_i`` (M, D) (``sym`` needs 2); else both None."""
     from .cpu.engine import LARGE_D_CFG, LOG2E, SMALL_D, CpuEngine, _encode_zero_weights
 
     N, D = x.shape[1], x.shape[2]
@@ -304,15 +305,17 @@ def _pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tens
     hx2 = _encode_zero_weights((hx[0] * LOG2E).contiguous())
     xc = x[0].contiguous()
     rows = torch.empty(N, dtype=x.dtype)
-    cols = torch.empty(lay.width, dtype=x.dtype)
+    cols = torch.empty((1 + D if bary == 2 else 1) * lay.width, dtype=x.dtype)
+    rb = torch.empty(N, D, dtype=x.dtype) if bary else None
     fn = lib.flashot_pair_bs_f32 if x.dtype == torch.float32 else lib.flashot_pair_bs_f64
     rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), hx2.data_ptr(), rows.data_ptr(),
-            cols.data_ptr(), lay.width, D, lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(),
-            lay.ranges.data_ptr(), lay.offsets.data_ptr(), kcoef, minsq, kind, 0 if D <= SMALL_D else LARGE_D_CFG,
-            int(sym), torch.get_num_threads())
+            cols.data_ptr(), None if rb is None else rb.data_ptr(), int(bary == 2), lay.width, D, lay.tasks.data_ptr(),
+            pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(), kcoef, minsq, kind,
+            0 if D <= SMALL_D else LARGE_D_CFG, int(sym), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse pair kernel returned {rc}")
-    return rows, cols[lay.pos]
+    cb = cols[lay.width:].view(D, lay.width)[:, lay.pos].T if bary == 2 else None
+    return rows, cols[:lay.width][lay.pos], rb, cb
 
 
 def _plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
@@ -423,7 +426,8 @@ class BlockSparseEngine:
         on_cuda = all(u.device.type == "cuda" for u, _, _ in patterns)
         self._lib = _cpu_lib() if native is True and on_cpu else None
         self._triton = _triton_engine() if native == "triton" or (native is True and on_cuda) else None
-        self.stats = {"pair": 0, "sym": 0, "fixup": 0}  # fused C++ calls, and rows / columns they recomputed
+        # fused C++ calls, the rows / columns whose potentials they recomputed and whose barycentres they redid
+        self.stats = {"pair": 0, "sym": 0, "pair_bary": 0, "sym_bary": 0, "fixup": 0, "bary_fixup": 0}
 
     @staticmethod
     def _key(t: Tensor):
@@ -498,7 +502,7 @@ class BlockSparseEngine:
         if not self._native(x, y, hx, hy):
             return self.softmin(x, y, hy, eps, cost), self.softmin(y, x, hx, eps, cost)
         self.stats["pair"] += 1
-        rsum, csum = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False)
+        rsum, csum, _, _ = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False)
         return self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
 
     def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
@@ -509,8 +513,61 @@ class BlockSparseEngine:
         if not (self._native(x, h) and pat.symmetric):
             return self.softmin(x, x, h, eps, cost)
         self.stats["sym"] += 1
-        rsum, csum = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True)
+        rsum, csum, _, _ = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True)
         return self._from_sums(rsum + csum, h, eps, x, x, h, cost)
+
+    def _bary_ok(self, x: Tensor, h: Tensor, cost: Cost) -> bool:
+        """Can the CPU kernels give barycentres here (squared-Euclidean-type cost, D <= 3)?"""
+        return self._native(x, h) and cost.is_dot and not getattr(cost, "bilinear", False) and x.shape[-1] <= 3
+
+    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
+                          cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+        """:meth:`softmin_pair` ``(f, g)`` and, from the same exponentials, the soft-argmin barycentres ``bx_i =
+        sum_j w_ij y_j`` (1, N, D) of ``f = softmin(x, y, hy)`` (``w_ij = exp(hy_j - C_ij / eps + f_i / eps)``)
+        and, with ``cols``, ``by`` (1, M, D) of ``g``: the final step's gradient ``2 s (x_i - bx_i)`` per unit
+        of ``d value / d f_i`` without a plan-product pass.  None where the kernels cannot (then
+        :meth:`softmin_pair` and plan products)."""
+        if not (self._bary_ok(x, hx, cost) and self._native(y, hy)):
+            return None
+        pat = self.pattern(x, y)
+        self.stats["pair_bary"] += 1
+        rsum, csum, rb, cb = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False,
+                                       bary=2 if cols else 1)
+        f, g = self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
+        bx = self._bary(rsum, rb, f, eps, x, y, hy, cost)
+        return f, g, bx, (self._bary(csum, cb, g, eps, y, x, hx, cost) if cols else None)
+
+    def softmin_sym_bary(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> tuple[Tensor, Tensor] | None:
+        """:meth:`softmin_sym` and its barycentres ``b_i = sum_j w_ij x_j`` (1, N, D) from the same (half)
+        exponentials (see :meth:`softmin_pair_bary`); None where the kernels cannot."""
+        pat = self.pattern(x, x)
+        if not (self._bary_ok(x, h, cost) and pat.symmetric):
+            return None
+        self.stats["sym_bary"] += 1
+        rsum, csum, rb, cb = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True,
+                                       bary=2)
+        sums = rsum + csum
+        out = self._from_sums(sums, h, eps, x, x, h, cost)
+        return out, self._bary(sums, rb + cb, out, eps, x, x, h, cost)
+
+    def _bary(self, sums: Tensor, num: Tensor, out: Tensor, eps: float, pts: Tensor, other: Tensor,
+              h_other: Tensor, cost: Cost) -> Tensor:
+        """``num / sums`` (1, N, D); rows whose sum is unusable (as in :meth:`_from_sums`) are redone by the plan
+        product ``sum_j exp(out_i / eps + h_j - C_ij / eps) [other_j, 1]`` on their row clusters.  Rows with
+        no kept mass stay non-finite (their gradient is zero)."""
+        from .cpu.engine import PAIR_MIN_SUM
+
+        b = num / sums.unsqueeze(-1)
+        bad = ~(torch.isfinite(sums) & (sums >= PAIR_MIN_SUM) & torch.isfinite(b).all(-1))
+        if bool(bad.any()):
+            self.stats["bary_fixup"] += int(bad.sum())
+            sub, idx = self.pattern(pts, other).clusters_of(bad)
+            V = torch.cat([other, torch.ones_like(other[..., :1])], -1).contiguous()
+            S = _plan_cpu(self._lib, sub, pts[:, idx].contiguous(), other, (out[:, idx] / eps).contiguous(),
+                          h_other.contiguous(), eps, V, cost, "plan")[0]
+            sel = bad[idx]
+            b[idx[sel]] = S[sel, :-1] / S[sel, -1:]
+        return b.unsqueeze(0)
 
     def _from_sums(self, sums: Tensor, h: Tensor, eps: float, pts: Tensor, other: Tensor, h_other: Tensor,
                    cost: Cost) -> Tensor:

@@ -264,7 +264,7 @@ template <> struct Consts<float> { static constexpr float TH = 60.0f, H = 30.0f,
 template <> struct Consts<double> { static constexpr double TH = 200.0, H = 100.0, SENT = -1e300, LO = -1009.0; };
 
 enum { KIND_DOT = 0, KIND_DIRECT = 1 };
-enum { MODE_LSE = 0, MODE_P = 1, MODE_PAIR = 2, MODE_PV = 3 };
+enum { MODE_LSE = 0, MODE_P = 1, MODE_PAIR = 2, MODE_PV = 3, MODE_PAIRB = 4, MODE_PAIRBC = 5 };
 constexpr int PV_K = 4;  // MODE_PV: up to this many columns of V
 enum { W_ONE = 0, W_COST = 1, W_INV = 2 };
 
@@ -283,6 +283,9 @@ struct Args {
 // MODE_P also adds the plan mass to sum[r] when sum is not null.
 // MODE_PAIR: m[r] is the row's log-weight hx_r (base 2); adds E = 2^(hx_r + hs_j - k c) to the
 // row sums sum[r] and, summed over the R rows, to the column sums P[j] (P spans all columns).
+// MODE_PAIRB (static D = DS): MODE_PAIR plus the rows' barycentre numerators: sum holds R * (1 + DS)
+// vectors, sum[r * (1 + DS)] the row sum and sum[r * (1 + DS) + 1 + d] += E y_jd.  MODE_PAIRBC also adds
+// the columns' numerators: P[(1 + d) Mp + j] += sum_r E x_rd (P then spans (1 + DS) Mp values).
 // MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
 // exp(s - m[r]) * W  (m[r] = normalising LSE of the row, given).
 template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK, bool CK = true>
@@ -300,7 +303,14 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
   T xx[R];
   v sm[R];
   T mr[R];
+  constexpr bool BARY = MODE == MODE_PAIRB || MODE == MODE_PAIRBC;
+  constexpr int DB = DS > 0 ? DS : 1;  // MODE_PAIRB(C): coordinates per point (static)
+  constexpr int SV = 1 + DB;           // and sum vectors per row
   v pa[MODE == MODE_PV ? R : 1][PV_K];
+  v pb[BARY ? R : 1][DB];
+  if (BARY)
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < DB; ++d) pb[r][d] = sum[r * SV + 1 + d];
   if (MODE == MODE_PV)
     for (int r = 0; r < R; ++r)
       for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] = sum[r * (PV_K + 1) + kk];
@@ -313,6 +323,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
     if (MODE == MODE_LSE || MODE == MODE_PAIR) sm[r] = sum[r];
     if (MODE == MODE_P) sm[r] = sum ? sum[r] : zero;
     if (MODE == MODE_PV) sm[r] = sum[r * (PV_K + 1) + PV_K];
+    if (BARY) sm[r] = sum[r * SV];
   }
   for (int64_t j = j0; j < j1; j += L * NV) {
     // dot costs: acc ends as |x|^2 + |y|^2 - 2<x, y> (the explicit cost, formed before
@@ -405,6 +416,45 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
           colv += e;
         }
         vstore(P + j + q * L, vload<v>(P + j + q * L) + colv);
+      }
+      continue;
+    }
+    if (BARY) {
+      // MODE_PAIR's exponential, also weighting the other side's coordinates (DS FMAs per side)
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) {
+        const v hq = vload<v>(hs + j + q * L);
+        v yq[DB];
+#pragma GCC unroll 4
+        for (int d = 0; d < DB; ++d) yq[d] = vload<v>(yT + (int64_t)d * Mp + j + q * L);
+        v colv = zero;
+        v colc[DB];
+#pragma GCC unroll 4
+        for (int d = 0; d < DB; ++d) colc[d] = zero;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          v c = acc[r][q];
+          if (KIND == KIND_DIRECT) {
+            c = c < minsq ? minsq : c;
+            c = vsqrt(c);
+          }
+          const v e = vexp2((hq + mr[r]) - c * k);
+          sm[r] += e;
+#pragma GCC unroll 4
+          for (int d = 0; d < DB; ++d) pb[r][d] += e * yq[d];
+          colv += e;
+          if (MODE == MODE_PAIRBC)
+#pragma GCC unroll 4
+            for (int d = 0; d < DB; ++d) colc[d] += e * x[r * DB + d];
+        }
+        vstore(P + j + q * L, vload<v>(P + j + q * L) + colv);
+        if (MODE == MODE_PAIRBC) {
+#pragma GCC unroll 4
+          for (int d = 0; d < DB; ++d) {
+            T* pc = P + (int64_t)(1 + d) * Mp + j + q * L;
+            vstore(pc, vload<v>(pc) + colc[d]);
+          }
+        }
       }
       continue;
     }
@@ -502,6 +552,11 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
   }
   if (MODE == MODE_P && sum)
     for (int r = 0; r < R; ++r) sum[r] = sm[r];
+  if (BARY)
+    for (int r = 0; r < R; ++r) {
+      sum[r * SV] = sm[r];
+      for (int d = 0; d < DB; ++d) sum[r * SV + 1 + d] = pb[r][d];
+    }
   if (MODE == MODE_PV)
     for (int r = 0; r < R; ++r) {
       for (int kk = 0; kk < PV_K; ++kk) sum[r * (PV_K + 1) + kk] = pa[r][kk];
@@ -513,7 +568,7 @@ template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
 static void panel_rows(int nrows, const T* x, const T* yT, const T* yy, const T* hs, int64_t j0, int64_t j1,
                        const Args& a, T* m, typename VT<T>::v* sum, T* P, int64_t ldp) {
   int r = 0;
-  const int sv = MODE == MODE_PV ? PV_K + 1 : 1;  // sum vectors per row
+  const int sv = MODE == MODE_PV ? PV_K + 1 : (MODE == MODE_PAIRB || MODE == MODE_PAIRBC) ? 1 + DS : 1;  // per row
   for (; r + R <= nrows; r += R)
     panel<T, R, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum ? sum + r * sv : nullptr,
                                         P ? P + r * ldp : nullptr, ldp);
@@ -1264,24 +1319,32 @@ static int softmin_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, T
 // group order: the same bits for any thread count.  SYM (y is x with the same clusters, a symmetric pattern,
 // coff (Kx + 1,) the clusters' padded column offsets): cluster k sums its own block for its rows only and
 // the kept columns right of it for rows and columns, skipping those left of it; the caller adds rsum + csum.
-template <typename T, int R, int NV, int KIND, int DS, bool SYM>
-static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum,
+// Barycentres (MODE_PAIRB / MODE_PAIRBC, static D = DS): rb[i * DS + d] = sum_j E_ij y_jd and, with
+// MODE_PAIRBC, csum[(1 + d) Mp + j] = sum_i E_ij x_id after csum's first Mp values (the solver's gradient
+// is then sum_j P_ij (x_i - y_j) = x_i - rb_i / rsum_i per unit of row mass: no plan-product pass).
+template <typename T, int R, int NV, int KIND, int DS, bool SYM, int MODE>
+static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum, T* rb,
                          int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                          const int64_t* coff, const Args& a, int nth) {
   typedef typename VT<T>::v v;
   const int D = a.D;
   constexpr int RB = R * 16;
-  const int64_t G = col_groups(ntasks, Mp * (int64_t)sizeof(T));
+  constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;  // sum vectors per row
+  const int64_t per = (MODE == MODE_PAIRBC ? 1 + DS : 1) * Mp;
+  const int64_t G = col_groups(ntasks, per * (int64_t)sizeof(T));
   // scratch: column sums of diagonal blocks, discarded
-  col_group_pass<T>(G, (size_t)Mp, SYM ? (size_t)Mp : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
+  col_group_pass<T>(G, (size_t)per, SYM ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
     for (int64_t t = g; t < ntasks; t += G) {
       const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
       const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
       for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
         const int nr = (int)std::min<int64_t>(RB, i1 - i0);
         T m[RB];
-        v sum[RB];
-        for (int r = 0; r < nr; ++r) { m[r] = hx[i0 + r]; sum[r] = v{}; }
+        v sum[RB * SV];
+        for (int r = 0; r < nr; ++r) {
+          m[r] = hx[i0 + r];
+          for (int u = 0; u < SV; ++u) sum[r * SV + u] = v{};
+        }
         const T* xb = x + i0 * D;
         for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
           int64_t lo = cr[2 * q];
@@ -1290,37 +1353,59 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
             if (hi <= d0) continue;
             const int64_t dlo = std::max(lo, d0), dhi = std::min(hi, d1);
             if (dlo < dhi)
-              panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yT, yy, hs, dlo, dhi, a, m, sum, scratch, 0);
+              panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, dlo, dhi, a, m, sum, scratch, 0);
             lo = std::max(lo, d1);
             if (lo >= hi) continue;
           }
-          panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yT, yy, hs, lo, hi, a, m, sum, cacc, 0);
+          panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, lo, hi, a, m, sum, cacc, 0);
         }
-        for (int r = 0; r < nr; ++r) rsum[i0 + r] = hsum(sum[r]);
+        for (int r = 0; r < nr; ++r) {
+          rsum[i0 + r] = hsum(sum[r * SV]);
+          if (MODE != MODE_PAIR)
+            for (int d = 0; d < DS; ++d) rb[(i0 + r) * DS + d] = hsum(sum[r * SV + 1 + d]);
+        }
       }
     }
   });
 }
 
 template <typename T, int KIND, bool SYM>
-static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, int64_t Mp,
-                            const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
-                            const int64_t* coff, const Args& a, int cfg, int nth) {
-  return with_lse_shape(cfg, a.D, [&](auto s) {
-    using S = decltype(s);
-    pair_bs_impl<T, S::R, S::NV, KIND, S::DS, SYM>(x, yT, yy, hs, hx, rs, cs, Mp, tasks, ntasks, cptr, cr, coff, a,
-                                                   nth);
-  });
+static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb,
+                            int cb, int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                            const int64_t* cr, const int64_t* coff, const Args& a, int cfg, int nth) {
+  if (rb == nullptr)
+    return with_lse_shape(cfg, a.D, [&](auto s) {
+      using S = decltype(s);
+      pair_bs_impl<T, S::R, S::NV, KIND, S::DS, SYM, MODE_PAIR>(x, yT, yy, hs, hx, rs, cs, nullptr, Mp, tasks, ntasks,
+                                                                cptr, cr, coff, a, nth);
+    });
+  // barycentres: d <= 3, Shape::PV_R rows (their accumulators: 1 + d vectors a row, as the narrow plan product's)
+  constexpr int R = Shape::PV_R;
+#define FL_BARY(DS, MODE) \
+  pair_bs_impl<T, R, 1, KIND, DS, SYM, MODE>(x, yT, yy, hs, hx, rs, cs, rb, Mp, tasks, ntasks, cptr, cr, coff, a, nth)
+#define FL_BARY_D(DS) { if (cb) FL_BARY(DS, MODE_PAIRBC); else FL_BARY(DS, MODE_PAIRB); return 0; }
+  switch (a.D) {
+    case 1: FL_BARY_D(1)
+    case 2: FL_BARY_D(2)
+    case 3: FL_BARY_D(3)
+    default: return -4;
+  }
+#undef FL_BARY_D
+#undef FL_BARY
 }
 
+// rb (N, D) or null: the rows' barycentre numerators (d <= 3, else -4); cb (with rb): the columns' too, in cs
+// after its first Mp values (cs then holds (1 + D) Mp).  SYM needs both (-3 otherwise).
 template <typename T>
-static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, int64_t Mp,
-                         int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
-                         const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym, int nth) {
+static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb, int cb,
+                         int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                         const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg,
+                         int sym, int nth) {
   Args a{D, Mp, kcoef, minsq};
   if (sym && coff == nullptr) return -3;
+  if (sym && rb != nullptr && !cb) return -3;
 #define FL_PAIR_BS(KD, S) \
-  return pair_bs_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, Mp, tasks, ntasks, cptr, cr, coff, a, cfg, nth)
+  return pair_bs_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, cfg, nth)
   if (kind == KIND_DOT) { if (sym) FL_PAIR_BS(KIND_DOT, true); FL_PAIR_BS(KIND_DOT, false); }
   if (kind == KIND_DIRECT) { if (sym) FL_PAIR_BS(KIND_DIRECT, true); FL_PAIR_BS(KIND_DIRECT, false); }
 #undef FL_PAIR_BS
@@ -1511,7 +1596,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 16; }
+int flashot_abi_version() { return 17; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -1752,20 +1837,20 @@ int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, 
 
 #if FL_PART(3)
 int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
-                        float* cs, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                        const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
-                        int nth) {
-  return pair_bs_entry<float>(x, yT, yy, hs, hx, rs, cs, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind, cfg,
+                        float* cs, float* rb, int cb, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
+                        const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
+                        int kind, int cfg, int sym, int nth) {
+  return pair_bs_entry<float>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind, cfg,
                               sym, nth);
 }
 #endif
 
 #if FL_PART(2)
 int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
-                        double* rs, double* cs, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
-                        const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
-                        int kind, int cfg, int sym, int nth) {
-  return pair_bs_entry<double>(x, yT, yy, hs, hx, rs, cs, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind,
+                        double* rs, double* cs, double* rb, int cb, int64_t Mp, int D, const int64_t* tasks,
+                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
+                        double minsq, int kind, int cfg, int sym, int nth) {
+  return pair_bs_entry<double>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind,
                                cfg, sym, nth);
 }
 #endif
