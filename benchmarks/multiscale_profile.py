@@ -8,12 +8,15 @@ and the backward.  A fused step counts its exponentials: ``softmin_pair`` the ke
 potentials), ``softmin_sym`` half of them; their barycentre variants (the final step, which then needs no
 plan product for the gradient) the same.  ``--unfused`` runs without the fused steps (two softmins per
 symmetric step, a full one per debiasing step, plan products for the gradient), ``--no-bary`` without the
-barycentres only (plan products for the gradient), for comparison.
+barycentres only (plan products for the gradient), ``--no-tiles`` without the sub-tile pruning inside the kept
+blocks, for comparison.  With it, ``tiles`` is the fraction of the fused steps' pairs (padded columns
+included, per n^2 as above) that its bounds let through.
 
     python benchmarks/multiscale_profile.py --n 1000000
     python benchmarks/multiscale_profile.py --n 300000 --cluster-scale 0.02
     python benchmarks/multiscale_profile.py --n 300000 --unfused
     python benchmarks/multiscale_profile.py --n 300000 --no-bary
+    python benchmarks/multiscale_profile.py --n 1000000 --no-tiles
     python -m cProfile -s tottime benchmarks/multiscale_profile.py --n 1000000   # by function
 """
 
@@ -40,7 +43,17 @@ def main() -> None:
     ap.add_argument("--cluster-scale", type=float, default=None, help="fraction of the diameter (default: GeomLoss')")
     ap.add_argument("--unfused", action="store_true", help="without softmin_pair / softmin_sym and their barycentres")
     ap.add_argument("--no-bary", action="store_true", help="without the barycentre variants (plan products)")
+    ap.add_argument("--no-tiles", action="store_true", help="without the sub-tile pruning inside kept blocks")
     a = ap.parse_args()
+    MS.TILE_PRUNING = not a.no_tiles
+    engines = []
+    init = BS.BlockSparseEngine.__init__
+
+    def recorded_init(self, *args, **kw):
+        init(self, *args, **kw)
+        engines.append(self)
+
+    BS.BlockSparseEngine.__init__ = recorded_init
     if a.unfused or a.no_bary:
         del BS.BlockSparseEngine.softmin_pair_bary, BS.BlockSparseEngine.softmin_sym_bary
     if a.unfused:
@@ -94,8 +107,10 @@ def main() -> None:
     wall = time.perf_counter() - w0
     run = L.last_multiscale
     n2 = float(a.n) ** 2
+    tiles = sum(e.tile_pairs[0] for e in engines) / n2
     print(f"n = {a.n:,}: {run.cx.n_clusters:,} clusters, kept {[round(k, 4) for k in run.kept]}; pairs per n^2: "
-          f"softmins {pairs['softmin'] / n2:.3f}, plan products {pairs['plan'] / n2:.3f}; CPU seconds: block "
+          f"softmins {pairs['softmin'] / n2:.3f}, plan products {pairs['plan'] / n2:.3f}"
+          f"{'' if a.no_tiles else f', fused steps after tiles {tiles:.3f}'}; CPU seconds: block "
           f"bounds {prune[0]:.2f}, forward {t1 - t0:.2f}, backward {t2 - t1:.2f}; wall {wall:.1f} s")
 
 

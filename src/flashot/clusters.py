@@ -84,11 +84,21 @@ def _grid_codes(x: Tensor, scale: float) -> tuple[Tensor, bool]:
         return code, False
 
 
-def cluster(x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | None = None) -> Clusters:
+def cluster(x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | None = None,
+            sub_levels: int = 0) -> Clusters:
     """Cluster the cloud ``x`` (N, D) with weights ``a`` (N,) in cells of side ``scale``, or by the
-    integer ``labels`` (N,) (GeomLoss' six-argument call); clusters are ordered by label."""
+    integer ``labels`` (N,) (GeomLoss' six-argument call); clusters are ordered by label.  ``sub_levels``
+    (grid cells, D <= 3): the points of each cell are also sorted in the Morton order of its ``2^sub_levels``
+    times finer sub-cells (runs of consecutive points are then compact: the block-sparse kernels' tiles);
+    the cells are those of the finer grid's codes shifted, which nest exactly."""
     with torch.no_grad():
         x, a = x.detach(), a.detach()
+        if labels is None and sub_levels > 0:
+            fine, morton = _grid_codes(x, scale / 2**sub_levels)
+            if morton:
+                fine_sorted, perm = torch.sort(fine, stable=True)
+                uniq, counts = torch.unique_consecutive(fine_sorted >> (x.shape[-1] * sub_levels), return_counts=True)
+                return _summaries(x[perm], a[perm], perm, counts, uniq)
         lab, morton = _grid_codes(x, scale) if labels is None else (labels.to(x.device).long(), False)
         lab_sorted, perm = torch.sort(lab, stable=True)
         uniq, counts = torch.unique_consecutive(lab_sorted, return_counts=True)

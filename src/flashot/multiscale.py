@@ -54,7 +54,7 @@ from .clusters import Clusters, block_scale, cluster, coarse_scale, coarsen, def
 from .measures import Measures, log_weights
 from .ops import prepare_pair
 from .ops import softmin as ops_softmin
-from .ops.blocksparse import BlockPattern, BlockSparseEngine
+from .ops.blocksparse import BlockPattern, BlockSparseEngine, TilePruning
 from .solver import SinkhornState, damping, sinkhorn_loop
 
 
@@ -492,6 +492,10 @@ def _extrapolate_pruned(pts: Tensor, centroids: Tensor, h: Tensor, eps: float, c
     return eng.softmin(pts, cs[None], hs[None], eps, cost)
 
 
+SUB_LEVELS = 3  # points sorted inside their cluster by sub-cells 8x finer (compact tiles for TilePruning)
+TILE_PRUNING = True  # the fine engines skip the tiles inside kept blocks that the truncate rule drops
+
+
 def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleConfig, *, debias: bool,
                     diameter: float, labels: tuple[Tensor | None, Tensor | None] = (None, None),
                     verbose: bool = False, group: Any = None,
@@ -516,12 +520,12 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
         bs = block_scale(x.detach(), y.detach(), scale, radius)
         if cfg.cluster_scale is None:
             scale = coarse_scale(x.detach(), y.detach(), bs, radius)
-    cx, cy = cluster(x, m.a[0], scale, labels[0]), cluster(y, m.b[0], scale, labels[1])
+    cx, cy = (cluster(x, m.a[0], scale, labels[0], SUB_LEVELS), cluster(y, m.b[0], scale, labels[1], SUB_LEVELS))
     jump = jump_index(eps_list, _jump_threshold(m.cost, scale, p))
     mc = _coarse_measures(m, cx, cy, group)
     st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, rho_x=rx, rho_y=ry, verbose=verbose)
     if bs != scale:
-        cx, cy = cluster(x, m.a[0], bs), cluster(y, m.b[0], bs)
+        cx, cy = cluster(x, m.a[0], bs, sub_levels=SUB_LEVELS), cluster(y, m.b[0], bs, sub_levels=SUB_LEVELS)
     fine = _fine_measures(m, cx, cy)
     hier = _Hier.build(fine, cx, cy, debias)
     eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
@@ -531,7 +535,7 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     tail = eps_list[jump + 1:]
     if not tail:  # extrapolation only: the final step reads the potentials at this temperature
         bounds = _bounds(fine, hier, state, eps, cfg.truncate)
-        fine = _with_patterns(fine, hier, _keeps(bounds, eps, cfg.truncate), kept, debias, group)
+        fine = _with_patterns(fine, hier, _keeps(bounds, eps, cfg.truncate), kept, debias, group, cfg.truncate)
         return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate,
                              group)
     bounds = _bounds(fine, hier, state, max(tail), cfg.truncate)
@@ -566,7 +570,7 @@ def _fine_level(fine: Measures, hier: "_Hier", state: SinkhornState, bounds, lev
     the last engine, the new state and its bounds (valid for margins up to ``truncate * level``)."""
     keeps = _keeps(bounds, level, truncate)
     for attempt in range(2):
-        fine = _with_patterns(fine, hier, keeps, kept, debias, group)
+        fine = _with_patterns(fine, hier, keeps, kept, debias, group, truncate)
         with warnings.catch_warnings(record=True) as caught:  # shown only for the attempt that is kept
             warnings.simplefilter("always")
             new = loop(fine, state)
@@ -650,9 +654,10 @@ def _extrapolated_state(fine: Measures, mc: Measures, cx, cy, st: SinkhornState,
 
 
 def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept: list[float],
-                   debias: bool, group: Any = None) -> Measures:
+                   debias: bool, group: Any = None, truncate: float | None = None) -> Measures:
     """``fine`` on a block-sparse engine over the kept blocks ``keeps`` (see :func:`_keeps`; None: all),
-    sharded by whole row clusters over the ranks of ``group`` when given."""
+    sharded by whole row clusters over the ranks of ``group`` when given; with ``truncate``, its fused steps
+    also skip the tiles inside kept blocks that the same rule drops (:class:`TilePruning`)."""
     x, y = fine.x.detach(), fine.y.detach()
     if keeps is None:
         keeps = [torch.ones(u.n_clusters, v.n_clusters, dtype=torch.bool, device=x.device)
@@ -663,7 +668,11 @@ def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept:
         pats.append((x, x, BlockPattern(h.cx.offsets, h.cx.offsets, keeps[1] | keeps[1].T)))
         pats.append((y, y, BlockPattern(h.cy.offsets, h.cy.offsets, keeps[2] | keeps[2].T)))
     kept.append(pxy.fraction)
-    engine = BlockSparseEngine(pats)
+    tiles = None
+    if truncate is not None and TILE_PRUNING:
+        key = BlockSparseEngine._key
+        tiles = TilePruning({key(x): fine.a_log[0].detach(), key(y): fine.b_log[0].detach()}, truncate)
+    engine = BlockSparseEngine(pats, tiles=tiles)
     if group is not None:
         from .distributed import ShardedEngine
 

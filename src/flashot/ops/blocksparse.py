@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -291,12 +292,15 @@ def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: f
 
 
 def _pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
-              sym: bool, bary: int = 0) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+              sym: bool, bary: int = 0, tiles: "tuple[Tensor, Tensor, float, list[int]] | None" = None
+              ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """``flashot_pair_bs``: ``(rsum (N,), csum (M,), rb, cb)``, the row and column sums of ``exp(s_ij)``, ``s_ij =
     hx_i + hy_j - C_ij / eps``, over the kept blocks, one exponential per pair.  ``sym`` (``y`` is ``x``, a
     symmetric pattern): the blocks right of the diagonal give both sums and the diagonal ones the row sums only,
     so the full row sums are ``rsum + csum``.  ``bary`` (D <= 3): 1, also ``rb = sum_j exp(s_ij) y_j`` (N, D);
-    2, also ``cb = sum_i exp(s_ij) x_i`` (M, D) (``sym`` needs 2); else both None."""
+    2, also ``cb = sum_i exp(s_ij) x_i`` (M, D) (``sym`` needs 2); else both None.  ``tiles = (f / eps (N,),
+    g / eps (M,), truncate, counter)``: sub-tile pruning (the kernels' ``TileBounds``: tiles where every
+    ``f_i + g_j - C_ij < -truncate eps`` are skipped); the pairs evaluated are added to ``counter[0]``."""
     from .cpu.engine import LARGE_D_CFG, LOG2E, SMALL_D, CpuEngine, _encode_zero_weights
 
     N, D = x.shape[1], x.shape[2]
@@ -307,13 +311,23 @@ def _pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tens
     rows = torch.empty(N, dtype=x.dtype)
     cols = torch.empty((1 + D if bary == 2 else 1) * lay.width, dtype=x.dtype)
     rb = torch.empty(N, D, dtype=x.dtype) if bary else None
+    fx = gy = None
+    thr, done = 0.0, torch.zeros(1, dtype=torch.int64)
+    if tiles is not None:
+        fx = (tiles[0] * LOG2E).to(x.dtype).contiguous()
+        gy = torch.full((lay.width,), float("-inf"), dtype=x.dtype)
+        gy[lay.pos] = (tiles[1] * LOG2E).to(x.dtype)
+        thr = tiles[2] * LOG2E
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     fn = lib.flashot_pair_bs_f32 if x.dtype == torch.float32 else lib.flashot_pair_bs_f64
     rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), hx2.data_ptr(), rows.data_ptr(),
-            cols.data_ptr(), None if rb is None else rb.data_ptr(), int(bary == 2), lay.width, D, lay.tasks.data_ptr(),
-            pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(), kcoef, minsq, kind,
-            0 if D <= SMALL_D else LARGE_D_CFG, int(sym), torch.get_num_threads())
+            cols.data_ptr(), ptr(rb), int(bary == 2), ptr(fx), ptr(gy), thr, done.data_ptr(), lay.width, D,
+            lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(),
+            kcoef, minsq, kind, 0 if D <= SMALL_D else LARGE_D_CFG, int(sym), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse pair kernel returned {rc}")
+    if tiles is not None:
+        tiles[3][0] += int(done)
     cb = cols[lay.width:].view(D, lay.width)[:, lay.pos].T if bary == 2 else None
     return rows, cols[:lay.width][lay.pos], rb, cb
 
@@ -406,6 +420,17 @@ def _gather(t: Tensor, idx: Tensor) -> Tensor:
     return t[idx.clamp_min(0)]
 
 
+@dataclass(frozen=True)
+class TilePruning:
+    """Sub-tile pruning for :class:`BlockSparseEngine`'s fused CPU steps: the clouds' log-weights (keyed as the
+    patterns; ``h - log_weights = f / eps`` for the solver's ``h``) and GeomLoss' ``truncate``.  Tiles of (a
+    panel of rows) x (64 padded columns) inside the kept blocks where every ``f_i + g_j - C_ij < -truncate eps``
+    are skipped (the same rule as the blocks', checked with the potentials of each call)."""
+
+    log_weights: dict
+    truncate: float
+
+
 class BlockSparseEngine:
     """The two primitives over the kept blocks of fixed patterns (one problem; see the module docstring).
 
@@ -419,8 +444,11 @@ class BlockSparseEngine:
     name = "multiscale"
     fused_final_step = True  # the solver's final step takes softmin_pair (ops.autograd.softmin_pair_fn)
 
-    def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool | str = True):
+    def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool | str = True,
+                 tiles: "TilePruning | None" = None):
         self._patterns = {(self._key(u), self._key(v)): p for u, v, p in patterns}
+        self._tiles = tiles
+        self.tile_pairs = [0]  # pairs the fused C++ steps evaluated with sub-tile pruning (padded columns included)
         native = _kernels_choice(native)
         on_cpu = all(u.device.type == "cpu" and u.dtype in (torch.float32, torch.float64) for u, _, _ in patterns)
         on_cuda = all(u.device.type == "cuda" for u, _, _ in patterns)
@@ -502,7 +530,8 @@ class BlockSparseEngine:
         if not self._native(x, y, hx, hy):
             return self.softmin(x, y, hy, eps, cost), self.softmin(y, x, hx, eps, cost)
         self.stats["pair"] += 1
-        rsum, csum, _, _ = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False)
+        rsum, csum, _, _ = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False,
+                                     tiles=self._tile_args(x, y, hx, hy))
         return self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
 
     def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
@@ -513,8 +542,19 @@ class BlockSparseEngine:
         if not (self._native(x, h) and pat.symmetric):
             return self.softmin(x, x, h, eps, cost)
         self.stats["sym"] += 1
-        rsum, csum, _, _ = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True)
+        rsum, csum, _, _ = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True,
+                                     tiles=self._tile_args(x, x, h, h))
         return self._from_sums(rsum + csum, h, eps, x, x, h, cost)
+
+    def _tile_args(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor):
+        """:func:`_pair_cpu`'s ``tiles`` from the log-weights of :class:`TilePruning` (None without)."""
+        t = self._tiles
+        if t is None:
+            return None
+        la, lb = t.log_weights.get(self._key(x)), t.log_weights.get(self._key(y))
+        if la is None or lb is None:
+            return None
+        return hx[0] - la, hy[0] - lb, t.truncate, self.tile_pairs
 
     def _bary_ok(self, x: Tensor, h: Tensor, cost: Cost) -> bool:
         """Can the CPU kernels give barycentres here (squared-Euclidean-type cost, D <= 3)?"""
@@ -532,7 +572,7 @@ class BlockSparseEngine:
         pat = self.pattern(x, y)
         self.stats["pair_bary"] += 1
         rsum, csum, rb, cb = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False,
-                                       bary=2 if cols else 1)
+                                       bary=2 if cols else 1, tiles=self._tile_args(x, y, hx, hy))
         f, g = self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
         bx = self._bary(rsum, rb, f, eps, x, y, hy, cost)
         return f, g, bx, (self._bary(csum, cb, g, eps, y, x, hx, cost) if cols else None)
@@ -545,7 +585,7 @@ class BlockSparseEngine:
             return None
         self.stats["sym_bary"] += 1
         rsum, csum, rb, cb = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True,
-                                       bary=2)
+                                       bary=2, tiles=self._tile_args(x, x, h, h))
         sums = rsum + csum
         out = self._from_sums(sums, h, eps, x, x, h, cost)
         return out, self._bary(sums, rb + cb, out, eps, x, x, h, cost)

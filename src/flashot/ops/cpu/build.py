@@ -293,7 +293,7 @@ _SIGS = {
     "flashot_cached_alt": [_P, _P, _P, _DB, _DB, _P, _P, _I, _L, _L, _I],
     "flashot_alt": [_P, _P, _P, _P, _P, _DB, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _L, _I],
     "flashot_softmin_bs": [_P, _P, _P, _P, _P, _L, _I, _P, _L, _P, _P, _DB, _DB, _I, _DB, _I, _I],
-    "flashot_pair_bs": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _L, _I, _P, _L, _P, _P, _P, _DB, _DB, _I, _I, _I, _I],
+    "flashot_pair_bs": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _DB, _P, _L, _I, _P, _L, _P, _P, _P, _DB, _DB, _I, _I, _I, _I],
     "flashot_plan_bs": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _L, _I, _P, _L, _P, _P, _DB, _DB, _I, _I, _DB,
                         _I],
 }

@@ -34,6 +34,7 @@
 // below LO (-124 / -1009, including -inf) are set to exactly 0 by a mask, branch-free.
 // Either way no denormal reaches memory or a later operation (no slow path on Intel).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1313,6 +1314,82 @@ static int softmin_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, T
   return -2;
 }
 
+// Sub-tile pruning of the block-sparse pair kernels: within the kept blocks, the tiles of (a panel of up to RB
+// rows) x (a chunk of TILE_COLS padded columns) whose bound on (f_i + g_j - C_ij) / eps (base 2: fx_i + gy_j -
+// k c_ij) is below -thr are skipped: every entry there is below 2^-thr a_i b_j, GeomLoss' truncate rule at a
+// finer grain than the blocks.  Bound: the balls of the panel's rows and the chunk's valid columns (centre,
+// radius), fx / gy maxima, c at least the cost of the balls' gap.  Rows (and the clusters' points) are in
+// Morton order inside their cluster, so panels and chunks are compact when clusters are large.
+constexpr int64_t TILE_COLS = 64;
+
+template <typename T>
+struct TileBounds {
+  const T* fx = nullptr;  // (N,) f_i / eps in base 2 (nan or +inf: never skipped); null: no sub-tile pruning
+  double thr = 0;
+  int64_t nch = 0;
+  std::vector<double> cc, cr, cg;  // per chunk: centre (D), radius, max gy (-inf: no valid column)
+
+  // chunk terms from the padded columns yT (D, Mp) and gy (Mp,) (-inf on padding)
+  void build(const T* yT, const T* gy, int64_t Mp, int D) {
+    nch = (Mp + TILE_COLS - 1) / TILE_COLS;
+    cc.assign((size_t)nch * D, 0.0);
+    cr.assign((size_t)nch, 0.0);
+    cg.assign((size_t)nch, -std::numeric_limits<double>::infinity());
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t j0 = c * TILE_COLS, j1 = std::min(Mp, j0 + TILE_COLS);
+      int64_t n = 0;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (!(gy[j] > -std::numeric_limits<T>::infinity())) continue;
+        ++n;
+        cg[c] = std::max(cg[c], gy[j] == gy[j] ? (double)gy[j] : std::numeric_limits<double>::infinity());
+        for (int d = 0; d < D; ++d) cc[c * D + d] += (double)yT[(int64_t)d * Mp + j];
+      }
+      if (n == 0) continue;
+      for (int d = 0; d < D; ++d) cc[c * D + d] /= (double)n;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (!(gy[j] > -std::numeric_limits<T>::infinity())) continue;
+        double r2 = 0;
+        for (int d = 0; d < D; ++d) {
+          const double df = (double)yT[(int64_t)d * Mp + j] - cc[c * D + d];
+          r2 += df * df;
+        }
+        cr[c] = std::max(cr[c], std::sqrt(r2));
+      }
+    }
+  }
+};
+
+// The ball and fx maximum of the rows [0, nr) of x (row stride D), for TileBounds::keep.
+struct PanelBall {
+  double c[4] = {0, 0, 0, 0};  // D <= 3 with sub-tile pruning (else never used)
+  double r = 0, f = -std::numeric_limits<double>::infinity();
+  template <typename T> void build(const T* x, const T* fx, int nr, int D) {
+    for (int i = 0; i < nr; ++i) {
+      for (int d = 0; d < D; ++d) c[d] += (double)x[i * D + d];
+      const double v = (double)fx[i];
+      f = v == v ? std::max(f, v) : std::numeric_limits<double>::infinity();
+    }
+    for (int d = 0; d < D; ++d) c[d] /= (double)nr;
+    for (int i = 0; i < nr; ++i) {
+      double r2 = 0;
+      for (int d = 0; d < D; ++d) r2 += ((double)x[i * D + d] - c[d]) * ((double)x[i * D + d] - c[d]);
+      r = std::max(r, std::sqrt(r2));
+    }
+  }
+};
+
+// Is the tile (panel p, chunk ch) kept?  cost: KIND_DOT c = |x - y|^2, KIND_DIRECT c = max(|x - y|, sqrt(minsq)).
+template <typename T, int KIND>
+static inline bool tile_kept(const TileBounds<T>& tb, const PanelBall& p, int64_t ch, int D, const Args& a) {
+  const double g = tb.cg[ch];
+  if (!(g > -std::numeric_limits<double>::infinity())) return false;  // padding only
+  double d2 = 0;
+  for (int d = 0; d < D; ++d) d2 += (p.c[d] - tb.cc[ch * D + d]) * (p.c[d] - tb.cc[ch * D + d]);
+  const double gap = std::max(0.0, std::sqrt(d2) - p.r - tb.cr[ch]);
+  const double cmin = KIND == KIND_DOT ? gap * gap : std::max(gap, std::sqrt(a.minsq));
+  return !(p.f + g - a.kcoef * cmin < -tb.thr);
+}
+
 // Block-sparse symmetric step (pair_impl over softmin_bs_impl's kept ranges, B = 1): rsum[i] = sum_j E_ij
 // over row i's kept columns and csum[j] (padded layout) = sum_i E_ij, E_ij = 2^(hx_i + hs_j - k c_ij), one
 // exponential per pair.  Column partials per group of row clusters (cluster t -> group t % G), combined in
@@ -1322,18 +1399,22 @@ static int softmin_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, T
 // Barycentres (MODE_PAIRB / MODE_PAIRBC, static D = DS): rb[i * DS + d] = sum_j E_ij y_jd and, with
 // MODE_PAIRBC, csum[(1 + d) Mp + j] = sum_i E_ij x_id after csum's first Mp values (the solver's gradient
 // is then sum_j P_ij (x_i - y_j) = x_i - rb_i / rsum_i per unit of row mass: no plan-product pass).
+// tb.fx: sub-tile pruning (TileBounds); the pairs evaluated (padded columns included) are added to *evaluated.
 template <typename T, int R, int NV, int KIND, int DS, bool SYM, int MODE>
 static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum, T* rb,
                          int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
-                         const int64_t* coff, const Args& a, int nth) {
+                         const int64_t* coff, const Args& a, const TileBounds<T>& tb, int64_t* evaluated, int nth) {
   typedef typename VT<T>::v v;
   const int D = a.D;
   constexpr int RB = R * 16;
   constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;  // sum vectors per row
   const int64_t per = (MODE == MODE_PAIRBC ? 1 + DS : 1) * Mp;
   const int64_t G = col_groups(ntasks, per * (int64_t)sizeof(T));
+  const bool tiles = tb.fx != nullptr && D <= 3;
+  std::atomic<int64_t> count{0};
   // scratch: column sums of diagonal blocks, discarded
   col_group_pass<T>(G, (size_t)per, SYM ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
+    int64_t done = 0;
     for (int64_t t = g; t < ntasks; t += G) {
       const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
       const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
@@ -1346,18 +1427,39 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
           for (int u = 0; u < SV; ++u) sum[r * SV + u] = v{};
         }
         const T* xb = x + i0 * D;
+        PanelBall ball;
+        if (tiles) ball.build(xb, tb.fx + i0, nr, D);
+        // columns [lo, hi) into cols: the kept chunks' runs when pruning tiles, else at once
+        auto stream = [&](int64_t lo, int64_t hi, T* cols) {
+          if (!tiles) {
+            panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, lo, hi, a, m, sum, cols, 0);
+            done += (int64_t)nr * (hi - lo);
+            return;
+          }
+          int64_t run = -1;
+          for (int64_t ch = lo / TILE_COLS; ch * TILE_COLS < hi; ++ch) {
+            const int64_t c0 = std::max(lo, ch * TILE_COLS), c1 = std::min(hi, (ch + 1) * TILE_COLS);
+            const bool keep = tile_kept<T, KIND>(tb, ball, ch, D, a);
+            if (keep && run < 0) run = c0;
+            if (run >= 0 && (!keep || c1 == hi)) {
+              const int64_t e = keep ? c1 : c0;
+              panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, run, e, a, m, sum, cols, 0);
+              done += (int64_t)nr * (e - run);
+              run = -1;
+            }
+          }
+        };
         for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
           int64_t lo = cr[2 * q];
           const int64_t hi = cr[2 * q + 1];
           if (SYM) {  // the diagonal block for the rows only; nothing left of it
             if (hi <= d0) continue;
             const int64_t dlo = std::max(lo, d0), dhi = std::min(hi, d1);
-            if (dlo < dhi)
-              panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, dlo, dhi, a, m, sum, scratch, 0);
+            if (dlo < dhi) stream(dlo, dhi, scratch);
             lo = std::max(lo, d1);
             if (lo >= hi) continue;
           }
-          panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, lo, hi, a, m, sum, cacc, 0);
+          stream(lo, hi, cacc);
         }
         for (int r = 0; r < nr; ++r) {
           rsum[i0 + r] = hsum(sum[r * SV]);
@@ -1366,23 +1468,27 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
         }
       }
     }
+    count += done;
   });
+  if (evaluated) *evaluated += count.load();
 }
 
 template <typename T, int KIND, bool SYM>
 static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb,
                             int cb, int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                            const int64_t* cr, const int64_t* coff, const Args& a, int cfg, int nth) {
+                            const int64_t* cr, const int64_t* coff, const Args& a, const TileBounds<T>& tb,
+                            int64_t* evaluated, int cfg, int nth) {
   if (rb == nullptr)
     return with_lse_shape(cfg, a.D, [&](auto s) {
       using S = decltype(s);
       pair_bs_impl<T, S::R, S::NV, KIND, S::DS, SYM, MODE_PAIR>(x, yT, yy, hs, hx, rs, cs, nullptr, Mp, tasks, ntasks,
-                                                                cptr, cr, coff, a, nth);
+                                                                cptr, cr, coff, a, tb, evaluated, nth);
     });
   // barycentres: d <= 3, Shape::PV_R rows (their accumulators: 1 + d vectors a row, as the narrow plan product's)
   constexpr int R = Shape::PV_R;
 #define FL_BARY(DS, MODE) \
-  pair_bs_impl<T, R, 1, KIND, DS, SYM, MODE>(x, yT, yy, hs, hx, rs, cs, rb, Mp, tasks, ntasks, cptr, cr, coff, a, nth)
+  pair_bs_impl<T, R, 1, KIND, DS, SYM, MODE>(x, yT, yy, hs, hx, rs, cs, rb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
+                                             evaluated, nth)
 #define FL_BARY_D(DS) { if (cb) FL_BARY(DS, MODE_PAIRBC); else FL_BARY(DS, MODE_PAIRB); return 0; }
   switch (a.D) {
     case 1: FL_BARY_D(1)
@@ -1395,17 +1501,26 @@ static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, c
 }
 
 // rb (N, D) or null: the rows' barycentre numerators (d <= 3, else -4); cb (with rb): the columns' too, in cs
-// after its first Mp values (cs then holds (1 + D) Mp).  SYM needs both (-3 otherwise).
+// after its first Mp values (cs then holds (1 + D) Mp).  SYM needs both (-3 otherwise).  fx (N,) and gy (Mp,)
+// or null: sub-tile pruning at the threshold thr (TileBounds; d <= 3); evaluated (or null) += pairs computed.
 template <typename T>
 static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb, int cb,
-                         int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                         const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg,
-                         int sym, int nth) {
+                         const T* fx, const T* gy, double thr, int64_t* evaluated, int64_t Mp, int D,
+                         const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                         const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym, int nth) {
   Args a{D, Mp, kcoef, minsq};
   if (sym && coff == nullptr) return -3;
   if (sym && rb != nullptr && !cb) return -3;
+  if ((fx == nullptr) != (gy == nullptr)) return -3;
+  TileBounds<T> tb;
+  if (fx != nullptr && D <= 3) {
+    tb.fx = fx;
+    tb.thr = thr;
+    tb.build(yT, gy, Mp, D);
+  }
 #define FL_PAIR_BS(KD, S) \
-  return pair_bs_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, cfg, nth)
+  return pair_bs_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
+                                    evaluated, cfg, nth)
   if (kind == KIND_DOT) { if (sym) FL_PAIR_BS(KIND_DOT, true); FL_PAIR_BS(KIND_DOT, false); }
   if (kind == KIND_DIRECT) { if (sym) FL_PAIR_BS(KIND_DIRECT, true); FL_PAIR_BS(KIND_DIRECT, false); }
 #undef FL_PAIR_BS
@@ -1837,20 +1952,22 @@ int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, 
 
 #if FL_PART(3)
 int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
-                        float* cs, float* rb, int cb, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
-                        const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
-                        int kind, int cfg, int sym, int nth) {
-  return pair_bs_entry<float>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind, cfg,
+                        float* cs, float* rb, int cb, const float* fx, const float* gy, double thr, int64_t* evaluated,
+                        int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                        const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
+                        int nth) {
+  return pair_bs_entry<float>(x, yT, yy, hs, hx, rs, cs, rb, cb, fx, gy, thr, evaluated, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind, cfg,
                               sym, nth);
 }
 #endif
 
 #if FL_PART(2)
 int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
-                        double* rs, double* cs, double* rb, int cb, int64_t Mp, int D, const int64_t* tasks,
-                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
-                        double minsq, int kind, int cfg, int sym, int nth) {
-  return pair_bs_entry<double>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind,
+                        double* rs, double* cs, double* rb, int cb, const double* fx, const double* gy, double thr,
+                        int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
+                        const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
+                        int kind, int cfg, int sym, int nth) {
+  return pair_bs_entry<double>(x, yT, yy, hs, hx, rs, cs, rb, cb, fx, gy, thr, evaluated, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind,
                                cfg, sym, nth);
 }
 #endif
