@@ -298,6 +298,67 @@ def test_float32_gradients_from_barycentres_are_closer_to_float64(monkeypatch):
     assert all(e <= w * 1.01 for e, w in errs), errs
 
 
+def test_cluster_sub_levels_sort_points_inside_their_cells():
+    """``cluster(..., sub_levels=L)``: the same cells (the finer grid's codes shifted) with the points of each
+    cell in the Morton order of its 2^L finer sub-cells."""
+    x = _torus(5000, 3)
+    a = torch.rand(5000, dtype=F64)
+    c0, c3 = cluster(x, a, 0.3), cluster(x, a, 0.3, sub_levels=3)
+    assert torch.equal(c0.codes, c3.codes) and torch.equal(c0.offsets, c3.offsets)
+    for k in range(c0.n_clusters):  # the same points in each cell
+        lo, hi = int(c0.offsets[k]), int(c0.offsets[k + 1])
+        assert torch.equal(c0.perm[lo:hi].sort().values, c3.perm[lo:hi].sort().values)
+    fine = grid_labels(x, 0.3 / 8)[c3.perm]
+    assert bool((fine[1:] >= fine[:-1]).all()) and not bool((grid_labels(x, 0.3 / 8)[c0.perm].diff() >= 0).all())
+    assert torch.allclose(c0.centroids, c3.centroids) and torch.allclose(c0.radius, c3.radius)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_tile_pruning_inside_kept_blocks(sym):
+    """:class:`TilePruning`: one kept block of 3,000 x 2,500 points (Morton-sorted), potentials near a Sinkhorn
+    fixed point at a small eps.  Without a reachable threshold the fused steps equal the masked-dense float64
+    softmins; at ``truncate`` 5 they skip tiles (fewer pairs evaluated) and each row's sum loses at most the
+    dropped entries, each below ``e^-5 a_i b_j``: ``|delta f_i| <= eps e^-5 a_i / R_i`` (``R_i`` the row's
+    exact sum), checked with a 10% margin."""
+    from flashot.ops.blocksparse import TilePruning
+
+    x, y = _torus(3000, 1), _torus(2500, 2, shift=(0.1, 0.0, 0.05))
+    if sym:
+        y = x
+    cx, cy = cluster(x, torch.ones(len(x), dtype=F64), 10.0, sub_levels=5), cluster(y, torch.ones(len(y), dtype=F64),
+                                                                                   10.0, sub_levels=5)
+    assert cx.n_clusters == cy.n_clusters == 1
+    xs, ys = x[cx.perm][None].contiguous(), (y[cy.perm][None].contiguous() if not sym else None)
+    ys = xs if sym else ys
+    N, M = xs.shape[1], ys.shape[1]
+    pat = BlockPattern(cx.offsets, cy.offsets, torch.ones(1, 1, dtype=torch.bool))
+    cost, eps = get_cost("sqeuclidean"), 0.002
+    la, lb = torch.full((N,), -math.log(N), dtype=F64), torch.full((M,), -math.log(M), dtype=F64)
+    mask = torch.ones(N, M, dtype=torch.bool)
+    g = torch.zeros(1, M, dtype=F64)
+    for _ in range(8):  # a few Sinkhorn iterations: realistic potentials
+        f = _masked_softmin(xs, ys, lb[None] + g / eps, mask, eps, cost)[None]
+        g = _masked_softmin(ys, xs, la[None] + f / eps, mask.T, eps, cost)[None]
+    if sym:
+        g = f = 0.5 * (f + g)
+    hx, hy = la[None] + f / eps, lb[None] + g / eps
+    C = cost.matrix(xs, ys)[0]
+    R = torch.exp(hx[0][:, None] + hy[0][None] - C / eps).sum(1)  # exact row sums
+    ref = _masked_softmin(xs, ys, hy, mask, eps, cost)
+    pats = [(xs, xs, pat)] if sym else [(xs, ys, pat), (ys, xs, pat.T)]
+    for trunc, exact in ((1e6, True), (5.0, False)):
+        eng = BlockSparseEngine(pats, tiles=TilePruning({BlockSparseEngine._key(xs): la, BlockSparseEngine._key(ys): lb},
+                                                        trunc))
+        out = eng.softmin_sym(xs, hx, eps, cost) if sym else eng.softmin_pair(xs, ys, hx, hy, eps, cost)[0]
+        err = (out[0] - ref).abs()
+        if exact:
+            assert float(err.max()) <= 1e-11 * float(C.max())
+            full = eng.tile_pairs[0]
+        else:
+            assert eng.tile_pairs[0] < 0.8 * full  # tiles were skipped
+            assert bool((err <= 1.1 * eps * math.exp(-5.0) * la.exp() / R + 1e-12).all())
+
+
 def test_native_softmin_float32():
     xs, ys, pat, mask = _pattern_case(seed=4)
     xs, ys = xs.float(), ys.float()

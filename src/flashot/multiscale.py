@@ -419,11 +419,12 @@ def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps
                  group: Any = None, pruned: "_ExtrapolationPruning | None" = None) -> Tensor:
     """Fine potential from a coarse one: ``lam * softmin_J (log w_J + pot_J / eps)`` at the points (B = 1
     tensors); with ``group``, each rank computes its slice of the points (the same engine call as
-    :func:`flashot.ops.softmin` on those rows) and all-gathers the rest.  With ``pruned`` (one process, CPU),
-    over the centroids that its bounds keep (:func:`_extrapolate_pruned`)."""
+    :func:`flashot.ops.softmin` on those rows) and all-gathers the rest.  With ``pruned`` (CPU), over the
+    centroids that its bounds keep (:func:`_extrapolate_pruned`; every rank computes all the points then: it
+    is cheap, and each row's bits depend on neither the thread count nor the rank)."""
     with torch.no_grad():
         h = w_log + pot / eps
-        if group is None and pruned is not None:
+        if pruned is not None:
             out = _extrapolate_pruned(pts, centroids, h, eps, cost, pruned)
             if out is not None:
                 return lam * out

@@ -82,13 +82,15 @@ int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const 
                         int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                         double kcoef, double minsq, int kind, int wk, double wconst, int nth);
 int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
-                        float* cs, float* rb, int cb, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
+                        float* cs, float* rb, int cb, const float* fx, const float* gy, double thr, int64_t* evaluated,
+                        int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                        const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
+                        int nth);
+int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
+                        double* rs, double* cs, double* rb, int cb, const double* fx, const double* gy, double thr,
+                        int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
                         const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
                         int kind, int cfg, int sym, int nth);
-int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
-                        double* rs, double* cs, double* rb, int cb, int64_t Mp, int D, const int64_t* tasks,
-                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
-                        double minsq, int kind, int cfg, int sym, int nth);
 int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
                         const double* alpha, const double* VTk, int K, double* out, double* mass, int single,
                         int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
@@ -472,25 +474,31 @@ template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, doubl
 // the kept blocks (clusters of 1..40 points, columns padded per cluster as in check_softmin_bs).  sym: y = x
 // and h = a, the same clusters on both sides and a symmetric pattern; the kernel sums the blocks on and right
 // of the diagonal only and the full row sums are rs_i + cs_i.  Reference: double sums over the kept pairs.
+// tiles: sub-tile pruning with a threshold no tile reaches (fx = 0 per row, gy = hs on the padded columns):
+// the same sums as without, through the chunked column loop.
 template <typename T, typename F>
 int pair_bs_call(F fn, const T* x, const std::vector<T>& yT, const std::vector<T>& yy, const std::vector<T>& hs,
                  const T* hx, T* rs, T* cs, T* rb, int cb, int64_t Mp, int D, const std::vector<int64_t>& tasks,
                  const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr, const std::vector<int64_t>& poff,
-                 double k, int cfg, int sym) {
-  return fn(x, yT.data(), yy.data(), hs.data(), hx, rs, cs, rb, cb, Mp, D, tasks.data(), (int64_t)tasks.size() / 3,
-            cptr.data(), cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym, NTH);
+                 double k, int cfg, int sym, bool tiles, int N) {
+  std::vector<T> fx((size_t)N, (T)0), gy(hs);
+  for (auto& v : gy) if (v < (T)-1e30) v = -std::numeric_limits<T>::infinity();  // the padding
+  int64_t evaluated = 0;
+  return fn(x, yT.data(), yy.data(), hs.data(), hx, rs, cs, rb, cb, tiles ? fx.data() : nullptr,
+            tiles ? gy.data() : nullptr, 1e300, &evaluated, Mp, D, tasks.data(), (int64_t)tasks.size() / 3, cptr.data(),
+            cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym, NTH);
 }
 template <typename T> int pair_bs(const T* x, const std::vector<T>& yT, const std::vector<T>& yy,
                                   const std::vector<T>& hs, const T* hx, T* rs, T* cs, T* rb, int cb, int64_t Mp, int D,
                                   const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr,
                                   const std::vector<int64_t>& cr, const std::vector<int64_t>& poff, double k, int cfg,
-                                  int sym) {
+                                  int sym, bool tiles, int N) {
   if constexpr (std::is_same<T, float>::value)
     return pair_bs_call(flashot_pair_bs_f32, x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, cptr, cr, poff, k, cfg,
-                        sym);
+                        sym, tiles, N);
   else
     return pair_bs_call(flashot_pair_bs_f64, x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, cptr, cr, poff, k, cfg,
-                        sym);
+                        sym, tiles, N);
 }
 
 std::vector<int64_t> random_clusters(Rng& g, int64_t n) {
@@ -501,7 +509,8 @@ std::vector<int64_t> random_clusters(Rng& g, int64_t n) {
 
 // bary (D <= 3): 1, also the rows' numerators rb_i = sum_j E_ij y_j; 2, also the columns' sum_i E_ij x_i (in cs
 // after its first Mp values).  sym needs 2; then the full numerators are rb_i + cs[(1 + d) Mp + pos_i].
-template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym, uint64_t seed, int bary = 0) {
+template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym, uint64_t seed, int bary = 0,
+                                         bool tiles = false) {
   const double eps_rel = 0.05;
   Problem<T> p = make_problem<T>(seed, N, sym ? N : M, D, eps_rel);
   if (sym) {  // y = x, h = a
@@ -540,7 +549,7 @@ template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym
   std::vector<T> hx((size_t)N), rs((size_t)N), cs((size_t)Mp * (bary == 2 ? 1 + D : 1)), rb((size_t)N * D);
   for (int i = 0; i < N; ++i) hx[i] = (T)(p.a[i] * LOG2E);
   const int rc = pair_bs(p.x.data(), yT, yy, hs, hx.data(), rs.data(), cs.data(), bary ? rb.data() : nullptr,
-                         (int)(bary == 2), Mp, D, tasks, cptr, cr, poff, p.k, cfg_for(D), (int)sym);
+                         (int)(bary == 2), Mp, D, tasks, cptr, cr, poff, p.k, cfg_for(D), (int)sym, tiles, N);
   auto cl = [](const std::vector<int64_t>& off, int64_t i) {
     int64_t c = 0;
     while (off[c + 1] <= i) ++c;
@@ -582,7 +591,7 @@ template <typename T> void check_pair_bs(Tally& t, int D, int N, int M, bool sym
   }
   t.error_check(describe("pair_bs", tname<T>(), D, N, M, eps_rel,
                          ((sym ? " sym=1 rows" : " sym=0 rows+cols") + std::string(" bary=") +
-                          std::to_string(bary) + " clusters=" +
+                          std::to_string(bary) + " tiles=" + std::to_string((int)tiles) + " clusters=" +
                           std::to_string(Kr) + "x" + std::to_string(Kc)).c_str()),
                 rc, e.worst, TOL<T>);
 }
@@ -985,6 +994,9 @@ void run_all(Tally& t) {
   check_pair_bs<float>(t, 3, 190, 190, true, 61, 2);
   check_pair_bs<double>(t, 2, 211, 97, false, 62, 2);
   check_pair_bs<double>(t, 1, 160, 160, true, 63, 2);
+  check_pair_bs<float>(t, 3, 137, 201, false, 64, 2, true);
+  check_pair_bs<float>(t, 3, 190, 190, true, 65, 2, true);
+  check_pair_bs<double>(t, 2, 211, 97, false, 66, 0, true);
   check_plan<float>(t, {3, 37, 131, 3, W_ONE, 1, 1}, 60);
   check_plan<float>(t, {5, 131, 40, 4, W_COST, 0, 1}, 61);
   check_plan<float>(t, {40, 70, 101, 37, W_ONE, 0, 0}, 62);
