@@ -10,7 +10,8 @@ r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backe
    from it.
 2. The epsilon-scaling runs on the cluster centroids with the cluster weights while
    ``eps >= cluster_scale^p`` (GeomLoss' jump rule), with the ordinary engines.
-3. The coarse potentials are extrapolated to the points (one softmin against the centroids),
+3. The coarse potentials are extrapolated to the points (one softmin against the centroids, on the CPU
+   over the groups of centroids that a bound keeps for each fine cluster: :func:`_extrapolate_pruned`),
    and the blocks ``(I, J)`` of clusters are pruned: a block is kept when a lower bound of
    :math:`C(x_i, y_j) - f_i - g_j` over the block is at most ``truncate * eps`` (GeomLoss'
    ``truncate``, default 5) at the temperature about to run (:class:`BlockBounds`: the cost of
@@ -19,7 +20,11 @@ r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backe
    :math:`P_{ij} < a_i b_j e^{-\mathrm{truncate}}`.  Each row and column cluster keeps at least
    its best block.  The debiasing problems are pruned alike (``f_aa``, ``g_bb``).
 4. The rest of the schedule runs on the points with the block-sparse engine
-   (:mod:`flashot.ops.blocksparse`).  After each temperature the bounds are recomputed from the
+   (:mod:`flashot.ops.blocksparse`).  On the CPU kernels its fused steps also skip, inside the kept
+   blocks, the tiles (a panel of rows x 64 columns; points sorted in a finer Morton order inside their
+   cluster, ``SUB_LEVELS``) where the same rule holds for the potentials of the call
+   (:class:`~flashot.ops.blocksparse.TilePruning`), and the final step returns the barycentres its
+   gradient needs (:func:`flashot.solver.final_values`): no plan product.  After each temperature the bounds are recomputed from the
    new potentials: where they would keep a block that was dropped, that temperature runs again
    on the union, so the rule holds for the potentials that come out, not only for those that
    went in.  The next temperature prunes from the same bounds with its own (smaller) margin.

@@ -151,7 +151,9 @@ def softmin_pair_fn(x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, co
     engine's fused ``softmin_pair`` (one pass for both) where the engine asks for it (``fused_final_step``:
     the multiscale engine, whose fine stage runs few iterations, so the final step is a large share of
     its work) and :func:`softmin_fn` would use :class:`SoftminFn`; the backward is :class:`SoftminFn`'s
-    either way.  Elsewhere the final step keeps the two softmins (the same rounding as ``dense``)."""
+    either way, from the engine's barycentres (``softmin_pair_bary``, no plan product) when the points need
+    a gradient and it gives them.  Elsewhere the final step keeps the two softmins (the same rounding as
+    ``dense``)."""
     xd, yd = x.detach(), y.detach()
     pair = getattr(engine, "softmin_pair", None) if getattr(engine, "fused_final_step", False) else None
     if pair is None or plain_autograd(x, yd, hy, cost, engine) or plain_autograd(y, xd, hx, cost, engine):

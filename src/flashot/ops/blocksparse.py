@@ -18,7 +18,10 @@ range); wider ones run in PyTorch.  The solver's symmetric steps are fused there
 engine: :meth:`BlockSparseEngine.softmin_pair` gives both potentials from one exponential per kept pair
 (``flashot_pair_bs``, column sums per fixed group of row clusters, so the bits do not depend on the thread
 count), and :meth:`BlockSparseEngine.softmin_sym` (debiasing, a symmetric pattern) computes only the
-blocks on and right of the diagonal.  On CUDA
+blocks on and right of the diagonal.  Their ``_bary`` variants (the final step) also return the soft-argmin
+barycentres ``sum_j w_ij y_j`` from the same exponentials, so the gradient needs no plan product; with a
+:class:`TilePruning` the fused steps skip the tiles inside kept blocks that GeomLoss' truncate rule drops
+for the potentials of the call.  On CUDA
 tensors both primitives run in the Triton kernels (:mod:`flashot.ops.triton.blocksparse`: one program
 per row tile of a cluster, streaming its kept column ranges with an online LogSumExp, any ``V``
 width).  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
