@@ -162,6 +162,19 @@ def _masked_softmin(x, y, h, mask, eps, cost):
     return -eps * torch.logsumexp(S, -1)
 
 
+def _fused_case(dtype):
+    """:func:`_pattern_case` in ``dtype`` plus a symmetric self pattern of x (random blocks, the diagonal, and
+    their transposes): ``(xs, ys, pat, mask, cx, kx, mxx, generator)``."""
+    xs, ys, pat, mask = _pattern_case(seed=6)
+    xs, ys = xs.to(dtype), ys.to(dtype)
+    cx = cluster(xs[0].double(), torch.ones(240, dtype=F64), 0.25)
+    g = torch.Generator().manual_seed(7)
+    kx = torch.rand(pat.keep.shape[0], pat.keep.shape[0], generator=g) < 0.3
+    kx = kx | kx.T | torch.eye(pat.keep.shape[0], dtype=torch.bool)
+    mxx = torch.repeat_interleave(torch.repeat_interleave(kx, cx.sizes, 0), cx.sizes, 1)
+    return xs, ys, pat, mask, cx, kx, mxx, g
+
+
 @pytest.mark.parametrize("dtype, tol", [(F64, 1e-11), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("cost_name", ["sqeuclidean", "euclidean"])
 def test_fused_pair_and_sym_steps_match_masked_dense(cost_name, dtype, tol):
@@ -171,15 +184,9 @@ def test_fused_pair_and_sym_steps_match_masked_dense(cost_name, dtype, tol):
     its sums fall below ``PAIR_MIN_SUM`` and it is recomputed by the block-sparse softmin (in float32 its
     terms underflow to zero, so without that fallback its column sums would lose it and its own value
     would be infinite)."""
-    xs, ys, pat, mask = _pattern_case(seed=6)
-    xs, ys = xs.to(dtype), ys.to(dtype)
-    cx = cluster(xs[0].double(), torch.ones(240, dtype=F64), 0.25)
-    g = torch.Generator().manual_seed(7)
-    kx = torch.rand(pat.keep.shape[0], pat.keep.shape[0], generator=g) < 0.3
-    kx = kx | kx.T | torch.eye(pat.keep.shape[0], dtype=torch.bool)
+    xs, ys, pat, mask, cx, kx, mxx, g = _fused_case(dtype)
     sx = BlockPattern(cx.offsets, cx.offsets, kx)
     assert sx.symmetric and not pat.symmetric
-    mxx = torch.repeat_interleave(torch.repeat_interleave(kx, cx.sizes, 0), cx.sizes, 1)
     eng = BlockSparseEngine([(xs, ys, pat), (ys, xs, pat.T), (xs, xs, sx)])
     cost, eps = get_cost(cost_name), 0.05
     # potentials near a Sinkhorn fixed point (the solver's regime): h_x = log a + f / eps with f = softmin(y, g)
@@ -221,13 +228,7 @@ def test_fused_steps_with_barycentres_match_masked_dense(dtype, tol):
     softmins and softmaxes; tolerance relative to the largest cost (potentials) and to the cloud's extent
     (barycentres).  Row 7 (shifted by -200) is redone: the softmin and the plan product on its clusters.
     ``|x - y|`` (no barycentre gradient) and D > 3 give None."""
-    xs, ys, pat, mask = _pattern_case(seed=6)
-    xs, ys = xs.to(dtype), ys.to(dtype)
-    cx = cluster(xs[0].double(), torch.ones(240, dtype=F64), 0.25)
-    g = torch.Generator().manual_seed(7)
-    kx = torch.rand(pat.keep.shape[0], pat.keep.shape[0], generator=g) < 0.3
-    kx = kx | kx.T | torch.eye(pat.keep.shape[0], dtype=torch.bool)
-    mxx = torch.repeat_interleave(torch.repeat_interleave(kx, cx.sizes, 0), cx.sizes, 1)
+    xs, ys, pat, mask, cx, kx, mxx, g = _fused_case(dtype)
     eng = BlockSparseEngine([(xs, ys, pat), (ys, xs, pat.T), (xs, xs, BlockPattern(cx.offsets, cx.offsets, kx))])
     cost, eps = get_cost("sqeuclidean"), 0.05
     hy = (torch.randn(1, 180, generator=g, dtype=F64) * 0.3 - math.log(180)).to(dtype)

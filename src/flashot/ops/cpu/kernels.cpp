@@ -398,40 +398,21 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
       }
       continue;
     }
-    if (MODE == MODE_PAIR) {
-      // one exponential per pair feeds both the row and the column sum (no max: the
-      // caller checks the sums and recomputes rows / columns that under- or overflowed)
+    if (MODE == MODE_PAIR || BARY) {
+      // one exponential per pair feeds both the row and the column sum (no max: the caller checks the sums
+      // and recomputes rows / columns that under- or overflowed); MODE_PAIRB(C) also weight the other side's
+      // coordinates with it (DS FMAs per side)
+      constexpr int NB = BARY ? DB : 0;
 #pragma GCC unroll 8
       for (int q = 0; q < NV; ++q) {
         const v hq = vload<v>(hs + j + q * L);
-        v colv = zero;
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          v c = acc[r][q];
-          if (KIND == KIND_DIRECT) {
-            c = c < minsq ? minsq : c;
-            c = vsqrt(c);
-          }
-          const v e = vexp2((hq + mr[r]) - c * k);
-          sm[r] += e;
-          colv += e;
+        v yq[DB], colc[DB];
+#pragma GCC unroll 4
+        for (int d = 0; d < NB; ++d) {
+          yq[d] = vload<v>(yT + (int64_t)d * Mp + j + q * L);
+          colc[d] = zero;
         }
-        vstore(P + j + q * L, vload<v>(P + j + q * L) + colv);
-      }
-      continue;
-    }
-    if (BARY) {
-      // MODE_PAIR's exponential, also weighting the other side's coordinates (DS FMAs per side)
-#pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) {
-        const v hq = vload<v>(hs + j + q * L);
-        v yq[DB];
-#pragma GCC unroll 4
-        for (int d = 0; d < DB; ++d) yq[d] = vload<v>(yT + (int64_t)d * Mp + j + q * L);
         v colv = zero;
-        v colc[DB];
-#pragma GCC unroll 4
-        for (int d = 0; d < DB; ++d) colc[d] = zero;
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           v c = acc[r][q];
@@ -442,16 +423,16 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
           const v e = vexp2((hq + mr[r]) - c * k);
           sm[r] += e;
 #pragma GCC unroll 4
-          for (int d = 0; d < DB; ++d) pb[r][d] += e * yq[d];
+          for (int d = 0; d < NB; ++d) pb[r][d] += e * yq[d];
           colv += e;
           if (MODE == MODE_PAIRBC)
 #pragma GCC unroll 4
-            for (int d = 0; d < DB; ++d) colc[d] += e * x[r * DB + d];
+            for (int d = 0; d < NB; ++d) colc[d] += e * x[r * DB + d];
         }
         vstore(P + j + q * L, vload<v>(P + j + q * L) + colv);
         if (MODE == MODE_PAIRBC) {
 #pragma GCC unroll 4
-          for (int d = 0; d < DB; ++d) {
+          for (int d = 0; d < NB; ++d) {
             T* pc = P + (int64_t)(1 + d) * Mp + j + q * L;
             vstore(pc, vload<v>(pc) + colc[d]);
           }
