@@ -319,8 +319,9 @@ def test_tile_pruning_inside_kept_blocks(sym):
     """:class:`TilePruning`: one kept block of 3,000 x 2,500 points (Morton-sorted), potentials near a Sinkhorn
     fixed point at a small eps.  Without a reachable threshold the fused steps equal the masked-dense float64
     softmins; at ``truncate`` 5 they skip tiles (fewer pairs evaluated) and each row's sum loses at most the
-    dropped entries, each below ``e^-5 a_i b_j``: ``|delta f_i| <= eps e^-5 a_i / R_i`` (``R_i`` the row's
-    exact sum), checked with a 10% margin."""
+    dropped entries, each below ``e^-5 a_i b_j``: ``|delta f_i| <= eps B_i / R_i`` (``R_i`` the row's exact sum,
+    ``B_i`` that of its entries below the rule, itself ``<= e^-5 a_i``), checked with a 5% margin; and the
+    pairs evaluated are at least those above the rule."""
     from flashot.ops.blocksparse import TilePruning
 
     x, y = _torus(3000, 1), _torus(2500, 2, shift=(0.1, 0.0, 0.05))
@@ -344,7 +345,10 @@ def test_tile_pruning_inside_kept_blocks(sym):
         g = f = 0.5 * (f + g)
     hx, hy = la[None] + f / eps, lb[None] + g / eps
     C = cost.matrix(xs, ys)[0]
-    R = torch.exp(hx[0][:, None] + hy[0][None] - C / eps).sum(1)  # exact row sums
+    E = torch.exp(hx[0][:, None] + hy[0][None] - C / eps)
+    R = E.sum(1)  # exact row sums
+    below = E < (la[:, None] + lb[None] - 5.0).exp()  # the entries the rule may drop at truncate 5
+    B = (E * below).sum(1)  # their sum: no valid bound drops more from a row
     ref = _masked_softmin(xs, ys, hy, mask, eps, cost)
     pats = [(xs, xs, pat)] if sym else [(xs, ys, pat), (ys, xs, pat.T)]
     for trunc, exact in ((1e6, True), (5.0, False)):
@@ -357,6 +361,8 @@ def test_tile_pruning_inside_kept_blocks(sym):
             full = eng.tile_pairs[0]
         else:
             assert eng.tile_pairs[0] < 0.8 * full  # tiles were skipped
+            assert eng.tile_pairs[0] >= int((~below).sum())  # no fewer pairs than those above the rule
+            assert bool((err <= 1.05 * eps * B / R + 1e-12).all())
             assert bool((err <= 1.1 * eps * math.exp(-5.0) * la.exp() / R + 1e-12).all())
 
 

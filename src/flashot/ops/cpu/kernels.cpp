@@ -1298,77 +1298,127 @@ static int softmin_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, T
 // Sub-tile pruning of the block-sparse pair kernels: within the kept blocks, the tiles of (a panel of up to RB
 // rows) x (a chunk of TILE_COLS padded columns) whose bound on (f_i + g_j - C_ij) / eps (base 2: fx_i + gy_j -
 // k c_ij) is below -thr are skipped: every entry there is below 2^-thr a_i b_j, GeomLoss' truncate rule at a
-// finer grain than the blocks.  Bound: the balls of the panel's rows and the chunk's valid columns (centre,
-// radius), fx / gy maxima, c at least the cost of the balls' gap.  Rows (and the clusters' points) are in
-// Morton order inside their cluster, so panels and chunks are compact when clusters are large.
+// finer grain than the blocks.  Each side's terms are those of the block pruning (prune.h, one packed row: the
+// ball's centre and radius, the potential's maximum and, for KIND_DOT, an upper linear model fx_i <= base +
+// <beta, x_i - c>, beta a least-squares slope and base the largest residual, so the bound holds whatever the
+// fit); the tile's bound is flashot_prune::bound at s = k, the simple one alone for KIND_DIRECT.  Without the
+// linear model the bound loses the potentials' variation across the tile (at 10^7 points, several eps).
+// Rows (and the clusters' points) are in Morton order inside their cluster, so panels and chunks are compact.
 constexpr int64_t TILE_COLS = 64;
+constexpr int TILE_D = 3;                      // sub-tile pruning for D <= TILE_D
+constexpr int TILE_STRIDE = 5 + 3 * TILE_D;    // packed row: [r, m, base, bb, bc, c (D), beta (D), u (D)]
+
+// The packed terms of n points (coordinate d of point i: at(i, d)) with potentials f(i) (base 2; -inf: no mass,
+// ignored; nan or +inf: never skipped; the columns' nan are left out by the caller) for a cost k |x - y|^2
+// (linear) or the simple bound only.
+template <typename At, typename F>
+static void tile_terms(int n, int D, At at, F f, double k, bool linear, double* out) {
+  const double INF = std::numeric_limits<double>::infinity();
+  std::fill(out, out + TILE_STRIDE, 0.0);
+  double* c = out + 5;
+  double* beta = c + D;
+  double* u = beta + D;
+  double m = -INF;
+  for (int i = 0; i < n; ++i) {
+    for (int d = 0; d < D; ++d) c[d] += at(i, d);
+    const double v = f(i);
+    m = v == v ? std::max(m, v) : INF;
+  }
+  for (int d = 0; d < D; ++d) c[d] /= (double)std::max(n, 1);
+  double r = 0;
+  for (int i = 0; i < n; ++i) {
+    double r2 = 0;
+    for (int d = 0; d < D; ++d) r2 += (at(i, d) - c[d]) * (at(i, d) - c[d]);
+    r = std::max(r, std::sqrt(r2));
+  }
+  out[0] = r;
+  out[1] = m;
+  out[2] = m;  // base without a slope; -inf or +inf pass through the bound unchanged
+  for (int d = 0; d < D; ++d) u[d] = c[d];
+  if (!linear || !(m > -INF && m < INF)) return;
+  // least squares of f on [1, x - c] over the rows with mass (normal equations, a small ridge)
+  constexpr int E = TILE_D + 1;
+  double G[E][E + 1] = {};
+  const int De = D + 1;
+  for (int i = 0; i < n; ++i) {
+    const double v = f(i);
+    if (!(v > -INF)) continue;
+    double a[E] = {1.0};
+    for (int d = 0; d < D; ++d) a[1 + d] = at(i, d) - c[d];
+    for (int p = 0; p < De; ++p) {
+      for (int q = 0; q < De; ++q) G[p][q] += a[p] * a[q];
+      G[p][De] += a[p] * v;
+    }
+  }
+  for (int p = 0; p < De; ++p) G[p][p] += 1e-9 * (1.0 + G[p][p]);
+  for (int p = 0; p < De; ++p) {  // Gauss-Jordan, SPD: no pivoting needed
+    const double piv = G[p][p];
+    if (!(piv > 0)) return;
+    for (int q = p; q <= De; ++q) G[p][q] /= piv;
+    for (int o = 0; o < De; ++o) {
+      if (o == p) continue;
+      const double w = G[o][p];
+      for (int q = p; q <= De; ++q) G[o][q] -= w * G[p][q];
+    }
+  }
+  for (int d = 0; d < D; ++d) beta[d] = G[1 + d][De];
+  double base = -INF;
+  for (int i = 0; i < n; ++i) {
+    const double v = f(i);
+    if (!(v > -INF)) continue;
+    double lin = 0;
+    for (int d = 0; d < D; ++d) lin += beta[d] * (at(i, d) - c[d]);
+    base = std::max(base, v - lin);
+  }
+  out[2] = base;
+  double bb = 0, bc = 0;
+  for (int d = 0; d < D; ++d) {
+    bb += beta[d] * beta[d];
+    bc += beta[d] * c[d];
+    u[d] = c[d] - beta[d] / (2 * k);
+  }
+  out[3] = bb;
+  out[4] = bc;
+}
 
 template <typename T>
 struct TileBounds {
   const T* fx = nullptr;  // (N,) f_i / eps in base 2 (nan or +inf: never skipped); null: no sub-tile pruning
   double thr = 0;
+  bool linear = false;  // KIND_DOT: linear models
   int64_t nch = 0;
-  std::vector<double> cc, cr, cg;  // per chunk: centre (D), radius, max gy (-inf: no valid column)
+  std::vector<double> terms;  // per chunk: a packed row (TILE_STRIDE) of its valid columns (m = -inf: none)
 
   // chunk terms from the padded columns yT (D, Mp) and gy (Mp,) (-inf on padding)
-  void build(const T* yT, const T* gy, int64_t Mp, int D) {
+  void build(const T* yT, const T* gy, int64_t Mp, int D, double k) {
     nch = (Mp + TILE_COLS - 1) / TILE_COLS;
-    cc.assign((size_t)nch * D, 0.0);
-    cr.assign((size_t)nch, 0.0);
-    cg.assign((size_t)nch, -std::numeric_limits<double>::infinity());
-    for (int64_t c = 0; c < nch; ++c) {
-      const int64_t j0 = c * TILE_COLS, j1 = std::min(Mp, j0 + TILE_COLS);
-      int64_t n = 0;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (!(gy[j] > -std::numeric_limits<T>::infinity())) continue;
-        ++n;
-        cg[c] = std::max(cg[c], gy[j] == gy[j] ? (double)gy[j] : std::numeric_limits<double>::infinity());
-        for (int d = 0; d < D; ++d) cc[c * D + d] += (double)yT[(int64_t)d * Mp + j];
+    terms.assign((size_t)nch * TILE_STRIDE, 0.0);
+    for (int64_t ch = 0; ch < nch; ++ch) {
+      const int64_t j0 = ch * TILE_COLS;
+      int64_t idx[TILE_COLS];
+      int n = 0;
+      for (int64_t j = j0; j < std::min(Mp, j0 + TILE_COLS); ++j)
+        if (gy[j] > -std::numeric_limits<T>::infinity()) idx[n++] = j;  // padding, no mass (nan): out
+      double* out = terms.data() + ch * TILE_STRIDE;
+      if (n == 0) {
+        std::fill(out, out + TILE_STRIDE, 0.0);
+        out[1] = -std::numeric_limits<double>::infinity();
+        continue;
       }
-      if (n == 0) continue;
-      for (int d = 0; d < D; ++d) cc[c * D + d] /= (double)n;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (!(gy[j] > -std::numeric_limits<T>::infinity())) continue;
-        double r2 = 0;
-        for (int d = 0; d < D; ++d) {
-          const double df = (double)yT[(int64_t)d * Mp + j] - cc[c * D + d];
-          r2 += df * df;
-        }
-        cr[c] = std::max(cr[c], std::sqrt(r2));
-      }
+      tile_terms(n, D, [&](int i, int d) { return (double)yT[(int64_t)d * Mp + idx[i]]; },
+                 [&](int i) { return (double)gy[idx[i]]; }, k, linear, out);
     }
   }
 };
 
-// The ball and fx maximum of the rows [0, nr) of x (row stride D), for TileBounds::keep.
-struct PanelBall {
-  double c[4] = {0, 0, 0, 0};  // D <= 3 with sub-tile pruning (else never used)
-  double r = 0, f = -std::numeric_limits<double>::infinity();
-  template <typename T> void build(const T* x, const T* fx, int nr, int D) {
-    for (int i = 0; i < nr; ++i) {
-      for (int d = 0; d < D; ++d) c[d] += (double)x[i * D + d];
-      const double v = (double)fx[i];
-      f = v == v ? std::max(f, v) : std::numeric_limits<double>::infinity();
-    }
-    for (int d = 0; d < D; ++d) c[d] /= (double)nr;
-    for (int i = 0; i < nr; ++i) {
-      double r2 = 0;
-      for (int d = 0; d < D; ++d) r2 += ((double)x[i * D + d] - c[d]) * ((double)x[i * D + d] - c[d]);
-      r = std::max(r, std::sqrt(r2));
-    }
-  }
-};
-
-// Is the tile (panel p, chunk ch) kept?  cost: KIND_DOT c = |x - y|^2, KIND_DIRECT c = max(|x - y|, sqrt(minsq)).
+// Is the tile (panel terms p, chunk ch) kept?  KIND_DOT c = |x - y|^2, KIND_DIRECT c = max(|x - y|, sqrt(minsq)).
 template <typename T, int KIND>
-static inline bool tile_kept(const TileBounds<T>& tb, const PanelBall& p, int64_t ch, int D, const Args& a) {
-  const double g = tb.cg[ch];
-  if (!(g > -std::numeric_limits<double>::infinity())) return false;  // padding only
-  double d2 = 0;
-  for (int d = 0; d < D; ++d) d2 += (p.c[d] - tb.cc[ch * D + d]) * (p.c[d] - tb.cc[ch * D + d]);
-  const double gap = std::max(0.0, std::sqrt(d2) - p.r - tb.cr[ch]);
-  const double cmin = KIND == KIND_DOT ? gap * gap : std::max(gap, std::sqrt(a.minsq));
-  return !(p.f + g - a.kcoef * cmin < -tb.thr);
+static inline bool tile_kept(const TileBounds<T>& tb, const double* p, int64_t ch, int D, const Args& a) {
+  const double* q = tb.terms.data() + ch * TILE_STRIDE;
+  if (!(q[1] > -std::numeric_limits<double>::infinity())) return false;  // padding only
+  if (KIND == KIND_DOT) return !(flashot_prune::bound(p, q, D, 1, tb.linear, a.kcoef, 0.0) > tb.thr);
+  const double gap = std::max(0.0, flashot_prune::dist(p + 5, q + 5, D) - p[0] - q[0]);
+  return !(a.kcoef * std::max(gap, std::sqrt(a.minsq)) - p[1] - q[1] > tb.thr);
 }
 
 // Block-sparse symmetric step (pair_impl over softmin_bs_impl's kept ranges, B = 1): rsum[i] = sum_j E_ij
@@ -1396,6 +1446,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   // scratch: column sums of diagonal blocks, discarded
   col_group_pass<T>(G, (size_t)per, SYM ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
     int64_t done = 0;
+    double ball[TILE_STRIDE];  // the panel's terms (sub-tile pruning)
     for (int64_t t = g; t < ntasks; t += G) {
       const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
       const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
@@ -1408,8 +1459,9 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
           for (int u = 0; u < SV; ++u) sum[r * SV + u] = v{};
         }
         const T* xb = x + i0 * D;
-        PanelBall ball;
-        if (tiles) ball.build(xb, tb.fx + i0, nr, D);
+        if (tiles)
+          tile_terms(nr, D, [&](int i, int d) { return (double)xb[i * D + d]; },
+                     [&](int i) { return (double)tb.fx[i0 + i]; }, a.kcoef, tb.linear, ball);
         // columns [lo, hi) into cols: the kept chunks' runs when pruning tiles, else at once
         auto stream = [&](int64_t lo, int64_t hi, T* cols) {
           if (!tiles) {
@@ -1497,7 +1549,8 @@ static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, cons
   if (fx != nullptr && D <= 3) {
     tb.fx = fx;
     tb.thr = thr;
-    tb.build(yT, gy, Mp, D);
+    tb.linear = kind == KIND_DOT;
+    tb.build(yT, gy, Mp, D, kcoef);
   }
 #define FL_PAIR_BS(KD, S) \
   return pair_bs_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
