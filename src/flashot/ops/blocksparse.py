@@ -428,7 +428,8 @@ class TilePruning:
     """Sub-tile pruning for :class:`BlockSparseEngine`'s fused CPU steps: the clouds' log-weights (keyed as the
     patterns; ``h - log_weights = f / eps`` for the solver's ``h``) and GeomLoss' ``truncate``.  Tiles of (a
     panel of rows) x (64 padded columns) inside the kept blocks where every ``f_i + g_j - C_ij < -truncate eps``
-    are skipped (the same rule as the blocks', checked with the potentials of each call)."""
+    are skipped (the same rule as the blocks', checked with the potentials of each call and bounded, as the
+    blocks are, from upper linear models of ``f`` and ``g`` over each panel and chunk)."""
 
     log_weights: dict
     truncate: float
