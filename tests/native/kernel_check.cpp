@@ -761,7 +761,8 @@ template <typename T> void check_cached(Tally& t, int N, int M, uint64_t seed) {
 // documented argument bound): relative error <= 4 ulps (the polynomials: 1.6 / 2 ulps) where
 // 2^a is a normal number above the kernels' cut-off LO (float -124, double -1009); below it the
 // result must be in [0, 2^(LO+1)] (exact 0 by mask, or a tiny value flushed or not by FTZ,
-// depending on the instruction set).  Arguments >= 128 (float) / 1024 (double) give +inf.
+// depending on the instruction set), and exactly 0 far below it (-151 / -1100, and the zero-weight
+// code -1e38 / -1e300).  Arguments >= 128 (float) / 1024 (double) give +inf.
 template <typename T> void check_vexp(Tally& t) {
   const bool f32 = sizeof(T) == 4;
   const double lo = f32 ? -124.0 : -1009.0, hi = f32 ? 126.0 : 1000.0, ulp = std::numeric_limits<T>::epsilon();
@@ -769,12 +770,15 @@ template <typename T> void check_vexp(Tally& t) {
   std::vector<T> a(n), out(n, (T)-1);
   for (int64_t i = 0; i < n; ++i) a[i] = (T)(lo - 16 + (hi - lo + 16) * (double)i / (double)(n - 1));
   a[n / 2] = (T)(f32 ? 128.0 : 1024.0), a[n / 3] = (T)(f32 ? 200.0 : 5000.0), a[n - 1] = (T)(f32 ? 1e30 : 1e300);
+  const double far = f32 ? -151.0 : -1100.0;
+  a[1] = (T)(f32 ? -1e38 : -1e300), a[2] = (T)far, a[n - 2] = (T)far;  // a[n - 2]: in the vector tail
   const int rc = vexp(a.data(), out.data(), n);
   MaxErr e;
   int bad_small = 0, bad_inf = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double ai = a[i], o = out[i];
     if (ai >= (f32 ? 128.0 : 1024.0)) bad_inf += !(o == INF);
+    else if (ai <= far) bad_small += !(o == 0);
     else if (ai < lo) bad_small += !(o >= 0 && o <= std::exp2(lo + 1));
     else e.add(o, std::exp2(ai), std::exp2(ai) * ulp);
   }

@@ -30,8 +30,9 @@
 // ln2, 1.85e-7 relative; double: Taylor degree 12 of e^(r ln2), 4.4e-16), times
 // 2^n (vscalefps with AVX-512, exponent bits otherwise).  Arguments must be
 // <= 126 / 1000 (every caller passes s - m <= TH).  float with AVX-512: lanes below
-// -150 give exactly 0, lanes in [-150, -126) are flushed to 0 by FTZ.  Otherwise lanes
-// below LO (-124 / -1009, including -inf) are set to exactly 0 by a mask, branch-free.
+// -150 give exactly 0, lanes in [-150, -126) are flushed to 0 by FTZ.  Otherwise arguments are
+// clamped to [-127, 128] / [-1023, 1024]: lanes below -126.5 / -1022.5 (including -inf) give
+// exactly 0, the next half unit a denormal flushed by FTZ, branch-free.
 // Either way no denormal reaches memory or a later operation (no slow path on Intel).
 #include <algorithm>
 #include <atomic>
@@ -126,18 +127,26 @@ template <typename V, typename S> static inline V vset(S s) { V r = {}; return r
 // result is exactly 0.  Lanes below -150 give exactly 0, lanes in [-150, -126) would give
 // denormals but are flushed to 0 (FTZ, set by FpScope in every thread that runs a kernel:
 // see fpenv.h; such terms cannot matter next to a leading term >= 2^-30).
-// Without AVX-512: exponent bits built by hand, lanes below -124 set to 0 by a mask, and
-// arguments first capped at 128, whose exponent field is that of +inf, so an overflow gives
-// +inf as vscalefps does (the fused pair kernels detect overflowed sums by it).
+// Without AVX-512: exponent bits built by hand from arguments clamped to [-127, 128] (a min and
+// a max, no compare or mask): -127 has exponent field 0, so lanes below -126.5 (-inf included)
+// give exactly 0 and lanes in [-126.5, -126) a denormal that FTZ flushes, as above; 128 has the
+// field of +inf, so an overflow gives +inf as vscalefps does (the fused pair kernels detect
+// overflowed sums by it).  12 vector ops (14 with the earlier mask and separate bias add).
 static inline VT<float>::v vexp2(VT<float>::v a) {
   typedef VT<float>::v v;
 #if defined(__AVX512F__)
   v n = (v)_mm512_roundscale_ps((__m512)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-  const v hi = vset<v>(128.0f);
-  a = a > hi ? hi : a;  // NaN stays NaN
-  v t = a + 12582912.0f;  // 1.5 * 2^23: round to nearest
-  v n = t - 12582912.0f;
+  // a clamped to [-127, 128] (NaN stays NaN): the biased exponent n + 127 then lies in [0, 255], so
+  // 2^n is built exactly, 0 (exponent field 0: the result is exactly 0, no mask) up to +inf (the
+  // field of +inf: an overflow gives +inf).  t = a + 1.5 * 2^23 + 127 rounds to nearest and holds
+  // n + 127 in its low mantissa bits; the shift below moves them into the exponent field and the
+  // constant's own bits out of the word.
+  const v hi = vset<v>(128.0f), lo = vset<v>(-127.0f);
+  a = a > hi ? hi : a;
+  a = a < lo ? lo : a;
+  v t = a + 12583039.0f;  // 1.5 * 2^23 + 127
+  v n = t - 12583039.0f;
 #endif
   v r = a - n;  // exact
   v p = r * 0.0013300195569172502f + 0.009669759310781956f;
@@ -149,10 +158,7 @@ static inline VT<float>::v vexp2(VT<float>::v a) {
   return (v)_mm512_scalef_ps((__m512)p, (__m512)n);
 #else
   typedef VT<float>::vi vi;
-  const v lo = vset<v>(-124.0f), zero = {};
-  vi bits = ((vi)t + 127) << 23;
-  v res = p * (v)bits;
-  return a < lo ? zero : res;
+  return p * (v)((vi)t << 23);  // 2^n: 0 for n = -127 (a < -126.5), +inf for n = 128
 #endif
 }
 
@@ -162,10 +168,11 @@ static inline VT<double>::v vexp2(VT<double>::v a) {
 #if defined(__AVX512F__)
   v n = (v)_mm512_roundscale_pd((__m512d)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-  const v hi = vset<v>(1024.0);  // as for float: overflow gives +inf
+  const v hi = vset<v>(1024.0), lo = vset<v>(-1023.0);  // as for float: biased exponent in [0, 2047]
   a = a > hi ? hi : a;
-  v t = a + 6755399441055744.0;  // 1.5 * 2^52
-  v n = t - 6755399441055744.0;
+  a = a < lo ? lo : a;
+  v t = a + 6755399441056767.0;  // 1.5 * 2^52 + 1023
+  v n = t - 6755399441056767.0;
 #endif
   v r = a - n;
   v p = r * 2.5678435993488196e-11 + 4.44553827187081e-10;
@@ -185,10 +192,7 @@ static inline VT<double>::v vexp2(VT<double>::v a) {
   return (v)_mm512_maskz_scalef_pd(keep, (__m512d)p, (__m512d)n);
 #else
   typedef VT<double>::vi vi;
-  const v lo = vset<v>(-1009.0), zero = {};
-  vi bits = ((vi)t + 1023) << 52;
-  v res = p * (v)bits;
-  return a < lo ? zero : res;
+  return p * (v)((vi)t << 52);  // 0 for n = -1023, +inf for n = 1024
 #endif
 }
 
