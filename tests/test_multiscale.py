@@ -435,7 +435,9 @@ def test_pruned_matches_unpruned(d, p, debias, blur, reach):
     v0, g0, _ = _loss_and_grads(x, y, a, b, truncate=None, **kw)
     v5, g5, L = _loss_and_grads(x, y, a, b, truncate=trunc, **kw)
     assert L.last_multiscale.kept[-1] < 0.5  # pruning happened
-    tol = 1e-6 if p == 2 else 1e-4  # measured 2e-7 (p = 2; 9e-7 with reach), 2e-5 (p = 1)
+    # measured 2e-7 (p = 2; with reach 9e-7 on the Xeon and Zen 3, 4.4e-6 in a gradient on an AVX-512 Zen 4:
+    # which blocks sit at the margin depends on the build's rounding), 2e-5 (p = 1); the bound is 1e-4
+    tol = (1e-5 if reach else 1e-6) if p == 2 else 1e-4
     assert abs(float(v5 - v0)) <= tol * abs(float(v0))
     for u, w in zip(g5, g0):
         assert _rel(u - u.mean(), w - w.mean()) <= tol
