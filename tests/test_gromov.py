@@ -322,7 +322,7 @@ def test_weights_requiring_grad_raise():
 
 def _dense_plan(pb, mm, f, g):
     """The coupling ``T_ij = a_i b_j exp((f_i + g_j - C_ij) / reg)`` of potentials on a GW step, dense, in float64
-    (the cost recomputed from the float64 features)."""
+    (the step's cost matrix as the solver used it, promoted to float64)."""
     f64, g64 = f[0].double(), g[0].double()
     eng = DenseEngine()
     xs, ys = pb.xs.double(), pb.ys.double()

@@ -441,6 +441,14 @@ def _check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
     return X, Y, a, b, FX, FY, is_np
 
 
+def _quadratic_form(w: Tensor, R: Tensor, cdt: torch.dtype) -> tuple[float, float]:
+    """``(sum_i w_i^T R_i w_i, its rounding error)`` for ``R`` (n, k, k) from a plan product in ``cdt``: the terms
+    ``w_k w_l R_kl`` cancel to the small ``d^2`` (``d`` is a sum of terms of size ``|grad| / eps``), and
+    ``|w_k w_l R_kl| <= |w_k| |w_l| sqrt(R_kk R_ll)``, rows rounding independently."""
+    b = (w.abs() * R.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()).sum(-1) ** 2
+    return float(torch.einsum("ik,ikl,il->", w, R, w)), torch.finfo(cdt).eps * float(b.norm())
+
+
 @dataclass
 class _GWRun:
     """The state of the outer loop of :func:`_gromov`."""
@@ -575,8 +583,7 @@ class _GWProblem:
         <w_i, z_j>`` is written as ``alpha_i + beta_j + <p_i, zc_j>`` with ``zc`` the non-constant features of
         ``E_y`` centred (weights ``b``): the constant feature's and the means' terms are folded into ``alpha``, and
         the potentials' gauge (a constant that one inner solve moves from ``g`` to ``f``) is taken out of both, so
-        that the terms of the quadratic form cancel as little as they can.  The rounding error bounds
-        ``sum_kl |w_k| |w_l| |R_kl|`` per row as in :meth:`_SRProblem.small_change`."""
+        that the terms of the quadratic form cancel as little as they can (:func:`_quadratic_form`)."""
         reg, n, m, dev = self.reg, self.n, self.m, self.dev
         one = dict(dtype=torch.float64, device=dev)
         Wr = self.Ex @ (M2 - M1)  # (n, q): the cost's change is <Wr_i, E_y,j>, E_y = [1, |y|^2, y]
@@ -592,9 +599,7 @@ class _GWProblem:
         with torch.no_grad():
             R = self.engine.plan_product(self.xs, self.ys, 2 * (f / reg + self.a_log), 2 * (g / reg + self.b_log),
                                          reg / 2, Z2, mm.cost)
-        R = R[0].double().reshape(n, k, k)
-        bound = (w.abs() * R.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()).sum(-1) ** 2
-        return float(torch.einsum("ik,ikl,il->", w, R, w)), torch.finfo(self.cdt).eps * float(bound.norm())
+        return _quadratic_form(w, R[0].double().reshape(n, k, k), self.cdt)
 
     def change(self, mm: Measures, f: Tensor, g: Tensor, Mm: Tensor, bound: float, prev) -> tuple[float, float]:
         """``(|T - T_prev|_F, floor)`` from plan products: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or the second-order
@@ -994,11 +999,7 @@ class _SRProblem:
         mid = FeatureBilinearCost(0.5 * (i1.mm.cost.S + i2.mm.cost.S))
         with torch.no_grad():
             R = self.engine.plan_product(self.xs, self.ys, a1 + a2, b1 + b2, reg / 2, Z2, mid)[0].double()
-        R = R.reshape(self.n, k, k)
-        # rounding: the terms w_k w_l R_kl cancel to the small d^2 (d is a sum of terms of size |grad| / reg);
-        # |w_k w_l R_kl| <= |w_k| |w_l| sqrt(R_kk R_ll), rows rounding independently
-        b = (w.abs() * R.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()).sum(-1) ** 2
-        return float(torch.einsum("ik,ikl,il->", w, R, w)), torch.finfo(self.cdt).eps * float(b.norm())
+        return _quadratic_form(w, R.reshape(self.n, k, k), self.cdt)
 
     def change(self, prev: _SRIterate, cur: _SRIterate, dM: Tensor) -> tuple[float, float]:
         """``(|T - T_prev|_F, floor)``: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or, below ``1e-3 |T|_F`` and
