@@ -222,8 +222,10 @@ def main() -> None:
           f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for s in a.sections.split(","):
         {"speed": section_speed, "big": section_big}[s](a)
-    print(f"\nload average at end {' '.join(f'{v:.2f}' for v in os.getloadavg())} (above the core count: other "
-          "processes shared the CPUs)")
+    end = os.getloadavg()
+    busy = end[0] > max(a.threads, os.cpu_count() or 1) + 0.5  # this run's own threads count in the load
+    print(f"\nload average at end {' '.join(f'{v:.2f}' for v in end)}"
+          + (" (above this run's threads and the core count: other processes shared the CPUs)" if busy else ""))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@ engine runs where ``n <= --cpu-max`` and is extrapolated as ``n m`` beyond (mark
 
     python benchmarks/multiscale_bench.py --sizes 20000,100000 --cpu-max 100000
     python benchmarks/multiscale_bench.py --sizes 1000000 --cluster-scales default,0.02
+    python benchmarks/multiscale_bench.py --sizes 20000,100000 --geomloss 100000
+
+``--geomloss N`` also runs GeomLoss' own ``SamplesLoss("sinkhorn", backend="multiscale")`` (KeOps,
+its default ``cluster_scale``, the same blur and default schedule) at the sizes up to ``N``.  KeOps
+compiles its formulas on first use: each such case first makes one untimed call on 2,000 points of
+the same clouds (printed as ``compile s``), so the timed call reuses the compiled formulas.
 
 Prints a markdown table (time in seconds, peak RSS in GiB, kept fraction of the pairs at the last
 pruning, relative difference of the values); name the CPU beside it (``lscpu``).
@@ -40,11 +46,35 @@ def surfaces(n: int, seed: int = 0):
     return torus(1.0, 0.35, (0.0, 0.0, 0.0), 0.0), torus(1.0, 0.25, (0.3, 0.1, 0.0), 0.3)
 
 
+def geomloss_case(n: int) -> dict:
+    """GeomLoss' multiscale backend on the same clouds and blur (compile call untimed, reported)."""
+    import torch
+    from geomloss import SamplesLoss
+
+    x, y = surfaces(n)
+    pts = torch.cat([x, y])
+    diam = float((pts.amax(0) - pts.amin(0)).norm())
+    L = SamplesLoss("sinkhorn", p=2, blur=0.01 * diam, backend="multiscale")
+    t0 = time.perf_counter()
+    xw = x[:2000].clone().requires_grad_()
+    torch.autograd.grad(L(xw, y[:2000]), xw)  # KeOps compiles its formulas here (cached on disk)
+    compile_s = time.perf_counter() - t0
+    xg = x.clone().requires_grad_()
+    t0 = time.perf_counter()
+    v = L(xg, y)
+    (gx,) = torch.autograd.grad(v, xg)
+    secs = time.perf_counter() - t0
+    return {"n": n, "backend": "geomloss", "seconds": secs, "compile_s": compile_s, "value": float(v.detach()),
+            "grad_norm": float(gx.norm()), "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
 def one_case(n: int, backend: str, cluster_scale: str) -> dict:
     import torch
 
     import flashot
 
+    if backend == "geomloss":
+        return geomloss_case(n)
     x, y = surfaces(n)
     pts = torch.cat([x, y])
     diam = float((pts.amax(0) - pts.amin(0)).norm())
@@ -82,6 +112,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="20000,100000")
     ap.add_argument("--cluster-scales", default="default", help="comma list: 'default' or fractions of the diameter")
     ap.add_argument("--cpu-max", type=int, default=100000, help="largest n run on the cpu engine (extrapolated above)")
+    ap.add_argument("--geomloss", type=int, default=0,
+                    help="largest n run on GeomLoss' multiscale backend (KeOps; 0: none)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -91,6 +123,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, python {platform.python_version()}")
     print("| n = m | engine | cluster_scale | clusters | kept | seconds | peak RSS GiB | vs cpu (time) | value rel. diff |")
     print("|---|---|---|---|---|---|---|---|---|")
+    mine: dict[int, float] = {}
     ref = None
     for n in (int(s) for s in a.sizes.split(",")):
         if n <= a.cpu_max:
@@ -109,6 +142,15 @@ def main() -> None:
             speed = f"{ref_secs / r['seconds']:.1f}x{note}" if math.isfinite(ref_secs) else "- (no cpu run)"
             print(f"| {n:,} | multiscale | {cs} | {r['clusters']:,} | {r['kept']:.4f} | {r['seconds']:.1f} | "
                   f"{r['rss_gib']:.2f} | {speed} | {diff} |", flush=True)
+            mine.setdefault(n, r["seconds"])
+        if n <= a.geomloss:
+            r = run_sub(n, "geomloss", "-")
+            same = ref is not None and ref["n"] == n
+            diff = f"{abs(r['value'] - ref['value']) / abs(ref['value']):.1e}" if same else "-"
+            speed = f"{ref_secs / r['seconds']:.1f}x{note}" if math.isfinite(ref_secs) else "- (no cpu run)"
+            print(f"| {n:,} | geomloss multiscale (compile {r['compile_s']:.0f} s, untimed) | default | - | - | "
+                  f"{r['seconds']:.1f} ({r['seconds'] / mine[n]:.1f}x flashot's) | {r['rss_gib']:.2f} | {speed} | "
+                  f"{diff} |", flush=True)
 
 
 if __name__ == "__main__":

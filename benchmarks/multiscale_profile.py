@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 
@@ -111,7 +112,8 @@ def main() -> None:
     print(f"n = {a.n:,}: {run.cx.n_clusters:,} clusters, kept {[round(k, 4) for k in run.kept]}; pairs per n^2: "
           f"softmins {pairs['softmin'] / n2:.3f}, plan products {pairs['plan'] / n2:.3f}"
           f"{'' if a.no_tiles else f', fused steps after tiles {tiles:.3f}'}; CPU seconds: block "
-          f"bounds {prune[0]:.2f}, forward {t1 - t0:.2f}, backward {t2 - t1:.2f}; wall {wall:.1f} s")
+          f"bounds {prune[0]:.2f}, forward {t1 - t0:.2f}, backward {t2 - t1:.2f}; wall {wall:.1f} s; peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
 if __name__ == "__main__":

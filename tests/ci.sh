@@ -25,8 +25,8 @@ if ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 start=$(date +%s)
-echo "== default run (pytest -q)"
-.venv/bin/python -m pytest -q
+echo "== default run (pytest -q; the 20 slowest tests listed at the end)"
+.venv/bin/python -m pytest -q --durations=20
 echo "== AArch64 kernels under qemu-user (after $(( $(date +%s) - start )) s)"
 bash tests/native/run_arm64.sh
 echo "== slow tests: pytest -q -m slow (after $(( $(date +%s) - start )) s)"
