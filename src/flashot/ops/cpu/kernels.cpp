@@ -1748,9 +1748,9 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 // The exported functions are split into FLASHOT_PARTS groups so that the build can compile
 // them as separate translation units in parallel (-DFLASHOT_PART=k); without the macro (or
 // with 0) one translation unit holds everything.  The groups are balanced by compile time: g++ 12 -O3
-// -march=native on an AMD EPYC Zen 3, each exported function compiled alone, gave 27-32 CPU-seconds a group
-// (the block-sparse pair kernels alone 16 s in float32, 14 s in float64), so 4 or more cores build in about
-// the time of one group and 2 cores in half the total.
+// -march=native on an AMD EPYC Zen 3, each group compiled alone, took 15, 27, 23 and 23 s (the block-sparse
+// pair kernels alone 16 s in float32, 14 s in float64), so 4 or more cores wait for the largest group and
+// 2 cores for about half the total.
 #ifndef FLASHOT_PART
 #define FLASHOT_PART 0
 #endif
