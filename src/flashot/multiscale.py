@@ -22,9 +22,9 @@ r"""Coarse-to-fine Sinkhorn with block-sparse fine iterations (GeomLoss' ``backe
 4. The rest of the schedule runs on the points with the block-sparse engine
    (:mod:`flashot.ops.blocksparse`).  On the CPU kernels its fused steps also skip, inside the kept
    blocks, the tiles (a panel of rows x 64 columns; points sorted in a finer Morton order inside their
-   cluster, ``SUB_LEVELS``) where the same rule holds for the potentials of the call (the same
-   linear-model bound, per panel and chunk)
-   (:class:`~flashot.ops.blocksparse.TilePruning`), and the final step returns the barycentres its
+   cluster, ``SUB_LEVELS``) where the same rule holds for the potentials of the call, its inputs or (bounded
+   from sampled points) its outputs (the same linear-model bound, per panel and chunk)
+   (:mod:`flashot.ops.tile_rule`), and the final step returns the barycentres its
    gradient needs (:func:`flashot.solver.final_values`): no plan product.  After each temperature the bounds are recomputed from the
    new potentials: where they would keep a block that was dropped, that temperature runs again
    on the union, so the rule holds for the potentials that come out, not only for those that
@@ -60,7 +60,8 @@ from .clusters import Clusters, block_scale, cluster, coarse_scale, coarsen, def
 from .measures import Measures, log_weights
 from .ops import prepare_pair
 from .ops import softmin as ops_softmin
-from .ops.blocksparse import BlockPattern, BlockSparseEngine, TilePruning
+from .ops.blocksparse import BlockPattern, BlockSparseEngine
+from .ops.tile_rule import TilePruning
 from .solver import SinkhornState, damping, sinkhorn_loop
 
 

@@ -29,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-// ---- the exported C ABI under test (signatures of ABI version 17, see engine.py _SIGS) ----
+// ---- the exported C ABI under test (signatures of ABI version 18, see engine.py _SIGS) ----
 extern "C" {
 int flashot_abi_version();
 int flashot_isa();
@@ -82,15 +82,15 @@ int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const 
                         int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                         double kcoef, double minsq, int kind, int wk, double wconst, int nth);
 int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
-                        float* cs, float* rb, int cb, const float* fx, const float* gy, double thr, int64_t* evaluated,
-                        int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                        const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
-                        int nth);
+                        float* cs, float* rb, int cb, const float* fx, const float* gy, const float* fxo,
+                        const float* gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
+                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
+                        double minsq, int kind, int cfg, int sym, int nth);
 int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
-                        double* rs, double* cs, double* rb, int cb, const double* fx, const double* gy, double thr,
-                        int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
-                        const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
-                        int kind, int cfg, int sym, int nth);
+                        double* rs, double* cs, double* rb, int cb, const double* fx, const double* gy, const double* fxo,
+                        const double* gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
+                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
+                        double minsq, int kind, int cfg, int sym, int nth);
 int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
                         const double* alpha, const double* VTk, int K, double* out, double* mass, int single,
                         int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
@@ -102,7 +102,7 @@ int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int6
 
 namespace {
 
-constexpr int EXPECTED_ABI = 17;  // the declarations above; update both together
+constexpr int EXPECTED_ABI = 18;  // the declarations above; update both together
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -474,8 +474,8 @@ template <typename T> void check_softmin_bs(Tally& t, int D, int N, int M, doubl
 // the kept blocks (clusters of 1..40 points, columns padded per cluster as in check_softmin_bs).  sym: y = x
 // and h = a, the same clusters on both sides and a symmetric pattern; the kernel sums the blocks on and right
 // of the diagonal only and the full row sums are rs_i + cs_i.  Reference: double sums over the kept pairs.
-// tiles: sub-tile pruning with a threshold no tile reaches (fx = 0 per row, gy = hs on the padded columns):
-// the same sums as without, through the chunked column loop.
+// tiles: sub-tile pruning with a threshold no tile reaches (fx = fxo = 0 per row, gy = gyo = hs on the padded
+// columns): the same sums as without, through the chunked column loop.
 template <typename T, typename F>
 int pair_bs_call(F fn, const T* x, const std::vector<T>& yT, const std::vector<T>& yy, const std::vector<T>& hs,
                  const T* hx, T* rs, T* cs, T* rb, int cb, int64_t Mp, int D, const std::vector<int64_t>& tasks,
@@ -485,8 +485,9 @@ int pair_bs_call(F fn, const T* x, const std::vector<T>& yT, const std::vector<T
   for (auto& v : gy) if (v < (T)-1e30) v = -std::numeric_limits<T>::infinity();  // the padding
   int64_t evaluated = 0;
   return fn(x, yT.data(), yy.data(), hs.data(), hx, rs, cs, rb, cb, tiles ? fx.data() : nullptr,
-            tiles ? gy.data() : nullptr, 1e300, &evaluated, Mp, D, tasks.data(), (int64_t)tasks.size() / 3, cptr.data(),
-            cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym, NTH);
+            tiles ? gy.data() : nullptr, tiles ? fx.data() : nullptr, tiles ? gy.data() : nullptr, 1e300, &evaluated, Mp,
+            D, tasks.data(), (int64_t)tasks.size() / 3, cptr.data(), cr.data(), poff.data(), k, 0.0, KIND_DOT, cfg, sym,
+            NTH);
 }
 template <typename T> int pair_bs(const T* x, const std::vector<T>& yT, const std::vector<T>& yy,
                                   const std::vector<T>& hs, const T* hx, T* rs, T* cs, T* rb, int cb, int64_t Mp, int D,

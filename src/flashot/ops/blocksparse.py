@@ -20,8 +20,8 @@ engine: :meth:`BlockSparseEngine.softmin_pair` gives both potentials from one ex
 count), and :meth:`BlockSparseEngine.softmin_sym` (debiasing, a symmetric pattern) computes only the
 blocks on and right of the diagonal.  Their ``_bary`` variants (the final step) also return the soft-argmin
 barycentres ``sum_j w_ij y_j`` from the same exponentials, so the gradient needs no plan product; with a
-:class:`TilePruning` the fused steps skip the tiles inside kept blocks that GeomLoss' truncate rule drops
-for the potentials of the call.  On CUDA
+:class:`~flashot.ops.tile_rule.TilePruning` the fused steps skip the tiles inside kept blocks that GeomLoss'
+truncate rule drops for the call's input potentials or for its outputs (:mod:`flashot.ops.tile_rule`).  On CUDA
 tensors both primitives run in the Triton kernels (:mod:`flashot.ops.triton.blocksparse`: one program
 per row tile of a cluster, streaming its kept column ranges with an online LogSumExp, any ``V``
 width).  The engine is bound to its problem: :class:`BlockSparseEngine` maps the (row cloud, column cloud)
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -47,6 +46,7 @@ from ..costs import Cost
 from .base import Weight
 from .dense import _lse_last, weighted_product
 from .tiled import TILE_ELEMS
+from .tile_rule import TileArgs, TilePruning, tile_args
 
 NARROW_K = 4  # plan products with V of at most this many columns run in the C++ kernels (PV_K)
 
@@ -104,7 +104,7 @@ class BlockPattern:
 
     @property
     def T(self) -> "BlockPattern":
-        return BlockPattern(self.col_offsets, self.row_offsets, self.keep.T, self.tile_elems)
+        return BlockPattern(self.col_offsets, self.row_offsets, self.keep.T.contiguous(), self.tile_elems)
 
     def split(self, parts: int) -> list[tuple[int, int]]:
         r"""``parts`` contiguous row ranges ``[lo, hi)`` of whole row clusters covering the rows, balanced by
@@ -275,9 +275,10 @@ def _padded_y(lib, pat: BlockPattern, y: Tensor, h: Tensor, kind: int):
 
 
 def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost,
-                 base2: bool = False) -> Tensor:
+                 base2: bool = False, tasks: Tensor | None = None) -> Tensor:
     """The block-sparse softmin by the C++ kernels (B = 1, CPU, float32 / float64); ``base2``: the row
-    LSE in base 2 instead (the plan product's first pass)."""
+    LSE in base 2 instead (the plan product's first pass); ``tasks``: other rows than the pattern's (``(first row,
+    end row, row cluster)`` per row cluster, as :class:`PaddedColumns`)."""
     from .cpu.engine import LARGE_D_CFG, LN2, SMALL_D, CpuEngine
 
     N, D = x.shape[1], x.shape[2]
@@ -285,9 +286,10 @@ def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: f
     lay, yT, yy, hs = _padded_y(lib, pat, y, h, kind)
     xc = x[0].contiguous()
     out = torch.empty(N, dtype=x.dtype)
+    tasks = lay.tasks if tasks is None else tasks
     fn = lib.flashot_softmin_bs_f32 if x.dtype == torch.float32 else lib.flashot_softmin_bs_f64
     rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), out.data_ptr(), lay.width, D,
-            lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
+            tasks.data_ptr(), tasks.numel() // 3, lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
             1.0 if base2 else -eps * LN2, 0 if D <= SMALL_D else LARGE_D_CFG, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse softmin kernel returned {rc}")
@@ -295,15 +297,17 @@ def _softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: f
 
 
 def _pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
-              sym: bool, bary: int = 0, tiles: "tuple[Tensor, Tensor, float, list[int]] | None" = None
+              sym: bool, bary: int = 0, tiles: TileArgs | None = None, tasks: Tensor | None = None
               ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """``flashot_pair_bs``: ``(rsum (N,), csum (M,), rb, cb)``, the row and column sums of ``exp(s_ij)``, ``s_ij =
     hx_i + hy_j - C_ij / eps``, over the kept blocks, one exponential per pair.  ``sym`` (``y`` is ``x``, a
     symmetric pattern): the blocks right of the diagonal give both sums and the diagonal ones the row sums only,
     so the full row sums are ``rsum + csum``.  ``bary`` (D <= 3): 1, also ``rb = sum_j exp(s_ij) y_j`` (N, D);
-    2, also ``cb = sum_i exp(s_ij) x_i`` (M, D) (``sym`` needs 2); else both None.  ``tiles = (f / eps (N,),
-    g / eps (M,), truncate, counter)``: sub-tile pruning (the kernels' ``TileBounds``: tiles where every
-    ``f_i + g_j - C_ij < -truncate eps`` are skipped); the pairs evaluated are added to ``counter[0]``."""
+    2, also ``cb = sum_i exp(s_ij) x_i`` (M, D) (``sym`` needs 2); else both None.  ``tiles``: sub-tile pruning
+    (the kernels' ``TileBounds``): the tiles where every entry is below ``e^-truncate`` of its share of the row
+    and column sums the call puts out (``fxo_i + g_j - C_ij / eps < -truncate`` and ``f_i + gyo_j - C_ij / eps <
+    -truncate``) or below ``e^-truncate a_i b_j`` (GeomLoss' rule for the inputs) are skipped.  ``tasks``: other
+    rows than the pattern's, as in :func:`_softmin_cpu` (not with ``sym``)."""
     from .cpu.engine import LARGE_D_CFG, LOG2E, SMALL_D, CpuEngine, _encode_zero_weights
 
     N, D = x.shape[1], x.shape[2]
@@ -314,23 +318,26 @@ def _pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tens
     rows = torch.empty(N, dtype=x.dtype)
     cols = torch.empty((1 + D if bary == 2 else 1) * lay.width, dtype=x.dtype)
     rb = torch.empty(N, D, dtype=x.dtype) if bary else None
-    fx = gy = None
+    fx = gy = fxo = gyo = None
     thr, done = 0.0, torch.zeros(1, dtype=torch.int64)
     if tiles is not None:
-        fx = (tiles[0] * LOG2E).to(x.dtype).contiguous()
-        gy = torch.full((lay.width,), float("-inf"), dtype=x.dtype)
-        gy[lay.pos] = (tiles[1] * LOG2E).to(x.dtype)
-        thr = tiles[2] * LOG2E
+        fx, fxo = ((t * LOG2E).to(x.dtype).contiguous() for t in (tiles.fx, tiles.fxo))
+        gy, gyo = (torch.full((lay.width,), float("-inf"), dtype=x.dtype) for _ in range(2))
+        gy[lay.pos] = (tiles.gy * LOG2E).to(x.dtype)
+        gyo[lay.pos] = (tiles.gyo * LOG2E).to(x.dtype)
+        thr = tiles.truncate * LOG2E
+    tasks = lay.tasks if tasks is None else tasks
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     fn = lib.flashot_pair_bs_f32 if x.dtype == torch.float32 else lib.flashot_pair_bs_f64
     rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), hx2.data_ptr(), rows.data_ptr(),
-            cols.data_ptr(), ptr(rb), int(bary == 2), ptr(fx), ptr(gy), thr, done.data_ptr(), lay.width, D,
-            lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(),
+            cols.data_ptr(), ptr(rb), int(bary == 2), ptr(fx), ptr(gy), ptr(fxo), ptr(gyo), thr, done.data_ptr(),
+            lay.width, D,
+            tasks.data_ptr(), tasks.numel() // 3, lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(),
             kcoef, minsq, kind, 0 if D <= SMALL_D else LARGE_D_CFG, int(sym), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse pair kernel returned {rc}")
     if tiles is not None:
-        tiles[3][0] += int(done)
+        tiles.counter[0] += int(done)
     cb = cols[lay.width:].view(D, lay.width)[:, lay.pos].T if bary == 2 else None
     return rows, cols[:lay.width][lay.pos], rb, cb
 
@@ -359,9 +366,9 @@ def _plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta:
 
 
 def _plan_call(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
-               cost: Cost, weight: Weight, lse: Tensor | None) -> tuple[Tensor, Tensor]:
+               cost: Cost, weight: Weight, lse: Tensor | None, tasks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One ``flashot_plan_bs`` call: ``(out (1, N, K), plan mass per row (N,))``; two-pass mode when the row
-    LSE ``lse`` (base 2) is given, one-pass otherwise."""
+    LSE ``lse`` (base 2) is given, one-pass otherwise; ``tasks`` as in :func:`_softmin_cpu`."""
     from .cpu.engine import KIND_DOT, W_COST, W_INV, W_ONE, CpuEngine
 
     N, D, K = x.shape[1], x.shape[2], V.shape[-1]
@@ -377,10 +384,11 @@ def _plan_call(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta
     xc, al = x[0].contiguous(), alpha[0].contiguous()
     out = torch.empty(N, K, dtype=x.dtype)
     mass = torch.empty(N, dtype=x.dtype)
+    tasks = lay.tasks if tasks is None else tasks
     fn = lib.flashot_plan_bs_f32 if x.dtype == torch.float32 else lib.flashot_plan_bs_f64
     rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), (al if lse is None else lse).data_ptr(),
             al.data_ptr(), VTk.data_ptr(), K, out.data_ptr(), mass.data_ptr(), int(lse is None), lay.width, D,
-            lay.tasks.data_ptr(), pat.keep.shape[0], lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
+            tasks.data_ptr(), tasks.numel() // 3, lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
             wk, wconst, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse plan kernel returned {rc}")
@@ -421,18 +429,6 @@ def _lists(pat: BlockPattern, device: torch.device):
 def _gather(t: Tensor, idx: Tensor) -> Tensor:
     """``t[idx]`` along dim 0 with ``-1`` entries reading row 0 (masked by the caller)."""
     return t[idx.clamp_min(0)]
-
-
-@dataclass(frozen=True)
-class TilePruning:
-    """Sub-tile pruning for :class:`BlockSparseEngine`'s fused CPU steps: the clouds' log-weights (keyed as the
-    patterns; ``h - log_weights = f / eps`` for the solver's ``h``) and GeomLoss' ``truncate``.  Tiles of (a
-    panel of rows) x (64 padded columns) inside the kept blocks where every ``f_i + g_j - C_ij < -truncate eps``
-    are skipped (the same rule as the blocks', checked with the potentials of each call and bounded, as the
-    blocks are, from upper linear models of ``f`` and ``g`` over each panel and chunk)."""
-
-    log_weights: dict
-    truncate: float
 
 
 class BlockSparseEngine:
@@ -535,7 +531,7 @@ class BlockSparseEngine:
             return self.softmin(x, y, hy, eps, cost), self.softmin(y, x, hx, eps, cost)
         self.stats["pair"] += 1
         rsum, csum, _, _ = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False,
-                                     tiles=self._tile_args(x, y, hx, hy))
+                                     tiles=self._tile_args(x, y, hx, hy, eps, cost))
         return self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
 
     def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
@@ -547,18 +543,21 @@ class BlockSparseEngine:
             return self.softmin(x, x, h, eps, cost)
         self.stats["sym"] += 1
         rsum, csum, _, _ = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True,
-                                     tiles=self._tile_args(x, x, h, h))
+                                     tiles=self._tile_args(x, x, h, h, eps, cost))
         return self._from_sums(rsum + csum, h, eps, x, x, h, cost)
 
-    def _tile_args(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor):
-        """:func:`_pair_cpu`'s ``tiles`` from the log-weights of :class:`TilePruning` (None without)."""
+    def _tile_args(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost) -> TileArgs | None:
+        """:func:`_pair_cpu`'s ``tiles`` for the fused call on ``(x, y)`` (``y`` is ``x``: a symmetric step) from the
+        log-weights of :class:`TilePruning` (None without): :func:`~flashot.ops.tile_rule.tile_args`."""
         t = self._tiles
         if t is None:
             return None
         la, lb = t.log_weights.get(self._key(x)), t.log_weights.get(self._key(y))
         if la is None or lb is None:
             return None
-        return hx[0] - la, hy[0] - lb, t.truncate, self.tile_pairs
+        back = None if x is y else self._patterns.get((self._key(y), self._key(x)))
+        return tile_args(self._lib, self.pattern(x, y), back, x, y, hx, hy, la, lb, eps, cost, t.truncate,
+                         self.tile_pairs)
 
     def _bary_ok(self, x: Tensor, h: Tensor, cost: Cost) -> bool:
         """Can the CPU kernels give barycentres here (squared-Euclidean-type cost, D <= 3)?"""
@@ -576,7 +575,7 @@ class BlockSparseEngine:
         pat = self.pattern(x, y)
         self.stats["pair_bary"] += 1
         rsum, csum, rb, cb = _pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False,
-                                       bary=2 if cols else 1, tiles=self._tile_args(x, y, hx, hy))
+                                       bary=2 if cols else 1, tiles=self._tile_args(x, y, hx, hy, eps, cost))
         f, g = self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
         bx = self._bary(rsum, rb, f, eps, x, y, hy, cost)
         return f, g, bx, (self._bary(csum, cb, g, eps, y, x, hx, cost) if cols else None)
@@ -589,7 +588,7 @@ class BlockSparseEngine:
             return None
         self.stats["sym_bary"] += 1
         rsum, csum, rb, cb = _pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True,
-                                       bary=2, tiles=self._tile_args(x, x, h, h))
+                                       bary=2, tiles=self._tile_args(x, x, h, h, eps, cost))
         sums = rsum + csum
         out = self._from_sums(sums, h, eps, x, x, h, cost)
         return out, self._bary(sums, rb + cb, out, eps, x, x, h, cost)

@@ -47,7 +47,7 @@ __all__ = ["BuildError", "build", "load", "BUILD_INFO", "cxxflags", "march", "SO
 
 SOURCES = ("kernels.cpp", "fpenv.h", "parallel.h", "prune.h")
 BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno", "-pthread"]
-ABI_VERSION = 17
+ABI_VERSION = 18
 PARTS = 4  # translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
 LOCK_TIMEOUT_S = 900
 # flashot_isa() bits
@@ -294,7 +294,8 @@ _SIGS = {
     "flashot_cached_alt": [_P, _P, _P, _DB, _DB, _P, _P, _I, _L, _L, _I],
     "flashot_alt": [_P, _P, _P, _P, _P, _DB, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _L, _I],
     "flashot_softmin_bs": [_P, _P, _P, _P, _P, _L, _I, _P, _L, _P, _P, _DB, _DB, _I, _DB, _I, _I],
-    "flashot_pair_bs": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _DB, _P, _L, _I, _P, _L, _P, _P, _P, _DB, _DB, _I, _I, _I, _I],
+    "flashot_pair_bs": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _DB, _P, _L, _I, _P, _L, _P, _P, _P, _DB, _DB, _I,
+                        _I, _I, _I],
     "flashot_plan_bs": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _L, _I, _P, _L, _P, _P, _DB, _DB, _I, _I, _DB,
                         _I],
 }

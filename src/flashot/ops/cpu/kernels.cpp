@@ -1300,13 +1300,19 @@ static int softmin_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, T
 }
 
 // Sub-tile pruning of the block-sparse pair kernels: within the kept blocks, the tiles of (a panel of up to RB
-// rows) x (a chunk of TILE_COLS padded columns) whose bound on (f_i + g_j - C_ij) / eps (base 2: fx_i + gy_j -
-// k c_ij) is below -thr are skipped: every entry there is below 2^-thr a_i b_j, GeomLoss' truncate rule at a
-// finer grain than the blocks.  Each side's terms are those of the block pruning (prune.h, one packed row: the
-// ball's centre and radius, the potential's maximum and, for KIND_DOT, an upper linear model fx_i <= base +
-// <beta, x_i - c>, beta a least-squares slope and base the largest residual, so the bound holds whatever the
-// fit); the tile's bound is flashot_prune::bound at s = k, the simple one alone for KIND_DIRECT.  Without the
-// linear model the bound loses the potentials' variation across the tile (at 10^7 points, several eps).
+// rows) x (a chunk of TILE_COLS padded columns) are skipped where every entry E_ij = 2^(hx_i + hs_j - k c_ij)
+// is negligible, by GeomLoss' truncate rule for the call's input potentials (fx, gy: f / eps, g / eps in base 2)
+// or for its outputs (fxo, gyo: upper bounds of the row and column softmins over the kept blocks, same units):
+//   fx_i + gy_j - k c_ij < -thr                       (E_ij < 2^-thr a_i b_j: GeomLoss' rule), or
+//   fxo_i + gy_j - k c_ij < -thr and fx_i + gyo_j - k c_ij < -thr
+//                                                     (E_ij < 2^-thr b_j R_i and < 2^-thr a_i C_j, R_i / C_j
+//                                                      the row's / column's sum: negligible in every output).
+// At a fixed point the two coincide; after a jump in the temperature (inputs several eps above the outputs)
+// the second skips what the first keeps.  Each side's terms are those of the block pruning (prune.h, one packed
+// row: the ball's centre and radius, the potential's maximum and, for KIND_DOT, an upper linear model fx_i <=
+// base + <beta, x_i - c>, beta a least-squares slope and base the largest residual, so the bound holds whatever
+// the fit); the tile's bound is flashot_prune::bound at s = k, the simple one alone for KIND_DIRECT.  Without
+// the linear model the bound loses the potentials' variation across the tile (at 10^7 points, several eps).
 // Rows (and the clusters' points) are in Morton order inside their cluster, so panels and chunks are compact.
 constexpr int64_t TILE_COLS = 64;
 constexpr int TILE_D = 3;                      // sub-tile pruning for D <= TILE_D
@@ -1387,42 +1393,58 @@ static void tile_terms(int n, int D, At at, F f, double k, bool linear, double* 
 
 template <typename T>
 struct TileBounds {
-  const T* fx = nullptr;  // (N,) f_i / eps in base 2 (nan or +inf: never skipped); null: no sub-tile pruning
+  const T* fx = nullptr;   // (N,) f_i / eps in base 2 (nan or +inf: never skipped); null: no sub-tile pruning
+  const T* fxo = nullptr;  // (N,) upper bounds of the rows' outputs, same units
   double thr = 0;
   bool linear = false;  // KIND_DOT: linear models
   int64_t nch = 0;
-  std::vector<double> terms;  // per chunk: a packed row (TILE_STRIDE) of its valid columns (m = -inf: none)
+  // per chunk: a packed row (TILE_STRIDE) of its valid columns (m = -inf: none), from gy then from gyo
+  std::vector<double> terms, terms_o;
 
-  // chunk terms from the padded columns yT (D, Mp) and gy (Mp,) (-inf on padding)
-  void build(const T* yT, const T* gy, int64_t Mp, int D, double k) {
+  // chunk terms from the padded columns yT (D, Mp), gy and gyo (Mp,) (-inf on padding)
+  void build(const T* yT, const T* gy, const T* gyo, int64_t Mp, int D, double k) {
     nch = (Mp + TILE_COLS - 1) / TILE_COLS;
     terms.assign((size_t)nch * TILE_STRIDE, 0.0);
+    terms_o.assign((size_t)nch * TILE_STRIDE, 0.0);
     for (int64_t ch = 0; ch < nch; ++ch) {
       const int64_t j0 = ch * TILE_COLS;
       int64_t idx[TILE_COLS];
       int n = 0;
       for (int64_t j = j0; j < std::min(Mp, j0 + TILE_COLS); ++j)
         if (gy[j] > -std::numeric_limits<T>::infinity()) idx[n++] = j;  // padding, no mass (nan): out
-      double* out = terms.data() + ch * TILE_STRIDE;
-      if (n == 0) {
-        std::fill(out, out + TILE_STRIDE, 0.0);
-        out[1] = -std::numeric_limits<double>::infinity();
-        continue;
+      for (int o = 0; o < 2; ++o) {
+        const T* g = o ? gyo : gy;
+        double* out = (o ? terms_o : terms).data() + ch * TILE_STRIDE;
+        if (n == 0) {
+          std::fill(out, out + TILE_STRIDE, 0.0);
+          out[1] = -std::numeric_limits<double>::infinity();
+          continue;
+        }
+        tile_terms(n, D, [&](int i, int d) { return (double)yT[(int64_t)d * Mp + idx[i]]; },
+                   [&](int i) { return (double)g[idx[i]]; }, k, linear, out);
       }
-      tile_terms(n, D, [&](int i, int d) { return (double)yT[(int64_t)d * Mp + idx[i]]; },
-                 [&](int i) { return (double)gy[idx[i]]; }, k, linear, out);
     }
   }
 };
 
-// Is the tile (panel terms p, chunk ch) kept?  KIND_DOT c = |x - y|^2, KIND_DIRECT c = max(|x - y|, sqrt(minsq)).
+// One direction of the rule: is every entry of the tile (panel terms p, chunk terms q) below -thr?  KIND_DOT
+// c = |x - y|^2, KIND_DIRECT c = max(|x - y|, sqrt(minsq)).
 template <typename T, int KIND>
-static inline bool tile_kept(const TileBounds<T>& tb, const double* p, int64_t ch, int D, const Args& a) {
+static inline bool tile_below(const TileBounds<T>& tb, const double* p, const double* q, int D, const Args& a) {
+  if (KIND == KIND_DOT) return flashot_prune::bound(p, q, D, 1, tb.linear, a.kcoef, 0.0) > tb.thr;
+  const double gap = std::max(0.0, flashot_prune::dist(p + 5, q + 5, D) - p[0] - q[0]);
+  return a.kcoef * std::max(gap, std::sqrt(a.minsq)) - p[1] - q[1] > tb.thr;
+}
+
+// Is the tile (panel terms p from fx, po from fxo; chunk ch) kept?
+template <typename T, int KIND>
+static inline bool tile_kept(const TileBounds<T>& tb, const double* p, const double* po, int64_t ch, int D,
+                             const Args& a) {
   const double* q = tb.terms.data() + ch * TILE_STRIDE;
   if (!(q[1] > -std::numeric_limits<double>::infinity())) return false;  // padding only
-  if (KIND == KIND_DOT) return !(flashot_prune::bound(p, q, D, 1, tb.linear, a.kcoef, 0.0) > tb.thr);
-  const double gap = std::max(0.0, flashot_prune::dist(p + 5, q + 5, D) - p[0] - q[0]);
-  return !(a.kcoef * std::max(gap, std::sqrt(a.minsq)) - p[1] - q[1] > tb.thr);
+  const double* qo = tb.terms_o.data() + ch * TILE_STRIDE;
+  if (tile_below<T, KIND>(tb, p, q, D, a)) return false;
+  return !(tile_below<T, KIND>(tb, po, q, D, a) && tile_below<T, KIND>(tb, p, qo, D, a));
 }
 
 // Block-sparse symmetric step (pair_impl over softmin_bs_impl's kept ranges, B = 1): rsum[i] = sum_j E_ij
@@ -1450,7 +1472,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   // scratch: column sums of diagonal blocks, discarded
   col_group_pass<T>(G, (size_t)per, SYM ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
     int64_t done = 0;
-    double ball[TILE_STRIDE];  // the panel's terms (sub-tile pruning)
+    double ball[TILE_STRIDE], ball_o[TILE_STRIDE];  // the panel's terms from fx and fxo (sub-tile pruning)
     for (int64_t t = g; t < ntasks; t += G) {
       const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
       const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
@@ -1463,9 +1485,12 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
           for (int u = 0; u < SV; ++u) sum[r * SV + u] = v{};
         }
         const T* xb = x + i0 * D;
-        if (tiles)
+        if (tiles) {
           tile_terms(nr, D, [&](int i, int d) { return (double)xb[i * D + d]; },
                      [&](int i) { return (double)tb.fx[i0 + i]; }, a.kcoef, tb.linear, ball);
+          tile_terms(nr, D, [&](int i, int d) { return (double)xb[i * D + d]; },
+                     [&](int i) { return (double)tb.fxo[i0 + i]; }, a.kcoef, tb.linear, ball_o);
+        }
         // columns [lo, hi) into cols: the kept chunks' runs when pruning tiles, else at once
         auto stream = [&](int64_t lo, int64_t hi, T* cols) {
           if (!tiles) {
@@ -1476,7 +1501,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
           int64_t run = -1;
           for (int64_t ch = lo / TILE_COLS; ch * TILE_COLS < hi; ++ch) {
             const int64_t c0 = std::max(lo, ch * TILE_COLS), c1 = std::min(hi, (ch + 1) * TILE_COLS);
-            const bool keep = tile_kept<T, KIND>(tb, ball, ch, D, a);
+            const bool keep = tile_kept<T, KIND>(tb, ball, ball_o, ch, D, a);
             if (keep && run < 0) run = c0;
             if (run >= 0 && (!keep || c1 == hi)) {
               const int64_t e = keep ? c1 : c0;
@@ -1545,23 +1570,27 @@ static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, c
 }
 
 // rb (N, D) or null: the rows' barycentre numerators (d <= 3, else -4); cb (with rb): the columns' too, in cs
-// after its first Mp values (cs then holds (1 + D) Mp).  SYM needs both (-3 otherwise).  fx (N,) and gy (Mp,)
-// or null: sub-tile pruning at the threshold thr (TileBounds; d <= 3); evaluated (or null) += pairs computed.
+// after its first Mp values (cs then holds (1 + D) Mp).  SYM needs both (-3 otherwise).  fx, fxo (N,) and gy, gyo
+// (Mp,), all four or none: sub-tile pruning at the threshold thr (TileBounds; d <= 3); evaluated (or null) += pairs
+// computed.
 template <typename T>
 static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb, int cb,
-                         const T* fx, const T* gy, double thr, int64_t* evaluated, int64_t Mp, int D,
-                         const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
-                         const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym, int nth) {
+                         const T* fx, const T* gy, const T* fxo, const T* gyo, double thr, int64_t* evaluated,
+                         int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                         const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
+                         int nth) {
   Args a{D, Mp, kcoef, minsq};
   if (sym && coff == nullptr) return -3;
   if (sym && rb != nullptr && !cb) return -3;
-  if ((fx == nullptr) != (gy == nullptr)) return -3;
+  const int given = (fx != nullptr) + (gy != nullptr) + (fxo != nullptr) + (gyo != nullptr);
+  if (given != 0 && given != 4) return -3;
   TileBounds<T> tb;
   if (fx != nullptr && D <= 3) {
     tb.fx = fx;
+    tb.fxo = fxo;
     tb.thr = thr;
     tb.linear = kind == KIND_DOT;
-    tb.build(yT, gy, Mp, D, kcoef);
+    tb.build(yT, gy, gyo, Mp, D, kcoef);
   }
 #define FL_PAIR_BS(KD, S) \
   return pair_bs_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
@@ -1759,7 +1788,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 17; }
+int flashot_abi_version() { return 18; }
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -2000,23 +2029,23 @@ int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, 
 
 #if FL_PART(3)
 int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
-                        float* cs, float* rb, int cb, const float* fx, const float* gy, double thr, int64_t* evaluated,
-                        int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                        const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
-                        int nth) {
-  return pair_bs_entry<float>(x, yT, yy, hs, hx, rs, cs, rb, cb, fx, gy, thr, evaluated, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind, cfg,
-                              sym, nth);
+                        float* cs, float* rb, int cb, const float* fx, const float* gy, const float* fxo,
+                        const float* gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
+                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
+                        double minsq, int kind, int cfg, int sym, int nth) {
+  return pair_bs_entry<float>(x, yT, yy, hs, hx, rs, cs, rb, cb, fx, gy, fxo, gyo, thr, evaluated, Mp, D, tasks, ntasks,
+                              cptr, cr, coff, kcoef, minsq, kind, cfg, sym, nth);
 }
 #endif
 
 #if FL_PART(2)
 int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
-                        double* rs, double* cs, double* rb, int cb, const double* fx, const double* gy, double thr,
-                        int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks,
-                        const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
-                        int kind, int cfg, int sym, int nth) {
-  return pair_bs_entry<double>(x, yT, yy, hs, hx, rs, cs, rb, cb, fx, gy, thr, evaluated, Mp, D, tasks, ntasks, cptr, cr, coff, kcoef, minsq, kind,
-                               cfg, sym, nth);
+                        double* rs, double* cs, double* rb, int cb, const double* fx, const double* gy, const double* fxo,
+                        const double* gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
+                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
+                        double minsq, int kind, int cfg, int sym, int nth) {
+  return pair_bs_entry<double>(x, yT, yy, hs, hx, rs, cs, rb, cb, fx, gy, fxo, gyo, thr, evaluated, Mp, D, tasks,
+                               ntasks, cptr, cr, coff, kcoef, minsq, kind, cfg, sym, nth);
 }
 #endif
 
