@@ -16,9 +16,9 @@ import pytest
 from flashot.ops.cpu import build
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# multiscale: the block-sparse kernels; GeomLoss' online parity: float32 gradients through the
-# plan product, whose rounding differs per instruction set (test_online states the figures)
-MODULES = ["test_cpu_engine.py", "test_cpu_fpenv.py", "test_multiscale.py",
+# multiscale and tile_rule: the block-sparse kernels and their tile pruning; GeomLoss' online parity: float32
+# gradients through the plan product, whose rounding differs per instruction set (test_online states the figures)
+MODULES = ["test_cpu_engine.py", "test_cpu_fpenv.py", "test_multiscale.py", "test_tile_rule.py",
            "test_geomloss_parity.py::test_online"]
 
 pytestmark = [pytest.mark.slow,

@@ -178,12 +178,12 @@ def output_bounds(lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: f
     ``OUTPUT_SAMPLE_STRIDE``."""
     runs = _Runs.of(pat.row_offsets, stride or OUTPUT_SAMPLE_STRIDE)
     cent, fo, b = _sampled_outputs(lib, pat, x, y, hx, hy, eps, cost, runs)
-    X, N = x[0].double(), x.shape[1]
+    N = x.shape[1]
     out = torch.empty(N, dtype=torch.float64)
     for r0 in range(0, N, OUTPUT_BOUND_CHUNK):
         sl = slice(r0, min(r0 + OUTPUT_BOUND_CHUNK, N))
         k = runs.run[sl]  # every row is covered, in order
-        d = X[sl] - cent[k]  # x_i - c_k
+        d = x[0, sl].double() - cent[k]  # x_i - c_k
         if cost.is_dot:
             u = fo[k] + (cost.scale / eps) * (2.0 * ((cent[k] - b[k]) * d).sum(-1) + (d * d).sum(-1))
         else:
