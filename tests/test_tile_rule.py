@@ -21,23 +21,10 @@ from flashot.costs import get_cost
 from flashot.ops import tile_rule
 from flashot.ops.blocksparse import BlockPattern, BlockSparseEngine, _cpu_lib
 from flashot.ops.tile_rule import TilePruning, output_bounds, tile_args
+from test_multiscale import _masked_softmin, _torus
 
 F64 = torch.float64
 pytestmark = pytest.mark.skipif(_cpu_lib() is None, reason="the C++ kernels cannot be built here")
-
-
-def _torus(n, seed, shift=(0.0, 0.0, 0.0)):
-    g = torch.Generator().manual_seed(seed)
-    t, u = torch.rand(n, generator=g, dtype=F64) * 2 * math.pi, torch.rand(n, generator=g, dtype=F64) * 2 * math.pi
-    x = torch.stack([(1 + 0.35 * torch.cos(u)) * torch.cos(t), (1 + 0.35 * torch.cos(u)) * torch.sin(t),
-                     0.35 * torch.sin(u)], -1)
-    return x + torch.tensor(shift, dtype=F64)
-
-
-def _masked_softmin(x, y, h, mask, eps, cost):
-    C = cost.matrix(x.double(), y.double())[0]
-    S = torch.where(mask, h[0].double()[None] - C / eps, torch.tensor(-math.inf, dtype=F64))
-    return -eps * torch.logsumexp(S, -1)
 
 
 def _clustered_case(cell=0.5, seed=3):
