@@ -103,6 +103,12 @@ template <> struct VT<double> {
 #ifndef FL_MID_NV
 #define FL_MID_NV (FL_NREGS >= 32 ? 2 : 4)
 #endif
+// Block-sparse pair kernels: panels of FL_TILE_MULT micro-kernels' rows, the height of the sub-tile pruning's
+// tiles (x 64 columns; 64 rows for the AVX2 pair kernel, 96 with AVX-512).  8 evaluated 0.94-0.96x the pairs of 16 and ran 0.95-0.99x the time at 3 x 10^6 points
+// (multiscale, x86-64-v3 build on a Zen 4; BENCHMARKS.md).
+#ifndef FL_TILE_MULT
+#define FL_TILE_MULT 8
+#endif
 struct Shape {
   static constexpr int SMALL_R = FL_SMALL_R;  // d <= 3 (NV = 1)
   static constexpr int MID_R = FL_MID_R, MID_NV = FL_MID_NV;  // 4 <= d <= 32
@@ -118,6 +124,30 @@ struct Shape {
 template <typename V> static inline V vload(const void* p) { V r; std::memcpy(&r, p, sizeof(V)); return r; }
 template <typename V> static inline void vstore(void* p, V x) { std::memcpy(p, &x, sizeof(V)); }
 template <typename V, typename S> static inline V vset(S s) { V r = {}; return r + s; }
+
+// min(max(a, lo), hi) lane-wise, a NaN lane stays NaN: one min and one max instruction (the portable
+// a > hi ? hi : a compiles to a compare and a blend on x86 for the NaN case: four instructions).
+template <typename V> static inline V vclamp(V a, V lo, V hi) {
+#if FL_VBYTES == 32
+  if constexpr (sizeof(a[0]) == 4)  // (max / min return their second operand where either is NaN)
+    return (V)_mm256_min_ps((__m256)hi, _mm256_max_ps((__m256)lo, (__m256)a));
+  else
+    return (V)_mm256_min_pd((__m256d)hi, _mm256_max_pd((__m256d)lo, (__m256d)a));
+#elif FL_VBYTES == 16 && defined(__SSE2__)
+  if constexpr (sizeof(a[0]) == 4)
+    return (V)_mm_min_ps((__m128)hi, _mm_max_ps((__m128)lo, (__m128)a));
+  else
+    return (V)_mm_min_pd((__m128d)hi, _mm_max_pd((__m128d)lo, (__m128d)a));
+#elif defined(__aarch64__)  // (fmax / fmin return NaN where either is NaN)
+  if constexpr (sizeof(a[0]) == 4)
+    return (V)vminq_f32((float32x4_t)hi, vmaxq_f32((float32x4_t)lo, (float32x4_t)a));
+  else
+    return (V)vminq_f64((float64x2_t)hi, vmaxq_f64((float64x2_t)lo, (float64x2_t)a));
+#else
+  a = a < lo ? lo : a;
+  return a > hi ? hi : a;
+#endif
+}
 
 // float: 2^a = 2^n 2^r, n = round(a), r = a - n (exact, |r| <= 1/2); degree-5 polynomial
 // for 2^r (our Lawson-weighted least-squares fit of e^t on |t| <= ln2/2, coefficients
@@ -142,9 +172,7 @@ static inline VT<float>::v vexp2(VT<float>::v a) {
   // field of +inf: an overflow gives +inf).  t = a + 1.5 * 2^23 + 127 rounds to nearest and holds
   // n + 127 in its low mantissa bits; the shift below moves them into the exponent field and the
   // constant's own bits out of the word.
-  const v hi = vset<v>(128.0f), lo = vset<v>(-127.0f);
-  a = a > hi ? hi : a;
-  a = a < lo ? lo : a;
+  a = vclamp(a, vset<v>(-127.0f), vset<v>(128.0f));
   v t = a + 12583039.0f;  // 1.5 * 2^23 + 127
   v n = t - 12583039.0f;
 #endif
@@ -168,9 +196,7 @@ static inline VT<double>::v vexp2(VT<double>::v a) {
 #if defined(__AVX512F__)
   v n = (v)_mm512_roundscale_pd((__m512d)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-  const v hi = vset<v>(1024.0), lo = vset<v>(-1023.0);  // as for float: biased exponent in [0, 2047]
-  a = a > hi ? hi : a;
-  a = a < lo ? lo : a;
+  a = vclamp(a, vset<v>(-1023.0), vset<v>(1024.0));  // as for float: biased exponent in [0, 2047]
   v t = a + 6755399441056767.0;  // 1.5 * 2^52 + 1023
   v n = t - 6755399441056767.0;
 #endif
@@ -561,6 +587,109 @@ static void panel_rows(int nrows, const T* x, const T* yT, const T* yy, const T*
   for (; r < nrows; ++r)
     panel<T, 1, NV, KIND, DS, MODE, WK>(x + (int64_t)r * a.D, yT, yy, hs, j0, j1, a, m + r, sum ? sum + r * sv : nullptr,
                                         P ? P + r * ldp : nullptr, ldp);
+}
+
+// The folded pair panel (dot costs, static D = DS <= 3, one vector of columns): scores in a local frame with
+// origin o (the caller's: the row panel's mean), s_ij = A_i + H_j + <u_i, z_j> with A_i = hx_i - k |x_i - o|^2,
+// u_i = 2 k (x_i - o), z_j = y_j - o and H_j = hs_j - k |z_j|^2.  That is hx_i + hs_j - k |x_i - y_j|^2 with one
+// add and DS FMAs per vector of pairs before the exponential (panel(): the norms' add, DS FMAs, the bias add and
+// the scale), rounded at the scale of the panel's neighbourhood instead of |x|^2 + |y|^2.  u, A: the R rows'
+// terms (u row stride DS); column j of [j0, j1) (padded layout) is read at z[d * ldz + j - jz], H[j - jz].
+// Sums as panel()'s MODE_PAIR / MODE_PAIRB / MODE_PAIRBC, except the rows' numerators: sum_j E_ij z_j (the
+// caller adds o times the row sum); the columns' sum_i E_ij x_i from the original rows x.
+template <typename T, int R, int DS, int MODE>
+static inline void panel_local(const T* __restrict x, const T* __restrict u, const T* __restrict A,
+                               const T* __restrict z, const T* __restrict H, int64_t ldz, int64_t jz, int64_t j0,
+                               int64_t j1, typename VT<T>::v* __restrict sum, T* __restrict P, int64_t Mp) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  constexpr bool BARY = MODE == MODE_PAIRB || MODE == MODE_PAIRBC;
+  constexpr int SV = BARY ? 1 + DS : 1;
+  const v zero = {};
+  v sm[R], pb[BARY ? R : 1][DS];
+  T ar[R], ur[R][DS];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    ar[r] = A[r];
+    sm[r] = sum[r * SV];
+    for (int d = 0; d < DS; ++d) {
+      ur[r][d] = u[r * DS + d];
+      if (BARY) pb[r][d] = sum[r * SV + 1 + d];
+    }
+  }
+  for (int64_t j = j0; j < j1; j += L) {
+    const int64_t jl = j - jz;
+    const v hq = vload<v>(H + jl);
+    v zq[DS], colc[DS];
+#pragma GCC unroll 4
+    for (int d = 0; d < DS; ++d) {
+      zq[d] = vload<v>(z + d * ldz + jl);
+      colc[d] = zero;
+    }
+    v colv = zero;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      v s = hq + ar[r];
+#pragma GCC unroll 4
+      for (int d = 0; d < DS; ++d) s += ur[r][d] * zq[d];
+      const v e = vexp2(s);
+      sm[r] += e;
+      colv += e;
+      if (BARY)
+#pragma GCC unroll 4
+        for (int d = 0; d < DS; ++d) pb[r][d] += e * zq[d];
+      if (MODE == MODE_PAIRBC)
+#pragma GCC unroll 4
+        for (int d = 0; d < DS; ++d) colc[d] += e * x[r * DS + d];
+    }
+    vstore(P + j, vload<v>(P + j) + colv);
+    if (MODE == MODE_PAIRBC)
+#pragma GCC unroll 4
+      for (int d = 0; d < DS; ++d) {
+        T* pc = P + (int64_t)(1 + d) * Mp + j;
+        vstore(pc, vload<v>(pc) + colc[d]);
+      }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    sum[r * SV] = sm[r];
+    if (BARY)
+      for (int d = 0; d < DS; ++d) sum[r * SV + 1 + d] = pb[r][d];
+  }
+}
+
+// panel_local over nrows rows: panels of R, then of 4 (when R > 4), then single rows.
+template <typename T, int R, int DS, int MODE>
+static void panel_local_rows(int nrows, const T* x, const T* u, const T* A, const T* z, const T* H, int64_t ldz,
+                             int64_t jz, int64_t j0, int64_t j1, typename VT<T>::v* sum, T* P, int64_t Mp) {
+  constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;
+  int r = 0;
+  for (; r + R <= nrows; r += R)
+    panel_local<T, R, DS, MODE>(x + r * DS, u + r * DS, A + r, z, H, ldz, jz, j0, j1, sum + r * SV, P, Mp);
+  if constexpr (R > 4)
+    for (; r + 4 <= nrows; r += 4)
+      panel_local<T, 4, DS, MODE>(x + r * DS, u + r * DS, A + r, z, H, ldz, jz, j0, j1, sum + r * SV, P, Mp);
+  for (; r < nrows; ++r)
+    panel_local<T, 1, DS, MODE>(x + r * DS, u + r * DS, A + r, z, H, ldz, jz, j0, j1, sum + r * SV, P, Mp);
+}
+
+// The folded panels' column terms for columns [j0, j1) (padded layout yT (DS, Mp), hs): z[d * ldz + j - j0] =
+// yT[d, j] - o_d, H[j - j0] = hs_j - k |z_j|^2.  Padding (hs the finite zero-weight code) stays negligible.
+template <typename T, int DS>
+static void local_cols(const T* yT, const T* hs, int64_t Mp, int64_t j0, int64_t j1, const T* o, T k, T* z,
+                       int64_t ldz, T* H) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  for (int64_t j = j0; j < j1; j += L) {
+    v nn = {};
+#pragma GCC unroll 4
+    for (int d = 0; d < DS; ++d) {
+      const v zd = vload<v>(yT + (int64_t)d * Mp + j) - o[d];
+      vstore(z + d * ldz + (j - j0), zd);
+      nn += zd * zd;
+    }
+    vstore(H + (j - j0), vload<v>(hs + j) - nn * k);
+  }
 }
 
 // LSE panels of RR rows over columns [j0, j1) with the overflow check skipped where it
@@ -1463,16 +1592,22 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
                          const int64_t* coff, const Args& a, const TileBounds<T>& tb, int64_t* evaluated, int nth) {
   typedef typename VT<T>::v v;
   const int D = a.D;
-  constexpr int RB = R * 16;
+  constexpr int RB = R * FL_TILE_MULT;  // rows per panel: the tiles' height
   constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;  // sum vectors per row
   const int64_t per = (MODE == MODE_PAIRBC ? 1 + DS : 1) * Mp;
   const int64_t G = col_groups(ntasks, per * (int64_t)sizeof(T));
   const bool tiles = tb.fx != nullptr && D <= 3;
+  // dot costs at a static d <= 3: the folded panels (panel_local), in a frame centred on each row panel
+  constexpr bool LOCAL = KIND == KIND_DOT && DS > 0 && NV == 1;
+  constexpr int DL = DS > 0 ? DS : 1;
+  const T kc = (T)a.kcoef;
   std::atomic<int64_t> count{0};
   // scratch: column sums of diagonal blocks, discarded
   col_group_pass<T>(G, (size_t)per, SYM ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
     int64_t done = 0;
     double ball[TILE_STRIDE], ball_o[TILE_STRIDE];  // the panel's terms from fx and fxo (sub-tile pruning)
+    T o[DL], u[LOCAL ? RB * DL : 1], A[LOCAL ? RB : 1];  // the row panel's origin and folded terms
+    std::vector<T> zbuf;                                 // the folded columns' terms: z (DL rows), H
     for (int64_t t = g; t < ntasks; t += G) {
       const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
       const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
@@ -1485,6 +1620,35 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
           for (int u = 0; u < SV; ++u) sum[r * SV + u] = v{};
         }
         const T* xb = x + i0 * D;
+        if (LOCAL) {
+          for (int d = 0; d < DL; ++d) {
+            double c = 0;
+            for (int r = 0; r < nr; ++r) c += xb[r * DL + d];
+            o[d] = (T)(c / nr);
+          }
+          for (int r = 0; r < nr; ++r) {
+            double q = 0;
+            for (int d = 0; d < DL; ++d) {
+              const double t = (double)xb[r * DL + d] - (double)o[d];
+              q += t * t;
+              u[r * DL + d] = (T)(2 * a.kcoef * t);
+            }
+            A[r] = (T)((double)m[r] - a.kcoef * q);
+          }
+        }
+        // the panel's rows over columns [c0, c1)
+        auto eval = [&](int64_t c0, int64_t c1, T* cols) {
+          if constexpr (LOCAL) {
+            const int64_t w = c1 - c0;
+            if ((int64_t)zbuf.size() < (DL + 1) * w) zbuf.resize((size_t)((DL + 1) * w));
+            local_cols<T, DL>(yT, hs, Mp, c0, c1, o, kc, zbuf.data(), w, zbuf.data() + DL * w);
+            panel_local_rows<T, R, DL, MODE>(nr, xb, u, A, zbuf.data(), zbuf.data() + DL * w, w, c0, c0, c1, sum,
+                                              cols, Mp);
+          } else {
+            panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, c0, c1, a, m, sum, cols, 0);
+          }
+          done += (int64_t)nr * (c1 - c0);
+        };
         if (tiles) {
           tile_terms(nr, D, [&](int i, int d) { return (double)xb[i * D + d]; },
                      [&](int i) { return (double)tb.fx[i0 + i]; }, a.kcoef, tb.linear, ball);
@@ -1494,8 +1658,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
         // columns [lo, hi) into cols: the kept chunks' runs when pruning tiles, else at once
         auto stream = [&](int64_t lo, int64_t hi, T* cols) {
           if (!tiles) {
-            panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, lo, hi, a, m, sum, cols, 0);
-            done += (int64_t)nr * (hi - lo);
+            eval(lo, hi, cols);
             return;
           }
           int64_t run = -1;
@@ -1504,9 +1667,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
             const bool keep = tile_kept<T, KIND>(tb, ball, ball_o, ch, D, a);
             if (keep && run < 0) run = c0;
             if (run >= 0 && (!keep || c1 == hi)) {
-              const int64_t e = keep ? c1 : c0;
-              panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, run, e, a, m, sum, cols, 0);
-              done += (int64_t)nr * (e - run);
+              eval(run, keep ? c1 : c0, cols);
               run = -1;
             }
           }
@@ -1525,8 +1686,9 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
         }
         for (int r = 0; r < nr; ++r) {
           rsum[i0 + r] = hsum(sum[r * SV]);
-          if (MODE != MODE_PAIR)
-            for (int d = 0; d < DS; ++d) rb[(i0 + r) * DS + d] = hsum(sum[r * SV + 1 + d]);
+          if (MODE != MODE_PAIR)  // folded: the numerators are about o
+            for (int d = 0; d < DS; ++d)
+              rb[(i0 + r) * DS + d] = hsum(sum[r * SV + 1 + d]) + (LOCAL ? o[d] * rsum[i0 + r] : (T)0);
         }
       }
     }
