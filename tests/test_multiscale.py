@@ -221,6 +221,43 @@ def _masked_bary(x, y, h, mask, eps, cost):
     return torch.softmax(S, -1) @ y[0].double()
 
 
+@pytest.mark.parametrize("sym", [False, True])
+def test_pair_kernel_float32_far_from_the_origin(sym):
+    """The fused kernel's float32 sums (``_pair_cpu``: row sums, column sums, the rows' barycentre numerators) on
+    clouds translated by 100 along every axis (the costs unchanged), against float64 masked dense sums on the same
+    rounded inputs: log-sums within 2e-5 of the largest cost / eps (the untranslated cases' tolerance), barycentres
+    within 2e-5 of the clouds' extent.  The kernel scores each row panel in a frame centred on it
+    (``panel_local``); scores formed as ``|x|^2 + |y|^2 - 2 <x, y>`` round at the scale of |x|^2 ~ 3 x 10^4 and
+    missed this by 100x (the previous kernels: 0.12 in a log-sum here).  Rows whose sums fall below
+    ``PAIR_MIN_SUM`` are left out (the engine recomputes them)."""
+    from flashot.ops.blocksparse import _cpu_lib, _pair_cpu
+    from flashot.ops.cpu.engine import PAIR_MIN_SUM
+
+    xs, ys, pat, mask, cx, kx, mxx, g = _fused_case(F64)
+    xs, ys = (xs + 100.0).float(), (ys + 100.0).float()
+    cost, eps, tol = get_cost("sqeuclidean"), 0.05, 2e-5
+    hy = (torch.randn(1, 180, generator=g, dtype=F64) * 0.3 - math.log(180)).float()
+    hx = (math.log(1 / 240) + _masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).float()
+    if sym:  # the symmetric step's potentials: a half step from uniform ones
+        la = torch.full((1, 240), -math.log(240), dtype=F64)
+        hx = (la + _masked_softmin(xs, xs, la, mxx, eps, cost)[None] / eps).float()
+        ys, hy, mask, pat = xs, hx, mxx, BlockPattern(cx.offsets, cx.offsets, kx)
+    rows, cols, rb, cb = _pair_cpu(_cpu_lib(), pat, xs, ys, hx, hy, eps, cost, sym=sym, bary=2 if sym else 1)
+    C = cost.matrix(xs.double(), ys.double())[0]
+    E = torch.where(mask, torch.exp(hx[0].double()[:, None] + hy[0].double()[None] - C / eps), torch.zeros((), dtype=F64))
+    if sym:  # the diagonal blocks' rows plus the blocks right of them, as columns
+        rows, rb = rows + cols, rb + cb
+    scale = float(C[mask].max()) / eps
+    ext = float((xs.double() - 100.0).abs().max())
+    for got, ref in ((rows, E.sum(1)),) + (() if sym else ((cols, E.sum(0)),)):
+        ok = ref > PAIR_MIN_SUM
+        assert int(ok.sum()) >= 0.9 * len(ref)
+        assert float((got.double()[ok].log() - ref[ok].log()).abs().max()) <= tol * scale
+    ok = E.sum(1) > PAIR_MIN_SUM
+    bary = (rb.double() / rows.double()[:, None])[ok]
+    assert float((bary - (E @ ys[0].double() / E.sum(1, keepdim=True))[ok]).abs().max()) <= tol * ext
+
+
 @pytest.mark.parametrize("dtype, tol", [(F64, 1e-11), (torch.float32, 2e-5)])
 def test_fused_steps_with_barycentres_match_masked_dense(dtype, tol):
     """``softmin_pair_bary`` / ``softmin_sym_bary`` (the final step: the potentials and, from the same
