@@ -104,8 +104,8 @@ template <> struct VT<double> {
 #define FL_MID_NV (FL_NREGS >= 32 ? 2 : 4)
 #endif
 // Block-sparse pair kernels: panels of FL_TILE_MULT micro-kernels' rows, the height of the sub-tile pruning's
-// tiles (x 64 columns; 64 rows for the AVX2 pair kernel, 96 with AVX-512).  8 evaluated 0.94-0.96x the pairs of 16 and ran 0.95-0.99x the time at 3 x 10^6 points
-// (multiscale, x86-64-v3 build on a Zen 4; BENCHMARKS.md).
+// tiles (x 64 columns; 64 rows for the AVX2 pair kernel, 96 with AVX-512).  8 evaluated 0.94-0.96x the pairs
+// of 16 and ran 0.95-0.99x the time at 3 x 10^6 points (multiscale, x86-64-v3 build on a Zen 4; BENCHMARKS.md).
 #ifndef FL_TILE_MULT
 #define FL_TILE_MULT 8
 #endif
@@ -671,6 +671,26 @@ static void panel_local_rows(int nrows, const T* x, const T* u, const T* A, cons
       panel_local<T, 4, DS, MODE>(x + r * DS, u + r * DS, A + r, z, H, ldz, jz, j0, j1, sum + r * SV, P, Mp);
   for (; r < nrows; ++r)
     panel_local<T, 1, DS, MODE>(x + r * DS, u + r * DS, A + r, z, H, ldz, jz, j0, j1, sum + r * SV, P, Mp);
+}
+
+// The folded panels' row terms for nr rows x (row stride DS) with log-weights h: the origin o (their mean),
+// u[r * DS + d] = 2 k (x_rd - o_d), A[r] = h_r - k |x_r - o|^2 (float64 arithmetic, rounded once).
+template <typename T, int DS>
+static void local_rows(const T* x, const T* h, int nr, double k, T* o, T* u, T* A) {
+  for (int d = 0; d < DS; ++d) {
+    double c = 0;
+    for (int r = 0; r < nr; ++r) c += x[r * DS + d];
+    o[d] = (T)(c / nr);
+  }
+  for (int r = 0; r < nr; ++r) {
+    double q = 0;
+    for (int d = 0; d < DS; ++d) {
+      const double t = (double)x[r * DS + d] - (double)o[d];
+      q += t * t;
+      u[r * DS + d] = (T)(2 * k * t);
+    }
+    A[r] = (T)((double)h[r] - k * q);
+  }
 }
 
 // The folded panels' column terms for columns [j0, j1) (padded layout yT (DS, Mp), hs): z[d * ldz + j - j0] =
@@ -1620,22 +1640,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
           for (int u = 0; u < SV; ++u) sum[r * SV + u] = v{};
         }
         const T* xb = x + i0 * D;
-        if (LOCAL) {
-          for (int d = 0; d < DL; ++d) {
-            double c = 0;
-            for (int r = 0; r < nr; ++r) c += xb[r * DL + d];
-            o[d] = (T)(c / nr);
-          }
-          for (int r = 0; r < nr; ++r) {
-            double q = 0;
-            for (int d = 0; d < DL; ++d) {
-              const double t = (double)xb[r * DL + d] - (double)o[d];
-              q += t * t;
-              u[r * DL + d] = (T)(2 * a.kcoef * t);
-            }
-            A[r] = (T)((double)m[r] - a.kcoef * q);
-          }
-        }
+        if constexpr (LOCAL) local_rows<T, DL>(xb, m, nr, a.kcoef, o, u, A);
         // the panel's rows over columns [c0, c1)
         auto eval = [&](int64_t c0, int64_t c1, T* cols) {
           if constexpr (LOCAL) {
