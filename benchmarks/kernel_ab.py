@@ -8,8 +8,10 @@ the new source once each (for instance with ``FLASHOT_CPU_MARCH=x86-64-v3 flasho
 
     python benchmarks/kernel_ab.py OLD.so NEW.so --d 3 --threads 1 --rounds 6
 
-Each process times ``CpuEngine(lib, mode="stream").softmin`` on two ``torch.randn(n, d)`` clouds
-(float32, eps = 0.1, median of ``--repeats`` calls after a warm-up).  Name the CPU beside the table.
+Each process times ``CpuEngine(lib, mode="stream").softmin`` (or ``--call plan_product`` with 4 columns,
+``pair``: ``softmin_pair``, ``sym``: ``softmin_sym``) on two ``torch.randn(n, d)`` clouds (``--dtype``, float32
+by default; eps = 0.1, median of ``--repeats`` calls after a warm-up; pairs counted as n^2 for every call).
+Name the CPU beside the table.
 """
 
 from __future__ import annotations
@@ -32,20 +34,29 @@ build._bind(lib)
 eng = CpuEngine(lib, mode="stream")
 c = get_cost("sqeuclidean")
 g = torch.Generator().manual_seed(0)
-n, d = a["n"], a["d"]
-x, y, h = torch.randn(1, n, d, generator=g), torch.randn(1, n, d, generator=g), torch.zeros(1, n)
-eng.softmin(x, y, h, 0.1, c)
+n, d, dt = a["n"], a["d"], getattr(torch, a["dtype"])
+x, y = torch.randn(1, n, d, generator=g, dtype=dt), torch.randn(1, n, d, generator=g, dtype=dt)
+h = torch.zeros(1, n, dtype=dt)
+V = torch.randn(1, n, 4, generator=g, dtype=dt)
+f = eng.softmin(x, y, h, 0.1, c)
+calls = {"softmin": lambda: eng.softmin(x, y, h, 0.1, c),
+         "plan_product": lambda: eng.plan_product(x, y, f, h, 0.1, V, c, "plan"),
+         "pair": lambda: eng.softmin_pair(x, y, h, h, 0.1, c),
+         "sym": lambda: eng.softmin_sym(x, h, 0.1, c)}
+call = calls[a["call"]]
+call()
 ts = []
 for _ in range(a["repeats"]):
     t0 = time.perf_counter()
-    eng.softmin(x, y, h, 0.1, c)
+    call()
     ts.append(time.perf_counter() - t0)
 print(json.dumps(n * n / statistics.median(ts) / 1e9))
 """
 
 
 def rate(lib: str, a) -> float:
-    arg = json.dumps({"lib": lib, "n": a.n, "d": a.d, "threads": a.threads, "repeats": a.repeats})
+    arg = json.dumps({"lib": lib, "n": a.n, "d": a.d, "threads": a.threads, "repeats": a.repeats,
+                      "dtype": a.dtype, "call": a.call})
     r = subprocess.run([sys.executable, "-c", WORKER, arg], capture_output=True, text=True, check=True)
     return float(r.stdout.strip().splitlines()[-1])
 
@@ -59,8 +70,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--call", choices=("softmin", "plan_product", "pair", "sym"), default="softmin",
+                    help="the engine call timed: softmin, plan_product (plan times 4 columns), the fused "
+                         "pair step softmin_pair, or softmin_sym (default softmin)")
     a = ap.parse_args()
-    print(f"n = m = {a.n:,}, d = {a.d}, {a.threads} thread(s); G pairs / s, median of {a.repeats} calls\n")
+    print(f"{a.call}, {a.dtype}, n = m = {a.n:,}, d = {a.d}, {a.threads} thread(s); G pairs / s, median of "
+          f"{a.repeats} calls\n")
     print("| round | A | B | B / A |")
     print("|---|---|---|---|")
     ratios = []
