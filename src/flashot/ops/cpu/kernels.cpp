@@ -171,7 +171,8 @@ template <typename V> static inline V vclamp(V a, V lo, V hi) {
 // +inf for a = 128, where j = 0).
 // G vectors at once, each step over all G before the next: x86 GCC emits instructions in source
 // order, and one exponential's dependency chain (~40 cycles with the score before it) left the
-// out-of-order window short of independent work (AVX2 pair kernel: 0.76x the time with G = 8 rows).
+// out-of-order window short of independent work (with the AVX2 table: the pair panels 0.80-0.85x the
+// time, benchmarks/panel_bench.cpp; 0.60-0.80x with SSE4.2).
 #if FL_VBYTES == 32 && defined(__AVX2__) && !defined(__AVX512F__)
 #define FL_EXP_TABLE 1
 #else
@@ -185,7 +186,9 @@ template <int G> static inline void vexp2_n(VT<float>::v (&a)[G]) {
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g) n[g] = (v)_mm512_roundscale_ps((__m512)a[g], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-  constexpr float C = FL_EXP_TABLE ? 1572864.0f : 12583039.0f;  // 1.5 * 2^20, or 1.5 * 2^23 + 127 (n + 127)
+  // t = a + C rounds a to nearest (to 1/8 with the table) and holds the rounded value's low bits in its
+  // mantissa: n + 127 without the table (C = 1.5 * 2^23 + 127), 8n + j with it (C = 1.5 * 2^20)
+  constexpr float C = FL_EXP_TABLE ? 1572864.0f : 12583039.0f;
   v t[G];
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g) a[g] = vclamp(a[g], vset<v>(-127.0f), vset<v>(128.0f));
