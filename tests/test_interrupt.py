@@ -294,3 +294,28 @@ def test_sigint_during_kernels_and_solves(cpu_lib):
     assert all(same for _, same in res["solves"]), res
     assert res["team_after_solves"] == 2 and res["fp_after"] == res["fp_before"], res
     assert res["locks_free"] == [True, True], res
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_interrupt_before_the_first_step_stays_a_keyboard_interrupt(monkeypatch, verbose):
+    """A Ctrl-C that lands as the loop enters its no-grad block (before the first eps is read) reaches the
+    caller as KeyboardInterrupt, the progress line closed: it was once masked by an UnboundLocalError (eps)
+    raised in the loop's ``finally`` (seen in CI, timing-dependent in the SIGINT test above)."""
+    from flashot import solver
+    from flashot.measures import Measures
+
+    x, y = torch.rand(20, 3, dtype=torch.float64), torch.rand(25, 3, dtype=torch.float64)
+    m = Measures.build(x, y, None, None, cost="sqeuclidean", backend="dense")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(solver.torch, "no_grad", interrupted)
+    err: BaseException | None = None
+    try:
+        solver.sinkhorn_loop(m, [0.5] * 3, symmetric=True, verbose=verbose)
+    except BaseException as e:  # noqa: BLE001 - the type is the assertion
+        err = e
+    finally:
+        monkeypatch.undo()  # torch.no_grad back before anything formats a tensor
+    assert isinstance(err, KeyboardInterrupt), repr(err)

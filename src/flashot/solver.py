@@ -223,9 +223,9 @@ def sinkhorn_loop(
     it = 0
     if n_total > 1:
         m.expect_reuse()  # e.g. the cpu engine builds its cached cost matrix on the first call
+    eps = eps_list[0] if n_total else float("nan")  # bound before the try: its finally reports it
     try:
         with torch.no_grad():
-            eps = eps_list[0]
             lx, ly = damping(eps, rho_x), damping(eps, rho_y)
             if init is not None:
                 f, g = init
