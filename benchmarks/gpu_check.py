@@ -33,10 +33,14 @@
     small Triton kernel of dependent exp2 chains in registers (not memory
     bound); GEMM rates with ``torch.matmul`` on 8192^2 matrices.
 
-A time budget (``--budget`` seconds, default 270) skips the remaining runs of a
+A time budget (``--budget`` seconds, default 300) skips the remaining runs of a
 measurement when they would not fit; skipped cells say so.  Peers that cannot
-be imported are reported as missing; nothing is installed.  The last thing
-printed is the timing table, also written as markdown to ``--out``.
+be imported are reported as missing; nothing is installed.  KeOps is first
+probed in a subprocess (one small reduction): a KeOps build that crashes
+(pykeops 2.3 segfaulted on CUDA 13) is then reported instead of ending the run.
+(c) ``--sweep SECONDS``: one softmin at n = m = 50k for a grid of pinned configs
+(tiles, warps, stages; explicit and folded scores), d = 3 and 64.
+The last thing printed is the timing table, also written as markdown to ``--out``.
 """
 
 from __future__ import annotations
@@ -251,6 +255,37 @@ def loop_flashot(eng, cost, x, y, a_log, b_log, eps, iters, pair: bool):
     return f, g
 
 
+_KEOPS_PROBE = """
+import sys, torch
+from pykeops.torch import LazyTensor
+x = torch.rand(200, 3, device=sys.argv[1])
+X, Y = LazyTensor(x[:, None, :]), LazyTensor(x[None, :, :])
+print(float((-((X - Y) ** 2).sum(-1)).logsumexp(dim=1).sum()))
+"""
+
+
+def keops_unusable(device: torch.device) -> str | None:
+    """Why KeOps cannot be timed here, or None.  KeOps builds its JIT engine on first use; on a
+    CUDA version it does not support that build can crash the process (seen: a segmentation
+    fault with pykeops 2.3 on CUDA 13), so a one-reduction probe runs in a subprocess first."""
+    try:
+        import pykeops  # noqa: F401
+    except Exception as e:
+        return f"missing ({type(e).__name__})"
+    import subprocess
+
+    try:
+        r = subprocess.run([sys.executable, "-c", _KEOPS_PROBE, device.type], capture_output=True,
+                           text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "probe timed out"
+    if r.returncode != 0:
+        how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        last = (r.stderr.strip().splitlines() or [""])[-1][:60]
+        return f"probe crashed ({how}{': ' + last if last else ''})"
+    return None
+
+
 def make_keops(x, y, eps):
     from pykeops.torch import LazyTensor
 
@@ -306,10 +341,9 @@ def bench(device: torch.device, quick: bool, runs: int, budget: float, tf32: boo
         import flash_sinkhorn  # noqa: F401
     except Exception as e:
         missing["flash-sinkhorn"] = f"missing ({type(e).__name__})"
-    try:
-        import pykeops  # noqa: F401
-    except Exception as e:
-        missing["keops"] = f"missing ({type(e).__name__})"
+    reason = keops_unusable(device)
+    if reason:
+        missing["keops"] = reason
     for n in sizes:
         for d in dims:
             g = torch.Generator(device="cpu").manual_seed(n + d)
@@ -323,9 +357,6 @@ def bench(device: torch.device, quick: bool, runs: int, budget: float, tf32: boo
             for peer in peers:
                 if peer in missing:
                     row[peer] = missing[peer]
-                    continue
-                if peer == "flashot-pair" and n >= 200_000:
-                    row[peer] = "skipped (time)"
                     continue
                 try:
                     if peer in ("flashot", "flashot-pair"):
@@ -363,6 +394,48 @@ def bench(device: torch.device, quick: bool, runs: int, budget: float, tf32: boo
     for key, cfg in eng.tuned_configs().items():
         log(f"  {key[0][0]} n<={key[1]} m<={key[2]} d={key[3]} -> {cfg}")
     return rows
+
+
+def sweep(device: torch.device, quick: bool, budget: float, hw: dict[str, float]) -> None:
+    """Time one float32 softmin for a grid of pinned configs, explicit and folded scores, d = 3 and 64.
+
+    Autotuning picks among a few candidates; this shows what the candidates leave on the table
+    (tile shapes, warps, pipeline stages) so the lists can be chosen from measurements."""
+    from flashot.ops.triton import TritonEngine
+    from flashot.ops.triton.configs import KernelConfig
+
+    n = 64 if quick else 50_000
+    cost, eps = get_cost("sqeuclidean"), 0.1
+    t_start = time.perf_counter()
+    grid = [KernelConfig(bn, bm, w, st) for bn in (32, 64, 128) for bm in (32, 64, 128)
+            for w in (4, 8) for st in (2, 3)]
+    if quick:
+        grid = grid[:2]
+    log(f"## (c) config sweep: one float32 softmin, n = m = {n}, median of 5 launches\n")
+    log("| d | scores | config | ms | exp-bound share | FMA-bound share |")
+    log("|---|---|---|---|---|---|")
+    for d in (3, 64):
+        g = torch.Generator(device="cpu").manual_seed(d)
+        x = (torch.rand(1, n, d, generator=g) - 0.5).to(device)
+        y = (torch.rand(1, n, d, generator=g) - 0.5).to(device)
+        h = torch.zeros(1, n, device=device)
+        for fold in (False, True):
+            for cfg in grid:
+                if time.perf_counter() - t_start > budget:
+                    log(f"| {d} | ... | skipped (time budget) | | | |")
+                    return
+                eng = TritonEngine(config=cfg, fold=fold)
+                try:
+                    eng.softmin(x, y, h, eps, cost)
+                    t = _time(lambda: eng.softmin(x, y, h, eps, cost), device, reps=5)
+                except Exception as e:
+                    log(f"| {d} | {'fold' if fold else 'explicit'} | {cfg} | error: {type(e).__name__} | | |")
+                    continue
+                t_exp = n * n / hw["exp/s"]
+                t_fma = n * n * 2 * d / hw["fp32 FLOP/s"]
+                log(f"| {d} | {'fold' if fold else 'explicit'} | {cfg} | {t * 1e3:.2f} | {t_exp / t:.0%} | "
+                    f"{t_fma / t:.0%} |")
+    log("")
 
 
 def _fmt(v) -> str:
@@ -404,9 +477,11 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (needs TRITON_INTERPRET=1)")
     ap.add_argument("--out", default=str(Path(__file__).with_name("gpu_check.md")))
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--budget", type=float, default=270.0, help="seconds allowed for part (b)")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds allowed for part (b)")
     ap.add_argument("--tf32", action="store_true", help="time with TF32 dot products (ours and flash-sinkhorn)")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--sweep", type=float, default=0.0, metavar="SECONDS",
+                    help="after (b), time a grid of pinned configs for at most SECONDS (0: no sweep)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -444,6 +519,8 @@ def main() -> int:
         f"TF32: {hw['tf32 FLOP/s'] / 1e12:.3g} TFLOP/s\n")
     log("## (b) timing\n")
     rows = bench(device, args.quick, args.runs, args.budget, args.tf32)
+    if args.sweep:
+        sweep(device, args.quick, args.sweep, hw)
     iters = 3 if args.quick else 100
     md = table(rows, hw, args.tf32, iters)
     prec = "TF32" if args.tf32 else "strict fp32"
