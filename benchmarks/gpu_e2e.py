@@ -47,6 +47,29 @@ def log(msg: str = "") -> None:
     LINES.append(msg)
 
 
+def table_head(title: str, *columns: str) -> None:
+    log(f"## {title}\n")
+    log("| " + " | ".join(columns) + " |")
+    log("|" + "---|" * len(columns))
+
+
+def gib(peak: int | None) -> str:
+    return f"{peak / 2**30:.2f}" if peak is not None else "-"
+
+
+def release(device: torch.device) -> None:
+    """Give cached GPU memory back between measurements (peak memory is per measurement)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def log_error(cells: str, e: Exception, blanks: int) -> None:
+    """Print the traceback and log a table row: ``cells``, the error, then ``blanks`` empty cells."""
+    traceback.print_exc()
+    msg = str(e).splitlines()[0][:80] if str(e) else ""
+    log(f"| {cells} | error: {type(e).__name__}: {msg} |" + " |" * blanks)
+
+
 class Clock:
     """A part's time budget: ``left()`` seconds remain of ``budget``."""
 
@@ -124,9 +147,9 @@ def value_grad(L, x, y):
 def part_losses(args, device, clock: Clock) -> None:
     sizes = (300, 600) if args.quick else (10_000, 100_000, 1_000_000)
     runners = loss_runners(args)
-    log("## (1) SamplesLoss('sinkhorn', p=2, blur=0.05) value + gradient, 3-D float32\n")
-    log("| n = m | peer | time (s) | peak GPU mem (GiB) | value | rel. value diff | rel. grad diff | against |")
-    log("|---|---|---|---|---|---|---|---|")
+    table_head("(1) SamplesLoss('sinkhorn', p=2, blur=0.05) value + gradient, 3-D float32",
+               "n = m", "peer", "time (s)", "peak GPU mem (GiB)", "value", "rel. value diff", "rel. grad diff",
+               "against")
     last: dict[str, float] = {}
     for i, n in enumerate(sizes):
         x, y = clouds(n, device)
@@ -156,23 +179,18 @@ def part_losses(args, device, clock: Clock) -> None:
                     ref, ref_name = (v, gx), name
                 dv = abs(v - ref[0]).item() / max(abs(ref[0].item()), 1e-30)
                 dg = ((gx - ref[1]).abs().max() / ref[1].abs().max()).item()
-                mem = f"{peak / 2**30:.2f}" if peak is not None else "-"
-                log(f"| {n} | {name} | {t:.3f}{star} | {mem} | {v.item():.6g} | {dv:.1e} | {dg:.1e} | {ref_name} |")
+                log(f"| {n} | {name} | {t:.3f}{star} | {gib(peak)} | {v.item():.6g} | {dv:.1e} | {dg:.1e} | {ref_name} |")
             except Exception as e:
-                traceback.print_exc()
-                log(f"| {n} | {name} | error: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''} "
-                    "| | | | | |")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                log_error(f"{n} | {name}", e, blanks=5)
+            release(device)
     log("")
 
 
 # --------------------------------------------------------------------------- (2) multiscale
 def part_multiscale(args, device, clock: Clock) -> None:
     sizes = (2_000, 5_000) if args.quick else (1_000_000, 10_000_000)
-    log("## (2) multiscale, 3-D float32, blur = 0.01 x diameter\n")
-    log("| n = m | solver | time (s) | peak GPU mem (GiB) | value | kept pairs (last pruning) |")
-    log("|---|---|---|---|---|---|")
+    table_head("(2) multiscale, 3-D float32, blur = 0.01 x diameter",
+               "n = m", "solver", "time (s)", "peak GPU mem (GiB)", "value", "kept pairs (last pruning)")
     try:
         import flash_sinkhorn as fs
     except Exception:
@@ -202,24 +220,20 @@ def part_multiscale(args, device, clock: Clock) -> None:
                 v, t, peak = timed(lambda: L(x, y), device)
                 prev[name] = t
                 kept = "-"
-                if name == "flashot" and getattr(L, "last_multiscale", None) is not None:
+                if name == "flashot" and L.last_multiscale is not None:
                     kept = f"{L.last_multiscale.kept[-1]:.2e}" if L.last_multiscale.kept else "none"
-                mem = f"{peak / 2**30:.2f}" if peak is not None else "-"
-                log(f"| {n} | {name} | {t:.2f} | {mem} | {float(v):.6g} | {kept} |")
+                log(f"| {n} | {name} | {t:.2f} | {gib(peak)} | {float(v):.6g} | {kept} |")
             except Exception as e:
-                traceback.print_exc()
-                log(f"| {n} | {name} | error: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''} | | | |")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                log_error(f"{n} | {name}", e, blanks=3)
+            release(device)
     log("")
 
 
 # --------------------------------------------------------------------------- (3) GW
 def part_gw(args, device, clock: Clock) -> None:
     sizes = (200, 400) if args.quick else (10_000, 100_000)
-    log("## (3) gromov_wasserstein, float32, X uniform in the unit cube (3-D), Y = X rotated (+ noise)\n")
-    log("| n = m | time (s) | peak GPU mem (GiB) | outer | inner | converged | last change | value |")
-    log("|---|---|---|---|---|---|---|---|")
+    table_head("(3) gromov_wasserstein, float32, X uniform in the unit cube (3-D), Y = X rotated (+ noise)",
+               "n = m", "time (s)", "peak GPU mem (GiB)", "outer", "inner", "converged", "last change", "value")
     prev = 0.0
     for i, n in enumerate(sizes):
         g = torch.Generator().manual_seed(3)
@@ -234,12 +248,10 @@ def part_gw(args, device, clock: Clock) -> None:
         try:
             r, t, peak = timed(lambda: flashot.gromov_wasserstein(X, Y, reg=1.0, backend=args.backend), device)
             prev = t
-            mem = f"{peak / 2**30:.2f}" if peak is not None else "-"
-            log(f"| {n} | {t:.2f} | {mem} | {r.n_outer} | {r.n_inner} | {r.converged} | {float(r.error):.2e} | "
+            log(f"| {n} | {t:.2f} | {gib(peak)} | {r.n_outer} | {r.n_inner} | {r.converged} | {float(r.error):.2e} | "
                 f"{float(r.value):.6g} |")
         except Exception as e:
-            traceback.print_exc()
-            log(f"| {n} | error: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''} | | | | | | |")
+            log_error(str(n), e, blanks=6)
     log("")
 
 

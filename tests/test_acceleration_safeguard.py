@@ -97,7 +97,7 @@ def _clouds(seed: int):
 def _check(acc, method: str, eps: float, budget: int, seed: int, reported: bool) -> None:
     x, y = _clouds(seed)
     kw = dict(reg=eps, max_iter=budget, inner_iterations=10, method=method, backend="dense")
-    plain = _solve(x, y, **kw)
+    plain = _solve(x, y, acceleration=None, **kw)
     res = _solve(x, y, acceleration=acc, **kw)
     f, g = res.potentials
     assert math.isfinite(res.error) and bool(torch.isfinite(f).all() and torch.isfinite(g).all())

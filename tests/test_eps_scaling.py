@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import flashot
-from flashot.ot_samples import EPS_SCALING_AUTO, EPS_SCALING_STEPS, _Schedule
+from flashot.ot_samples import EPS_SCALING_AUTO, EPS_SCALING_STEPS
+from flashot.schedules import Schedule
 
 
 def convex_gradient_case(seed: int, B: int, N: int, D: int):
@@ -126,9 +127,9 @@ def test_tol_is_not_checked_during_the_schedule():
 
 
 def test_schedule_sequence():
-    s = _Schedule(1.0, 6, [8.0, 4.0, 2.0])
+    s = Schedule(1.0, 6, [8.0, 4.0, 2.0])
     assert list(s) == [8.0, 4.0, 2.0, 1.0, 1.0, 1.0] and s[-1] == 1.0 and len(s) == 6
-    assert list(_Schedule(1.0, 2, [8.0, 4.0, 2.0])) == [8.0, 1.0]  # the last iteration is at reg
+    assert list(Schedule(1.0, 2, [8.0, 4.0, 2.0])) == [8.0, 1.0]  # the last iteration is at reg
     # the error is read at the end of each eps level, so a one-step problem stops after one step
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(1, 2, generator=g, dtype=torch.float64), torch.rand(30, 2, generator=g, dtype=torch.float64)

@@ -684,10 +684,10 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
     def run():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # tol=None: no warning is expected
-            # eps_scaling=False: exactly ``iters`` plain iterations at ``reg`` (the reference below); the
-            # default switches alternating solves at small reg to an epsilon-scaling schedule
+            # eps_scaling=False, acceleration=None: exactly ``iters`` plain iterations at ``reg`` (the reference
+            # below); the defaults switch alternating solves at small reg to epsilon-scaling and Anderson
             return flashot.solve_sample(x, y, a, b, cost=cost, reg=eps, tol=None, max_iter=iters, method=method,
-                                        backend=engine, eps_scaling=scaling)
+                                        backend=engine, eps_scaling=scaling, acceleration=None)
 
     bad = nonfinite_inputs(X_a=x, X_b=y)
     if bad:

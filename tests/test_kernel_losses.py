@@ -55,7 +55,11 @@ def test_kernel_norms_match_geomloss_tensorized(loss, B, blur):
     ours = _value_and_grads(flashot.SamplesLoss(loss, blur=blur, backend="tensorized"), a, x, b, y)
     ref = _value_and_grads(geomloss.SamplesLoss(loss, blur=blur, backend="tensorized"), a, x, b, y)
     scale = max(float(ref[0].abs().max()), 1e-3)
-    assert _maxdiff(ours, ref) < 1e-12 * max(1.0, scale) * 10, (loss, B, blur)
+    # GeomLoss' tensorized laplacian / energy clamp |x - y|^2 at 1e-8 (a distance of 1e-4, laplacian:
+    # 1e-4 blur) on the diagonal of the self terms; flashot does not (exact distances, checked against the
+    # dense definition below): values differ by ~1e-4 sum(a^2), weight gradients by ~1e-4 max(a)
+    tol = 1e-12 * max(1.0, scale) * 10 if loss == "gaussian" else 2e-4 * float(torch.cat([a, b], -1).max())
+    assert _maxdiff(ours, ref) < tol, (loss, B, blur)
 
 
 @pytest.mark.parametrize("loss", KERNEL_LOSSES)
@@ -64,7 +68,7 @@ def test_kernel_potentials_match_geomloss(loss):
     F, G = flashot.SamplesLoss(loss, blur=0.3, potentials=True, backend="tensorized")(a, x, b, y)
     Fr, Gr = geomloss.SamplesLoss(loss, blur=0.3, potentials=True, backend="tensorized")(a, x, b, y)
     assert F.shape == a.shape and G.shape == b.shape
-    assert _maxdiff((F, G), (Fr, Gr)) < 1e-12
+    assert _maxdiff((F, G), (Fr, Gr)) < (1e-12 if loss == "gaussian" else 1e-5)  # GeomLoss' clamp (above)
     # unbatched, uniform weights (the two-argument call)
     F, G = flashot.SamplesLoss(loss, blur=0.3, potentials=True)(x[0], y[0])
     Fr, Gr = geomloss.SamplesLoss(loss, blur=0.3, potentials=True, backend="tensorized")(x[0], y[0])

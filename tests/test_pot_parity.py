@@ -52,7 +52,7 @@ def test_matches_pot_sinkhorn_log_fixed_iterations():
     # so solve the swapped problem: our (f, g) on (xb, xa) are POT's (v, u) scalings.
     # POT starts from u = 1 (log u = 0), i.e. our a-side potential = -reg log a.
     init = (np.zeros_like(b), -reg * np.log(a))
-    res = flashot.solve_sample(xb, xa, b, a, reg=reg, tol=None, max_iter=7, potentials_init=init)
+    res = flashot.solve_sample(xb, xa, b, a, reg=reg, tol=None, max_iter=7, potentials_init=init, acceleration=None)
     assert res.n_iter == 7
     M = ot.dist(xa, xb)
     _, log = ot.sinkhorn(a, b, M, reg, method="sinkhorn_log", numItermax=7, stopThr=0, log=True)

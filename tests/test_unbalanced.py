@@ -1,7 +1,12 @@
-"""Unbalanced and semi-unbalanced entropic OT against GeomLoss, POT and a dense reference.
+"""Unbalanced and semi-unbalanced entropic OT against a dense reference, GeomLoss and POT.
 
 Tolerances: float64 1e-6 relative, float32 1e-4 relative (as for the balanced case);
 plans / potentials against POT at 1e-8 (both solved to 1e-12 in float64).
+
+Where the peers differ from the mathematics, the tests check the mathematics and the peer's
+known difference: GeomLoss' point gradients are (rho + eps/2) / (rho + eps) of the exact ones on
+an unbalanced side (autograd through its value formula), and POT 0.9's unbalanced ``value`` drops
+the KL terms' masses (0 when both sides are relaxed).
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ def _clouds(n=40, m=50, dtype=torch.float64, seed=0):
     return x, y, a / a.sum(), b / b.sum()
 
 
+def _geomloss_factor(kw):
+    """GeomLoss' point gradients / the exact ones on a side relaxed with reach (both sides here)."""
+    rho, eps = kw["reach"] ** kw["p"], kw["blur"] ** kw["p"]
+    return (rho + eps / 2) / (rho + eps)
+
+
 def _run(L, a, x, b, y, potentials):
     xx, aa, yy = x.clone().requires_grad_(), a.clone().requires_grad_(), y.clone().requires_grad_()
     out = L(aa, xx, b, yy)
@@ -55,18 +66,32 @@ def test_reach_matches_geomloss_tensorized(dtype, tol, debias, potentials):
     kw = dict(p=2, blur=0.05, reach=0.5, debias=debias, potentials=potentials, backend="tensorized")
     ref = _run(geomloss.SamplesLoss("sinkhorn", **kw), a, x, b, y, potentials)
     out = _run(SamplesLoss("sinkhorn", **kw), a, x, b, y, potentials)
-    for name, u, v in zip(["value", "grad_x", "grad_a", "grad_y"], out, ref):
+    _check_against_geomloss(out, ref, kw, tol, potentials)
+
+
+def _check_against_geomloss(out, ref, kw, tol, potentials=False):
+    """Values and potentials equal; point gradients equal after GeomLoss' factor is divided out.
+    Weight gradients are not compared (GeomLoss' differ by more than a factor; the reference suite
+    checks ours against finite differences)."""
+    if potentials:
+        for name, u, v in zip(["F", "G"], out, ref):
+            assert _rel(u, v) < tol, name
+        return
+    k = _geomloss_factor(kw)
+    for name, u, v in (("value", out[0], ref[0]), ("grad_x", out[1], ref[1] / k), ("grad_y", out[3], ref[3] / k)):
         assert _rel(u, v) < tol, name
 
 
 @pytest.mark.parametrize("debias", [False, True])
 def test_reach_p1_matches_geomloss(debias):
+    """Against GeomLoss' online (KeOps) backend: its tensorized one clamps |x - y|^2 at 1e-8 (a distance of
+    1e-4 on the self terms' diagonal), which flashot does not."""
+    pytest.importorskip("pykeops")
     x, y, a, b = _clouds()
-    kw = dict(p=1, blur=0.1, reach=0.3, debias=debias, backend="tensorized")
-    ref = _run(geomloss.SamplesLoss("sinkhorn", **kw), a, x, b, y, False)
-    out = _run(SamplesLoss("sinkhorn", **kw), a, x, b, y, False)
-    for name, u, v in zip(["value", "grad_x", "grad_a", "grad_y"], out, ref):
-        assert _rel(u, v) < 1e-6, name
+    kw = dict(p=1, blur=0.1, reach=0.3, debias=debias)
+    ref = _run(geomloss.SamplesLoss("sinkhorn", backend="online", **kw), a, x, b, y, False)
+    out = _run(SamplesLoss("sinkhorn", backend="tensorized", **kw), a, x, b, y, False)
+    _check_against_geomloss(out, ref, kw, 1e-6)
 
 
 def test_reach_online_matches_geomloss_online():
@@ -75,8 +100,7 @@ def test_reach_online_matches_geomloss_online():
     kw = dict(p=2, blur=0.05, reach=0.4, debias=True)
     ref = _run(geomloss.SamplesLoss("sinkhorn", backend="online", **kw), a, x, b, y, False)
     out = _run(SamplesLoss("sinkhorn", backend="online", **kw), a, x, b, y, False)
-    for name, u, v in zip(["value", "grad_x", "grad_a", "grad_y"], out, ref):
-        assert _rel(u, v) < 1e-4, name
+    _check_against_geomloss(out, ref, kw, 1e-4)
 
 
 def test_reach_batched_matches_per_problem():
@@ -112,10 +136,16 @@ def test_solve_sample_matches_pot(ub, method):
     res = solve_sample(x, y, a, b, reg=reg, unbalanced=ub, max_iter=20_000, tol=1e-12, method=method)
     assert res.converged
     scale = float(ref.value_linear)
-    assert abs(res.value - float(ref.value)) < 1e-8 * scale
     assert abs(res.value_linear - float(ref.value_linear)) < 1e-8 * scale
     P = res.plan.to_dense()
     assert np.abs(P - ref.plan).max() < 1e-8 * ref.plan.max()
+    # value: the objective (generalised KL) at the plan, here POT's plan; POT's own value drops the
+    # KL terms' masses, which leaves the strict sides' <a, f> (0 when both sides are relaxed)
+    rx, ry = (ub, ub) if not isinstance(ub, tuple) else ub
+    assert abs(res.value - _primal(M, ref.plan, a, b, reg, rx, ry)) < 1e-8 * scale
+    f, g = res.potentials
+    pot_value = (a @ f if rx is None else 0.0) + (b @ g if ry is None else 0.0)
+    assert abs(float(ref.value) - pot_value) < 1e-8 * scale
     # potentials: flashot returns (f, g) = reg * POT's (log u, log v)
     assert np.abs(res.potentials[0] / reg - ref.potentials[0]).max() < 1e-8
     assert np.abs(res.potentials[1] / reg - ref.potentials[1]).max() < 1e-8
@@ -250,36 +280,28 @@ def test_semi_unbalanced_value_dual_gradients_are_envelope():
 
 
 def test_semi_unbalanced_samples_loss_against_dense_reference():
-    """SamplesLoss(reach_x=..., reach_y=None): value and potentials = dense optimum;
-    gradients follow GeomLoss' rule ((rho + eps/2) / (rho + eps) times the envelope
-    gradient on a relaxed side, the envelope gradient on a strict side).
-
-    Loose tolerances (2e-3 / 2e-2): like GeomLoss, SamplesLoss runs one iteration per
-    epsilon of the annealing schedule and stops at the final epsilon without iterating to
-    convergence, so it lags the exact optimum (scaling=0.99 here: ~1e-3 relative).  The
-    same formulas are checked tightly against GeomLoss for reach on both sides, and the
-    semi-unbalanced solver itself tightly in test_semi_unbalanced_against_dense_dual.
-    """
+    """SamplesLoss(reach_x=..., reach_y=None, tol=1e-12): value and potentials = dense optimum,
+    gradients = the envelope gradients (GeomLoss' would be (rho + eps/2) / (rho + eps) of them on
+    the relaxed side)."""
     reach, blur = 0.2, 0.6
     rho, eps = reach**2, blur**2
     x, y, a, b = _clouds(n=12, m=14, seed=9)
-    kw = dict(p=2, blur=blur, reach_x=reach, reach_y=None, debias=False, scaling=0.99, backend="tensorized")
+    kw = dict(p=2, blur=blur, reach_x=reach, reach_y=None, debias=False, tol=1e-12, max_iter=20_000,
+              backend="tensorized")
     xx, yy = x.clone().requires_grad_(), y.clone().requires_grad_()
     v = SamplesLoss("sinkhorn", **kw)(a, xx, b, yy)
     gx, gy = torch.autograd.grad(v, [xx, yy])
     F, G = SamplesLoss("sinkhorn", potentials=True, **kw)(a, x, b, y)
     C = 0.5 * ((x[:, None] - y[None]) ** 2).sum(-1)
     f_ref, g_ref, D_ref, P_ref = _dense_reference(C.numpy(), a.numpy(), b.numpy(), eps, rho, None)
-    assert abs(float(v.detach()) - D_ref) < 2e-3 * abs(D_ref)
+    assert abs(float(v.detach()) - D_ref) < 1e-8 * abs(D_ref)
     scale = np.abs(g_ref).max()
-    assert np.abs(F.numpy() - f_ref).max() < 2e-3 * scale and np.abs(G.numpy() - g_ref).max() < 2e-3 * scale
+    assert np.abs(F.numpy() - f_ref).max() < 1e-6 * scale and np.abs(G.numpy() - g_ref).max() < 1e-6 * scale
     P = torch.from_numpy(P_ref)
     gx_env = P.sum(1, keepdim=True) * x - P @ y
     gy_env = P.sum(0)[:, None] * y - P.T @ x
-    assert _rel(gx, (rho + eps / 2) / (rho + eps) * gx_env) < 2e-2
-    assert _rel(gy, gy_env) < 2e-2
-    # the relaxed side's factor is really there (not the plain envelope gradient)
-    assert _rel(gx, gx_env) > 0.1
+    assert _rel(gx, gx_env) < 1e-6
+    assert _rel(gy, gy_env) < 1e-6
 
 
 def test_reach_xy_equal_is_reach():

@@ -12,7 +12,10 @@ Two small frozen configs, passed as ``acceleration=`` to :func:`flashot.solve_sa
 * :class:`Anderson` ``(m)``: Anderson (type II) extrapolation over the last ``m``
   iterates of the fixed-point map (``g -> S_y(S_x(g))`` for alternating updates,
   ``(f, g) -> averaged step`` for symmetric ones), solved per problem of the batch
-  with a small regularised least-squares system.
+  with a small regularised least-squares system whose residuals are weighted by the
+  points' weights (the norm of the marginal error: a point of weight 1e-28 whose
+  potential still moves would otherwise steer the extrapolation; unweighted, a 1-D
+  Gaussian grid at reg = 1.1e-5 cmax stalled at a 25x larger error than plain Sinkhorn).
 
 Both act on potentials (logs of the scalings): they never leave the log domain.
 Safeguard: an accelerated candidate with non-finite entries is replaced by the plain
@@ -145,13 +148,15 @@ class Anderson:
             raise ValueError(f"Anderson.reg: expected a finite number >= 0, got {r!r}")
 
 
-def check_acceleration(acc):
-    """Validate the ``acceleration`` argument (None, Momentum or Anderson)."""
-    if acc is None or isinstance(acc, (Momentum, Anderson)):
+def check_acceleration(acc, allow_auto: bool = False):
+    """Validate the ``acceleration`` argument (None, Momentum or Anderson; ``"auto"`` where the front end
+    chooses, see :func:`flashot.solve_sample`)."""
+    if acc is None or isinstance(acc, (Momentum, Anderson)) or (allow_auto and acc == "auto"):
         return acc
     if isinstance(acc, str):
+        auto = "'auto', " if allow_auto else ""
         raise TypeError(
-            f"acceleration: expected None, flashot.Momentum(omega=...) or flashot.Anderson(m=...), "
+            f"acceleration: expected {auto}None, flashot.Momentum(omega=...) or flashot.Anderson(m=...), "
             f"got the string {acc!r}"
         )
     raise TypeError(
@@ -244,7 +249,7 @@ class Accelerator:
         """Replace non-finite rows of an over-relaxed candidate by the plain step."""
         return torch.where(self._finite(cand).unsqueeze(-1), cand, plain)
 
-    def extrapolate(self, z: Tensor, tz: Tensor, err: Tensor, eps: float) -> Tensor:
+    def extrapolate(self, z: Tensor, tz: Tensor, err: Tensor, eps: float, weights: Tensor | None = None) -> Tensor:
         ok, worse = self._accept(err, eps)
         if self.start is None or not self.X:
             self.start = torch.full_like(err, self.count, dtype=torch.long)
@@ -271,6 +276,9 @@ class Accelerator:
         dR = (R[..., 1:] - R[..., :-1]) * valid.unsqueeze(1)
         dT = (T[..., 1:] - T[..., :-1]) * valid.unsqueeze(1)
         r = R[..., -1:]
+        if weights is not None:  # least squares in the norm the error uses: each potential by its weight
+            sw = weights.sqrt().unsqueeze(-1)
+            dR, r = dR * sw, r * sw
         G = self._reduce(dR.transpose(-1, -2) @ dR)  # (B, k-1, k-1): inner products over all the potentials
         scale = G.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(G.dtype).tiny)
         lam = (self.cfg.reg + 1e-14) * scale

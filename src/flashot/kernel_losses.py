@@ -49,9 +49,9 @@ def _engine_for(name: str, m: Measures, backend: str):
     return get_engine("tiled", device=m.x.device, dtype=m.x.dtype, cost=m.cost)
 
 
-def kernel_loss(name: str, m: Measures, blur: float, backend: str, potentials: bool, clamp: bool):
+def kernel_loss(name: str, m: Measures, blur: float, backend: str, potentials: bool):
     """GeomLoss' kernel norm ``1/2 |a - b|_k^2`` (B,), or its potentials ``(k ⋆ (a - b), k ⋆ (b - a))``."""
-    spec = kernel_spec(name, blur, clamp)
+    spec = kernel_spec(name, blur)
     eng = _engine_for(name, m, backend)
     x, y, a, b = m.x, m.y, m.a, m.b
     ax, bx = kernel_sum(x, x, a, spec, eng), kernel_sum(x, y, b, spec, eng)

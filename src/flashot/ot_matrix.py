@@ -7,7 +7,7 @@ the same solver, options and :class:`~flashot.OTResult` as :func:`~flashot.solve
 is dense (torch or numpy) or lazy (:mod:`flashot.matrix_cost`: e.g. a ``numpy.memmap`` larger
 than memory, read one tile at a time by the ``tiled`` engine).
 
-Gradients with respect to a dense torch ``M``: ``value`` (balanced) and ``value_dual`` have
+Gradients with respect to a dense torch ``M``: ``value`` and ``value_dual`` have
 :math:`\partial / \partial M = P` (envelope theorem); :func:`sinkhorn2`'s
 :math:`\langle M, P\rangle` has the implicit derivative
 :math:`P \odot (1 + (u \oplus v - M) / \varepsilon)` with :math:`(u, v)` the solution of the
@@ -49,7 +49,7 @@ def solve(
     backend: str = "auto",
     callback=None,
     inner_iterations: int = 10,
-    acceleration=None,
+    acceleration="auto",
     eps_scaling: bool | float | None = None,
 ) -> OTResult:
     """Entropic OT on a precomputed cost matrix, POT's ``ot.solve(M, a, b, reg=...)``.
@@ -95,7 +95,7 @@ def solve(
     if opts.grad == "detach" or not torch.is_grad_enabled() or not isinstance(M, Tensor):
         return res
     if M.requires_grad:
-        _attach_cost_grad(res, M, m, opts.unbalanced)
+        _attach_cost_grad(res, M, m)
     if M.requires_grad or m.a.requires_grad or m.b.requires_grad:
         if opts.unbalanced:
             res.__dict__["value_linear"] = _RefuseGrad.apply(m.restore(res.plan.cost_sum()), M, m.a, m.b)
@@ -118,11 +118,11 @@ class _RefuseGrad(torch.autograd.Function):
                                   "(balanced problems only); differentiate value_dual instead")
 
 
-def _attach_cost_grad(res: OTResult, M: Tensor, m, unbalanced: bool) -> None:
-    """Give ``value_dual`` (and ``value`` when balanced) the envelope gradient ``P`` in ``M``."""
+def _attach_cost_grad(res: OTResult, M: Tensor, m) -> None:
+    """Give ``value`` and ``value_dual`` the envelope gradient ``P`` in ``M``."""
     P = _DensePlan(res, m)
-    res.value_dual = _CostEnvelope.apply(res.value_dual, M, P, True)
-    res.value = _CostEnvelope.apply(res.value, M, P, not unbalanced)
+    res.value_dual = _CostEnvelope.apply(res.value_dual, M, P)
+    res.value = _CostEnvelope.apply(res.value, M, P)
 
 
 class _DensePlan:
@@ -139,22 +139,18 @@ class _DensePlan:
 
 
 class _CostEnvelope(torch.autograd.Function):
-    """``value`` unchanged; its gradient in ``M`` is ``G P`` (``exact=False``: raises, see :func:`solve`)."""
+    """``value`` unchanged; its gradient in ``M`` is ``G P`` (the envelope theorem)."""
 
     @staticmethod
-    def forward(ctx, value, M, plan, exact):
-        ctx.plan, ctx.exact, ctx.shape, ctx.dtype = plan, exact, M.shape, M.dtype
+    def forward(ctx, value, M, plan):
+        ctx.plan, ctx.shape, ctx.dtype = plan, M.shape, M.dtype
         return value.clone()
 
     @staticmethod
     def backward(ctx, G):
-        if not ctx.exact:
-            raise NotImplementedError(
-                "the gradient of value with respect to M for an unbalanced problem: value follows POT's convention "
-                "(mass-less KL terms) and has no envelope gradient; differentiate value_dual instead")
         P = ctx.plan()
         G3 = G.reshape(-1, 1, 1) if G.dim() <= 1 else G
-        return G, (G3 * P).reshape(ctx.shape).to(ctx.dtype), None, None
+        return G, (G3 * P).reshape(ctx.shape).to(ctx.dtype), None
 
 
 def sinkhorn(a, b, M, reg: float, method: str = "sinkhorn", numItermax: int = 1000, stopThr: float = 1e-9,

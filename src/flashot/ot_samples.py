@@ -2,17 +2,16 @@ r"""``solve_sample``: entropic OT between point clouds, POT / GeomLoss style.
 
 Solves :math:`\min_P \langle C, P\rangle + \varepsilon\, \mathrm{KL}(P \,|\, a \otimes b)`
 over couplings of ``a`` and ``b``, with ``C(x, y) = |x - y|^2`` by default and
-``reg`` :math:`= \varepsilon`.  The value is returned in POT's convention; at
-convergence it equals :math:`\langle f, a\rangle + \langle g, b\rangle`.
-With ``unbalanced=`` the marginal constraints become KL penalties
-(:mod:`flashot.unbalanced`), on one side only for ``unbalanced=(rho, None)``.
+``reg`` :math:`= \varepsilon`.  The value is POT's (balanced problems); at convergence it
+equals :math:`\langle f, a\rangle + \langle g, b\rangle`.  With ``unbalanced=`` the marginal
+constraints become KL penalties (:mod:`flashot.unbalanced`), on one side only for
+``unbalanced=(rho, None)``, and the value is the objective with generalised KL terms at the
+returned plan (POT 0.9 drops the KL terms' masses there).
 """
 
 from __future__ import annotations
 
 import math
-
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
@@ -34,9 +33,10 @@ from ._checks import (
 from .measures import Measures
 from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
 from .plan import LazyPlan
-from .acceleration import check_acceleration
+from .schedules import Schedule
+from .acceleration import Anderson, check_acceleration
 from .solver import IterationRecord, SinkhornState, final_step, sinkhorn_loop
-from .unbalanced import dual_value, parse_unbalanced, pot_value, warn_on_second_order
+from .unbalanced import dual_value, parse_unbalanced, primal_value, warn_on_second_order
 
 METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
 
@@ -57,7 +57,9 @@ class OTResult:
         value_dual: the optimal value with generalised KL divergences (mass terms included),
             ``min <C, P> + reg KL(P|a x b) + rho_a KL(P 1|a) + rho_b KL(P^T 1|b)``, from the dual;
             exact envelope gradients.  Equals ``value`` for balanced problems.  For unbalanced
-            ones ``value`` follows POT (mass-less KL terms, see :func:`flashot.unbalanced.pot_value`).
+            ones ``value`` is that objective evaluated at the returned plan (the two agree at
+            convergence), with the same gradients (:func:`flashot.unbalanced.primal_value`); POT 0.9
+            drops the KL terms' masses there, which makes its value 0 when both sides are relaxed.
         unbalanced: ``(rho_a, rho_b)`` (None = strict side), or None when balanced.
         multiscale: with ``backend="multiscale"``, the :class:`~flashot.multiscale.MultiscaleRun`
             (``kept``: the kept fraction of the pairs at each pruning; clusters), else None.
@@ -178,7 +180,7 @@ def solve_sample(
     backend: str = "auto",
     callback: Callable[[IterationRecord], bool | None] | None = None,
     inner_iterations: int = 10,
-    acceleration=None,
+    acceleration="auto",
     verbose: bool = False,
     implicit: ImplicitDiff | None = None,
     eps_scaling: bool | float | None = None,
@@ -240,9 +242,10 @@ def solve_sample(
         potentials_init: ``(f, g)`` warm start (same shapes as the returned potentials).
         unbalanced: KL marginal penalties (POT's ``unbalanced`` / ``reg_m``): a number ``rho``
             for both sides, or a pair ``(rho_a, rho_b)`` where None (or inf) keeps that
-            marginal strict (semi-unbalanced).  ``value`` follows POT's convention (the primal
-            at the plan with mass-less KL terms); ``value_dual`` is the optimum with generalised
-            KL terms (exact envelope gradients).  ``potentials`` are ``(f, g)`` = ``reg`` times
+            marginal strict (semi-unbalanced).  ``value`` is the objective with generalised KL
+            terms at the returned plan, ``value_dual`` the dual optimum (equal at convergence; both
+            with exact envelope gradients).  POT 0.9's ``value`` drops the KL terms' masses (0 when
+            both sides are relaxed): flashot does not follow it there.  ``potentials`` are ``(f, g)`` = ``reg`` times
             POT's ``(log u, log v)``; the plan is POT's ``u_i a_i K_ij b_j v_j``.
         unbalanced_type: only ``"KL"``.
         callback: called with an :class:`~flashot.solver.IterationRecord` after each
@@ -250,17 +253,22 @@ def solve_sample(
             solve (``converged=False``, ``stopped=True``, no warning).
         inner_iterations: read the error (one device sync) every this many iterations (>= 1,
             default 10) and at the last one; ``tol`` is checked there.
-        acceleration: None, :class:`flashot.Momentum` ``(omega)`` or :class:`flashot.Anderson` ``(m)``
-            (log-domain, safeguarded; see :mod:`flashot.acceleration`).
+        acceleration: ``"auto"`` (default), None, :class:`flashot.Momentum` ``(omega)`` or
+            :class:`flashot.Anderson` ``(m)`` (log-domain, safeguarded; see :mod:`flashot.acceleration`).
+            ``"auto"``: :class:`~flashot.Anderson` with alternating updates at ``reg < 3e-3 cmax`` (``cmax``
+            the largest cost), where plain iterations stall (60 x 50 uniform points, reg = 1e-3 cmax: plain
+            Sinkhorn ended 1,000 iterations at error 4e-5, eps-scaling with Anderson converged to 1e-6 in
+            140; ``docs/exactness.md``), none elsewhere; None: plain iterations.  Any acceleration
+            combines with ``eps_scaling`` (its history restarts at every change of eps).
         verbose: progress bar (tqdm if installed, else stderr lines) with iteration, eps, error.
         eps_scaling: epsilon-scaling: iterations at ``eps = cmax, cmax/2, cmax/4, ...`` (3 at each,
             ``cmax`` the largest cost) warm-start the ones at ``reg``; they count in ``max_iter``
             and ``tol`` is only checked at ``reg`` (also after the first two steps, which run at
             ``reg``: a problem they solve stops there).  ``None`` (default): on when ``reg < 3e-3
-            cmax`` with alternating updates, no ``potentials_init`` and no ``acceleration`` (there it needed up to 2.5x fewer
+            cmax`` with alternating updates and no ``potentials_init`` (there it needed up to 2.5x fewer
             iterations and fixed 21 of 24 GeomLoss convex-gradient plans at reg = 1e-3; above it
             it costs iterations); ``True``/``False``: on/off; a number in (0, 1): on, with that
-            ratio.  Not with ``acceleration``.
+            ratio.
         implicit: :class:`~flashot.ImplicitDiff` settings (CG tolerance, iterations, ridge) of the
             second derivatives of ``value`` (``create_graph=True``, e.g. Hessian-vector products;
             balanced problems).
@@ -370,7 +378,7 @@ class SolveOptions:
 
 def solve_options(reg, *, reg_type="KL", unbalanced=None, unbalanced_type="KL", lazy=None, batch_size=None,
                   method="auto", n_threads=None, max_iter=None, tol=1e-6, grad="autodiff", callback=None,
-                  inner_iterations=10, acceleration=None, verbose=False, implicit=None, eps_scaling=None,
+                  inner_iterations=10, acceleration="auto", verbose=False, implicit=None, eps_scaling=None,
                   exact_hint: str = "POT") -> SolveOptions:
     """Validate and map the options shared by :func:`solve_sample` and :func:`flashot.solve` (POT's
     names accepted), before any heavy work."""
@@ -388,7 +396,7 @@ def solve_options(reg, *, reg_type="KL", unbalanced=None, unbalanced_type="KL", 
     rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type) if unbalanced is not None else (None, None)
     inner_iterations = check_int("inner_iterations", inner_iterations)
     eps_scaling = _check_eps_scaling(eps_scaling)
-    acceleration = check_acceleration(acceleration)
+    acceleration = check_acceleration(acceleration, allow_auto=True)
     if (rho_a is not None or rho_b is not None) and implicit is not None:
         raise NotImplementedError("implicit= (second derivatives) supports balanced OT only; use unbalanced=None")
     implicit = check_implicit(implicit)
@@ -404,11 +412,11 @@ def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy:
         _check_equal_masses(m)
     init = None if potentials_init is None else _check_init(potentials_init, m)
     symmetric = METHODS[o.method]
-    head = _scaling_head(m, reg, o.eps_scaling, init, o.acceleration, symmetric)
+    head = _scaling_head(m, reg, o.eps_scaling, init, symmetric)
     st: SinkhornState = sinkhorn_loop(
-        m, _Schedule(reg, o.max_iter, head), symmetric=symmetric, tol=o.tol, init=init, callback=o.callback,
-        rho_x=o.rho_a, rho_y=o.rho_b, inner_iterations=o.inner_iterations, acceleration=o.acceleration,
-        verbose=o.verbose,
+        m, Schedule(reg, o.max_iter, head), symmetric=symmetric, tol=o.tol, init=init, callback=o.callback,
+        rho_x=o.rho_a, rho_y=o.rho_b, inner_iterations=o.inner_iterations,
+        acceleration=_acceleration(m, reg, o.acceleration, symmetric), verbose=o.verbose,
     )
     return _result(m, st, o, numpy)
 
@@ -417,15 +425,18 @@ def _result(m: Measures, st: SinkhornState, o: SolveOptions, numpy: bool) -> OTR
     """The :class:`OTResult` of a finished loop: the final step, values, potentials and the lazy plan."""
     reg = o.reg
     f, g, _, _ = final_step(m, st, rho_x=o.rho_a, rho_y=o.rho_b)
+    plan = LazyPlan(m, f, g, reg, numpy=numpy)
     if o.unbalanced:  # m.full: the whole vectors when the points are split over ranks (else the same)
-        value = warn_on_second_order(pot_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b))
-        value_dual = warn_on_second_order(dual_value(*m.full("xyxy", m.a, m.b, f, g), reg, o.rho_a, o.rho_b))
+        r, c = plan.raw_marginals()
+        full = m.full("xyxyxy", m.a, m.b, f, g, r, c)
+        value = warn_on_second_order(primal_value(*full, reg, o.rho_a, o.rho_b))
+        value_dual = warn_on_second_order(dual_value(*full[:4], reg, o.rho_a, o.rho_b))
     else:  # points-sharded too: summed over the ranks, each rank's gradients its slices
         value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
     res = OTResult(
         value=None,
         potentials=(None, None),
-        plan=LazyPlan(m, f, g, reg, numpy=numpy),
+        plan=plan,
         n_iter=st.n_iter,
         converged=st.converged,
         error=st.error,
@@ -450,7 +461,7 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
     from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule
 
     refused = [name for name, bad in (("potentials_init", potentials_init is not None),
-                                      ("acceleration", o.acceleration is not None)) if bad]
+                                      ("acceleration", o.acceleration not in (None, "auto"))) if bad]
     if refused:
         raise NotImplementedError(f"backend='multiscale' does not support {', '.join(refused)} yet; use backend='auto'")
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend="auto", names=("a", "X_a", "b", "X_b"))
@@ -472,7 +483,7 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
     symmetric = METHODS[o.method]
 
     def loop(fine: Measures, st: SinkhornState) -> SinkhornState:
-        return sinkhorn_loop(fine, _Schedule(o.reg, o.max_iter), symmetric=symmetric, tol=o.tol, init=(st.f, st.g),
+        return sinkhorn_loop(fine, Schedule(o.reg, o.max_iter), symmetric=symmetric, tol=o.tol, init=(st.f, st.g),
                              rho_x=o.rho_a, rho_y=o.rho_b, callback=o.callback, inner_iterations=o.inner_iterations,
                              verbose=o.verbose)
 
@@ -529,25 +540,6 @@ def _check_equal_masses(m: Measures) -> None:
         )
 
 
-class _Schedule(Sequence):
-    """``head + [value] * (n - len(head))`` without the list (``max_iter`` may be large): an
-    epsilon-scaling ``head`` (possibly empty), then ``value`` = reg."""
-
-    def __init__(self, value: float, n: int, head: Sequence[float] = ()):
-        self.value, self.n, self.head = value, n, list(head)[: max(n - 1, 0)]
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(self.n))]
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        i = i % self.n
-        return self.head[i] if i < len(self.head) else self.value
-
-
 # eps-scaling: the first eps is the largest cost (an upper bound, Measures.cmax), each next one
 # EPS_SCALING_RATIO times the previous, EPS_SCALING_STEPS iterations each, until reg; with
 # eps_scaling=None it is used when reg < EPS_SCALING_AUTO * cmax and no potentials_init is given.
@@ -570,14 +562,23 @@ def _check_eps_scaling(v) -> float | None:
     return float(v)
 
 
-def _scaling_head(m: Measures, reg: float, ratio: float | None, init, acceleration, symmetric: bool) -> list[float]:
+def _small_eps(m: Measures, reg: float, symmetric: bool) -> bool:
+    """Alternating updates at ``reg < EPS_SCALING_AUTO * cmax``: where the defaults add eps-scaling and Anderson."""
+    return not symmetric and reg < EPS_SCALING_AUTO * m.cmax
+
+
+def _acceleration(m: Measures, reg: float, acceleration, symmetric: bool):
+    """``acceleration="auto"``: Anderson at small eps (alternating updates, ``reg < EPS_SCALING_AUTO * cmax``),
+    none elsewhere: there it converged where plain iterations did not (docs/exactness.md)."""
+    if not (isinstance(acceleration, str) and acceleration == "auto"):
+        return acceleration
+    return Anderson() if _small_eps(m, reg, symmetric) else None
+
+
+def _scaling_head(m: Measures, reg: float, ratio: float | None, init, symmetric: bool) -> list[float]:
     """The temperatures run before the ones at ``reg`` (empty when eps-scaling is off)."""
     if ratio is None:  # auto
-        auto = init is None and acceleration is None and not symmetric and reg < EPS_SCALING_AUTO * m.cmax
-        ratio = EPS_SCALING_RATIO if auto else 0.0
-    elif ratio > 0 and acceleration is not None:
-        raise ValueError("eps_scaling and acceleration: use one of them (extrapolating across changes of eps "
-                         "diverges); eps_scaling=None picks the schedule only without acceleration")
+        ratio = EPS_SCALING_RATIO if init is None and _small_eps(m, reg, symmetric) else 0.0
     if ratio == 0.0 or not math.isfinite(m.cmax) or m.cmax <= reg:
         return []
     head, eps = [reg, reg], float(m.cmax)  # two steps at reg first: a problem they solve stops there

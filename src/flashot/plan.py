@@ -154,6 +154,11 @@ class LazyPlan:
         out = self._apply_raw(self._ones())
         return self._finish(out[..., 0])
 
+    def raw_marginals(self) -> tuple[Tensor, Tensor]:
+        """``(P 1, P^T 1)`` as the engine computes them, (B, N) and (B, M), on this process's points (a
+        collective in points-sharded mode), without the input's dtype or batch axis restored."""
+        return self._apply_raw(self._ones())[..., 0], self.T._apply_raw(self.T._ones())[..., 0]
+
     def _apply_raw(self, V3, weight: Weight = "plan"):
         x, y, alpha, beta = self._sides()
         with torch.no_grad():

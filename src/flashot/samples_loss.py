@@ -16,19 +16,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import check_bool, check_eps_scale, check_positive, check_power
+from ._checks import check_bool, check_eps_scale, check_int, check_positive, check_power
 from .implicit import check_implicit, sinkhorn_value
 from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_loss
 from .matrix_cost import function_measures
-from .multiscale import MultiscaleConfig, MultiscaleRun, multiscale_loop, unsort
+from .multiscale import MultiscaleConfig, MultiscaleRun, continue_fine, multiscale_loop, unsort
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
-from .schedules import epsilon_scaling, max_diameter
-from .solver import final_step, final_values, sinkhorn_loop
+from .schedules import Schedule, continued, epsilon_scaling, max_diameter
+from .solver import SinkhornState, final_step, final_values, sinkhorn_loop
 from .unbalanced import (
-    geomloss_debiased,
-    geomloss_debiased_two_sided,
-    geomloss_value,
+    debiased_dual_value,
+    debiased_dual_value_two_sided,
+    dual_value,
     parse_reach,
     self_terms_final,
     warn_on_second_order,
@@ -124,7 +124,9 @@ class SamplesLoss(torch.nn.Module):
         p: 1 (``C = |x - y|``) or 2 (``C = |x - y|^2 / 2``).
         blur: final temperature ``eps = blur^p`` (> 0).
         reach: unbalanced OT: KL marginal penalties of strength ``rho = reach^p`` on both
-            sides (None: balanced).  Values, potentials and gradients follow GeomLoss.
+            sides (None: balanced).  Values and potentials are GeomLoss' (for probability
+            measures); gradients are the exact ones, where GeomLoss' are ``(rho + eps/2) / (rho + eps)``
+            of them on the points (:mod:`flashot.unbalanced`, ``docs/coming_from.md``).
         reach_x: (keyword-only) semi-unbalanced OT: a KL penalty ``rho_x = reach_x^p`` on the
             ``x`` marginal only (None: a strict constraint on that side; not with ``reach``).
             Same formulas as ``reach``, extended with ``<a, f>`` for a strict side.  With
@@ -135,8 +137,8 @@ class SamplesLoss(torch.nn.Module):
             (None: strict); ``reach_x=None, reach_y=r`` keeps ``P 1 = a`` and penalises ``P^T 1``.
         diameter: start of the epsilon-scaling; computed from the data if None.
         scaling: ratio of the epsilon-scaling, in (0, 1).
-        debias: return ``S(a, b)`` (True) or ``OT_eps(a, b)`` (False).  Unbalanced:
-            GeomLoss' ``sinkhorn_cost`` formulas.
+        debias: return ``S(a, b)`` (True) or ``OT_eps(a, b)`` (False).  Unbalanced: each ``OT`` is
+            the exact dual value (GeomLoss' ``sinkhorn_cost`` for probability measures).
         potentials: return the dual potentials ``(F, G)`` instead of the value.
         cost: GeomLoss' tensorized cost function (``"sinkhorn"``, ``"hausdorff"``): ``cost(x, y)`` maps
             (B, N, D) and (B, M, D) points to a (B, N, M) matrix (``p`` then only sets ``eps = blur^p``
@@ -183,6 +185,13 @@ class SamplesLoss(torch.nn.Module):
             (every rank passes only its slice of the points and weights; the slices travel around a ring of
             the ranks).  With ``"points"`` the value is the whole problem's (same on every rank), the
             potentials and gradients this rank's slices; ``warm_start`` caches this rank's slices.
+        tol: None (default): GeomLoss' schedule, which visits ``eps = blur^p`` once and stops, as GeomLoss
+            does (its value can be percents away from the converged one at small blur:
+            ``docs/exactness.md``).  A number: after the schedule, symmetric iterations continue at
+            ``blur^p`` until the error of every potential (debiasing ones included) is below ``tol`` (L1
+            marginal error; potential change / eps with ``reach``), on every engine and with
+            ``backend="multiscale"`` (on its pruned blocks); a ``RuntimeWarning`` if ``max_iter`` ends first.
+        max_iter: with ``tol``: the most iterations at ``blur^p`` after the schedule (default 1000).
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
     (B, N, D) points and (N,) / (B, N) weights.  Balanced (no ``reach``) weights whose total
@@ -223,6 +232,8 @@ class SamplesLoss(torch.nn.Module):
         warm_start: bool | float = False,
         group=None,
         shard: str = "replicated",
+        tol: float | None = None,
+        max_iter: int = 1000,
     ):
         super().__init__()
         if not isinstance(loss, str):
@@ -292,6 +303,11 @@ class SamplesLoss(torch.nn.Module):
             from .distributed import check_shard
             check_shard(shard, group)
         self.group, self.shard = group, shard
+        self.tol = check_positive("tol", tol, allow_none=True)
+        self.max_iter = check_int("max_iter", max_iter, minimum=1)
+        if self.tol is not None and loss != "sinkhorn":
+            raise ValueError(f"tol: only loss='sinkhorn' iterates (loss={loss!r} is computed in one pass); "
+                             "drop tol")
         self._warm_cache = None
         self.last_n_iter = None
         self.last_multiscale = None
@@ -355,16 +371,13 @@ class SamplesLoss(torch.nn.Module):
             m = function_measures(self.cost, x, y, a_in, b_in, sides=sides, detach_second=True,
                                   names=("α", "x", "β", "y"))
         else:
-            cost = _P_COSTS[self.p]
-            if self.p == 1 and self.backend == "tensorized":
-                cost = "euclidean_geomloss"  # reproduce GeomLoss' clamp of |x-y|^2 at 1e-8
-            m = self._measures(x, y, a_in, b_in, cost)
+            m = self._measures(x, y, a_in, b_in, _P_COSTS[self.p])
             if self.group is not None and self.shard == "replicated":  # one problem over the ranks of a group
                 from .distributed import distribute_measures
 
                 distribute_measures(m, self.group, {k: repr(getattr(self, k)) for k in (
                     "p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling", "debias", "potentials",
-                    "backend", "warm_start", "cluster_scale", "truncate")})
+                    "backend", "warm_start", "cluster_scale", "truncate", "tol", "max_iter")})
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
         diameter = self.diameter if self.diameter is not None else (
@@ -383,8 +396,7 @@ class SamplesLoss(torch.nn.Module):
         elif self.warm_start is not None:
             st = warm_loop(self, m, eps_list)
         else:
-            st = sinkhorn_loop(m, eps_list, symmetric=True, debias=self.debias, verbose=self.verbose)
-            self.last_n_iter = st.n_iter
+            st = self._loop(m, eps_list)
         if not self.potentials and self.cost is None:  # barycentres: envelope gradients without plan products
             f, g, f_aa, g_bb, bary = final_values(m, st)
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit, bary=bary))
@@ -406,8 +418,20 @@ class SamplesLoss(torch.nn.Module):
             return False  # two-sided self problems: single-scale only
         return auto_multiscale(m, self.p, self.blur, diameter)
 
+    def _loop(self, m: Measures, eps_list, rx: float | None = None, ry: float | None = None, init=None,
+              init_self=None) -> SinkhornState:
+        """GeomLoss' symmetric iterations over ``eps_list``; with ``tol``, continued at its last temperature
+        until the error (every potential's, self problems included) is below ``tol`` (at most ``max_iter``
+        more iterations)."""
+        sched = eps_list if self.tol is None else continued(eps_list, self.max_iter)
+        st = sinkhorn_loop(m, sched, symmetric=True, debias=self.debias, rho_x=rx, rho_y=ry, tol=self.tol,
+                           init=init, init_self=init_self, verbose=self.verbose)
+        self.last_n_iter = st.n_iter
+        return st
+
     def _multiscale(self, m: Measures, eps_list, diameter: float, rho: tuple = (None, None)) -> MultiscaleRun:
-        """GeomLoss' coarse-to-fine schedule (:mod:`flashot.multiscale`, marginal penalties ``rho``);
+        """GeomLoss' coarse-to-fine schedule (:mod:`flashot.multiscale`, marginal penalties ``rho``), then with
+        ``tol`` the iterations at the last temperature on the pruned points (:func:`~flashot.multiscale.continue_fine`);
         ``L.last_multiscale`` keeps the run (clusters, kept fractions of the pairs)."""
         if m.batched:
             raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
@@ -415,7 +439,15 @@ class SamplesLoss(torch.nn.Module):
         run = multiscale_loop(m, eps_list, self.p, MultiscaleConfig(self.cluster_scale, self.truncate),
                               debias=self.debias, diameter=diameter, labels=self._labels, verbose=self.verbose,
                               group=self.group, rho=rho)
-        self.last_multiscale, self.last_n_iter = run, len(eps_list)
+        n_iter = len(eps_list)
+        if self.tol is not None:
+            def loop(fine: Measures, st: SinkhornState) -> SinkhornState:
+                return sinkhorn_loop(fine, Schedule(st.eps, self.max_iter), symmetric=True, debias=self.debias,
+                                     rho_x=rho[0], rho_y=rho[1], tol=self.tol, init=(st.f, st.g),
+                                     init_self=None if st.f_aa is None else (st.f_aa, st.g_bb), verbose=self.verbose)
+            run = continue_fine(run, loop)
+            n_iter += run.state.n_iter
+        self.last_multiscale, self.last_n_iter = run, n_iter
         return run
 
     def _measures(self, x, y, a_in, b_in, cost: str) -> Measures:
@@ -431,7 +463,7 @@ class SamplesLoss(torch.nn.Module):
         from .distributed import points_measures
 
         opts = {k: repr(getattr(self, k)) for k in ("p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling",
-                                                    "debias", "potentials", "backend", "warm_start",
+                                                    "debias", "potentials", "backend", "warm_start", "tol", "max_iter",
                                                     "implicit")}
         return points_measures(x, y, a_in, b_in, group=self.group, build=build, options=opts,
                                names=("x", "y", "α", "β"))
@@ -453,7 +485,7 @@ class SamplesLoss(torch.nn.Module):
         cost = ("half_sqeuclidean" if self.loss == "gaussian" else "euclidean") if kernel else _P_COSTS[self.p]
         m = self._measures(x, y, a_in, b_in, cost)
         if kernel:
-            out = kernel_loss(self.loss, m, self.blur, self.backend, self.potentials, clamp=self.backend == "tensorized")
+            out = kernel_loss(self.loss, m, self.blur, self.backend, self.potentials)
         else:
             check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
             out = hausdorff_loss(m, self.blur**self.p, self.potentials)
@@ -528,17 +560,14 @@ class SamplesLoss(torch.nn.Module):
             run = self._multiscale(m, eps_list, multiscale_diameter, rho=(rx, ry))
             m, st = run.m, run.state
         else:
-            st = sinkhorn_loop(
-                m, eps_list, symmetric=True, debias=self.debias, rho_x=rx, rho_y=ry, verbose=self.verbose
-            )
-            self.last_n_iter = st.n_iter
+            st = self._loop(m, eps_list, rx, ry)
         if st.g_aa is not None:  # debiasing with rho_x != rho_y: two-sided self problems
             f, g, _, _ = final_step(m, replace(st, f_aa=None, g_bb=None), rho_x=rx, rho_y=ry)
             f_aa, g_aa, f_bb, g_bb = self_terms_final(m, st, rx, ry)
             if self.potentials:
                 return self._potentials(m, f - 0.5 * (f_aa + g_aa), g - 0.5 * (f_bb + g_bb), a_in, b_in)
-            val = geomloss_debiased_two_sided(*m.full("xyxyxxyy", m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb),
-                                              st.eps, rx, ry)
+            val = debiased_dual_value_two_sided(*m.full("xyxyxxyy", m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb),
+                                                st.eps, rx, ry)
             return m.restore(warn_on_second_order(val))
         f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
         if self.potentials:
@@ -548,7 +577,7 @@ class SamplesLoss(torch.nn.Module):
                 f, g = unsort(f, run.cx.perm), unsort(g, run.cy.perm)
             return self._potentials(m, f, g, a_in, b_in)
         if self.debias:
-            val = geomloss_debiased(*m.full("xyxyxy", m.a, m.b, f, g, f_aa, g_bb), st.eps, rx, ry)
+            val = debiased_dual_value(*m.full("xyxyxy", m.a, m.b, f, g, f_aa, g_bb), st.eps, rx, ry)
         else:
-            val = geomloss_value(*m.full("xyxy", m.a, m.b, f, g), st.eps, rx, ry)
+            val = dual_value(*m.full("xyxy", m.a, m.b, f, g), st.eps, rx, ry)
         return m.restore(warn_on_second_order(val))

@@ -112,6 +112,13 @@ def _error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str, bal
     return m.reduce(_nan_as_inf((f_new - f_old).abs().amax(-1) / eps), "max")
 
 
+def _max_error(m: Measures, err: Tensor, balanced: bool, eps: float, *updates: tuple) -> Tensor:
+    """``err`` and the errors of the ``(old, new, side)`` updates, elementwise max, (B,)."""
+    for old, new, side in updates:
+        err = torch.maximum(err, _error(m, old, new, eps, side, balanced))
+    return err
+
+
 # Above this floor the error of a check says nothing useful (1% of the mass): no convergence.
 FLOOR_CAP = 1e-2
 
@@ -213,6 +220,9 @@ def sinkhorn_loop(
     want_err = tol is not None or callback is not None or progress.active
     B = a_log.shape[0]
     acc = None if acceleration is None else Accelerator(acceleration, B, a_log.device, a_log.dtype, m.reduce)
+    if acc is not None:  # Anderson's least squares weigh each potential by its point's weight (the error's norm)
+        wb = m.b.detach().to(a_log.dtype)
+        wz = torch.cat([m.a.detach().to(a_log.dtype), wb], -1)
     momentum = isinstance(acceleration, Momentum)
     anderson = isinstance(acceleration, Anderson)
     t0 = time.perf_counter()
@@ -261,11 +271,16 @@ def sinkhorn_loop(
                         gt_aa = ly * m.softmin_xx(m.h_a(f_aa, eps), eps)
                         ft_bb = lx * m.softmin_yy(m.h_b(g_bb, eps), eps)
                         gt_bb = ly * m.softmin_yy(m.h_b(f_bb, eps), eps)
+                        if need_err:  # the self problems must converge too: their errors count
+                            err_t = _max_error(m, err_t, balanced, eps, (f_aa, ft_aa, "x"), (g_aa, gt_aa, "x"),
+                                               (f_bb, ft_bb, "y"), (g_bb, gt_bb, "y"))
                         f_aa, g_aa = 0.5 * (f_aa + ft_aa), 0.5 * (g_aa + gt_aa)
                         f_bb, g_bb = 0.5 * (f_bb + ft_bb), 0.5 * (g_bb + gt_bb)
                     elif debias:
                         ft_aa = lx * m.softmin_xx(m.h_a(f_aa, eps), eps)
                         gt_bb = ly * m.softmin_yy(m.h_b(g_bb, eps), eps)
+                        if need_err:
+                            err_t = _max_error(m, err_t, balanced, eps, (f_aa, ft_aa, "x"), (g_bb, gt_bb, "y"))
                         f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
                     fp, gp = 0.5 * (f + ft), 0.5 * (g + gt)
                     if acc is None:
@@ -275,7 +290,7 @@ def sinkhorn_loop(
                         f = acc.momentum_guard(f + w * (fp - f), fp)
                         g = acc.momentum_guard(g + w * (gp - g), gp)
                     else:
-                        z = acc.extrapolate(torch.cat([f, g], -1), torch.cat([fp, gp], -1), err_t, eps)
+                        z = acc.extrapolate(torch.cat([f, g], -1), torch.cat([fp, gp], -1), err_t, eps, wz)
                         f, g = z[..., :N], z[..., N:]
                 else:
                     relaxed = momentum and it > 1  # g's update then needs the relaxed f
@@ -303,7 +318,7 @@ def sinkhorn_loop(
                     if relaxed:
                         gn = acc.momentum_guard(g + w * (gs - g), gs)
                     elif anderson:
-                        gn = acc.extrapolate(g, gs, err_y, eps)
+                        gn = acc.extrapolate(g, gs, err_y, eps, wb)
                         g_plain = gs  # returned instead of gn: (fs, gs) is a plain, consistent pair
                     else:
                         gn = gs

@@ -22,18 +22,19 @@ for a strict side).  The Sinkhorn fixed point is
 :math:`P 1 = a e^{-f/\rho_x}` (or :math:`a` for a strict side), so the mass of the
 plan is :math:`m_x = \langle a, e^{-f/\rho_x}\rangle = m_y`.
 
-Two value conventions:
+Values:
 
-* :func:`geomloss_value` (``SamplesLoss``): GeomLoss' ``sinkhorn_cost``,
-  :math:`\sum_{\text{sides}} (\rho + \varepsilon/2) \langle a, 1 - e^{-f/\rho}\rangle`, extended
-  to a strict side by :math:`\langle a, f\rangle`.  For probability measures this is the
-  dual value at the fixed point (the term :math:`\varepsilon(1 - m(P))` is split in halves,
-  and vanishes when one side is strict).  Gradients are plain autograd through it,
-  as in GeomLoss (whose ``UnbalancedWeight.backward`` is never called by torch), i.e.
-  :math:`(\rho + \varepsilon/2)/(\rho + \varepsilon)` times the envelope gradient on
-  the unbalanced sides.
-* :func:`dual_value` (``solve_sample``, POT semantics): the exact dual value for any
-  masses, with exact envelope-theorem gradients (see its docstring).
+* :func:`dual_value`: the exact dual value for any masses, with exact envelope-theorem
+  gradients (see its docstring); ``SamplesLoss`` (and :func:`debiased_dual_value` for its
+  Sinkhorn divergences) and ``OTResult.value_dual``.  For probability measures its number is
+  GeomLoss' ``sinkhorn_cost``, :math:`\sum_{\text{sides}} (\rho + \varepsilon/2) \langle a, 1 - e^{-f/\rho}\rangle`
+  (the term :math:`\varepsilon(1 - m(P))` split in halves), but GeomLoss' gradients are plain autograd
+  through that formula (its ``UnbalancedWeight.backward`` is never called by torch), i.e.
+  :math:`(\rho + \varepsilon/2)/(\rho + \varepsilon)` times the exact gradient on an unbalanced side:
+  flashot returns the exact one.
+* :func:`primal_value` (``solve_sample``'s ``value``): the objective above evaluated at the returned
+  plan, with the dual's (exact, envelope) gradients.  POT 0.9 reports the primal with mass-less
+  KL terms, which is identically 0 when both sides are relaxed: flashot does not follow it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["parse_unbalanced", "parse_reach", "geomloss_value", "geomloss_debiased", "dual_value"]
+__all__ = ["parse_unbalanced", "parse_reach", "dual_value", "debiased_dual_value",
+           "debiased_dual_value_two_sided", "primal_value"]
 
 SECOND_ORDER_WARNING = (
     "second derivatives (create_graph=True) of an unbalanced OT value are those of the final Sinkhorn step "
@@ -141,7 +143,6 @@ def parse_reach(reach, reach_x, reach_y, p: int) -> tuple[float | None, float | 
     return one("reach_x", reach_x), one("reach_y", reach_y)
 
 
-# -- GeomLoss' convention (SamplesLoss) ------------------------------------------------------
 # Every ``1 - exp(-f / rho)`` is written ``-expm1(-f / rho)``: at a large reach ``f / rho`` is tiny
 # (1e-9 at reach = 1e4, p = 2) and ``1 - exp(.)`` rounds to 0 in float32 (1e-3 off at reach = 100).
 def _one_minus_exp(f: Tensor, rho: float) -> Tensor:
@@ -149,31 +150,32 @@ def _one_minus_exp(f: Tensor, rho: float) -> Tensor:
     return -torch.expm1(-f / rho)
 
 
-def _gl_side(w: Tensor, f: Tensor, eps: float, rho: float | None) -> Tensor:
-    if rho is None:
-        return (w * f).sum(-1)
-    return (rho + eps / 2) * (w * _one_minus_exp(f, rho)).sum(-1)
-
-
-def geomloss_value(a, b, f, g, eps: float, rho_x: float | None, rho_y: float | None) -> Tensor:
-    """``OT_eps,rho(a, b)`` from the (final-step) potentials, GeomLoss' formula, (B,)."""
-    return _gl_side(a, f, eps, rho_x) + _gl_side(b, g, eps, rho_y)
-
-
-def _gl_debias_side(w, f_ab, f_aa, eps, rho):
-    """``(rho + eps/2) <w, exp(-f_aa/rho) - exp(-f_ab/rho)>``, as ``exp(-f_aa/rho) (1 - exp(-(f_ab - f_aa)/rho))``:
-    the difference of the potentials is taken first, then ``expm1`` (no cancellation of two ~1 terms)."""
+def _debias_side(w: Tensor, f_ab: Tensor, f_aa: Tensor, eps: float, rho: float | None) -> Tensor:
+    r"""One side of :func:`debiased_dual_value`: ``<w, f_ab - f_aa>`` for a strict side, else
+    :math:`(\rho + \varepsilon) D - \tfrac{\varepsilon}{2} D` with
+    :math:`D = \langle w, e^{-f_{aa}/\rho} (1 - e^{-(f_{ab} - f_{aa})/\rho})\rangle` and the second
+    term detached: the value is GeomLoss' :math:`(\rho + \varepsilon/2) D`, the gradient the exact
+    :math:`(\rho + \varepsilon) \partial D` (the derivative of :math:`\varphi - \varepsilon m` of the
+    two problems).  The difference of the potentials is taken first (no cancellation of two ~1 terms)."""
     if rho is None:
         return (w * (f_ab - f_aa)).sum(-1)
-    return (rho + eps / 2) * (w * torch.exp(-f_aa / rho) * _one_minus_exp(f_ab - f_aa, rho)).sum(-1)
+    D = (w * torch.exp(-f_aa / rho) * _one_minus_exp(f_ab - f_aa, rho)).sum(-1)
+    return (rho + eps) * D - 0.5 * eps * D.detach()
 
 
-def geomloss_debiased(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y) -> Tensor:
-    """``S(a, b) = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` (GeomLoss' ``sinkhorn_cost``), (B,),
-    for ``rho_x == rho_y`` (symmetric self problems, one potential each); see
-    :func:`geomloss_debiased_two_sided` otherwise.
+def debiased_dual_value(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y) -> Tensor:
+    r"""Sinkhorn divergence :math:`S(a, b) = D(a, b) - \tfrac12 D(a, a) - \tfrac12 D(b, b)`, (B,), each
+    :math:`D` the exact dual value of :func:`dual_value`, for ``rho_x == rho_y`` (symmetric self problems,
+    one potential each; :func:`debiased_dual_value_two_sided` otherwise).
+
+    For probability measures the value is GeomLoss' ``sinkhorn_cost``; the gradients are the exact envelope
+    gradients, where GeomLoss' are :math:`(\rho + \varepsilon/2)/(\rho + \varepsilon)` of them on an
+    unbalanced side (autograd through its value formula; its custom backward is never called).  The mass
+    terms add up to :math:`-\tfrac{\varepsilon}{2}(m(a) - m(b))^2` (0 for equal masses; GeomLoss omits it).
     """
-    return _gl_debias_side(a, f_ba, f_aa, eps, rho_x) + _gl_debias_side(b, g_ab, g_bb, eps, rho_y)
+    ma, mb = a.sum(-1), b.sum(-1)
+    return (_debias_side(a, f_ba, f_aa, eps, rho_x) + _debias_side(b, g_ab, g_bb, eps, rho_y)
+            - 0.5 * eps * (ma - mb) ** 2)
 
 
 def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
@@ -192,13 +194,13 @@ def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
     return f_aa, g_aa, f_bb, g_bb
 
 
-def geomloss_debiased_two_sided(a, b, f, g, f_aa, g_aa, f_bb, g_bb, eps, rho_x, rho_y) -> Tensor:
-    """``S = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` with every term an ``OT_{rho_x, rho_y}``
-    (GeomLoss' value formula for each), so ``S(a, a) = 0``.  Equals :func:`geomloss_debiased`
+def debiased_dual_value_two_sided(a, b, f, g, f_aa, g_aa, f_bb, g_bb, eps, rho_x, rho_y) -> Tensor:
+    """``S = D(a, b) - D(a, a)/2 - D(b, b)/2`` with every term the exact dual value of an
+    ``OT_{rho_x, rho_y}`` (:func:`dual_value`), so ``S(a, a) = 0``.  Equals :func:`debiased_dual_value`
     when ``rho_x == rho_y`` (then ``f_aa = g_aa`` and ``f_bb = g_bb``)."""
-    return (geomloss_value(a, b, f, g, eps, rho_x, rho_y)
-            - 0.5 * geomloss_value(a, a, f_aa, g_aa, eps, rho_x, rho_y)
-            - 0.5 * geomloss_value(b, b, f_bb, g_bb, eps, rho_x, rho_y))
+    return (dual_value(a, b, f, g, eps, rho_x, rho_y)
+            - 0.5 * dual_value(a, a, f_aa, g_aa, eps, rho_x, rho_y)
+            - 0.5 * dual_value(b, b, f_bb, g_bb, eps, rho_x, rho_y))
 
 
 # -- the exact dual (solve_sample) ---------------------------------------------------------
@@ -245,24 +247,37 @@ def dual_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
     return phi_x + phi_y + eps * (masses + gaps)
 
 
-def pot_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
-              rho_x: float | None, rho_y: float | None) -> Tensor:
-    r"""POT's ``value`` for unbalanced entropic OT (``ot.solve(..., unbalanced=...)``), (B,).
+def _kl(p: Tensor, q: Tensor) -> Tensor:
+    """Generalised KL, ``<p, log(p / q)> - m(p) + m(q)`` per problem (``0 log 0 = 0``)."""
+    pos = p > 0  # zero weights: no mass of the plan there either
+    t = torch.where(pos, p * (torch.log(torch.where(pos, p, 1)) - torch.log(torch.where(pos, q, 1))), 0)
+    return t.sum(-1) - p.sum(-1) + q.sum(-1)
 
-    POT evaluates the primal at its plan with *mass-less* KL terms,
-    ``<C, P> + eps <P, log(P / a x b)> + rho_x <P 1, log(P 1 / a)> + rho_y <P^T 1, log(P^T 1 / b)>``
-    (a strict side adds nothing).  For a Gibbs plan ``P = a b exp((f + g - C)/eps)`` the first
-    two terms add up to ``<P 1, f> + <P^T 1, g>``; at the fixed point an unbalanced side has
-    ``P 1 = a exp(-f/rho_x)``, so its penalty is ``-<P 1, f>`` and cancels, while a strict side
-    has ``P 1 = a``.  Hence POT's value is ``sum over strict sides of <a, f>``: ``<b, g>`` when
-    only ``a`` is relaxed, and identically 0 when both are (POT returns ~1e-15 there).
-    Gradients go through the final step only (POT's value is not a min over plans, so the
-    envelope theorem does not apply); ``OTResult.value_dual`` has exact gradients.
+
+def primal_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, r: Tensor, c: Tensor, eps: float,
+                 rho_x: float | None, rho_y: float | None) -> Tensor:
+    r"""The unbalanced objective at the plan :math:`P = a b e^{(f \oplus g - C)/\varepsilon}`, (B,):
+
+    .. math::
+        \langle C, P\rangle + \varepsilon \mathrm{KL}(P | a \otimes b)
+            + \rho_x \mathrm{KL}(P 1 | a) + \rho_y \mathrm{KL}(P^\top 1 | b)
+
+    (generalised KL; no term for a strict side), from the plan's marginals ``r = P 1`` and ``c = P^T 1``:
+    for a Gibbs plan the first two terms are :math:`\langle r, f\rangle + \langle c, g\rangle
+    - \varepsilon m(P) + \varepsilon m(a) m(b)`.  The gradients are those of :func:`dual_value` (equal
+    at the fixed point, where the primal is not differentiable in closed form without the plan):
+    the returned tensor is the dual plus the detached primal-dual gap.
+
+    POT 0.9 (``ot.solve(..., unbalanced=rho)``) evaluates the KL terms without their mass parts, which
+    makes its value 0 (up to rounding) whenever both sides are relaxed; this is the objective instead.
     """
-    zero = 0.0 * (f.sum(-1) + g.sum(-1))  # keeps the autograd graph: d value = 0 when both sides relax
-    v = zero
-    if rho_x is None:
-        v = v + (a * f).sum(-1)
-    if rho_y is None:
-        v = v + (b * g).sum(-1)
-    return v
+    d = dual_value(a, b, f, g, eps, rho_x, rho_y)
+    with torch.no_grad():
+        fd, gd, r, c = f.detach(), g.detach(), r.detach(), c.detach()
+        mass = 0.5 * (r.sum(-1) + c.sum(-1))
+        v = (r * fd).sum(-1) + (c * gd).sum(-1) - eps * mass + eps * a.sum(-1) * b.sum(-1)
+        if rho_x is not None:
+            v = v + rho_x * _kl(r, a.detach())
+        if rho_y is not None:
+            v = v + rho_y * _kl(c, b.detach())
+    return d + (v - d.detach())

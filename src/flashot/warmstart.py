@@ -47,6 +47,7 @@ import dataclasses
 
 import torch
 
+from .schedules import continued
 from .solver import SinkhornState, sinkhorn_loop
 
 DEFAULT_WARM_SCALE = 8.0
@@ -103,8 +104,12 @@ def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
     """The Sinkhorn loop of ``module`` (a SamplesLoss), warm-started from its cache when valid."""
     cache = getattr(module, "_warm_cache", None)
     key = _key(module, m)
+    tol = module.tol
+
+    def extended(sched):  # with tol: continued at the last temperature until the error is below tol
+        return sched if tol is None else continued(sched, module.max_iter)
     if _cold(m, cache, key):
-        st = sinkhorn_loop(m, eps_list, symmetric=True, debias=module.debias)
+        st = sinkhorn_loop(m, extended(eps_list), symmetric=True, debias=module.debias, tol=tol)
         n_iter = st.n_iter
     else:
         moved = _moved(m, cache)  # how far did the points move since the cached call?
@@ -112,13 +117,13 @@ def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
         tail = [e for e in eps_list if e <= start * (1 + 1e-12)]
         if len(tail) < 2:  # always at least one step at the final eps plus the extrapolation
             tail = eps_list[-2:]
-        st = sinkhorn_loop(m, tail, symmetric=True, init=(cache["f"], cache["g"]))
+        st = sinkhorn_loop(m, extended(tail), symmetric=True, init=(cache["f"], cache["g"]), tol=tol)
         n_iter = st.n_iter
         if module.debias:
             f_aa, g_bb = None, None
             for side in ("x", "y"):
                 h0 = cache["f_aa"] if side == "x" else cache["g_bb"]
-                ss = sinkhorn_loop(_self_measures(m, side), tail, symmetric=True, init=(h0, h0))
+                ss = sinkhorn_loop(_self_measures(m, side), extended(tail), symmetric=True, init=(h0, h0), tol=tol)
                 if side == "x":
                     f_aa = 0.5 * (ss.f + ss.g)
                 else:
