@@ -797,3 +797,18 @@ def test_block_and_coarse_scales_halve_to_their_limits():
     assert coarse_scale(x, x, 0.4, radius=0.01, max_cells=5000) == 0.025  # 6,400 cells at 0.0125
     assert coarse_scale(x, x, 0.4, radius=0.2, max_cells=5000) == 0.05  # a quarter of the radius
     assert coarse_scale(x, x, 0.1, radius=0.01, max_cells=50) == 0.1  # 400 cells at 0.05
+
+
+def test_converged_is_a_promise_about_the_returned_plan():
+    """Issue 34, item 2: with tol the pruning margin is raised to log(1 / tol), so a solve reported converged
+    returns a plan whose full (dense) marginals meet tol, and plan @ 1 agrees with them (truncate=5 alone:
+    8.6e-5 L1 at tol = 1e-6, and 4.3e-5 between plan @ 1 and the dense row sums)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(300, 3, generator=g, dtype=torch.float64)
+    y = torch.rand(250, 3, generator=g, dtype=torch.float64)
+    res = flashot.solve_sample(x, y, reg=0.01, tol=1e-6, backend="multiscale")
+    assert res.converged
+    P = res.plan.to_dense()
+    a, b = torch.full((300,), 1 / 300, dtype=torch.float64), torch.full((250,), 1 / 250, dtype=torch.float64)
+    assert float((P.sum(1) - a).abs().sum() + (P.sum(0) - b).abs().sum()) < 2e-6
+    assert float((res.plan @ torch.ones(250, dtype=torch.float64) - P.sum(1)).abs().max()) < 1e-8

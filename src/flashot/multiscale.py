@@ -49,6 +49,7 @@ checksum of every collective.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -63,6 +64,15 @@ from .ops import softmin as ops_softmin
 from .ops.blocksparse import BlockPattern, BlockSparseEngine
 from .ops.tile_rule import TilePruning
 from .solver import SinkhornState, damping, sinkhorn_loop
+
+
+def truncate_for(truncate: float | None, tol: float | None) -> float | None:
+    """The pruning margin (units of eps) of a solve asked for ``tol``: at least ``log(1 / tol)``, so that the
+    dropped entries of the plan (below ``e^-truncate a_i b_j``) stay within the tolerance that
+    ``converged=True`` promises about the returned result (errors fall ~``e^-truncate``: docs/exactness.md)."""
+    if truncate is None or tol is None:
+        return truncate
+    return max(truncate, math.log(1.0 / tol))
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,8 @@ def solve_sample(
             ``reg`` on cluster centroids then on the points with only the blocks of clusters within
             ``truncate * reg`` of the potentials (GeomLoss' ``cluster_scale`` and ``truncate``), then
             the ordinary iterations to ``tol`` on the same blocks (re-pruned if the potentials move).
+            With ``tol``, ``truncate`` is raised to ``log(1 / tol)`` (13.8 at the default 1e-6) so that the
+            pruning stays within the tolerance ``converged=True`` promises about the returned plan.
             Dropped entries of the plan are below ``e^-truncate a_i b_j``; ``plan @ V`` and the
             gradients use the pruned plan, ``plan.to_dense()`` / ``topk`` the full one of the same
             potentials.  With ``group``: replicated mode only (each rank computes a range of whole row
@@ -458,7 +460,7 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
                       numpy: bool) -> OTResult:
     """``solve_sample(backend="multiscale")``: GeomLoss' coarse-to-fine schedule down to ``reg``, then the
     ordinary loop to ``tol`` on the pruned points (:func:`flashot.multiscale.continue_fine`)."""
-    from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule
+    from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule, truncate_for
 
     refused = [name for name, bad in (("potentials_init", potentials_init is not None),
                                       ("acceleration", o.acceleration not in (None, "auto"))) if bad]
@@ -478,7 +480,8 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
                                                    "truncate": truncate})
     diameter = m.bbox_diameter()
     run = multiscale_loop(m, schedule(m.cost, diameter, o.reg), 2 if m.cost.is_dot else 1,
-                          MultiscaleConfig(cluster_scale, truncate), debias=False, diameter=diameter, verbose=o.verbose,
+                          MultiscaleConfig(cluster_scale, truncate_for(truncate, o.tol)), debias=False, diameter=diameter,
+                          verbose=o.verbose,
                           group=group, rho=(o.rho_a, o.rho_b))
     symmetric = METHODS[o.method]
 

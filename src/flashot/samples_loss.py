@@ -20,7 +20,7 @@ from ._checks import check_bool, check_eps_scale, check_int, check_positive, che
 from .implicit import check_implicit, sinkhorn_value
 from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_loss
 from .matrix_cost import function_measures
-from .multiscale import MultiscaleConfig, MultiscaleRun, continue_fine, multiscale_loop, unsort
+from .multiscale import MultiscaleConfig, MultiscaleRun, continue_fine, multiscale_loop, truncate_for, unsort
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .warmstart import check_warm_start, warm_loop
 from .schedules import Schedule, continued, epsilon_scaling, max_diameter
@@ -190,7 +190,8 @@ class SamplesLoss(torch.nn.Module):
             ``docs/exactness.md``).  A number: after the schedule, symmetric iterations continue at
             ``blur^p`` until the error of every potential (debiasing ones included) is below ``tol`` (L1
             marginal error; potential change / eps with ``reach``), on every engine and with
-            ``backend="multiscale"`` (on its pruned blocks); a ``RuntimeWarning`` if ``max_iter`` ends first.
+            ``backend="multiscale"`` (on its pruned blocks, with ``truncate`` raised to ``log(1 / tol)``
+            so that the pruning stays within ``tol``); a ``RuntimeWarning`` if ``max_iter`` ends first.
         max_iter: with ``tol``: the most iterations at ``blur^p`` after the schedule (default 1000).
 
     Call as ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``, with (N, D) /
@@ -436,7 +437,7 @@ class SamplesLoss(torch.nn.Module):
         if m.batched:
             raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
                                       "use backend='auto' for batches")
-        run = multiscale_loop(m, eps_list, self.p, MultiscaleConfig(self.cluster_scale, self.truncate),
+        run = multiscale_loop(m, eps_list, self.p, MultiscaleConfig(self.cluster_scale, truncate_for(self.truncate, self.tol)),
                               debias=self.debias, diameter=diameter, labels=self._labels, verbose=self.verbose,
                               group=self.group, rho=rho)
         n_iter = len(eps_list)
