@@ -379,7 +379,7 @@ def bad_files(tmp):
     case("ragged-csv", f"{t}/ragged.csv", "line 2 has 2 columns, expected 3")
     with open(f"{t}/word.txt", "w") as f:
         f.write("1 2 3\n4 five 6\n")
-    case("not-a-number", f"{t}/word.txt", "line 2: not a number: 'five'")
+    case("not-a-number", f"{t}/word.txt", "line 2, field 2: not a number: 'five'")
     with open(f"{t}/bin.csv", "wb") as f:
         f.write(b"\xff\xfe\x00\x01" * 10)
     case("binary-csv", f"{t}/bin.csv", "not a UTF-8 text file")

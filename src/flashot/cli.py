@@ -14,49 +14,95 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+# Bounds of the numeric options.  Floats must be normal float64 numbers (a subnormal reg, tol or
+# rho has lost its precision, and the solvers refuse or mis-handle it); integers are capped where a
+# larger value can only overflow something (a Python index, a torch seed) or would never finish.
+FLOAT_MIN = sys.float_info.min  # 2.2e-308, the smallest normal float64
+MAX_ITER = 2**31 - 1  # iteration counts fit a signed 32-bit integer
+MAX_COUNT = 2**62  # --max-points, --max-bytes, --topk: beyond any memory, and f.read(n + 1) still fits a C ssize_t
+SEEDS = (-(2**63), 2**64 - 1)  # torch.Generator.manual_seed's range
+DEMO_MAX_N = 10_000_000  # the default --max-points of flashot solve
+
+
+def _int_type(lo: int = 1, hi: int = MAX_COUNT):
+    """An argparse type: an integer in [lo, hi] (lo = 1: "a positive integer")."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {s[:40]!r}") from None
+        if lo != 1 and not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer from {lo:,} to {hi:,}, got {s[:40]}")
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {s[:40]}")
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"expected at most {hi:,}, got {s[:40]}")
+        return v
+
+    return parse
+
+
+_positive_int = _int_type()
 
 
 def _positive_float(s: str) -> float:
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {s!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {s}")
+        raise argparse.ArgumentTypeError(f"invalid float value: {s[:40]!r}") from None
+    if not FLOAT_MIN <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number of at least {FLOAT_MIN:.2g} "
+                                         f"(the smallest normal float64), got {s[:40]}")
     return v
+
+
+def _blur(s: str) -> float:
+    """GeomLoss' blur: eps = blur^2 must be a positive normal float64 (1.5e-154 <= blur <= 1.3e154)."""
+    v = _positive_float(s)
+    if FLOAT_MIN <= v * v < float("inf"):
+        return v
+    from decimal import Decimal
+
+    sq = f"{Decimal(s.strip()) ** 2:.3g}"
+    lo, hi = math.sqrt(FLOAT_MIN), math.sqrt(sys.float_info.max)
+    how = (f"overflows float64 (largest {sys.float_info.max:.2g})" if v > 1 else
+           f"underflows the smallest normal float64 ({FLOAT_MIN:.2g})")
+    raise argparse.ArgumentTypeError(f"blur^2 = {sq} {how}: expected {lo:.2g} <= blur <= {hi:.2g} "
+                                     f"(rescale the points and the blur together)")
 
 
 def demo(argv: list[str] | None = None) -> int:
     """Bad options exit with status 2 and an argparse message naming the option, before any work."""
     p = argparse.ArgumentParser(prog="flashot demo", description="Solve a built-in entropic OT problem.")
-    p.add_argument("--n", type=_positive_int, default=20_000, help="points per cloud (default 20000)")
+    p.add_argument("--n", type=_int_type(1, DEMO_MAX_N), default=20_000,
+                   help=f"points per cloud (default 20000, at most {DEMO_MAX_N:,})")
     p.add_argument("--reg", type=_positive_float, default=1e-2, help="epsilon for solve_sample (cost |x-y|^2)")
-    p.add_argument("--blur", type=_positive_float, default=0.05, help="blur for the Sinkhorn divergence")
+    p.add_argument("--blur", type=_blur, default=0.05, help="blur for the Sinkhorn divergence")
     p.add_argument("--backend", default="auto", help="'auto' or an engine name (dense, tiled, cpu, triton)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int_type(*SEEDS), default=0)
     p.add_argument("--png", default=DEMO_PNG, metavar="PATH",
                    help=f"write a picture of a 2-D transport (points and barycentric-map arrows) here "
                         f"(default {DEMO_PNG}; needs matplotlib)")
     p.add_argument("--no-png", action="store_true", help="do not write the picture")
     args = p.parse_args(argv)
+    from flashot.ops import engine_names
 
+    if args.backend != "auto" and args.backend not in engine_names():
+        p.error(f"argument --backend: expected 'auto' or one of {engine_names()}, got {args.backend!r}")
+    try:
+        return _demo_run(args, p)
+    except ValueError as e:  # the problem is built in: what the solvers refuse is an option (reg, blur)
+        p.error(_one_line(e))
+
+
+def _demo_run(args, p) -> int:
     import torch
 
     import flashot
     from flashot.costs import get_cost
     from flashot.data import two_moons_3d
-    from flashot.ops import engine_names, get_engine
+    from flashot.ops import get_engine
 
-    if args.backend != "auto" and args.backend not in engine_names():
-        p.error(f"argument --backend: expected 'auto' or one of {engine_names()}, got {args.backend!r}")
     x, y = two_moons_3d(args.n, seed=args.seed)
     rss0 = _peak_rss_mib()
     print(f"flashot {flashot.__version__} demo: helix vs torus knot, n = m = {args.n:,}, d = 3, float32")
@@ -220,8 +266,8 @@ Entropic optimal transport between two point clouds read from files, streamed (n
 
 Files: .npy (a 2-D array, n x d), .npz (an array named 'points', or the only array; an array
 named 'weights' beside it gives the weights), .csv / .txt (one point per row; comma or whitespace
-separated; '#' comments; a first row of names is a header), .ply (ASCII or binary_little_endian;
-the vertex x, y, z properties). Weights: --weights-column (a column index or header name, or a
+separated; '#' comments; a first row without any number is a header of names; any other field
+must be a decimal number), .ply (ASCII or binary_little_endian; the vertex x, y, z properties). Weights: --weights-column (a column index or header name, or a
 .ply vertex property, removed from the coordinates) or --source-weights / --target-weights files;
 uniform otherwise. Balanced problems normalise each side's weights to total mass 1; --unbalanced
 keeps them as given.
@@ -248,6 +294,9 @@ example:
   flashot solve source.ply target.csv --weights-column w --blur 0.05 --out result.npz --map"""
 
 
+_COST_TEXT = {"sqeuclidean": "|x-y|^2", "half_sqeuclidean": "|x-y|^2/2", "euclidean": "|x-y|"}
+
+
 class _CliError(Exception):
     """A one-line error for the user (exit status 1)."""
 
@@ -265,22 +314,13 @@ def _unbalanced_arg(s: str):
             v = float(t)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid value {t!r} (a positive number, or inf for a strict side)") from None
-        if not 0 < v < float("inf"):
-            raise argparse.ArgumentTypeError(f"expected a positive number (or inf), got {t}")
+        if not FLOAT_MIN <= v < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive number of at least {FLOAT_MIN:.2g} "
+                                             f"(the smallest normal float64), or inf, got {t[:40]}")
         out.append(v)
     if all(v is None for v in out):
         raise argparse.ArgumentTypeError("both sides strict is balanced OT: leave out --unbalanced")
     return out[0] if len(out) == 1 else tuple(out)
-
-
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def _solve_parser() -> argparse.ArgumentParser:
@@ -292,7 +332,7 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="target points y (same formats; same dimension d)")
     t = p.add_mutually_exclusive_group(required=True)
     t.add_argument("--reg", type=_positive_float, help="epsilon, with the cost --cost (default |x - y|^2)")
-    t.add_argument("--blur", type=_positive_float,
+    t.add_argument("--blur", type=_blur,
                    help="GeomLoss' blur: cost |x - y|^2 / 2 and epsilon = blur^2")
     p.add_argument("--cost", choices=("sqeuclidean", "half_sqeuclidean", "euclidean"), default=None,
                    help="with --reg: sqeuclidean |x-y|^2 (default), half_sqeuclidean |x-y|^2/2 or euclidean |x-y|")
@@ -301,8 +341,11 @@ def _solve_parser() -> argparse.ArgumentParser:
                         "'inf' keeps that side strict (semi-unbalanced)")
     p.add_argument("--tol", type=_positive_float, default=1e-6,
                    help="stop when the marginal error is below this (default 1e-6)")
-    p.add_argument("--max-iter", type=_positive_int, default=1000, help="iteration limit (default 1000)")
-    p.add_argument("--backend", default="auto", help="'auto' or an engine name (dense, tiled, cpu, triton)")
+    p.add_argument("--max-iter", type=_int_type(1, MAX_ITER), default=1000,
+                   help=f"iteration limit (default 1000, at most {MAX_ITER:,})")
+    p.add_argument("--backend", default="auto",
+                   help="'auto', an engine name (dense, tiled, cpu; triton needs CUDA tensors, and this "
+                        "command computes on the CPU) or 'multiscale' (GeomLoss' coarse-to-fine solver)")
     p.add_argument("--float32", action="store_true",
                    help="compute in float32 (faster; default float64)")
     p.add_argument("--weights-column", metavar="COL",
@@ -312,7 +355,7 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-weights", metavar="FILE", help="weights of the target points (one per point)")
     p.add_argument("--out", metavar="FILE.npz", help="write the results to this .npz (see below)")
     p.add_argument("--map", action="store_true", help="with --out: also the barycentric map T(x_i)")
-    p.add_argument("--topk", type=_nonneg_int, metavar="K",
+    p.add_argument("--topk", type=_positive_int, metavar="K",
                    help="with --out: also the K largest plan entries of each row and their columns")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
     p.add_argument("--quiet", "-q", action="store_true",
@@ -335,6 +378,7 @@ def solve_cmd(argv: list[str] | None = None) -> int:
         p.error("arguments --map / --topk: need --out FILE.npz")
     if args.weights_column is not None and (args.source_weights or args.target_weights):
         p.error("argument --weights-column: not with --source-weights / --target-weights")
+    _check_backend(p, args)
     try:
         return _solve(args, p)
     except _CliError as e:
@@ -345,13 +389,46 @@ def solve_cmd(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _check_backend(p, args) -> None:
+    """Refuse (exit 2) a --backend that solve_sample cannot run here, before any file is read.
+
+    Accepted: 'auto', 'multiscale' and the engines of :func:`flashot.ops.engine_names` that can run
+    on the CPU in the compute dtype: the command hands numpy arrays to solve_sample, so it computes
+    on the CPU, and an engine that needs CUDA tensors (triton) would only fail after the files."""
+    if args.backend in ("auto", "multiscale"):
+        return
+    import warnings
+
+    import torch
+
+    from .costs import get_cost
+    from .ops import engine_names, get_engine
+
+    if args.backend not in engine_names():
+        p.error(f"argument --backend: expected 'auto' or one of {[*engine_names(), 'multiscale']}, "
+                f"got {args.backend!r}")
+    cost = "half_sqeuclidean" if args.blur is not None else (args.cost or "sqeuclidean")
+    dtype = torch.float32 if args.float32 else torch.float64
+    with warnings.catch_warnings(record=True) as caught:  # e.g. the cpu engine's build falling back
+        warnings.simplefilter("always")
+        try:
+            get_engine(args.backend, device=torch.device("cpu"), dtype=dtype, cost=get_cost(cost))
+        except ValueError as e:
+            why = _one_line(e).removeprefix(f"backend={args.backend!r} cannot run this problem: ")
+            p.error(f"argument --backend: {args.backend!r} cannot run here (flashot solve computes on the "
+                    f"CPU): {why}")
+    for w in caught:
+        print(f"flashot solve: warning: {_one_line(w.message)}", file=sys.stderr)
+
+
 def _solve(args, p) -> int:
     import json
     import warnings
 
     import numpy as np
 
-    from . import __version__, io as fio
+    from . import __version__
+    from . import io as fio
 
     t_read = time.perf_counter()
     limits = fio.Limits(max_points=args.max_points, max_bytes=args.max_bytes)
@@ -375,11 +452,8 @@ def _solve(args, p) -> int:
     if x.shape[1] != y.shape[1]:
         raise _CliError(f"dimensions differ: {args.source} has d = {x.shape[1]}, {args.target} has "
                         f"d = {y.shape[1]} (points of both clouds need the same number of coordinates)")
-    if args.backend != "auto":
-        from .ops import engine_names
-
-        if args.backend not in engine_names() + ["tensorized", "online"]:
-            p.error(f"argument --backend: expected 'auto' or one of {engine_names()}, got {args.backend!r}")
+    if args.topk is not None and args.topk > y.shape[0]:
+        p.error(f"argument --topk: {args.topk} is above the number of target points ({y.shape[0]})")
     t_read = time.perf_counter() - t_read
     n, m, d = x.shape[0], y.shape[0], x.shape[1]
     if args.unbalanced is None:  # balanced OT compares distributions: total mass 1 on each side
@@ -391,7 +465,7 @@ def _solve(args, p) -> int:
         cost, reg, temp = "half_sqeuclidean", args.blur ** 2, f"blur = {args.blur:g}: cost |x-y|^2/2, eps = blur^2 = {args.blur ** 2:g}"
     else:
         cost, reg = args.cost or "sqeuclidean", args.reg
-        temp = f"cost {dict(sqeuclidean='|x-y|^2', half_sqeuclidean='|x-y|^2/2', euclidean='|x-y|')[cost]}, eps = reg = {reg:g}"
+        temp = f"cost {_COST_TEXT[cost]}, eps = reg = {reg:g}"
     verbose = not args.quiet and n * m >= PROGRESS_MIN_PAIRS
 
     import flashot
@@ -433,8 +507,6 @@ def _solve(args, p) -> int:
             if args.map:
                 arrays["barycentric_map"] = np.asarray(res.plan.barycentric_map(), dtype=np.float64)
             if args.topk:
-                if args.topk > m:
-                    raise _CliError(f"--topk {args.topk}: above the number of target points ({m})")
                 vals, idx = res.plan.topk(args.topk)
                 arrays["topk_values"], arrays["topk_indices"] = np.asarray(vals, dtype=np.float64), np.asarray(idx)
         except (ValueError, FloatingPointError, MemoryError) as e:

@@ -9,6 +9,11 @@ Files are untrusted input.  Every reader
   ``.ply`` header are parsed first, and the number of points and the bytes the array would take
   are compared with caps (:class:`Limits`); text files are capped by their size on disk;
 * never unpickles (``allow_pickle=False``; object and structured dtypes are refused);
+* takes a file for exactly what it says or refuses it: a ``.npy`` must hold the bytes its header
+  announces and no more, a ``.ply`` body the lines (or bytes) its elements announce, and a text
+  field must look like a decimal number (a first row without any number is a header; a row
+  mixing numbers and anything else is an error naming the line and the field), so that damage
+  shows up as an error, not as a dropped or garbled row;
 * raises :class:`InputError` with a one-line message that names the file.
 
 Points come back as a float64 ``(n, d)`` array, weights (when the file carries them) as ``(n,)``.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 import zipfile
 import zlib
@@ -25,8 +31,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["InputError", "Limits", "Cloud", "read_points", "read_weights", "DEFAULT_MAX_POINTS",
-           "DEFAULT_MAX_BYTES", "SUFFIXES"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_POINTS",
+    "SUFFIXES",
+    "Cloud",
+    "InputError",
+    "Limits",
+    "read_points",
+    "read_weights",
+]
 
 DEFAULT_MAX_POINTS = 10_000_000
 DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB per array (or per text file)
@@ -121,7 +135,8 @@ def _npy_header(f, path: str):
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=_NPY_MAX_HEADER)
         else:  # pragma: no cover - read_magic accepts only these
             raise ValueError(f"unsupported .npy version {version}")
-    except (ValueError, OSError, EOFError) as e:
+    except Exception as e:  # noqa: BLE001 - numpy's parser of the header (a Python literal) raises ValueError,
+        # SyntaxError, tokenize.TokenError, ... on damaged bytes: all mean "not a valid .npy header"
         raise InputError(f"{path}: not a valid .npy file ({_first_line(e)})") from None
     if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biuf":
         raise InputError(f"{path}: unsupported array dtype {dtype} (expected integers or floats)")
@@ -150,6 +165,9 @@ def _read_npy_stream(f, path: str, limits: Limits, what: str, total: int) -> np.
     if left < nbytes:
         raise InputError(f"{path}: truncated: the header announces {nbytes:,} bytes of data, "
                          f"the file holds {max(left, 0):,}")
+    if left > nbytes:  # np.save writes nothing after the data: a longer file is not what the header says
+        raise InputError(f"{path}: {left - nbytes:,} bytes after the array's data (the header announces "
+                         f"{nbytes:,} bytes; the file is damaged or not one .npy array)")
     arr = np.frombuffer(_read_exact(f, nbytes, path), dtype=dtype, count=count)
     return arr.reshape(shape, order="F" if fortran else "C")
 
@@ -175,7 +193,7 @@ def _read_npy(path: str, limits: Limits, what: str) -> np.ndarray:
 
 def _read_npz(path: str, limits: Limits, what: str) -> tuple[np.ndarray, np.ndarray | None, str]:
     """The points array (named ``points`` or the only one) and a ``weights`` array if present."""
-    f, size = _open_regular(path)
+    f, _ = _open_regular(path)
     with f:
         try:
             zf = zipfile.ZipFile(f)
@@ -231,9 +249,12 @@ def _read_npz(path: str, limits: Limits, what: str) -> tuple[np.ndarray, np.ndar
 
 
 def _read_text(path: str, limits: Limits, what: str) -> tuple[np.ndarray, list[str] | None]:
-    """A numeric table from .csv (comma) or .txt (whitespace, or comma if the first row has one).
+    """A numeric table from .csv (comma) or .txt (spaces / tabs, or comma if the first row has one).
 
-    ``#`` starts a comment; a first row with non-numeric fields is a header (column names)."""
+    Lines end with ``\\n``, ``\\r\\n`` or ``\\r``; ``#`` starts a comment.  A first row none of whose
+    fields is a number is a header (column names); any other row must be all numbers
+    (``_NUMBER``): a row mixing numbers and anything else is an error naming the line and the
+    field, never a header that silently drops a data row."""
     f, size = _open_regular(path)
     with f:
         if size > limits.max_bytes:
@@ -248,19 +269,18 @@ def _read_text(path: str, limits: Limits, what: str) -> tuple[np.ndarray, list[s
         raise InputError(f"{path}: not a UTF-8 text file (byte {e.start})") from None
     if "\x00" in text:
         raise InputError(f"{path}: not a text file (NUL bytes)")
-    rows = []  # (line number, fields)
-    for no, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
+    rows = []  # (line number, text)
+    for no, line in enumerate(_LINES.split(text), 1):
+        line = line.split("#", 1)[0].strip(" \t")
         if line:
             rows.append((no, line))
     if not rows:
         raise InputError(f"{path}: no data rows")
     ext = os.path.splitext(path)[1].lower()
-    comma = ext == ".csv" or "," in rows[0][1]
-    split = (lambda s: [t.strip() for t in s.split(",")]) if comma else str.split
+    split = _CSV.split if ext == ".csv" or "," in rows[0][1] else _BLANKS.split
     names = None
-    first = split(rows[0][1])
-    if not all(_is_number(t) for t in first):
+    first = [t.strip(" \t") for t in split(rows[0][1])]
+    if not any(_NUMBER.fullmatch(t) for t in first):
         names = first
         rows = rows[1:]
         if not rows:
@@ -276,22 +296,27 @@ def _read_text(path: str, limits: Limits, what: str) -> tuple[np.ndarray, list[s
         fields = split(line)
         if len(fields) != ncol:
             raise InputError(f"{path}: line {no} has {len(fields)} columns, expected {ncol}")
-        try:
-            out[i] = [float(t) for t in fields]
-        except ValueError:
-            bad = next(t for t in fields if not _is_number(t))
-            raise InputError(f"{path}: line {no}: not a number: {bad[:40]!r}") from None
+        out[i] = _numbers(path, no, fields)
     if what == "weights" and ncol != 1:
         raise InputError(f"{path}: expected one column of weights, got {ncol}")
     return out, names
 
 
-def _is_number(t: str) -> bool:
-    try:
-        float(t)
-    except ValueError:
-        return False
-    return True
+# A number in a text file: decimal, with an optional exponent, or inf / infinity / nan (refused
+# later as not finite).  Stricter than float(), which also takes "1_000", non-ASCII digits and
+# surrounding whitespace: a field must look like a number to be read as one.
+_NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|inf|infinity|nan)", re.ASCII | re.IGNORECASE)
+_LINES = re.compile(r"\r\n|\r|\n")
+_CSV = re.compile(r"[ \t]*,[ \t]*")
+_BLANKS = re.compile(r"[ \t]+")
+
+
+def _numbers(path: str, no: int, fields: list[str]) -> list[float]:
+    """The fields of line ``no`` as floats; the first one that is not a number is an error."""
+    for k, t in enumerate(fields, 1):
+        if not _NUMBER.fullmatch(t):
+            raise InputError(f"{path}: line {no}, field {k}: not a number: {t[:40]!r}")
+    return [float(t) for t in fields]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,121 +330,176 @@ _PLY_TYPES = {
 }
 
 
+_PLY_END = re.compile(rb"\nend_header[ \t\r]*\n")
+_COUNT = re.compile(r"\d+", re.ASCII)
+
+
 def _read_ply(path: str, limits: Limits) -> tuple[np.ndarray, list[str]]:
     """The vertex element of an ASCII or binary_little_endian .ply: (n, number of properties)
-    float64 and the property names.  Elements before ``vertex`` must have scalar properties."""
+    float64 and the property names.  Elements before ``vertex`` must have scalar properties.
+
+    Every count is checked against the body: an ASCII body must hold exactly the lines its
+    elements announce (list lengths included) and nothing after them; a binary body exactly the
+    bytes of its elements, except that the bytes after the vertex element are not checked when an
+    element there has list properties (walking every face would cost more than reading the points)."""
     f, size = _open_regular(path)
     with f:
-        header = f.read(_PLY_MAX_HEADER)
-        end = header.find(b"end_header")
-        if not header.startswith(b"ply") or header[3:4] not in (b"\n", b"\r"):
-            raise InputError(f"{path}: not a .ply file (no 'ply' magic line)")
-        if end < 0:
-            raise InputError(f"{path}: no 'end_header' in the first {_PLY_MAX_HEADER:,} bytes")
-        nl = header.find(b"\n", end)
-        if nl < 0:
-            raise InputError(f"{path}: truncated after 'end_header'")
-        body_start = nl + 1
-        try:
-            lines = header[:end].decode("ascii").splitlines()
-        except UnicodeDecodeError:
-            raise InputError(f"{path}: the .ply header is not ASCII") from None
-        fmt, elements = None, []  # elements: [name, count, [(name, type or None for lists)]]
-        for no, line in enumerate(lines[1:], 2):
-            tok = line.split()
-            if not tok or tok[0] in ("comment", "obj_info"):
-                continue
-            try:
-                if tok[0] == "format":
-                    fmt = tok[1]
-                    if fmt not in ("ascii", "binary_little_endian"):
-                        raise InputError(f"{path}: .ply format {fmt!r} is not supported "
-                                         f"(ascii and binary_little_endian are)")
-                elif tok[0] == "element":
-                    count = int(tok[2])
-                    if count < 0:
-                        raise ValueError
-                    elements.append([tok[1], count, []])
-                elif tok[0] == "property":
-                    if not elements:
-                        raise ValueError
-                    if tok[1] == "list":
-                        if tok[2] not in _PLY_TYPES or tok[3] not in _PLY_TYPES:
-                            raise KeyError(tok[2] if tok[2] not in _PLY_TYPES else tok[3])
-                        elements[-1][2].append((tok[4], None))
-                    else:
-                        if tok[1] not in _PLY_TYPES:
-                            raise KeyError(tok[1])
-                        elements[-1][2].append((tok[2], _PLY_TYPES[tok[1]]))
-                else:
-                    raise ValueError
-            except InputError:
-                raise
-            except KeyError as e:
-                raise InputError(f"{path}: header line {no}: unknown property type {e.args[0]!r}") from None
-            except (ValueError, IndexError):
-                raise InputError(f"{path}: header line {no}: cannot parse {line[:60]!r}") from None
-        if fmt is None:
-            raise InputError(f"{path}: the .ply header has no 'format' line")
-        names = [e[0] for e in elements]
-        if "vertex" not in names:
-            raise InputError(f"{path}: no 'vertex' element")
-        vi = names.index("vertex")
+        fmt, elements, body_start, head_lines = _ply_header(f, path)
+        vi = _ply_vertex(path, elements)
         _, n, props = elements[vi]
-        pnames = [p[0] for p in props]
-        if any(t is None for _, t in props):
-            raise InputError(f"{path}: list properties in 'vertex' are not supported")
-        missing = [c for c in "xyz" if c not in pnames]
-        if missing:
-            raise InputError(f"{path}: the vertex element has no {', '.join(missing)} "
-                             f"propert{'y' if len(missing) == 1 else 'ies'}")
         limits.check(path, n, len(props), 8)
-        for name, count, eprops in elements[:vi]:
-            if any(t is None for _, t in eprops):
-                raise InputError(f"{path}: element {name!r} before 'vertex' has list properties (not supported)")
-        f.seek(body_start)
+        pnames = [p[0] for p in props]
         if fmt == "binary_little_endian":
-            skip = sum(count * sum(np.dtype(t).itemsize for _, t in eprops) for _, count, eprops in elements[:vi])
-            dt = np.dtype([(f"p{i}", "<" + t) for i, (_, t) in enumerate(props)])
-            need = body_start + skip + n * dt.itemsize
-            if size < need:
-                raise InputError(f"{path}: truncated: {n:,} vertices need {need:,} bytes, the file has {size:,}")
-            f.seek(body_start + skip)
-            rec = np.frombuffer(_read_exact(f, n * dt.itemsize, path), dtype=dt, count=n)
-            out = np.empty((n, len(props)), dtype=np.float64)
-            for i in range(len(props)):
-                out[:, i] = rec[f"p{i}"]
-            return out, pnames
-        # ascii: skip the lines of earlier elements, then n vertex lines
+            return _ply_binary(f, path, size, body_start, elements, vi), pnames
         if size > limits.max_bytes:
             raise InputError(f"{path}: {size:,} bytes, above the cap of {limits.max_bytes:,} for text "
                              f"files (raise it with --max-bytes)")
+        f.seek(body_start)
         body = f.read(limits.max_bytes + 1)
     try:
         text = body.decode("ascii")
     except UnicodeDecodeError:
         raise InputError(f"{path}: ASCII .ply body has non-ASCII bytes") from None
-    it = iter(text.splitlines())
-    line_no = len(lines) + 1
-    for _, count, _ in elements[:vi]:
-        for _ in range(count):
-            if next(it, None) is None:
-                raise InputError(f"{path}: truncated before the vertex element")
-            line_no += 1
-    out = np.empty((n, len(props)), dtype=np.float64)
-    for i in range(n):
-        line = next(it, None)
-        line_no += 1
-        if line is None:
-            raise InputError(f"{path}: truncated: {n:,} vertices announced, {i:,} found")
+    return _ply_ascii(path, text, elements, vi, head_lines + 1), pnames
+
+
+def _ply_header(f, path: str) -> tuple[str, list, int, int]:
+    """Format, elements ``[name, count, [(property, numpy type or None for a list)]]``, the offset
+    of the body and the number of header lines (``end_header`` included)."""
+    header = f.read(_PLY_MAX_HEADER)
+    if not header.startswith(b"ply") or header[3:4] not in (b"\n", b"\r"):
+        raise InputError(f"{path}: not a .ply file (no 'ply' magic line)")
+    m = _PLY_END.search(header)
+    if m is None:
+        if re.search(rb"\nend_header[ \t\r]*$", header):
+            raise InputError(f"{path}: truncated after 'end_header'")
+        raise InputError(f"{path}: no 'end_header' in the first {_PLY_MAX_HEADER:,} bytes")
+    try:
+        lines = _LINES.split(header[:m.start()].decode("ascii"))
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: the .ply header is not ASCII") from None
+    fmt, elements = None, []
+    for no, line in enumerate(lines[1:], 2):
         tok = line.split()
-        if len(tok) != len(props):
-            raise InputError(f"{path}: line {line_no}: {len(tok)} values, expected {len(props)}")
+        if not tok or tok[0] in ("comment", "obj_info"):
+            continue
         try:
-            out[i] = [float(t) for t in tok]
-        except ValueError:
-            raise InputError(f"{path}: line {line_no}: not a number") from None
-    return out, pnames
+            if tok[0] == "format" and len(tok) == 3 and fmt is None:
+                fmt = tok[1]
+                if fmt not in ("ascii", "binary_little_endian"):
+                    raise InputError(f"{path}: .ply format {fmt!r} is not supported "
+                                     f"(ascii and binary_little_endian are)")
+            elif tok[0] == "element" and len(tok) == 3 and _COUNT.fullmatch(tok[2]):
+                if any(e[0] == tok[1] for e in elements):
+                    raise InputError(f"{path}: header line {no}: a second element named {tok[1]!r}")
+                elements.append([tok[1], int(tok[2]), []])
+            elif tok[0] == "property" and elements and (len(tok) == 3 or (len(tok) == 5 and tok[1] == "list")):
+                if any(p[0] == tok[-1] for p in elements[-1][2]):
+                    raise InputError(f"{path}: header line {no}: a second property named {tok[-1]!r} "
+                                     f"in element {elements[-1][0]!r}")
+                for t in tok[2:4] if len(tok) == 5 else tok[1:2]:
+                    if t not in _PLY_TYPES:
+                        raise KeyError(t)
+                elements[-1][2].append((tok[-1], None if len(tok) == 5 else _PLY_TYPES[tok[1]]))
+            else:
+                raise ValueError
+        except InputError:
+            raise
+        except KeyError as e:
+            raise InputError(f"{path}: header line {no}: unknown property type {e.args[0]!r}") from None
+        except ValueError:  # also int() of a count too long for Python
+            raise InputError(f"{path}: header line {no}: cannot parse {line[:60]!r}") from None
+    if fmt is None:
+        raise InputError(f"{path}: the .ply header has no 'format' line")
+    return fmt, elements, m.end(), header[:m.end()].count(b"\n")
+
+
+def _ply_vertex(path: str, elements: list) -> int:
+    """The index of the vertex element, after checking what the readers below rely on."""
+    names = [e[0] for e in elements]
+    if "vertex" not in names:
+        raise InputError(f"{path}: no 'vertex' element")
+    vi = names.index("vertex")
+    props = elements[vi][2]
+    if any(t is None for _, t in props):
+        raise InputError(f"{path}: list properties in 'vertex' are not supported")
+    missing = [c for c in "xyz" if c not in [p[0] for p in props]]
+    if missing:
+        raise InputError(f"{path}: the vertex element has no {', '.join(missing)} "
+                         f"propert{'y' if len(missing) == 1 else 'ies'}")
+    for name, _, eprops in elements[:vi]:
+        if any(t is None for _, t in eprops):
+            raise InputError(f"{path}: element {name!r} before 'vertex' has list properties (not supported)")
+    return vi
+
+
+def _ply_binary(f, path: str, size: int, body_start: int, elements: list, vi: int) -> np.ndarray:
+    def nbytes(e) -> int:
+        return e[1] * sum(np.dtype(t).itemsize for _, t in e[2])
+
+    _, n, props = elements[vi]
+    need = body_start + sum(nbytes(e) for e in elements[:vi + 1])
+    if size < need:
+        raise InputError(f"{path}: truncated: {n:,} vertices need {need:,} bytes, the file has {size:,}")
+    after = elements[vi + 1:]
+    if all(t is not None for e in after for _, t in e[2]):  # scalar elements only: the size is known
+        end = need + sum(nbytes(e) for e in after)
+        if size < end:
+            raise InputError(f"{path}: truncated: the elements after 'vertex' need {end:,} bytes, "
+                             f"the file has {size:,}")
+        if size > end:
+            raise InputError(f"{path}: {size - end:,} bytes after the last element")
+    dt = np.dtype([(f"p{i}", "<" + t) for i, (_, t) in enumerate(props)])
+    f.seek(need - n * dt.itemsize)
+    rec = np.frombuffer(_read_exact(f, n * dt.itemsize, path), dtype=dt, count=n)
+    out = np.empty((n, len(props)), dtype=np.float64)
+    for i in range(len(props)):
+        out[:, i] = rec[f"p{i}"]
+    return out
+
+
+def _ply_ascii(path: str, text: str, elements: list, vi: int, first_no: int) -> np.ndarray:
+    """The vertex rows of an ASCII body whose line ``i`` is line ``first_no + i`` of the file; every
+    element's lines are checked (count of values, list lengths, numbers), and nothing may follow."""
+    lines = _LINES.split(text)
+    pos, out = 0, None
+    for ei, (name, count, props) in enumerate(elements):
+        if ei == vi:
+            out = np.empty((count, len(props)), dtype=np.float64)
+        for r in range(count):
+            if pos == len(lines) or (pos == len(lines) - 1 and not lines[pos].strip(" \t")):
+                what = (f"{count:,} vertices announced, {r:,} found" if ei == vi else
+                        f"element {name!r} announces {count:,} lines, {r:,} found")
+                raise InputError(f"{path}: truncated: {what}")
+            no, line = first_no + pos, lines[pos].strip(" \t")
+            pos += 1
+            tok = _BLANKS.split(line) if line else []
+            if ei == vi:
+                if len(tok) != len(props):
+                    raise InputError(f"{path}: line {no} (element 'vertex'): {len(tok)} values, expected {len(props)}")
+                out[r] = _numbers(path, no, tok)
+            else:
+                _ply_check_line(path, no, name, props, tok)
+    for k in range(pos, len(lines)):
+        if lines[k].strip(" \t"):
+            raise InputError(f"{path}: line {first_no + k}: data after the last element")
+    return out
+
+
+def _ply_check_line(path: str, no: int, name: str, props: list, tok: list[str]) -> None:
+    """One ASCII line of a non-vertex element: scalars and lists (a length, then that many values)."""
+    want = 0
+    for _, t in props:
+        if t is None:
+            if want >= len(tok) or not _COUNT.fullmatch(tok[want]):
+                got = repr(tok[want][:40]) if want < len(tok) else "nothing"
+                raise InputError(f"{path}: line {no} (element {name!r}), field {want + 1}: expected a list "
+                                 f"length, got {got}")
+            want += int(tok[want])
+        want += 1
+    if len(tok) != want:
+        raise InputError(f"{path}: line {no} (element {name!r}): {len(tok)} values, expected {want}")
+    _numbers(path, no, tok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,7 +543,7 @@ def read_points(path: str, limits: Limits = Limits(), weights_column: str | None
             raise InputError(f"{path}: --weights-column needs at least two columns, the file has {arr.shape[1]}")
         j = _column(path, weights_column, names, arr.shape[1])
         weights, wsrc = arr[:, j].copy(), f"{path} column {names[j] if names else j}"
-        if ext == ".ply" and names[j] in "xyz":
+        if ext == ".ply" and names[j] in ("x", "y", "z"):
             raise InputError(f"{path}: --weights-column {weights_column!r} is a coordinate")
         if ext != ".ply":
             arr = np.delete(arr, j, axis=1)
@@ -510,6 +590,11 @@ def _check_weights(path: str, w: np.ndarray, n: int) -> np.ndarray:
     if (w < 0).any():
         i = int(np.argmax(w < 0))
         raise InputError(f"{path}: negative weight {w[i]:g} at row {i}")
-    if not w.sum() > 0:
+    with np.errstate(over="ignore"):  # an overflow is reported below, in one line
+        total = w.sum()
+    if not np.isfinite(total):
+        raise InputError(f"{path}: the weights sum to more than the largest float64 "
+                         f"({np.finfo(np.float64).max:.3g}); divide them by a common factor")
+    if not total > 0:
         raise InputError(f"{path}: the weights sum to zero")
     return w
