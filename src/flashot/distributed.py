@@ -40,10 +40,20 @@ argument and the ranks), then swaps in the sharded engine.  Everything that late
 plan (``OTResult.plan @ V``, ``marginals``, ``value_linear``, gradients) is then a collective
 too: call it on every rank.
 
+Bad arguments: every rank checks its own arguments first (:func:`shared_checks`: the options, finite points
+and weights, shapes and dtypes that fit together), then the first collective of the call, one
+``all_gather_object``, carries each rank's verdict with the fields compared across ranks
+(:func:`check_same`, :func:`points_measures`): if a rank rejected its arguments, EVERY rank raises the same
+exception (the rejecting rank's type and message, prefixed ``rank r rejected its input:``) within that one
+collective, in both modes, so that no rank waits for the process group's timeout and ranks that catch the
+error take the same branch.  ``SamplesLoss(..., group=pg)`` checks its options that way at construction
+(one all-gather: construct it on every rank).
+
 Failure: a rank that dies makes the others' next collective fail (gloo reports the closed
-connection, usually at once); a rank that hangs or raises without exiting leaves the others
-blocked until the process group's ``timeout`` (``init_process_group(timeout=...)``, 30 minutes
-by default in torch), after which they raise.  Use a short timeout in jobs where a hang costs.
+connection, usually at once); a rank that hangs, or raises outside those checks without exiting,
+leaves the others blocked until the process group's ``timeout`` (``init_process_group(timeout=...)``,
+30 minutes by default in torch), after which they raise.  Use a short timeout in jobs where a hang
+costs.
 
 Gradients: the backward passes (:mod:`flashot.ops.autograd`, :mod:`flashot.implicit`) are plan
 products of the engine, so they shard too; each rank receives the full gradient w.r.t. the
@@ -86,6 +96,8 @@ import dataclasses
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -113,6 +125,8 @@ __all__ = [
     "pick_shard",
     "points_measures",
     "points_solve",
+    "reject",
+    "shared_checks",
 ]
 
 _OPS = {"softmin": 1, "plan_product": 2, "softmin_pair": 3, "softmin_alt": 4, "softmin_sym": 5}
@@ -168,11 +182,10 @@ def _fold(v: int) -> int:
 
 def check_same(group, fields: dict[str, Any]) -> None:
     """All-gather ``fields`` (name -> comparable value) and raise ``ValueError`` naming the first argument
-    that differs across ranks, with the ranks and their values."""
-    world = dist.get_world_size(group)
-    got: list = [None] * world
-    dist.all_gather_object(got, fields, group=group)
-    for name in dict.fromkeys(k for g in got for k in g):  # every rank's names: each rank sees the same mismatch
+    that differs across ranks, with the ranks and their values.  The all-gather is :func:`_shared`'s: a rank
+    that rejected its own arguments (:func:`shared_checks`) joins it with its error, and every rank raises that."""
+    got = _shared(group, None, fields)
+    for name in dict.fromkeys(k for g in got for k in g if k != "error"):  # every rank's names: the same mismatch
         vals = [g.get(name, "<missing>") for g in got]
         if any(v != vals[0] for v in vals[1:]):
             bad = [r for r, v in enumerate(vals) if v != vals[0]]
@@ -727,19 +740,57 @@ class PointsMeasures(Measures):
         return eng if isinstance(eng, RingEngine) else RingEngine(eng, self.group)
 
 
+# the exception types a rejecting rank's error keeps on every rank (others become RuntimeError): ranks that
+# catch an exception type take the same branch, so their later collectives still pair up
+_SHARED_TYPES = {t.__name__: t for t in (TypeError, ValueError, NotImplementedError, MemoryError, OverflowError,
+                                         RuntimeError)}
+
+
 def _shared(group, local_error: Exception | None, fields: dict[str, Any]) -> list[dict]:
-    """All-gather this rank's error (or None) and ``fields``; re-raise a rank's error on every rank (the
-    failing rank its own, the others a ``ValueError`` naming it), so that no rank is left waiting."""
+    """All-gather this rank's error (or None) and ``fields``; if a rank rejected its input, raise on EVERY rank
+    the same exception (type and message: the first such rank's, naming it), so that no rank is left waiting
+    in a later collective and all ranks take the same branch.  Returns every rank's dict."""
     world = dist.get_world_size(group)
     got: list = [None] * world
-    dist.all_gather_object(got, {"error": None if local_error is None else f"{type(local_error).__name__}: "
-                                 f"{local_error}", **fields}, group=group)
-    if local_error is not None:
-        raise local_error
+    mine = None if local_error is None else (type(local_error).__name__, str(local_error))
+    dist.all_gather_object(got, {"error": mine, **fields}, group=group)
     bad = [r for r, g in enumerate(got) if g["error"] is not None]
-    if bad:
-        raise ValueError(f"rank {bad[0]} rejected its input ({got[bad[0]]['error']}); every rank stops")
-    return got
+    if not bad:
+        return got
+    kind, msg = got[bad[0]]["error"]
+    who = f"rank {bad[0]} rejected its input" if len(bad) == 1 else \
+        f"ranks {bad} rejected their input; rank {bad[0]}'s error"
+    err = _SHARED_TYPES.get(kind, RuntimeError)(f"{who}: {msg} (every rank of the process group raises this)")
+    raise err from local_error
+
+
+def reject(group, error: Exception) -> None:
+    """Raise ``error`` (this rank's rejection of its arguments) on every rank of ``group``: one all-gather, the
+    one that opens every distributed call (:func:`check_same`, :func:`points_measures`), so that the ranks
+    whose arguments passed raise at their first collective instead of waiting there for the process group's
+    timeout.  Never returns."""
+    _shared(group, error, {})
+    raise AssertionError("unreachable")  # _shared raised
+
+
+@contextmanager
+def shared_checks(group, collective: bool = False) -> Iterator[None]:
+    """Run a distributed call's LOCAL argument checks (no collective inside): an exception raised in the block
+    is sent to the other ranks of ``group`` (:func:`reject`) and every rank raises the same one, naming this
+    rank and the argument.  Without ``collective`` the ranks whose checks passed learn of it at the call's first
+    collective, which must be :func:`_shared`'s all-gather (:func:`check_same`, :func:`points_measures`);
+    ``collective=True`` (checks that no collective follows, e.g. a constructor's) runs that all-gather on
+    success too.  ``group=None``: the checks raise as in one process."""
+    if group is None:
+        yield
+        return
+    check_group(group)
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - any rejection must reach the other ranks, or they wait
+        reject(group, e)
+    if collective:
+        _shared(group, None, {})
 
 
 def _global_box(xb: Tensor, yb: Tensor, group) -> tuple[Tensor, Tensor]:
@@ -767,7 +818,7 @@ def points_measures(x: Tensor, y: Tensor, a: Tensor | None, b: Tensor | None, *,
                 raise ValueError(f"{nm}: this rank's slice holds no points (shape {tuple(t.shape)}); shard='points' "
                                  "needs at least one point of each cloud on every rank")
         m, err = build(x, y, a, b), None
-    except (TypeError, ValueError, NotImplementedError) as e:
+    except Exception as e:  # noqa: BLE001 - shared below: every rank raises it
         m, err = None, e
     fields: dict[str, Any] = {}
     if m is not None:
@@ -949,7 +1000,7 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     rank's slices, values the whole problem's (same on every rank).  Options are checked across ranks.
     ``opts.implicit`` sets the conjugate gradients of the second derivatives and of ``value_linear``'s
     gradient (:mod:`flashot.implicit`, as in one process)."""
-    from .ot_samples import solve_measures
+    from .ot_samples import _check_init, solve_measures
 
     check_group(group)
     fields = {
@@ -961,7 +1012,10 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     }
 
     def build(x, y, a_, b_):  # inside points_measures: an error on one rank is raised on every rank
-        return Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+        m = Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+        if potentials_init is not None:  # this rank's slices of the potentials
+            _check_init(potentials_init, m)
+        return m
 
     m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))
     cb = None if opts.callback is None else _collective_callback(opts.callback, group)

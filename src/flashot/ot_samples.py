@@ -11,6 +11,7 @@ returned plan (POT 0.9 drops the KL terms' masses there).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -277,7 +278,8 @@ def solve_sample(
         group: a ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD``): solve ONE
             problem over its ranks, each computing a slice of the rows and all-gathering the
             potentials (:mod:`flashot.distributed`; every rank passes the same points and options,
-            checked at the start).  Later plan products (``plan @ V``, ``marginals``, gradients) are
+            checked at the start; a rank that rejects its arguments makes every rank raise the same
+            error, naming that rank).  Later plan products (``plan @ V``, ``marginals``, gradients) are
             collective: call them on every rank.
         shard: with ``group``: ``"replicated"`` (default; every rank passes ALL the points and weights) or
             ``"points"`` (every rank passes only its slice of ``X_a``, ``a``, ``X_b``, ``b``; the other
@@ -304,55 +306,82 @@ def solve_sample(
         >>> bool(torch.allclose(res.value, (torch.cdist(x, y) ** 2 * P).sum() + 0.1 * kl))
         True
     """
-    a, b = (None if _pot_uniform(w) else w for w in (a, b))
-    if metric is not None:
-        if not isinstance(metric, str):
-            hint = f"; POT's order is (X_a, X_b, a, b, metric, reg): did you mean reg={metric!r}?" \
-                if isinstance(metric, (int, float)) and not isinstance(metric, bool) else ""
-            raise TypeError(f"metric: expected a cost name (string), got {type(metric).__name__}{hint}")
-        if cost != "sqeuclidean" and metric != cost:
-            raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
-        cost = metric
-    _check_positional_scalars(a, b, reg)
-    if group is not None or shard != "replicated":
-        from .distributed import check_shard
+    with rank_checks(group):  # local checks only: with a group, a rank's rejection raises on every rank
+        a, b = (None if _pot_uniform(w) else w for w in (a, b))
+        if metric is not None:
+            if not isinstance(metric, str):
+                hint = f"; POT's order is (X_a, X_b, a, b, metric, reg): did you mean reg={metric!r}?" \
+                    if isinstance(metric, (int, float)) and not isinstance(metric, bool) else ""
+                raise TypeError(f"metric: expected a cost name (string), got {type(metric).__name__}{hint}")
+            if cost != "sqeuclidean" and metric != cost:
+                raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
+            cost = metric
+        _check_positional_scalars(a, b, reg)
+        if group is not None or shard != "replicated":
+            from .distributed import check_shard
 
-        check_shard(shard, group)
-    opts = solve_options(
-        reg, reg_type=reg_type, unbalanced=unbalanced, unbalanced_type=unbalanced_type, lazy=lazy,
-        batch_size=batch_size, method=method, n_threads=n_threads, max_iter=max_iter, tol=tol, grad=grad,
-        callback=callback, inner_iterations=inner_iterations, acceleration=acceleration, verbose=verbose,
-        implicit=implicit, eps_scaling=eps_scaling, exact_hint="POT's ot.solve_sample")
-    is_np = isinstance(X_a, np.ndarray)
-    if is_np != isinstance(X_b, np.ndarray):
-        raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
-    X_a, X_b = to_tensor("X_a", X_a), to_tensor("X_b", X_b)
-    if a is not None:
-        a = to_tensor("a", a, like=X_a)
-    if b is not None:
-        b = to_tensor("b", b, like=X_b)
-    if shard == "points":  # one problem whose points are split over the ranks (flashot.distributed)
-        from .distributed import points_solve
-
-        if backend == "multiscale":
+            check_shard(shard, group)
+        opts = solve_options(
+            reg, reg_type=reg_type, unbalanced=unbalanced, unbalanced_type=unbalanced_type, lazy=lazy,
+            batch_size=batch_size, method=method, n_threads=n_threads, max_iter=max_iter, tol=tol, grad=grad,
+            callback=callback, inner_iterations=inner_iterations, acceleration=acceleration, verbose=verbose,
+            implicit=implicit, eps_scaling=eps_scaling, exact_hint="POT's ot.solve_sample")
+        is_np = isinstance(X_a, np.ndarray)
+        if is_np != isinstance(X_b, np.ndarray):
+            raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
+        X_a, X_b = to_tensor("X_a", X_a), to_tensor("X_b", X_b)
+        if a is not None:
+            a = to_tensor("a", a, like=X_a)
+        if b is not None:
+            b = to_tensor("b", b, like=X_b)
+        if shard == "points" and backend == "multiscale":
             raise NotImplementedError("backend='multiscale' with shard='points': the clustering needs the whole "
                                       "clouds on every rank; use shard='replicated' (the default: every rank passes "
                                       "all the points)")
+        if shard != "points":  # (points mode: points_solve builds this rank's slices inside its first collective)
+            m, cluster_scale, truncate = _replicated_measures(X_a, X_b, a, b, cost, backend, opts, cluster_scale,
+                                                              truncate, potentials_init)
+    if shard == "points":  # one problem whose points are split over the ranks (flashot.distributed)
+        from .distributed import points_solve
+
         return points_solve(X_a, X_b, a, b, cost=cost, backend=backend, opts=opts, group=group,
                             potentials_init=potentials_init, numpy=is_np)
-    cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
-    truncate = check_positive("truncate", truncate, allow_none=True)
     if backend == "multiscale":
-        return _solve_multiscale(X_a, X_b, a, b, cost, opts, cluster_scale, truncate, group, potentials_init, is_np)
-    for name, v, default in (("cluster_scale", cluster_scale, None), ("truncate", truncate, 5.0)):
-        if v != default:
-            raise ValueError(f"{name}: used by backend='multiscale' only (GeomLoss' multiscale option)")
-    m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+        return _solve_multiscale(m, opts, cluster_scale, truncate, group, is_np)
     if group is not None:  # one problem over the ranks of a torch.distributed group
         from .distributed import distribute_solve
 
         opts = distribute_solve(m, opts, group, potentials_init)
     return solve_measures(m, opts, potentials_init, numpy=is_np)
+
+
+def rank_checks(group):
+    """The context of a front end's local argument checks: with a ``torch.distributed`` group,
+    :func:`flashot.distributed.shared_checks` (a rank that rejects its arguments makes every rank raise the
+    same error, instead of leaving them waiting in a collective until the process group's timeout); without
+    one, a plain context."""
+    if group is None:
+        return contextlib.nullcontext()
+    from .distributed import shared_checks
+
+    return shared_checks(group)
+
+
+def _replicated_measures(X_a, X_b, a, b, cost, backend, opts, cluster_scale, truncate, potentials_init):
+    """``solve_sample``'s checked measures, ``cluster_scale`` and ``truncate`` (every rank holds all the points):
+    the checks of ``backend="multiscale"`` (:func:`_multiscale_measures`) or ``Measures.build`` and
+    ``potentials_init``'s shapes, all before any collective."""
+    cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
+    truncate = check_positive("truncate", truncate, allow_none=True)
+    if backend == "multiscale":
+        return _multiscale_measures(X_a, X_b, a, b, cost, opts, potentials_init), cluster_scale, truncate
+    for name, v, default in (("cluster_scale", cluster_scale, None), ("truncate", truncate, 5.0)):
+        if v != default:
+            raise ValueError(f"{name}: used by backend='multiscale' only (GeomLoss' multiscale option)")
+    m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
+    if potentials_init is not None:
+        _check_init(potentials_init, m)
+    return m, cluster_scale, truncate
 
 
 @dataclass(frozen=True)
@@ -456,12 +485,8 @@ def _result(m: Measures, st: SinkhornState, o: SolveOptions, numpy: bool) -> OTR
     return res
 
 
-def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, truncate, group, potentials_init,
-                      numpy: bool) -> OTResult:
-    """``solve_sample(backend="multiscale")``: GeomLoss' coarse-to-fine schedule down to ``reg``, then the
-    ordinary loop to ``tol`` on the pruned points (:func:`flashot.multiscale.continue_fine`)."""
-    from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule, truncate_for
-
+def _multiscale_measures(X_a, X_b, a, b, cost, o: SolveOptions, potentials_init) -> Measures:
+    """``solve_sample(backend="multiscale")``'s checked measures (local checks only: no collective)."""
     refused = [name for name, bad in (("potentials_init", potentials_init is not None),
                                       ("acceleration", o.acceleration not in (None, "auto"))) if bad]
     if refused:
@@ -473,6 +498,15 @@ def _solve_multiscale(X_a, X_b, a, b, cost, o: SolveOptions, cluster_scale, trun
     check_eps_scale("reg", o.reg, m.cmax, m.x.dtype)
     if not o.unbalanced:
         _check_equal_masses(m)
+    return m
+
+
+def _solve_multiscale(m: Measures, o: SolveOptions, cluster_scale, truncate, group, numpy: bool) -> OTResult:
+    """``solve_sample(backend="multiscale")`` on measures checked by :func:`_multiscale_measures`: GeomLoss'
+    coarse-to-fine schedule down to ``reg``, then the ordinary loop to ``tol`` on the pruned points
+    (:func:`flashot.multiscale.continue_fine`)."""
+    from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule, truncate_for
+
     if group is not None:  # replicated mode: the problem and options checked across ranks, callback collective
         from .distributed import distribute_solve
 

@@ -8,6 +8,7 @@ divergence ``S(a, b) = OT(a, b) - OT(a, a)/2 - OT(b, b)/2`` by default.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import replace
 from functools import partial
@@ -22,6 +23,7 @@ from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_l
 from .matrix_cost import function_measures
 from .multiscale import MultiscaleConfig, MultiscaleRun, continue_fine, multiscale_loop, truncate_for, unsort
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
+from .ot_samples import rank_checks
 from .warmstart import check_warm_start, warm_loop
 from .schedules import Schedule, continued, epsilon_scaling, max_diameter
 from .solver import SinkhornState, final_step, final_values, sinkhorn_loop
@@ -36,6 +38,22 @@ from .unbalanced import (
 
 LOSSES = ("sinkhorn", "hausdorff", *KERNELS)
 AUTO_MULTISCALE_PAIRS = 10_000**2  # GeomLoss' threshold; multiscale is faster from here (BENCHMARKS.md)
+
+
+def _collective_construction(init):
+    """``SamplesLoss.__init__`` as a collective when given ``group=`` (keyword-only): one all-gather after the
+    option checks (:func:`flashot.distributed.shared_checks`), so that a rank whose options are rejected makes
+    every rank raise the same error at construction instead of leaving them waiting in their first call."""
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        group = kwargs.get("group")
+        if group is None:
+            return init(self, *args, **kwargs)
+        from .distributed import shared_checks
+
+        with shared_checks(group, collective=True):
+            init(self, *args, **kwargs)
+    return wrapped
 
 
 def auto_multiscale(m: Measures, p: int, blur: float, diameter: float) -> bool:
@@ -180,7 +198,9 @@ class SamplesLoss(torch.nn.Module):
         group: a ``torch.distributed`` process group: each call solves ONE problem over its ranks
             (:mod:`flashot.distributed`; every rank passes the same points, checked at the start);
             ``loss="sinkhorn"`` with the built-in costs.  ``backend="multiscale"`` in replicated mode
-            only (each rank computes a range of whole row clusters of the fine blocks).
+            only (each rank computes a range of whole row clusters of the fine blocks).  Construction
+            is then a collective (one all-gather): a rank whose options or arguments are rejected makes
+            every rank raise the same error (naming that rank) instead of waiting for the group's timeout.
         shard: with ``group``: ``"replicated"`` (default; every rank passes all the points) or ``"points"``
             (every rank passes only its slice of the points and weights; the slices travel around a ring of
             the ranks).  With ``"points"`` the value is the whole problem's (same on every rank), the
@@ -210,6 +230,7 @@ class SamplesLoss(torch.nn.Module):
         (True, True)
     """
 
+    @_collective_construction
     def __init__(
         self,
         loss: str = "sinkhorn",
@@ -294,12 +315,9 @@ class SamplesLoss(torch.nn.Module):
             raise NotImplementedError("backend='multiscale' with shard='points': the clustering needs the whole clouds "
                                       "on every rank; use shard='replicated' (the default: every rank passes all the "
                                       "points)")
-        if group is not None:
-            if loss != "sinkhorn" or cost is not None:
-                raise NotImplementedError("group: distributed solves support loss='sinkhorn' with the built-in costs "
-                                          "(p=1 or 2), not cost functions or kernel norms")
-            from .distributed import check_group
-            check_group(group)
+        if group is not None and (loss != "sinkhorn" or cost is not None):
+            raise NotImplementedError("group: distributed solves support loss='sinkhorn' with the built-in costs "
+                                      "(p=1 or 2), not cost functions or kernel norms")
         if group is not None or shard != "replicated":
             from .distributed import check_shard
             check_shard(shard, group)
@@ -363,7 +381,10 @@ class SamplesLoss(torch.nn.Module):
             >>> g.shape
             torch.Size([20, 2])
         """
-        a_in, x, b_in, y = self._split_args(args)
+        replicated = self.group is not None and self.shard == "replicated"  # one problem over a group's ranks
+        with rank_checks(self.group):  # local checks: with a group, one rank's rejection raises on every rank
+            a_in, x, b_in, y = self._split_args(args)
+            m = self._measures(x, y, a_in, b_in, _P_COSTS[self.p]) if replicated else None
         self.last_multiscale = None
         if self.loss != "sinkhorn":
             return self._other_loss(a_in, x, b_in, y)
@@ -371,14 +392,14 @@ class SamplesLoss(torch.nn.Module):
             sides = ("xy", "yx", "xx", "yy") if self.debias else ("xy", "yx")
             m = function_measures(self.cost, x, y, a_in, b_in, sides=sides, detach_second=True,
                                   names=("α", "x", "β", "y"))
-        else:
+        elif not replicated:  # one process, or this rank's slices (shard="points": checked across the ranks)
             m = self._measures(x, y, a_in, b_in, _P_COSTS[self.p])
-            if self.group is not None and self.shard == "replicated":  # one problem over the ranks of a group
-                from .distributed import distribute_measures
+        else:
+            from .distributed import distribute_measures
 
-                distribute_measures(m, self.group, {k: repr(getattr(self, k)) for k in (
-                    "p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling", "debias", "potentials",
-                    "backend", "warm_start", "cluster_scale", "truncate", "tol", "max_iter")})
+            distribute_measures(m, self.group, {k: repr(getattr(self, k)) for k in (
+                "p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling", "debias", "potentials",
+                "backend", "warm_start", "cluster_scale", "truncate", "tol", "max_iter")})
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
         diameter = self.diameter if self.diameter is not None else (
