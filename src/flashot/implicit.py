@@ -489,15 +489,15 @@ def _gauge(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     return f - t, g + t
 
 
-def hot_value(m, f: Tensor, g: Tensor, eps: float, refine: bool = True) -> Tensor | None:
+def hot_value(m, f: Tensor, g: Tensor, eps: float) -> Tensor | None:
     r"""The balanced value, (B,) float64, accurate at any ``eps > HOT_VALUE_RATIO * cmax``; None below (or
     for points-sharded measures, or when the passes leave non-finite numbers: keep ``<a, f> + <b, g>``).
 
     At such temperatures ``<a, f> + <b, g>`` from log-domain potentials is off by ``~ eps 2^-53`` (it lost
     every digit from ``eps ~ 1e16 cmax``, tending to 0 instead of ``<C, a b^T>``).  Here, from the
-    returned ``(f, g)``: increment-form passes (:func:`_increment_pass`) on the weights normalised to mass 1,
-    until the potentials move by less than ``1e3`` rounding units of their scale (``refine``; else one
-    pass: the value of the returned iterate), then the semi-dual ``<a, f'> + <b, g>`` with
+    returned (converged) ``(f, g)``: increment-form passes (:func:`_increment_pass`) on the weights
+    normalised to mass 1, until the potentials move by less than ``1e3`` rounding units of their scale
+    (at most :data:`HOT_VALUE_PASSES`), then the semi-dual ``<a, f'> + <b, g>`` with
     ``f' = f(g)`` (exact in ``f'``, second order in the error of ``g``).  For masses ``m = sqrt(A B)``
     other than 1 the value is ``m V_1 - eps m log m`` (``V_1`` that of the normalised weights), with
     masses within rounding of 1 taken as 1 (:func:`_unit_mass`): weights normalised in floating point
@@ -512,7 +512,7 @@ def hot_value(m, f: Tensor, g: Tensor, eps: float, refine: bool = True) -> Tenso
         an, bn = a / A.unsqueeze(-1), b / B.unsqueeze(-1)
         f, g = f.detach().double(), g.detach().double()
         tiny = torch.finfo(torch.float64).eps
-        for _ in range(HOT_VALUE_PASSES if refine else 1):
+        for _ in range(HOT_VALUE_PASSES):
             f, g = _gauge(f, g)
             f1, g1 = _increment_pass(m, an, bn, f, g, eps)
             if not (bool(torch.isfinite(f1).all()) and bool(torch.isfinite(g1).all())):
@@ -539,10 +539,11 @@ class _ValueOf(torch.autograd.Function):
         return G, None
 
 
-def with_hot_value(value: Tensor, m, f: Tensor, g: Tensor, eps: float, refine: bool = True) -> Tensor:
-    """``value`` (a balanced ``<a, f> + <b, g>`` with its gradients), its digits replaced by
-    :func:`hot_value` at a high temperature; ``value`` itself elsewhere."""
-    hot = hot_value(m, f, g, eps, refine)
+def with_hot_value(value: Tensor, m, f: Tensor, g: Tensor, eps: float) -> Tensor:
+    """``value`` (a converged balanced ``<a, f> + <b, g>`` with its gradients), its digits replaced by
+    :func:`hot_value` at a high temperature; ``value`` itself elsewhere.  The potentials are left as
+    they are (their ``~ eps 2^-53`` rounding moves the plan by ``~ 2^-53`` relative only)."""
+    hot = hot_value(m, f, g, eps)
     return value if hot is None else _ValueOf.apply(value, hot)
 
 

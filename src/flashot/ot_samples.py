@@ -437,8 +437,9 @@ def _result(m: Measures, st: SinkhornState, o: SolveOptions, numpy: bool) -> OTR
         value = warn_on_second_order(primal_value(*full, reg, o.rho_a, o.rho_b))
         value_dual = warn_on_second_order(dual_value(*full[:4], reg, o.rho_a, o.rho_b))
     else:  # points-sharded too: summed over the ranks, each rank's gradients its slices
-        value = value_dual = with_hot_value(sinkhorn_value(m, st, f, g, implicit=o.implicit), m, f, g, reg,
-                                            refine=st.converged)
+        value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
+        if st.converged:  # else the value of the returned iterate, <a, f> + <b, g> as it is
+            value = value_dual = with_hot_value(value, m, f, g, reg)
     res = OTResult(
         value=None,
         potentials=(None, None),
