@@ -2,7 +2,9 @@
 
 Targets: ``flashot.ops.softmin`` (value, and gradients in x, y, h), ``flashot.ops.plan_product``
 (weights plan / cost / dcost), ``flashot.solve_sample`` (value, potentials, marginals) and
-``flashot.SamplesLoss`` (value and gradients in both clouds), on the engines ``dense``, ``tiled``
+``flashot.SamplesLoss`` (value and gradients in both clouds), ``flashot.solve`` on cost matrices given
+dense and lazy (value, marginals and plan from reg 0.1 to 1e20 x the cost spread; the errors of malformed
+lazy matrices: section "solve(M)" below), on the engines ``dense``, ``tiled``
 and ``cpu`` plus variants registered for this module only (``tiled`` with 1-, 37- and
 777-element tiles; ``cpu`` streamed-only, cached-matrix, and either micro-kernel shape), and
 ``triton`` through its interpreter in the long profile.
@@ -97,6 +99,7 @@ if PROFILE == "long":
     # the kernels are decorated (tests/test_triton.py does the same at import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np
 import torch  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -861,3 +864,220 @@ def test_samples_loss(p, engine, pp, log_blur, scaling, debias, weighted):
         tol_pt = W * (amp * G + K_GRAD * u * DF * diam * Wsum + 2 * DROP[cdt] * Gmax)
         note(f"grad {side}: r={r:.3g}")
         check_grad(batched(grad, isb), ref, tol_pt, dtype, f"SamplesLoss[{engine}] grad {side}")
+
+
+# --------------------------------------------------------------------------------------------
+# solve(M): precomputed cost matrices, dense and lazy
+#
+# Random float64 (n, m) cost matrices (n, m in 1..12, entries in [0, 1) times a scale 1e-3..1e3, plus an
+# offset, sometimes all equal), weights uniform or spread over up to 6 decades, given as a numpy array,
+# a torch tensor, a lazy object returning numpy or torch blocks (no dtype attribute / a torch dtype),
+# or a numpy.memmap, solved on ``tiled`` (blocks of a random number of rows and columns: ``COL_BLOCK``,
+# the range scan's ``SCAN_ROWS`` and the high-temperature value's ``HOT_VALUE_BLOCK`` patched) or
+# ``dense``, reg from 0.1 to 1e3 x the spread of the costs (ordinary) or 1e5 to 1e20 x (high temperature).
+#
+# Reference: float64 alternating Sinkhorn in the log domain (torch.logsumexp), run until the potentials
+# move by less than the softmins' rounding, ``8 (n + m) 2^-53 (cmax + eps + max |f| + max |g|)``; value
+# ``<a, f> + <b, g>``.  Its rounding is ``~ eps 2^-53`` per
+# softmin, so at the high temperatures the reference is the second-order expansion
+# ``<C, a b^T> - |R|^2_{a b} / (2 eps)`` (``R`` = ``C`` minus its a b-weighted additive part), exact to
+# ``O(cmax^3 / eps^2)`` (< 1e-10 cmax from 1e5 cmax up).
+# Tolerances (cmax = largest |cost|, spread = max - min): value ``1e-11 spread + 1e-13 eps + 1e-14 cmax`` (``eps``
+# capped at 100 cmax at the high temperatures, where flashot's value no longer rounds like ``eps``); plan
+# marginals (flashot stops at tol = 1e-12, L1) ``1e-10`` absolute; plan entries (ordinary temperatures)
+# ``1e-7`` of the largest entry.
+
+_MATRIX_FORMS = ["numpy", "torch", "lazy-numpy", "lazy-torch", "memmap"]
+
+
+class _LazyBlocks:
+    """A lazy matrix (``.shape`` and ``[r0:r1, c0:c1]``) over a float64 array; torch blocks when ``as_torch``."""
+
+    def __init__(self, M, as_torch: bool):
+        self.M, self.shape, self.as_torch = M, M.shape, as_torch
+        if as_torch:
+            self.dtype = torch.float64
+
+    def __getitem__(self, key):
+        blk = self.M[key]
+        return torch.from_numpy(np.array(blk)) if self.as_torch else blk
+
+
+class _patched:
+    """Set module attributes for the duration of a ``with`` (hypothesis examples cannot use monkeypatch)."""
+
+    def __init__(self, *triples):
+        self.triples, self.saved = triples, []
+
+    def __enter__(self):
+        for mod, name, v in self.triples:
+            self.saved.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, v)
+
+    def __exit__(self, *exc):
+        for mod, name, v in reversed(self.saved):
+            setattr(mod, name, v)
+
+
+@st.composite
+def cost_matrices(draw):
+    n, m = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    scale = 10.0 ** draw(st.floats(-3.0, 3.0))
+    offset = draw(st.sampled_from([0.0, 0.0, 1.0, -5.0]))
+    C = (torch.rand(n, m, generator=g, dtype=torch.float64) + offset) * scale
+    if draw(st.sampled_from([False] * 5 + [True])):
+        C = torch.full_like(C, (0.5 + offset) * scale)
+    skew = draw(st.sampled_from([0.0, 0.0, 1.0, 6.0]))
+
+    def weights(k):
+        if skew == 0.0 and draw(st.booleans()):
+            return None
+        w = 10.0 ** (-skew * torch.rand(k, generator=g, dtype=torch.float64))
+        return w / w.sum()
+
+    a, b = weights(n), weights(m)
+    return Problem(C=C, a=a, b=b, n=n, m=m, desc=f"n={n} m={m} scale={scale:.3g} offset={offset} skew={skew} "
+                                                  f"seed={seed} uniform={(a is None, b is None)}")
+
+
+def _as_form(C: torch.Tensor, form: str, tmp: str):
+    M = C.numpy()
+    if form == "numpy":
+        return M
+    if form == "torch":
+        return C.clone()
+    if form == "memmap":
+        mm = np.lib.format.open_memmap(os.path.join(tmp, "M.npy"), mode="w+", dtype=np.float64, shape=M.shape)
+        mm[:] = M
+        mm.flush()
+        return np.load(os.path.join(tmp, "M.npy"), mmap_mode="r")
+    return _LazyBlocks(M, as_torch=form == "lazy-torch")
+
+
+def ref_matrix_sinkhorn(C, a, b, eps):
+    """Converged float64 alternating Sinkhorn: (f, g), value ``<a, f> + <b, g>``."""
+    la, lb = a.log(), b.log()
+    f, g = torch.zeros_like(a), torch.zeros_like(b)
+    floor = 8 * 2.0**-53 * (C.shape[0] + C.shape[1]) * (float(C.abs().max()) + eps)  # the softmins' rounding
+    for _ in range(100000):
+        f_new = ref_softmin(C, lb + g / eps, eps)
+        g_new = ref_softmin(C.T, la + f_new / eps, eps)
+        move = max(float((f_new - f).abs().max()), float((g_new - g).abs().max()))
+        f, g = f_new, g_new
+        if move <= floor + 8 * 2.0**-53 * (float(f.abs().max()) + float(g.abs().max())):
+            break
+    else:
+        raise AssertionError("the reference Sinkhorn did not converge")
+    f = ref_softmin(C, lb + g / eps, eps)
+    return f, g, float((a * f).sum() + (b * g).sum())
+
+
+def ref_matrix_hot_value(C, a, b, eps):
+    """Second-order high-temperature expansion ``<C, a b^T> - |R|^2_{a b} / (2 eps)``."""
+    r, c, mean = C @ b, a @ C, float(a @ C @ b)
+    R = C - r[:, None] - c[None, :] + mean
+    return mean - float(a @ (R * R) @ b) / (2 * eps)
+
+
+@fuzz_settings(15, 1500)
+@given(p=cost_matrices(), form=st.sampled_from(_MATRIX_FORMS), backend=st.sampled_from(["auto", "auto", "dense"]),
+       hot=st.booleans(), log_reg=st.floats(0.0, 1.0), blocks=st.tuples(*[st.integers(1, 13)] * 3))
+def test_solve_matrix(p, form, backend, hot, log_reg, blocks):
+    """``flashot.solve(M)`` on every form of the same matrix: value, plan marginals and plan against the
+    float64 reference (tolerances above)."""
+    import tempfile
+
+    from flashot import implicit, matrix_cost
+    from flashot.ops import tiled
+
+    C, a, b, n, m = p["C"], p["a"], p["b"], p["n"], p["m"]
+    spread = float(C.max() - C.min())
+    cmax = float(C.abs().max())
+    unit = max(spread, 1e-3 * cmax, 1e-300)
+    eps = unit * 10.0 ** (5.0 + 15.0 * log_reg if hot else -1.0 + 4.0 * log_reg)
+    note(p["desc"] + f" form={form} backend={backend} eps={eps:.3g} (spread {spread:.3g}) blocks={blocks}")
+    a64 = a if a is not None else torch.full((n,), 1.0 / n, dtype=torch.float64)
+    b64 = b if b is not None else torch.full((m,), 1.0 / m, dtype=torch.float64)
+    with tempfile.TemporaryDirectory() as tmp, _patched((tiled, "COL_BLOCK", blocks[0]),
+                                                        (matrix_cost, "SCAN_ROWS", blocks[1]),
+                                                        (implicit, "HOT_VALUE_BLOCK", blocks[2])):
+        M = _as_form(C, form, tmp)
+        res = flashot.solve(M, a, b, reg=eps, backend=backend, tol=1e-12, max_iter=100000)
+        value = float(res.value)
+        ra, rb = (np.asarray(t, dtype=np.float64) for t in res.marginals)
+        P = np.asarray(res.plan, dtype=np.float64)
+        del M
+    assert res.converged, res
+    if hot:
+        want = ref_matrix_hot_value(C, a64, b64, eps)
+    else:
+        f_ref, g_ref, want = ref_matrix_sinkhorn(C, a64, b64, eps)
+        Pref = (a64[:, None] * b64[None, :] * ((f_ref[:, None] + g_ref[None, :] - C) / eps).exp()).numpy()
+        assert np.abs(P - Pref).max() <= 1e-7 * Pref.max(), np.abs(P - Pref).max() / Pref.max()
+    # flashot's value below 100 cmax (implicit.HOT_VALUE_RATIO) and the ordinary reference: ~ eps 2^-53 each
+    tol = 1e-11 * spread + 1e-13 * (min(eps, 100 * cmax) if hot else eps) + 1e-14 * cmax
+    target(abs(value - want) / tol, label="solve(M) value err/tol")
+    assert abs(value - want) <= tol, (value, want, tol)
+    assert np.abs(ra - a64.numpy()).max() <= 1e-10 and np.abs(rb - b64.numpy()).max() <= 1e-10
+
+
+_MALFORMED = {
+    "negative shape": (lambda M: _Shaped((-M.shape[0], M.shape[1]), M), ValueError, "M: the lazy matrix's shape"),
+    "empty shape": (lambda M: _Shaped((0, M.shape[1]), M), ValueError, "at least one row and one column"),
+    "float shape": (lambda M: _Shaped((M.shape[0] + 0.5, M.shape[1]), M), ValueError, "M: the lazy matrix's shape"),
+    "None blocks": (lambda M: _Blocks(M, lambda blk: None), TypeError, "M: the lazy matrix returned a NoneType"),
+    "str blocks": (lambda M: _Blocks(M, lambda blk: "block"), TypeError, "M: the lazy matrix returned a str"),
+    "object blocks": (lambda M: _Blocks(M, lambda blk: blk.astype(object)),
+                      TypeError, "M: the lazy matrix returned .* of dtype object"),
+    "wrong block shape": (lambda M: _Blocks(M, lambda blk: np.zeros((blk.shape[0] + 1, blk.shape[1]))),
+                          ValueError, "M: the lazy matrix returned a block of shape"),
+}
+
+
+class _Shaped:
+    def __init__(self, shape, M):
+        self.shape, self.M = shape, M
+
+    def __getitem__(self, key):
+        return self.M[key]
+
+
+class _Blocks:
+    """Blocks of ``M`` passed through ``fn``; with ``after``, only from the ``after``-th read on."""
+
+    def __init__(self, M, fn, after: int = 0):
+        self.M, self.shape, self.fn, self.after, self.reads = M, M.shape, fn, after, 0
+
+    def __getitem__(self, key):
+        self.reads += 1
+        blk = np.array(self.M[key])
+        return self.fn(blk) if self.reads > self.after else blk
+
+
+@fuzz_settings(15, 1000)
+@given(p=cost_matrices(), kind=st.sampled_from(sorted(_MALFORMED) + ["NaN later", "Inf later"]),
+       after=st.integers(0, 3), where=st.floats(0.0, 1.0), backend=st.sampled_from(["auto", "dense"]))
+def test_solve_matrix_malformed(p, kind, after, where, backend):
+    """Malformed lazy matrices: the documented one-line error naming ``M`` (never a raw IndexError, a
+    torch reduction error, or advice about eps), whichever read first meets the defect."""
+    import re
+
+    M = p["C"].numpy()
+    note(p["desc"] + f" kind={kind} after={after} backend={backend}")
+    if kind in _MALFORMED:
+        make, exc, match = _MALFORMED[kind]
+        lazy = make(M)
+    else:
+        bad = np.nan if kind == "NaN later" else np.inf
+
+        def poison(blk):
+            blk.reshape(-1)[int(where * (blk.size - 1))] = bad
+            return blk
+
+        lazy, exc, match = _Blocks(M, poison, after), ValueError, r"M: the lazy matrix returned NaN or Inf values for rows"
+    with pytest.raises(exc) as e:
+        flashot.solve(lazy, reg=float(M.max() - M.min()) + 1.0, backend=backend)
+    msg = str(e.value)
+    assert re.search(match, msg) and "\n" not in msg and "eps" not in msg, msg

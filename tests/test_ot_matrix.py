@@ -313,3 +313,55 @@ def test_barycentric_map_refused_for_a_cost_matrix():
     Y = np.random.RandomState(0).randn(7, 2)
     P = np.asarray(res.plan)
     _close(res.plan @ Y / res.plan.sum(1)[:, None], (P @ Y) / P.sum(1)[:, None], rtol=1e-12)
+
+
+# --- malformed matrices: one clear line naming M (issue 34, item 10) ----------------------------------------
+class _Lazy:
+    """A lazy matrix with a given shape whose blocks come from ``fn(key)``."""
+
+    def __init__(self, shape, fn):
+        self.shape, self.fn = shape, fn
+
+    def __getitem__(self, key):
+        return self.fn(key)
+
+
+def _nan_after(M, reads):
+    """Blocks of ``M`` that turn to NaN after ``reads`` reads (after the range scan)."""
+    count = [0]
+
+    def fn(key):
+        count[0] += 1
+        blk = np.array(M[key])
+        return blk if count[0] <= reads else np.full_like(blk, np.nan)
+
+    return fn
+
+
+_M = np.random.RandomState(3).rand(5, 7)
+
+
+@pytest.mark.parametrize("M, exc, match", [
+    (np.zeros((0, 3)), ValueError, r"M: .*at least one row and one column, got shape \(0, 3\)"),
+    (torch.zeros(4, 0), ValueError, r"M: .*at least one row and one column, got shape \(4, 0\)"),
+    (torch.zeros(0, 3, 4), ValueError, r"M: .*batch .*empty"),
+    (_Lazy((0, 7), lambda k: _M[k]), ValueError, r"M: .*at least one row and one column, got shape \(0, 7\)"),
+    (_Lazy((-3, 20), lambda k: _M[k]), ValueError, r"M: the lazy matrix's shape .*non-negative integers.*\(-3, 20\)"),
+    (_Lazy((5.5, 7), lambda k: _M[k]), ValueError, r"M: the lazy matrix's shape .*non-negative integers"),
+    (_Lazy((5, 7), lambda k: None), TypeError, (r"M: the lazy matrix returned a NoneType for rows 0:1, columns 0:1; "
+                                                r"expected an array of real numbers")),
+    (_Lazy((5, 7), lambda k: "abc"), TypeError, r"M: the lazy matrix returned a str for rows 0:1, columns 0:1"),
+    (_Lazy((5, 7), lambda k: np.full((5, 7), "x")), TypeError, r"M: the lazy matrix returned .*dtype <U1"),
+    (_Lazy((5, 7), _nan_after(_M, 2)), ValueError, (r"M: the lazy matrix returned NaN or Inf values for rows \d+:\d+, "
+                                                    r"columns \d+:\d+")),
+])
+def test_malformed_matrix_errors(M, exc, match):
+    with pytest.raises(exc, match=match) as e:
+        flashot.solve(M, reg=1.0)
+    assert "\n" not in str(e.value) and "eps" not in str(e.value)
+
+
+def test_lazy_nan_on_dense_backend():
+    """NaN in the blocks read by the ``dense`` backend (the whole matrix, after the scan) is named too."""
+    with pytest.raises(ValueError, match="M: the lazy matrix returned NaN or Inf values for rows 0:5, columns 0:7"):
+        flashot.solve(_Lazy((5, 7), _nan_after(_M, 2)), reg=1.0, backend="dense")

@@ -51,6 +51,7 @@ have second derivatives; the others raise :class:`NotImplementedError` on
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -64,7 +65,7 @@ from .ops.base import Engine
 from .solver import Barycentres
 
 __all__ = ["ImplicitDiff", "PlanProductFn", "OTValueFn", "ImplicitGradFn", "LinearValueFn", "sinkhorn_value",
-           "linear_value"]
+           "linear_value", "hot_value"]
 
 
 @dataclass(frozen=True)
@@ -434,6 +435,116 @@ def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb
         v = v - 0.5 * OTValueFn.apply(y, y, b, b, d(g_bb), d(g_bb), d(st.g_bb), d(st.g_bb),
                                       eps, m.cost, m.engine, cfg, True, m.reduce, (bb.yy, None))
     return v
+
+
+# ----------------------------------------------------------------------------------------------
+# The balanced value at a high temperature (eps >> cmax), where <a, f> + <b, g> is rounding noise.
+# ----------------------------------------------------------------------------------------------
+# balanced values at eps > HOT_VALUE_RATIO * cmax are recomputed by hot_value: below, the log-domain
+# potentials' rounding (~ eps 2^-53 in float64) stays under ~1e-14 cmax
+HOT_VALUE_RATIO = 100.0
+# most refinement passes (each contracts the potentials' error by ~ cmax / eps <= 1 / HOT_VALUE_RATIO)
+HOT_VALUE_PASSES = 12
+# cost entries per block of rows read by one pass (float64: 8 MiB per temporary)
+HOT_VALUE_BLOCK = 1 << 20
+
+
+def _increment_pass(m, a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    r"""One alternating Sinkhorn step in increment form, float64, streamed over blocks of rows.
+
+    With :math:`x_{ij} = (f_i + g_j - C_{ij}) / \varepsilon` (small at a high temperature), the row
+    update solving :math:`\sum_j b_j e^{(f'_i + g_j - C_{ij})/\varepsilon} = 1` is
+    :math:`f'_i = f_i - \varepsilon \log(1 + \sum_j b_j \operatorname{expm1}(x_{ij}))`, and the column
+    update from :math:`f'` likewise.  ``expm1`` / ``log1p`` keep the increment's relative accuracy, so the
+    potentials come out accurate to rounding of ``cmax`` whatever ``eps`` (a log-sum-exp rounds its sum
+    to ``1 +- 2^-53`` and the potentials to ``+- eps 2^-53``).  ``a`` and ``b`` have mass exactly 1.
+    """
+    x, y = m.x.detach(), m.y.detach()
+    Bn, N, K = f.shape[0], f.shape[-1], g.shape[-1]
+    rows = max(1, HOT_VALUE_BLOCK // max(1, Bn * K))
+    f_new, col = torch.empty_like(f), torch.zeros_like(g)
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        C = m.cost.tile(x[:, r0:r1], y).double()
+        fr = f[:, r0:r1].unsqueeze(-1)
+        s = torch.expm1((fr + g.unsqueeze(-2) - C) / eps)
+        fr = fr - eps * torch.log1p((s * b.unsqueeze(-2)).sum(-1, keepdim=True))
+        f_new[:, r0:r1] = fr[..., 0]
+        s = torch.expm1((fr + g.unsqueeze(-2) - C) / eps)
+        col += (s * a[:, r0:r1].unsqueeze(-1)).sum(-2)
+    return f_new, g - eps * torch.log1p(col)
+
+
+def _unit_mass(mass: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """``mass`` with the values within rounding of 1 (a sum of ``n`` weights normalised in ``dtype``:
+    ``4 (log2 n + 2)`` units) set to exactly 1."""
+    near = (mass - 1).abs() <= 4 * (math.log2(max(n, 1)) + 2) * torch.finfo(dtype).eps
+    return torch.where(near, torch.ones_like(mass), mass)
+
+
+def _gauge(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``(f - t, g + t)`` with ``t`` the midrange of ``f`` per problem: potentials far from 0 (an offset of
+    ``~ eps 2^-53`` left by a log-domain solve) would add their own rounding to every increment."""
+    t = (f.amax(-1, keepdim=True) + f.amin(-1, keepdim=True)) / 2
+    return f - t, g + t
+
+
+def hot_value(m, f: Tensor, g: Tensor, eps: float) -> Tensor | None:
+    r"""The balanced value, (B,) float64, accurate at any ``eps > HOT_VALUE_RATIO * cmax``; None below (or
+    for points-sharded measures, or when the passes leave non-finite numbers: keep ``<a, f> + <b, g>``).
+
+    At such temperatures ``<a, f> + <b, g>`` from log-domain potentials is off by ``~ eps 2^-53`` (it lost
+    every digit from ``eps ~ 1e16 cmax``, tending to 0 instead of ``<C, a b^T>``).  Here, from the
+    returned (converged) ``(f, g)``: increment-form passes (:func:`_increment_pass`) on the weights
+    normalised to mass 1, until the potentials move by less than ``1e3`` rounding units of their scale
+    (at most :data:`HOT_VALUE_PASSES`), then the semi-dual ``<a, f'> + <b, g>`` with
+    ``f' = f(g)`` (exact in ``f'``, second order in the error of ``g``).  For masses ``m = sqrt(A B)``
+    other than 1 the value is ``m V_1 - eps m log m`` (``V_1`` that of the normalised weights), with
+    masses within rounding of 1 taken as 1 (:func:`_unit_mass`): weights normalised in floating point
+    would otherwise add ``eps`` times their rounding.  Cost: one pass over the cost matrix per round
+    (typically two or three rounds), in float64.
+    """
+    if getattr(m, "points_sharded", False) or not eps > HOT_VALUE_RATIO * m.cmax:
+        return None
+    with torch.no_grad():
+        a, b = m.a.detach().double(), m.b.detach().double()
+        A, B = a.sum(-1), b.sum(-1)
+        an, bn = a / A.unsqueeze(-1), b / B.unsqueeze(-1)
+        f, g = f.detach().double(), g.detach().double()
+        tiny = torch.finfo(torch.float64).eps
+        for _ in range(HOT_VALUE_PASSES):
+            f, g = _gauge(f, g)
+            f1, g1 = _increment_pass(m, an, bn, f, g, eps)
+            if not (bool(torch.isfinite(f1).all()) and bool(torch.isfinite(g1).all())):
+                return None
+            move = max(float((f1 - f).abs().max()), float((g1 - g).abs().max()))
+            scale = m.cmax + float(f1.abs().max()) + float(g1.abs().max())
+            value = (an * f1).sum(-1) + (bn * g).sum(-1)  # f1 = f(g): the semi-dual at g
+            f, g = f1, g1
+            if move <= 1e3 * tiny * scale:
+                break
+        mass = _unit_mass((A * B).sqrt(), max(a.shape[-1], b.shape[-1]), m.a.dtype)
+        return mass * value - eps * mass * torch.log(mass)
+
+
+class _ValueOf(torch.autograd.Function):
+    """``new`` in the forward, the gradient of ``value`` in the backward (same quantity, better digits)."""
+
+    @staticmethod
+    def forward(ctx, value, new):
+        return new.to(value.dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx, G):
+        return G, None
+
+
+def with_hot_value(value: Tensor, m, f: Tensor, g: Tensor, eps: float) -> Tensor:
+    """``value`` (a converged balanced ``<a, f> + <b, g>`` with its gradients), its digits replaced by
+    :func:`hot_value` at a high temperature; ``value`` itself elsewhere.  The potentials are left as
+    they are (their ``~ eps 2^-53`` rounding moves the plan by ``~ 2^-53`` relative only)."""
+    hot = hot_value(m, f, g, eps)
+    return value if hot is None else _ValueOf.apply(value, hot)
 
 
 # ----------------------------------------------------------------------------------------------

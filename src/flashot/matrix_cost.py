@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,11 +82,7 @@ class MatrixCost:
     def _block(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
         if not self.lazy:
             return self.M[:, r0:r1, c0:c1]
-        blk = np.asarray(self.M[r0:r1, c0:c1])
-        if blk.shape != (r1 - r0, c1 - c0):
-            raise ValueError(f"M: the lazy matrix returned a block of shape {blk.shape} for rows {r0}:{r1} and "
-                             f"columns {c0}:{c1} (expected {(r1 - r0, c1 - c0)})")
-        blk = np.array(blk, dtype=np.float32 if self.dtype == torch.float32 else np.float64)  # a writable copy
+        blk = read_block(self.M, r0, r1, c0, c1, np.float32 if self.dtype == torch.float32 else np.float64)
         return torch.from_numpy(blk).to(self.device).unsqueeze(0)
 
     def _side(self, lo: int) -> tuple[str, int]:
@@ -137,25 +134,80 @@ def _span(u: Tensor) -> tuple[int, int]:
     return first, last + 1
 
 
-def _scan(M, dtype: torch.dtype) -> tuple[float, float]:
+def read_block(M, r0: int, r1: int, c0: int, c1: int, dtype=np.float64) -> np.ndarray:
+    """``M[r0:r1, c0:c1]`` of a lazy matrix as a fresh, writable array of ``dtype`` (None: its own),
+    checked: an array of real numbers (not ``None``, a string, objects) of shape ``(r1 - r0, c1 - c0)``,
+    finite.
+
+    Every block is checked when it is read, not only during the range scan: a lazy matrix computed on
+    the fly (or a file changed meanwhile) can return NaN later, which the solver would otherwise
+    report as an overflow of ``C / eps``."""
+    where = f"rows {r0}:{r1}, columns {c0}:{c1}"
+    raw = M[r0:r1, c0:c1]
+    if isinstance(raw, Tensor):
+        raw = raw.detach().cpu()
+        raw = (raw.double() if raw.dtype in (torch.float16, torch.bfloat16) else raw).numpy()
+    if raw is None or isinstance(raw, (str, bytes, dict, set)):
+        raise TypeError(f"M: the lazy matrix returned a {type(raw).__name__} for {where}; expected an array of "
+                        f"real numbers of shape {(r1 - r0, c1 - c0)}")
+    try:
+        blk = np.asarray(raw)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"M: the lazy matrix returned a {type(raw).__name__} for {where} that is not an array of "
+                        f"real numbers ({e})") from None
+    if blk.dtype.kind not in "fiu":
+        raise TypeError(f"M: the lazy matrix returned a {type(raw).__name__} of dtype {blk.dtype} for {where}; "
+                        "expected an array of real numbers")
+    if blk.shape != (r1 - r0, c1 - c0):
+        raise ValueError(f"M: the lazy matrix returned a block of shape {blk.shape} for {where} "
+                         f"(expected {(r1 - r0, c1 - c0)})")
+    blk = np.array(blk, dtype=dtype)  # a writable copy
+    if not np.isfinite(blk).all():
+        raise ValueError(f"M: the lazy matrix returned NaN or Inf values for {where}")
+    return blk
+
+
+def _scan(M) -> tuple[float, float]:
     """``(min, max)`` of a lazy matrix, read in blocks of rows; raises on NaN / Inf."""
     lo, hi = math.inf, -math.inf
     for r0 in range(0, M.shape[0], SCAN_ROWS):
-        blk = np.asarray(M[r0:r0 + SCAN_ROWS, :], dtype=np.float64)
-        if not np.isfinite(blk).all():
-            raise ValueError(f"M: contains NaN or Inf values (in rows {r0}:{r0 + blk.shape[0]})")
+        blk = read_block(M, r0, min(M.shape[0], r0 + SCAN_ROWS), 0, M.shape[1])
         lo, hi = min(lo, float(blk.min())), max(hi, float(blk.max()))
     return lo, hi
 
 
+def _lazy_shape(M) -> tuple[int, int]:
+    """The ``(N, M)`` of a lazy matrix: two non-negative integers, at least one row and one column."""
+    shape = tuple(M.shape)
+    try:
+        dims = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        dims = None
+    if dims is None or any(s < 0 for s in dims):
+        raise ValueError(f"M: the lazy matrix's shape must be two non-negative integers (rows, columns), got {shape}")
+    _check_not_empty(dims)
+    return dims
+
+
+def _check_not_empty(shape: tuple[int, ...]) -> None:
+    if len(shape) == 3 and shape[0] == 0:
+        raise ValueError(f"M: the batch of cost matrices is empty (shape {shape})")
+    if shape[-2] == 0 or shape[-1] == 0:
+        raise ValueError(f"M: the cost matrix must have at least one row and one column, got shape {shape}")
+
+
 def _lazy_dtype(M) -> torch.dtype:
+    """The compute dtype's source of a lazy matrix: its ``dtype`` attribute, else that of its first entry
+    (read and checked)."""
     dt = getattr(M, "dtype", None)
     if isinstance(dt, torch.dtype):
         return dt
     try:
-        kind = np.dtype(dt) if dt is not None else np.asarray(M[0:1, 0:1]).dtype
+        kind = np.dtype(dt) if dt is not None else None
     except TypeError:
-        kind = np.asarray(M[0:1, 0:1]).dtype
+        kind = None
+    if kind is None:
+        kind = read_block(M, 0, 1, 0, 1, dtype=None).dtype
     if kind.kind not in "fiu":
         raise TypeError(f"M: expected real numbers, got dtype {kind}")
     return torch.float32 if kind == np.float32 or kind.itemsize <= 2 and kind.kind == "f" else torch.float64
@@ -170,13 +222,14 @@ def matrix_measures(M, a, b, *, backend: str = "auto") -> Measures:
                          "(use solve_sample)")
     lazy = is_lazy_matrix(M)
     if lazy:
-        shape = tuple(int(s) for s in M.shape)
+        shape = _lazy_shape(M)
         cdt = compute_dtype(_lazy_dtype(M))
         device = torch.device("cpu") if not isinstance(a, Tensor) else a.device
-        lo, hi = _scan(M, cdt)
+        lo, hi = _scan(M)
         B, batched, out_dtype, Mt = 1, False, cdt, M
     else:
         Mt = _check_dense(M)
+        _check_not_empty(tuple(Mt.shape))
         batched = Mt.dim() == 3
         Mt = Mt if batched else Mt.unsqueeze(0)
         shape, out_dtype, device = tuple(Mt.shape[1:]), Mt.dtype, Mt.device
@@ -186,8 +239,6 @@ def matrix_measures(M, a, b, *, backend: str = "auto") -> Measures:
         with torch.no_grad():
             lo, hi = float(Mt.min()), float(Mt.max())
     N, K = shape
-    if N == 0 or K == 0:
-        raise ValueError(f"M: the cost matrix is empty (shape {shape})")
     if cdt == torch.float32 and N + K > MAX_FLOAT32_INDEX:
         raise ValueError(f"M: {N} rows + {K} columns exceed what float32 index points address exactly "
                          f"({MAX_FLOAT32_INDEX:,}); give M in float64")

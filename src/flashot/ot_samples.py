@@ -3,10 +3,13 @@ r"""``solve_sample``: entropic OT between point clouds, POT / GeomLoss style.
 Solves :math:`\min_P \langle C, P\rangle + \varepsilon\, \mathrm{KL}(P \,|\, a \otimes b)`
 over couplings of ``a`` and ``b``, with ``C(x, y) = |x - y|^2`` by default and
 ``reg`` :math:`= \varepsilon`.  The value is POT's (balanced problems); at convergence it
-equals :math:`\langle f, a\rangle + \langle g, b\rangle`.  With ``unbalanced=`` the marginal
-constraints become KL penalties (:mod:`flashot.unbalanced`), on one side only for
-``unbalanced=(rho, None)``, and the value is the objective with generalised KL terms at the
-returned plan (POT 0.9 drops the KL terms' masses there).
+equals :math:`\langle f, a\rangle + \langle g, b\rangle`, computed in increment form above
+``100 x`` the largest cost, where log-domain potentials round to ``~ eps 2^-53``
+(:func:`flashot.implicit.hot_value`: accurate at any ``reg``, tending to
+:math:`\langle C, a b^\top\rangle`).  With ``unbalanced=`` the marginal constraints become KL
+penalties (:mod:`flashot.unbalanced`), on one side only for ``unbalanced=(rho, None)``, and the
+value is the objective with generalised KL terms at the returned plan (POT 0.9 drops the KL
+terms' masses there).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ._checks import (
     to_tensor,
 )
 from .measures import Measures
-from .implicit import ImplicitDiff, check_implicit, sinkhorn_value
+from .implicit import ImplicitDiff, check_implicit, sinkhorn_value, with_hot_value
 from .plan import LazyPlan
 from .schedules import Schedule
 from .acceleration import Anderson, check_acceleration
@@ -464,6 +467,8 @@ def _result(m: Measures, st: SinkhornState, o: SolveOptions, numpy: bool) -> OTR
         value_dual = warn_on_second_order(dual_value(*full[:4], reg, o.rho_a, o.rho_b))
     else:  # points-sharded too: summed over the ranks, each rank's gradients its slices
         value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
+        if st.converged:  # else the value of the returned iterate, <a, f> + <b, g> as it is
+            value = value_dual = with_hot_value(value, m, f, g, reg)
     res = OTResult(
         value=None,
         potentials=(None, None),
