@@ -30,7 +30,14 @@ loss of each iterate (POT's ``gwloss``)
 Stopping follows POT: every 10th outer iteration (the 1st, 11th, ...) the change of the coupling
 :math:`\|T - T_{prev}\|_F` is measured, from plan products only (``|T|^2`` is a plan product at
 ``eps / 2``, ``<T, T'>`` one with the mean of the two costs, also feature-bilinear), and the loop
-stops when it is at most ``tol``.
+stops when it is at most ``tol`` (or the compute dtype's rounding floor; a floor above ``1e-2 |T|_F`` never
+stops the loop: ``converged=False`` and a RuntimeWarning).
+
+Units: the features are dimensionless, ``E_x = [1, |x|^2 / L_x^2, x / L_x]`` with ``L_x`` the radius of the
+centred cloud (a power of two), and ``R_x`` carries ``L_x^2``; the cost bound that sets the rounding floors,
+eps-scaling and acceleration is taken per block of ``M``.  Scaling both clouds by ``s`` and ``reg`` by ``s^4``
+(the same problem: value times ``s^4``, the same coupling) then leaves what the engines see, relative to
+``reg``, unchanged up to rounding, in float32 as in float64 (:func:`_embed`).
 
 Semi-relaxed GW (:func:`semirelaxed_gromov_wasserstein`, POT's ``entropic_semirelaxed_gromov_wasserstein``):
 only ``T 1 = a`` is imposed, ``q = T^T 1`` is free, and ``reg`` is the step of a KL mirror descent from
@@ -87,6 +94,7 @@ from .measures import Measures, log_weights
 from .ops import get_engine
 from .ot_samples import solve_measures, solve_options
 from .plan import LazyPlan
+from .solver import FLOOR_CAP
 
 __all__ = ["GWResult", "fused_gromov_wasserstein", "gromov_wasserstein", "semirelaxed_fused_gromov_wasserstein",
            "semirelaxed_gromov_wasserstein"]
@@ -200,14 +208,25 @@ class GWPlan(LazyPlan):
 
 
 def _embed(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(E, R)`` for a cloud x (n, d): ``E = [1, |x|^2, x]`` (n, d + 2) and ``R`` with
-    ``|x_i - x_k|^2 = (E R E^T)_ik``."""
+    """``(E, R)`` for a centred cloud x (n, d): dimensionless features ``E = [1, |x|^2 / L^2, x / L]`` (n, d + 2)
+    and ``R`` with ``|x_i - x_k|^2 = (E R E^T)_ik`` (``R`` carries the units: ``L^2``).
+
+    ``L`` is the cloud's radius (the largest ``|x_i|``) rounded to a power of two (1 for a single point), a
+    constant for autograd.  With ``[1, |x|^2, x]`` the features would mix the units ``1, L^2, L``, and the bound
+    on the linearised cost ``max |u| + max |v| + max_i |phi_i M| max_j |psi_j|`` (which sets the solver's rounding
+    floors, eps-scaling and acceleration, relative to ``reg``) would grow like ``L^2 + L^-2``: scaling both clouds
+    by ``s`` and ``reg`` by ``s^4``, the same problem, changed the float32 solves (18% at ``s = 1e3``).  With
+    dimensionless features that bound over ``reg`` moves by ~20% at most over all scales (by the rounding of
+    ``L``), and not at all for ``s`` a power of two.  The power of two keeps the division exact: every product
+    of features and ``M`` rounds as it did with ``[1, |x|^2, x]``, so float64 results are unchanged."""
     d = x.shape[1]
-    s = (x * x).sum(-1, keepdim=True)
-    E = torch.cat([torch.ones_like(s), s, x], -1)
+    L = float(x.detach().norm(dim=-1).max())
+    L = 2.0 ** round(math.log2(L)) if sys.float_info.min < L * L < math.inf else 1.0  # a single point: any L
+    s = (x * x).sum(-1, keepdim=True) / (L * L)
+    E = torch.cat([torch.ones_like(s), s, x / L], -1)
     R = torch.zeros(d + 2, d + 2, dtype=x.dtype, device=x.device)
-    R[0, 1] = R[1, 0] = 1.0
-    R[2:, 2:] = -2.0 * torch.eye(d, dtype=x.dtype, device=x.device)
+    R[0, 1] = R[1, 0] = L * L
+    R[2:, 2:] = (-2.0 * L * L) * torch.eye(d, dtype=x.dtype, device=x.device)
     return E, R
 
 
@@ -226,6 +245,16 @@ def _features(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(E, h, R)``: :func:`_embed` and :func:`_quartic` of a centred cloud x (n, d) with weights w (n,)."""
     E, R = _embed(x)
     return E, _quartic(x, w), R
+
+
+def _bilinear_bound(Phi: Tensor, M: Tensor, Psi: Tensor, p: int, q: int) -> float:
+    """A bound on ``|<phi_i, M psi_j>|`` for ``M`` block diagonal (the GW block ``[:p, :q]``, the fused features'
+    block after it): ``max_i |phi_i M| max_j |psi_j|`` per block.  Per block, so that the bound has the cost's
+    units: the GW block is in length^4 and the features' block in feature length^2."""
+    b = float((Phi[:, :p] @ M[:p, :q]).norm(dim=-1).max() * Psi[:, :q].norm(dim=-1).max())
+    if M.shape[0] > p:
+        b += float((Phi[:, p:] @ M[p:, q:]).norm(dim=-1).max() * Psi[:, q:].norm(dim=-1).max())
+    return b
 
 
 def _check_cloud(name: str, x) -> Tensor:
@@ -284,7 +313,9 @@ def gromov_wasserstein(
             ``log(T' / T)``, which does not cancel).  Rounding bounds what it can resolve: the loop also
             stops below ``u ((cmax + |f|_inf + |g|_inf) / reg + 2 log2(1 + max(n, m))) |T|_F`` (``u`` the
             compute dtype's machine epsilon, ``cmax`` a bound on the linearised cost; ~1e-7 |T|_F in
-            float32 at reg = 0.03 cmax, negligible in float64), as the Sinkhorn solver does.
+            float32 at reg = 0.03 cmax, negligible in float64), as the Sinkhorn solver does; where that
+            floor exceeds ``max(tol, 1e-2 |T|_F)`` (float32 with ``reg`` below ~6e-6 cmax) the loop never
+            reports convergence and warns (RuntimeWarning) at the end.
         inner_max_iter, inner_tol: iterations and tolerance (L1 marginal error) of each inner Sinkhorn
             solve (POT's ``ot.sinkhorn`` defaults: 1000, 1e-9); an inner solve that does not meet
             ``inner_tol`` gives one RuntimeWarning for the whole run and ``inner_converged=False``.
@@ -441,6 +472,24 @@ def _check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
     return X, Y, a, b, FX, FY, is_np
 
 
+def _stop_at(tol: float, floor: float, norm: float) -> float | None:
+    """The change of the coupling below which a check stops: ``max(tol, floor)`` (POT's ``tol``; ``floor`` the
+    smallest change the compute dtype resolves), or None (no convergence) when the floor exceeds both ``tol``
+    and ``FLOOR_CAP |T|_F``: rounding alone then moves the coupling by more than any useful tolerance (the
+    Sinkhorn solver's rule, :func:`flashot.solver.stop_tol`, relative to the coupling's norm)."""
+    if floor > max(tol, FLOOR_CAP * norm):
+        return None
+    return max(tol, floor)
+
+
+def _unresolved(name: str, dtype: torch.dtype, rel_floor: float, ratio: float) -> str:
+    """The warning of a loop whose rounding floor kept it from converging."""
+    f64 = "" if dtype == torch.float64 else "float64 inputs or "
+    return (f"{name}: {str(dtype).replace('torch.', '')} rounding moves the coupling by ~{rel_floor:.2g} of its "
+            f"norm (largest cost / reg = {ratio:.3g}): the change of the coupling cannot be resolved, the result is "
+            f"not converged; use {f64}a larger reg")
+
+
 def _quadratic_form(w: Tensor, R: Tensor, cdt: torch.dtype) -> tuple[float, float]:
     """``(sum_i w_i^T R_i w_i, its rounding error)`` for ``R`` (n, k, k) from a plan product in ``cdt``: the terms
     ``w_k w_l R_kl`` cancel to the small ``d^2`` (``d`` is a sum of terms of size ``|grad| / eps``), and
@@ -459,6 +508,8 @@ class _GWRun:
     n_inner: int = 0
     err: float | None = None
     converged: bool = False
+    stop_at: float | None = None  # the change below which a check stops (None: the floor is above any use)
+    unresolved: str | None = None  # why the loop could not converge (rounding), for the warning
     inner_ok: bool = True
     log: dict = field(default_factory=lambda: {"err": [], "value": [], "n_inner": []})
 
@@ -523,9 +574,7 @@ class _GWProblem:
             Mf[:p, :q] = Mm
             Mf[p:, q:] = -2.0 * (1.0 - alpha) * torch.eye(df, dtype=torch.float64, device=self.dev)
         cost = FeatureBilinearCost(FeatureBilinearCost.block(Mf.unsqueeze(0)).to(self.cdt))
-        # |C_ij| <= max|u| + max|v| + max_i |phi_i M| max_j |psi_j|
-        bound = float(self.u.abs().max() + self.v.abs().max()
-                      + (self.Phi @ Mf).norm(dim=-1).max() * self.Psi.norm(dim=-1).max())
+        bound = float(self.u.abs().max() + self.v.abs().max()) + _bilinear_bound(self.Phi, Mf, self.Psi, p, q)
         return cost, Mm, bound
 
     def measures(self, cost: FeatureBilinearCost, bound: float) -> Measures:
@@ -601,8 +650,8 @@ class _GWProblem:
                                          reg / 2, Z2, mm.cost)
         return _quadratic_form(w, R[0].double().reshape(n, k, k), self.cdt)
 
-    def change(self, mm: Measures, f: Tensor, g: Tensor, Mm: Tensor, bound: float, prev) -> tuple[float, float]:
-        """``(|T - T_prev|_F, floor)`` from plan products: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or the second-order
+    def change(self, mm: Measures, f: Tensor, g: Tensor, Mm: Tensor, bound: float, prev) -> tuple[float, float, float]:
+        """``(|T - T_prev|_F, floor, |T|_F)`` from plan products: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or the second-order
         form (:meth:`small_change`) below ``SMALL_CHANGE |T|_F`` and wherever the expansion's estimated rounding
         error exceeds ``NOISE_RTOL`` of it and the second-order form's is the smaller (float32 at large n: the
         expansion's sums then cancel to their rounding); ``floor`` is the smallest change the compute dtype
@@ -631,7 +680,7 @@ class _GWProblem:
             small, small_noise = self.small_change(mm, f, g, Mm, *prev[1:])
             if err_sq < SMALL_CHANGE**2 * cur_sq or small_noise < noise:
                 err_sq, floor = small, max(floor, math.sqrt(small_noise))
-        return math.sqrt(max(0.0, err_sq)), floor
+        return math.sqrt(max(0.0, err_sq)), floor, math.sqrt(cur_sq)
 
     def value(self, plan: GWPlan, mm: Measures, f: Tensor, g: Tensor) -> Tensor:
         """The loss of the returned coupling, differentiable w.r.t. the points (coupling fixed: envelope theorem)."""
@@ -667,7 +716,7 @@ def _gw_loop(pb: _GWProblem, o: _Options) -> _GWRun:
     inner = solve_options(o.reg, max_iter=o.inner_max_iter, tol=o.inner_tol, method="alternating", grad="detach")
     # T_0 = a b^T: A_0 = (E_x^T a)(E_y^T b)^T, |T_0|^2 = |a|^2 |b|^2
     A = torch.outer(pb.Ex.T @ pb.a64, pb.Ey.T @ pb.b64)
-    run, init, floor, t0 = _GWRun(), None, 0.0, time.perf_counter()
+    run, init, floor, norm, t0 = _GWRun(), None, 0.0, 1.0, time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         while run.cpt < o.max_iter:
@@ -685,17 +734,20 @@ def _gw_loop(pb: _GWProblem, o: _Options) -> _GWRun:
             run.log["value"].append(float(val))
             run.log["n_inner"].append(res.n_iter)
             if run.cpt % CHECK_EVERY == 0:
-                run.err, floor = pb.change(mm, f, g, Mm, bound, run.prev)
+                run.err, floor, norm = pb.change(mm, f, g, Mm, bound, run.prev)
                 run.log["err"].append(run.err)
+                run.stop_at = _stop_at(o.tol, floor, norm)
             run.prev = (mm, f, g, Mm)
             if o.verbose:
                 e = f"  err {run.err:.3e} (floor {floor:.2e})" if run.cpt % CHECK_EVERY == 0 else ""
                 print(f"gromov_wasserstein: outer {run.cpt + 1}/{o.max_iter}  inner {res.n_iter}  value "
                       f"{float(val):.10g}{e}  ({time.perf_counter() - t0:.2f}s)", file=sys.stderr, flush=True)
             run.cpt += 1
-            if run.err is not None and run.cpt % CHECK_EVERY == 1 and run.err <= max(o.tol, floor):
+            if run.stop_at is not None and run.cpt % CHECK_EVERY == 1 and run.err <= run.stop_at:
                 run.converged = True
                 break
+    if not run.converged and run.stop_at is None and run.err is not None:
+        run.unresolved = _unresolved("gromov_wasserstein", pb.cdt, floor / norm, bound / o.reg)
     for w in caught:  # the inner solves' own non-convergence warnings are summarised below
         if not (issubclass(w.category, RuntimeWarning) and str(w.message).startswith("Sinkhorn did not reach")):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -708,6 +760,8 @@ def _gromov(X, Y, a, b, FX, FY, alpha: float, opts: _Options) -> GWResult:
     X, Y, a, b, FX, FY, is_np = _check_inputs(X, Y, a, b, FX, FY)
     pb = _GWProblem(X, Y, a, b, FX, FY, alpha, o)
     run = _gw_loop(pb, o)
+    if run.unresolved:
+        warnings.warn(run.unresolved, RuntimeWarning, stacklevel=3)
     if not run.inner_ok:
         warnings.warn(f"gromov_wasserstein: some inner Sinkhorn solves did not reach inner_tol={o.inner_tol:g} in "
                       f"{o.inner_max_iter} iterations; raise inner_max_iter or reg", RuntimeWarning, stacklevel=2)
@@ -920,7 +974,7 @@ class _SRProblem:
     def iterate(self, M: Tensor, g: Tensor, f: Tensor | None = None) -> _SRIterate:
         """The iterate of cumulated ``(M, g)``; ``f`` (the row normaliser) is one softmin when not given."""
         cost = FeatureBilinearCost(FeatureBilinearCost.block(M.unsqueeze(0)).to(self.cdt))
-        bound = float((self.Phi @ M).norm(dim=-1).max() * self.Psi.norm(dim=-1).max() + g.abs().max())
+        bound = _bilinear_bound(self.Phi, M, self.Psi, self.p, self.q) + float(g.abs().max())
         mm = Measures(self.xs, self.ys, self.a_c, self.b_c, self.a_log, self.b_log, cost, self.engine, False,
                       self.cdt, torch.zeros(1, 1, self.xs.shape[-1], dtype=self.cdt, device=self.dev), bound)
         if f is None:  # rows of T sum to a: f_i = -reg log sum_j exp(g_j / reg + log(1 / m) - C_ij / reg)
@@ -1001,8 +1055,8 @@ class _SRProblem:
             R = self.engine.plan_product(self.xs, self.ys, a1 + a2, b1 + b2, reg / 2, Z2, mid)[0].double()
         return _quadratic_form(w, R.reshape(self.n, k, k), self.cdt)
 
-    def change(self, prev: _SRIterate, cur: _SRIterate, dM: Tensor) -> tuple[float, float]:
-        """``(|T - T_prev|_F, floor)``: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or, below ``1e-3 |T|_F`` and
+    def change(self, prev: _SRIterate, cur: _SRIterate, dM: Tensor) -> tuple[float, float, float]:
+        """``(|T - T_prev|_F, floor, |T|_F)``: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or, below ``1e-3 |T|_F`` and
         its rounding error above ``NOISE_RTOL`` of it, :meth:`small_change` when its rounding error is the smaller
         (its truncation error grows with the entries' relative changes, which mirror descent leaves O(1) on
         the decaying entries: the expansion is preferred while it is accurate); ``floor`` is what the compute
@@ -1017,7 +1071,7 @@ class _SRProblem:
             small, small_noise = self.small_change(prev, cur, dM)
             if small_noise < noise:
                 err_sq, floor = small, max(floor, math.sqrt(small_noise))
-        return math.sqrt(max(0.0, err_sq)), floor
+        return math.sqrt(max(0.0, err_sq)), floor, math.sqrt(cur_sq)
 
     def value(self, it: _SRIterate, plan: GWPlan, q: Tensor, Q: Tensor) -> Tensor:
         """The loss of the final coupling, differentiable w.r.t. the points and features (coupling fixed)."""
@@ -1041,14 +1095,16 @@ def _semirelaxed(X, Y, a, FX, FY, alpha: float, opts: _SROptions) -> GWResult:
     q, Q = pb.marginal_and_products(it)
     log = {"err": [], "value": [], "n_inner": []}
     err, converged, cpt, t0 = None, False, 0, time.perf_counter()
+    stop_at, floor, norm = 0.0, 0.0, 1.0
     name = "semirelaxed_fused_gromov_wasserstein" if pb.fused else "semirelaxed_gromov_wasserstein"
     while cpt < o.max_iter:
         hy = _quartic(pb.Yc, q)
         A, _ = pb.loss(pb.Ex, pb.hx, hy, pb.F, pb.G, Q, q)
         nxt, dM = pb.step(it, A, hy)
         if cpt % CHECK_EVERY == 0:
-            err, floor = pb.change(it, nxt, dM)
+            err, floor, norm = pb.change(it, nxt, dM)
             log["err"].append(err)
+            stop_at = _stop_at(o.tol, floor, norm)
         it = nxt
         q, Q = pb.marginal_and_products(it)
         val = pb.loss(pb.Ex, pb.hx, _quartic(pb.Yc, q), pb.F, pb.G, Q, q)[1]
@@ -1059,9 +1115,11 @@ def _semirelaxed(X, Y, a, FX, FY, alpha: float, opts: _SROptions) -> GWResult:
             print(f"{name}: outer {cpt + 1}/{o.max_iter}  value {float(val):.10g}{e}  "
                   f"({time.perf_counter() - t0:.2f}s)", file=sys.stderr, flush=True)
         cpt += 1
-        if cpt % CHECK_EVERY == 1 and err <= max(o.tol, floor):
+        if cpt % CHECK_EVERY == 1 and stop_at is not None and err <= stop_at:
             converged = True
             break
+    if not converged and stop_at is None:
+        warnings.warn(_unresolved(name, pb.cdt, floor / norm, it.mm.cmax / o.reg), RuntimeWarning, stacklevel=3)
     plan = GWPlan(it.mm, it.f, it.g.to(pb.cdt), o.reg, (X.detach().to(pb.cdt).unsqueeze(0),
                                                         Y.detach().to(pb.cdt).unsqueeze(0)), numpy=is_np)
     value = pb.value(it, plan, q, Q).to(X.dtype)
