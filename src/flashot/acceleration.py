@@ -8,7 +8,8 @@ Two small frozen configs, passed as ``acceleration=`` to :func:`flashot.solve_sa
   ``f <- f + omega (S_x(g) - f)``, then ``g <- g + omega (S_y(f) - g)``
   (the log-domain form of over-relaxed Sinkhorn, ``u <- u^(1-omega) (a / K v)^omega``);
   for the symmetric (GeomLoss) updates it relaxes the averaged step.
-  ``omega = 1`` is plain Sinkhorn; ``1 < omega < 2`` accelerates.
+  ``omega = 1`` is plain Sinkhorn; ``1 < omega < 2`` accelerates.  ``omega=None`` (default):
+  Young's SOR factor estimated from the measured rate of plain steps (see the class).
 * :class:`Anderson` ``(m)``: Anderson (type II) extrapolation over the last ``m``
   iterates of the fixed-point map (``g -> S_y(S_x(g))`` for alternating updates,
   ``(f, g) -> averaged step`` for symmetric ones), solved per problem of the batch
@@ -22,11 +23,12 @@ Safeguard: an accelerated candidate with non-finite entries is replaced by the p
 step; when the error (marginal violation, or potential change / eps for unbalanced
 problems) measured after an accelerated step exceeds ``safeguard`` times the smallest
 error seen so far (Anderson: 1, i.e. any increase; Momentum: 5, since over-relaxed
-Sinkhorn oscillates), the next step is the plain one; Anderson also restarts its history
-for that problem, Momentum halves ``omega - 1`` for it.  A bad extrapolation thus costs
-one iteration and never derails the solve.  Momentum also halves ``omega - 1`` for a
-problem whose error has not reached a new minimum in 10 steps (an omega that keeps the
-error oscillating below the overshoot test but never improving it).  All of this runs on
+Sinkhorn oscillates; adaptive Momentum: at least the transient peak its omega implies), the
+next step is the plain one; Anderson also restarts its history for that problem, a fixed
+Momentum halves ``omega - 1`` for it, the adaptive one estimates omega again.  A bad
+extrapolation thus costs one iteration and never derails the solve.  A fixed Momentum also
+halves ``omega - 1`` for a problem whose error has not reached a new minimum in 10 steps (an
+omega that keeps the error oscillating below the overshoot test but never improving it).  All of this runs on
 the device, per problem of the batch, without host synchronisation.  The history is
 cleared whenever epsilon changes (epsilon-scaling).
 
@@ -45,6 +47,7 @@ Measured gains: ``benchmarks/ACCELERATION.md`` (``benchmarks/acceleration.py``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +62,20 @@ __all__ = ["Momentum", "Anderson", "check_acceleration"]
 # benchmarks/acceleration.py problems (n = 500, d = 2, 3, eps 0.05..0.003, inner_iterations=1):
 # unchanged when balanced; 0.70x-1.09x of before with unbalanced=1.0.
 STALL = 10
+# Adaptive Momentum (omega=None): steps per rate estimate, and the largest factor used (Young's omega for
+# a plain rate of 0.99934; closer to 2 the relaxed iteration's own rate, omega - 1, approaches 1).
+WINDOW = 10
+OMEGA_MAX = 1.95
+# Two successive plain windows "agree" when their rates differ by at most CONSISTENT (1 - mu): the error
+# then decays geometrically, as in the linear regime where Young's formula holds.
+CONSISTENT = 0.1
+# Over-relaxation at Young's omega for a plain rate rho is worse than plain iterations for its first
+# ~HORIZON / sqrt(1 - rho) = HORIZON omega / (2 - omega) steps, with a peak of ~PEAK omega / (2 - omega)
+# times the plain error (the linearised two-block model, rho = 0.9 .. 0.9997: last step worse 3 .. 169,
+# peak 1.7 .. 22, i.e. ~0.4 omega / (2 - omega)): a relaxed phase starts only with that many steps left,
+# and the overshoot safeguard allows twice that peak (at least ``safeguard``).
+HORIZON = 3.0
+PEAK = 0.8
 
 
 def _check_safeguard(cls: str, v) -> None:
@@ -68,7 +85,7 @@ def _check_safeguard(cls: str, v) -> None:
 
 @dataclass(frozen=True)
 class Momentum:
-    """Over-relaxation with factor ``omega`` in (0, 2) (1 = plain Sinkhorn).
+    """Over-relaxation of the potentials (1 = plain Sinkhorn).
 
     The update, in the log domain, with ``S_x(g)_i = -eps log sum_j b_j exp((g_j - C(x_i, y_j)) / eps)``
     (the softmin; ``eps = reg``) and ``S_y`` the same with the sides swapped: alternating updates
@@ -76,31 +93,58 @@ class Momentum:
     (over-relaxed Sinkhorn, ``u <- u^(1 - omega) (a / K v)^omega``); symmetric updates relax the
     averaged step the same way.
 
+    ``omega=None`` (default): adaptive.  Alternating Sinkhorn is a nonlinear Gauss-Seidel iteration and
+    the relaxed one its SOR; near the solution Young's SOR theory gives the best factor from the plain
+    iteration's contraction rate ``rho`` (per step)::
+
+        omega = 2 / (1 + sqrt(1 - rho))    (then the rate is omega - 1 < rho),
+
+    and under a factor ``omega`` the observed rate ``mu`` gives ``rho = (mu + omega - 1)^2 / (omega^2 mu)``
+    back (Young's relation).  So at each epsilon the steps start plain, ``mu`` is measured as the error's
+    geometric decay over windows of ``WINDOW`` steps (per problem of the batch), and omega is set once two
+    successive plain windows agree on the rate (within ``CONSISTENT (1 - mu)``: the linear regime), then
+    re-estimated after each window.  A window whose error did not decrease, or an overshoot, sends that
+    problem back to plain steps and a new estimate.  Reason: a fixed omega helps one problem and slows
+    another (1.5 gave 1.48x plain's error after 100 iterations on a 1-D problem at reg = 1e-4 cmax);
+    the estimated one adapts to each.  Over-relaxation also has a transient: in the linearised model it
+    is worse than plain steps for its first ``~HORIZON omega / (2 - omega)`` steps (peak
+    ``~0.4 omega / (2 - omega)`` times the plain error), so a relaxed phase starts only with that many
+    steps left at this epsilon (``max_iter`` known to the loop; the same for each later increase of omega)
+    and the overshoot test allows twice that peak (``PEAK omega / (2 - omega)``).  Far from the solution
+    the transient can last longer than the model says (a 2-D problem at reg = 1e-4 cmax: 2x plain's
+    error after 100 and 150 iterations, 0.04x after 300; ``benchmarks/accel_small_eps.py``).
+    With epsilon-scaling (3 steps per temperature) the over-relaxation thus only runs at the final
+    epsilon.  A number: that fixed factor in (0, 2) from the first step, with ``omega - 1`` halved for a
+    problem whose error has not reached a new minimum in ``STALL`` steps.
+
     ``safeguard`` (>= 1): an over-relaxed step after which the error exceeds ``safeguard``
-    times the smallest error seen so far is followed by a plain step, and ``omega - 1`` is
-    halved for that problem.  Over-relaxed Sinkhorn is not monotone in the marginal error,
-    so the default (5) tolerates its oscillations and only stops divergence.
+    times the smallest error seen so far (adaptive: at least the transient peak above) is followed by a
+    plain step (adaptive: then a new estimate; fixed: ``omega - 1`` is halved).  Over-relaxed Sinkhorn is
+    not monotone in the marginal error, so the default (5) tolerates its oscillations and only stops
+    divergence.
 
     Example:
         >>> import torch, flashot
         >>> _ = torch.manual_seed(0)
         >>> x, y = torch.randn(30, 2, dtype=torch.float64), torch.randn(40, 2, dtype=torch.float64)
         >>> plain = flashot.solve_sample(x, y, reg=0.1)
-        >>> fast = flashot.solve_sample(x, y, reg=0.1, acceleration=flashot.Momentum(1.5))
+        >>> fast = flashot.solve_sample(x, y, reg=0.1, acceleration=flashot.Momentum())
         >>> fast.converged, bool(torch.allclose(fast.value, plain.value))
         (True, True)
     """
 
-    omega: float = 1.5
+    omega: float | None = None
     safeguard: float = 5.0
 
     def __post_init__(self):
         _check_safeguard("Momentum", self.safeguard)
         w = self.omega
+        if w is None:
+            return
         if isinstance(w, bool) or not isinstance(w, (int, float)):
-            raise TypeError(f"Momentum.omega: expected a number in (0, 2), got {type(w).__name__}")
+            raise TypeError(f"Momentum.omega: expected a number in (0, 2) or None (adaptive), got {type(w).__name__}")
         if not 0.0 < float(w) < 2.0:
-            raise ValueError(f"Momentum.omega: expected a number in (0, 2), got {w!r}")
+            raise ValueError(f"Momentum.omega: expected a number in (0, 2) or None (adaptive), got {w!r}")
 
 
 @dataclass(frozen=True)
@@ -199,14 +243,17 @@ class Accelerator:
         # (B,) steps since each problem's error last reached a new minimum (Momentum's stall test)
         self.since_best = torch.zeros(batch, dtype=torch.long, device=device)
         if isinstance(cfg, Momentum):
-            self.w = torch.full((batch, 1), float(cfg.omega), dtype=dtype, device=device)
+            w0 = 1.0 if cfg.omega is None else float(cfg.omega)
+            self.w = torch.full((batch, 1), w0, dtype=dtype, device=device)
+            self.win_err = torch.full((batch,), float("inf"), dtype=dtype, device=device)  # error at window start
+            self.win_n = torch.zeros(batch, dtype=torch.long, device=device)  # steps in the window
         self.X: list[Tensor] = []  # Anderson history: iterates
         self.T: list[Tensor] = []  # and their images
         self.count = 0  # iterates appended so far (global index of the next one)
         self.start: Tensor | None = None  # (B,) first global index of each problem's valid history
 
     # -- safeguard ----------------------------------------------------------------
-    def _accept(self, err: Tensor, eps: float):
+    def _accept(self, err: Tensor, eps: float, factor: Tensor | float | None = None):
         """(B,) masks ``(ok, worse)``: may this step be accelerated, and did the last
         accelerated step overshoot?  Updates the safeguard state (no host sync)."""
         if self.eps is not None and eps != self.eps:
@@ -221,14 +268,21 @@ class Accelerator:
             self.ref = torch.where(finite, err, torch.full_like(err, float("inf")))
             self.since_best = torch.zeros_like(self.since_best)
         else:
-            worse = self.prev_acc & ~(err <= self.cfg.safeguard * self.ref)
+            factor = self.cfg.safeguard if factor is None else factor
+            worse = self.prev_acc & ~(err <= factor * self.ref)
             best = finite & (err < self.ref)
             self.since_best = torch.where(best, torch.zeros_like(self.since_best), self.since_best + 1)
             self.ref = torch.where(finite, torch.minimum(self.ref, err), self.ref)
         self.n_rejected += worse.sum()
         return finite & ~worse, worse
 
-    def omega(self, err: Tensor, eps: float) -> Tensor:
+    def omega(self, err: Tensor, eps: float, remaining: int | None = None) -> Tensor:
+        """(B, 1) factors for this step; ``remaining``: steps left at this eps (None: unknown, unlimited)."""
+        if self.cfg.omega is None:
+            fresh = self.ref is None or eps != self.eps  # first step at this eps
+            w = self.w[:, 0]  # the overshoot test allows the linear model's transient peak
+            ok, worse = self._accept(err, eps, (PEAK * w / (2.0 - w)).clamp_min(self.cfg.safeguard))
+            return self._adaptive_omega(err, ok, worse, fresh, math.inf if remaining is None else remaining)
         ok, worse = self._accept(err, eps)
         # shrink the over-relaxation of the problems that overshot, or that stalled: no new
         # smallest error in STALL steps (then count again from 0)
@@ -239,6 +293,45 @@ class Accelerator:
         w = torch.where(ok.unsqueeze(-1), self.w, torch.ones_like(self.w))
         self.prev_acc = ok & (self.w[:, 0] != 1.0)
         return w
+
+    def _adaptive_omega(self, err: Tensor, ok: Tensor, worse: Tensor, fresh: bool, remaining: float) -> Tensor:
+        """Momentum(omega=None): Young's factor from the rate measured over each window of WINDOW steps
+        (see :class:`Momentum`); plain steps while no estimate is available.  (B, 1), no host sync."""
+        w = self.w[:, 0]
+        finite = torch.isfinite(err)
+        if fresh:  # a new temperature: plain steps, a new estimate
+            w = torch.ones_like(w)
+            restart = torch.ones_like(finite)
+            self.settle = torch.ones_like(finite)
+            self.prev_mu = torch.full_like(err, float("nan"))
+        else:
+            self.win_n = self.win_n + 1
+            full = self.win_n >= WINDOW
+            measured = full & ~self.settle  # omega was constant over the whole previous window too
+            mu = (err / self.win_err).clamp_min(0.0) ** (1.0 / WINDOW)  # observed rate per step
+            decreased = mu < 1.0  # False for NaN
+            # Young's relation inverted; mu <= omega - 1: at or past the optimum (rate omega - 1): keep omega
+            tiny = torch.finfo(mu.dtype).tiny
+            rho = torch.where(w == 1.0, mu, (mu + w - 1.0) ** 2 / (w * w * mu.clamp_min(tiny)))
+            new_w = (2.0 / (1.0 + torch.sqrt((1.0 - rho).clamp_min(0.0)))).clamp(1.0, OMEGA_MAX)
+            w_old = w
+            # leave plain steps only once two successive windows agree on the rate (the linear regime)
+            steady = (w != 1.0) | ((mu - self.prev_mu).abs() <= CONSISTENT * (1.0 - mu))
+            # and raise omega only with enough steps left for the new transient to pay off
+            steady = steady & ((new_w <= w) | (HORIZON * new_w / (2.0 - new_w) <= remaining))
+            w = torch.where(measured & decreased & (mu > w - 1.0) & steady, new_w, w)
+            self.prev_mu = torch.where(measured, torch.where(w_old == 1.0, mu, torch.full_like(mu, float("nan"))),
+                                       self.prev_mu)
+            back = worse | ~finite | (measured & ~decreased)  # overshoot, or no decrease over a window
+            w = torch.where(back, torch.ones_like(w), w)
+            restart = back | full
+            self.settle = torch.where(restart, w != w_old, self.settle)
+        self.win_err = torch.where(restart, torch.where(finite, err, torch.full_like(err, float("inf"))),
+                                   self.win_err)
+        self.win_n = torch.where(restart, torch.zeros_like(self.win_n), self.win_n)
+        self.w = w.unsqueeze(-1)
+        self.prev_acc = ok & (w != 1.0)
+        return torch.where(ok.unsqueeze(-1), self.w, torch.ones_like(self.w))
 
     def _finite(self, t: Tensor) -> Tensor:
         """(B,) mask: problems whose (B, n) ``t`` has no NaN / Inf on any process."""

@@ -78,6 +78,13 @@ class SinkhornState:
     f_bb: Tensor | None = None
 
 
+def _left_at(eps_list: Sequence[float], it: int) -> int:
+    """Steps left at the current eps from step ``it`` (1-based) on, this one included (the schedules only
+    repeat their final eps, so the count ends at ``len(eps_list)`` unless the next entry differs)."""
+    n = len(eps_list)
+    return n - it + 1 if eps_list[n - 1] == eps_list[it - 1] else 1
+
+
 def damping(eps: float, rho: float | None) -> float:
     return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
 
@@ -207,7 +214,8 @@ def sinkhorn_loop(
     potentials and ``init_self = (f_aa, g_bb)`` the debiasing ones (``rho_x == rho_y``).
     ``callback(record)`` runs after every iteration (``record.error`` is None between checks); returning ``True`` stops the solve (``stopped=True``, no warning).
     ``acceleration``: None, :class:`~flashot.acceleration.Momentum` or
-    :class:`~flashot.acceleration.Anderson` (cross potentials only).  ``verbose`` shows a
+    :class:`~flashot.acceleration.Anderson` (cross potentials only; the adaptive Momentum is told the steps
+    left at the current eps, :func:`_left_at`, to start a relaxed phase only where it can pay off).  ``verbose`` shows a
     progress bar updated at the checks.  Runs without autograd.
     """
     inner = check_int("inner_iterations", inner_iterations)
@@ -286,7 +294,7 @@ def sinkhorn_loop(
                     if acc is None:
                         f, g = fp, gp
                     elif momentum:
-                        w = acc.omega(err_t, eps)
+                        w = acc.omega(err_t, eps, _left_at(eps_list, it))
                         f = acc.momentum_guard(f + w * (fp - f), fp)
                         g = acc.momentum_guard(g + w * (gp - g), gp)
                     else:
@@ -304,7 +312,7 @@ def sinkhorn_loop(
                     if relaxed:
                         # the safeguard compares the row errors of (f, g) before each relaxed step
                         # (at it == 1 the initial f is not a potential yet: plain step)
-                        w = acc.omega(err_x, eps)
+                        w = acc.omega(err_x, eps, _left_at(eps_list, it))
                         fn = acc.momentum_guard(f + w * (fs - f), fs)
                         gs = ly * m.softmin_y(m.h_a(fn, eps), eps)
                     else:
