@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,35 @@ def rel_err(a, b) -> float:
     a = torch.as_tensor(a).detach().double()
     b = torch.as_tensor(b).detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``), each worker gets its share of the cores for torch's intra-op
+    threads (and so the cpu engine's team, which follows torch's count): N workers x all cores
+    would oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_sessionstart(session):
+    """Compile the native kernels (or find them cached) before the first test, once for the run:
+    the first-use compile is a cost of the run, printed here, not of whichever test happens to come
+    first (the time guard below would otherwise charge it to that test)."""
+    import time
+
+    from flashot.ops.cpu import build
+
+    if build._find_compiler() is None:
+        return
+    t0 = time.perf_counter()
+    try:
+        path, _, cached, _ = build.build(quiet=True)
+    except build.BuildError as e:  # the engine tests skip with the reason
+        print(f"\nflashot tests: the cpu engine's kernels could not be built: {str(e)[:200]}")
+        return
+    if not cached:
+        print(f"\nflashot tests: compiled the cpu engine's kernels in {time.perf_counter() - t0:.1f} s ({path})")
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +76,38 @@ def lib(cpu_lib):
 
 
 @pytest.fixture(scope="session")
-def private_build_cache(tmp_path_factory):
-    """A private (0700) kernel cache shared by the tests that build the library in a subprocess
-    (tests/test_cli.py, tests/test_cpu_build.py): each full build costs ~35 s on 2 cores, so the
-    x86-64-v2 library is compiled once for all of them."""
-    d = tmp_path_factory.mktemp("flashot-cache")
-    os.chmod(d, 0o700)
-    return d
+def shared_build_cache():
+    """The kernel cache every test that builds the library in a subprocess uses (tests/test_cli.py,
+    tests/test_cpu_build.py, tests/test_native_driver.py, tests/test_isa_matrix.py): the user's own
+    flashot cache (``FLASHOT_CACHE_DIR`` or ``~/.cache/flashot``), so each instruction set is
+    compiled once per machine -- by the first test that needs it, in the default run or the slow
+    one -- and never again.  Tests of the compile itself use fresh directories instead."""
+    from flashot.ops.cpu import cachedir
+
+    return Path(cachedir.private_cache_dir())
+
+
+# ---------------------------------------------------------------------------------------------
+# the time guard: a test of the default run may take at most TEST_TIME_LIMIT_S seconds (call,
+# setup and teardown each) unless it is marked slow; FLASHOT_TEST_TIME_LIMIT overrides it (0: off)
+
+TEST_TIME_LIMIT_S = 60.0
+
+
+def _time_limit() -> float:
+    v = os.environ.get("FLASHOT_TEST_TIME_LIMIT")
+    return TEST_TIME_LIMIT_S if not v else float(v)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    limit = _time_limit()
+    if limit <= 0 or rep.outcome != "passed" or item.get_closest_marker("slow") is not None:
+        return
+    if call.duration > limit:
+        rep.outcome = "failed"
+        rep.longrepr = (f"{item.nodeid}: the {rep.when} took {call.duration:.1f} s, over the default run's "
+                        f"limit of {limit:g} s (tests/conftest.py): make it smaller or mark it "
+                        f"@pytest.mark.slow (FLASHOT_TEST_TIME_LIMIT=0 turns the guard off)")

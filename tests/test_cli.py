@@ -113,7 +113,7 @@ def test_version_flag():
     assert r.returncode == 0 and r.stdout.strip() == f"flashot {flashot.__version__}"
 
 
-def test_build_command_reports_the_isa_and_the_library(private_build_cache):
+def test_build_command_reports_the_isa_and_the_library(shared_build_cache):
     import os
 
     from flashot.ops.cpu import build
@@ -122,21 +122,19 @@ def test_build_command_reports_the_isa_and_the_library(private_build_cache):
         import pytest
 
         pytest.skip("no C++ compiler on PATH")
-    cache = private_build_cache  # shared with tests/test_cpu_build.py: one x86-64-v2 compile for both
+    # native, in the run's shared cache: compiled at session start (tests/conftest.py), so found here;
+    # the compiling branch's messages are checked by tests/test_cpu_build.py's fresh build (slow)
+    cache = shared_build_cache
     env = {**os.environ, "FLASHOT_CACHE_DIR": str(cache)}
-    args = [sys.executable, "-m", "flashot.cli", "build", "--march", "x86-64-v2"]
-    if "sse4_2" not in build._cpu_flags():
-        args = args[:-2]
-    fresh = not list(cache.glob("*.so"))
+    args = [sys.executable, "-m", "flashot.cli", "build", "--march", "native"]
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr
-    assert str(cache) in r.stdout and "threads" in r.stdout
-    if fresh:  # the first build in the cache (always so when this file runs first or alone)
-        assert "compiled in" in r.stdout and "compiling the CPU kernels once" in r.stderr
+    assert str(cache) in r.stdout and "threads" in r.stdout and "-march=native" in r.stdout, r.stdout
+    compiled = "compiled in" in r.stdout
+    assert compiled == ("compiling the CPU kernels once" in r.stderr), (r.stdout, r.stderr)
+    assert compiled or "found in the cache" in r.stdout, r.stdout
     r2 = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     assert r2.returncode == 0 and "found in the cache" in r2.stdout
-    if "x86-64-v2" in args:
-        assert "128-bit vectors" in r.stdout and "avx" not in r.stdout.split("vectors")[0].split("-march=")[1]
     bad = subprocess.run([sys.executable, "-m", "flashot.cli", "build", "--march", "x; rm -rf /"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 1 and "FLASHOT_CPU_MARCH" in bad.stderr

@@ -2,8 +2,11 @@
 the private cache (planted libraries refused), concurrent and interrupted builds, and a build
 environment that cannot change what is compiled.
 
-Each build runs in a fresh subprocess (the library is loaded once per process) with its own
-cache directory; results are checked against the dense engine (float64, 1e-10)."""
+Each build runs in a fresh subprocess (the library is loaded once per process); results are
+checked against the dense engine (float64, 1e-10).  One test compiles afresh (the compile
+itself under test: killed, concurrent, no OpenMP, planted headers); the others use the test
+run's shared cache (``shared_build_cache`` in conftest.py: one compile per instruction set per
+machine, shared with tests/test_cli.py, test_native_driver.py and test_isa_matrix.py)."""
 
 from __future__ import annotations
 
@@ -66,28 +69,30 @@ def _cpu_has(*flags):
     return all(f in have for f in flags)
 
 
+@pytest.mark.slow  # compiles the x86-64-v2 and -v3 libraries (shared with tests/test_isa_matrix.py)
 @pytest.mark.parametrize("march,has,lacks,vbytes", [
     ("x86-64-v2", ["sse4.2"], ["avx", "avx2", "avx512f"], 16),
     ("x86-64-v3", ["avx2", "fma"], ["avx512f"], 32),
 ])
-def test_march_override_selects_the_isa(private_build_cache, march, has, lacks, vbytes):
+def test_march_override_selects_the_isa(shared_build_cache, march, has, lacks, vbytes):
     if not _cpu_has(*build._X86_LEVELS[march]):
         pytest.skip(f"this CPU cannot run {march}")
-    res = _result(_run(private_build_cache, FLASHOT_CPU_MARCH=march))
+    res = _result(_run(shared_build_cache, FLASHOT_CPU_MARCH=march))
     assert all(f in res["isa"] for f in has) and not any(f in res["isa"] for f in lacks), res
     assert res["vbytes"] == vbytes and res["err"] < 1e-10
 
 
-def test_march_is_part_of_the_cache_key(private_build_cache):
+@pytest.mark.slow  # needs two targets' libraries
+def test_march_is_part_of_the_cache_key(shared_build_cache):
     if not _cpu_has(*build._X86_LEVELS["x86-64-v2"]):
         pytest.skip("this CPU cannot run x86-64-v2")
-    a = _result(_run(private_build_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
+    a = _result(_run(shared_build_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
     # the other target: x86-64-v3 where the CPU runs it (built by the test above, so no second
     # ~35 s compile), otherwise native
     other = {"FLASHOT_CPU_MARCH": "x86-64-v3"} if _cpu_has(*build._X86_LEVELS["x86-64-v3"]) else {}
-    b = _result(_run(private_build_cache, **other))
+    b = _result(_run(shared_build_cache, **other))
     assert a["path"] != b["path"] and b["cached"] in (True, False)
-    again = _result(_run(private_build_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
+    again = _result(_run(shared_build_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
     assert again["cached"] and again["path"] == a["path"]
 
 
@@ -116,28 +121,6 @@ def _fake_compiler(tmp_path, body):
     p.write_text(f"#!/bin/sh\n{body}\nexec {real} \"$@\"\n")
     p.chmod(0o755)
     return str(p)
-
-
-def test_a_fresh_build_without_openmp_ignores_planted_headers_and_is_announced(tmp_path):
-    """One first-use build (each full build costs ~35 s on 2 cores, so these share it):
-    - a compiler without OpenMP (like Apple clang): the kernels need none (their own thread team),
-      so the library builds, runs on 2 threads and computes the right answer;
-    - CPLUS_INCLUDE_PATH / CPATH pointing at crafted headers are ignored by the build;
-    - the first use says it is compiling, and where; the second use loads the cached library."""
-    cxx = _fake_compiler(tmp_path, 'for a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "unsupported option '
-                                   "'-fopenmp'\" >&2; exit 1; }; done")
-    evil = tmp_path / "evil"
-    evil.mkdir()
-    for name in ("vector", "cmath", "algorithm", "omp.h"):
-        (evil / name).write_text('#error "planted header was used"\n')
-    march = "x86-64-v2" if _cpu_has("sse4_2") else "native"
-    r = _run(tmp_path / "c", CXX=cxx, CPLUS_INCLUDE_PATH=str(evil), CPATH=str(evil), FLASHOT_CPU_MARCH=march)
-    res = _result(r)
-    assert res["threads"] == 2 and res["err"] < 1e-10, res
-    assert "warn" not in r.stderr.lower()
-    assert "compiling the CPU kernels once for this machine" in r.stderr and str(tmp_path / "c") in r.stderr
-    r2 = _run(tmp_path / "c", CXX=cxx, FLASHOT_CPU_MARCH=march)  # the compiler is part of the cache key
-    assert _result(r2)["cached"] and "compiling" not in r2.stderr
 
 
 # ---- the private cache -------------------------------------------------------------------
@@ -228,13 +211,28 @@ def test_new_cache_dir_is_private(tmp_path, monkeypatch):
 
 # ---- concurrency, interruption, no compiler -------------------------------------------------
 
-def test_killed_build_leaves_nothing_behind_and_concurrent_builds_compile_once(tmp_path):
-    """A build killed halfway leaves only its temporary directory (no library); three processes
-    then starting at once in the same cache compile once, all load the same correct library, and
-    the temporary directories are gone (one build for both checks: each costs ~35 s)."""
+@pytest.mark.slow  # a full compile (the compile itself is under test)
+def test_fresh_build_killed_then_concurrent_without_openmp_compiles_once(tmp_path):
+    """The one test that compiles the kernels afresh (the other build tests share the run's
+    cache): every check of a first-use build rides on this single compile.
+    - a build killed halfway leaves only its temporary directory (no library);
+    - three processes then starting at once in the same cache compile once, all load the same
+      library, compute the right answer on 2 threads, and the temporary directories are gone;
+    - the compiler has no OpenMP (like Apple clang): the kernels need none (their own thread team);
+    - CPLUS_INCLUDE_PATH / CPATH pointing at crafted headers are ignored by the build;
+    - the first use says it is compiling, and where, without a warning; a later use (the compiler
+      is part of the cache key) loads the cached library."""
+    cxx = _fake_compiler(tmp_path, 'for a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "unsupported option '
+                                   "'-fopenmp'\" >&2; exit 1; }; done")
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    for name in ("vector", "cmath", "algorithm", "omp.h"):
+        (evil / name).write_text('#error "planted header was used"\n')
     cache = tmp_path / "c"
+    march = "x86-64-v2" if _cpu_has("sse4_2") else "native"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
-    env.update(FLASHOT_CACHE_DIR=str(cache), FLASHOT_CPU_MARCH="x86-64-v2" if _cpu_has("sse4_2") else "native")
+    env.update(FLASHOT_CACHE_DIR=str(cache), FLASHOT_CPU_MARCH=march, CXX=cxx, CPLUS_INCLUDE_PATH=str(evil),
+               CPATH=str(evil))
     p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                          start_new_session=True)
     t0 = time.time()
@@ -248,16 +246,20 @@ def test_killed_build_leaves_nothing_behind_and_concurrent_builds_compile_once(t
                               text=True, env=env) for _ in range(3)]
     outs = [p.communicate(timeout=900) for p in procs]
     results = [_result(subprocess.CompletedProcess([], p.returncode, o, e)) for p, (o, e) in zip(procs, outs)]
-    assert len({r["path"] for r in results}) == 1 and all(r["err"] < 1e-10 for r in results)
-    assert sum("compiling the CPU kernels" in e for _, e in outs) == 1
+    assert len({r["path"] for r in results}) == 1
+    assert all(r["err"] < 1e-10 and r["threads"] == 2 for r in results), results
+    announced = [e for _, e in outs if "compiling the CPU kernels once for this machine" in e]
+    assert len(announced) == 1 and str(cache) in announced[0], [e[-500:] for _, e in outs]
+    assert not any("warn" in e.lower() for _, e in outs)
     assert not list(cache.glob(".tmp-build-*"))
+    r2 = _run(cache, CXX=cxx, FLASHOT_CPU_MARCH=march)  # no planted headers: the same key, the same library
+    assert _result(r2)["cached"] and _result(r2)["path"] == results[0]["path"] and "compiling" not in r2.stderr
 
 
-def test_cached_library_is_used_without_a_compiler(private_build_cache):
-    march = "x86-64-v2" if _cpu_has("sse4_2") else "native"
-    first = _result(_run(private_build_cache, FLASHOT_CPU_MARCH=march))
-    res = _result(_run(private_build_cache, FLASHOT_CPU_MARCH=march, PATH="/nonexistent", CXX=""))
+def test_cached_library_is_used_without_a_compiler(shared_build_cache, tmp_path):
+    """Native: the run's library (compiled at session start, tests/conftest.py)."""
+    first = _result(_run(shared_build_cache))
+    res = _result(_run(shared_build_cache, PATH="/nonexistent", CXX=""))
     assert res["cached"] and res["path"] == first["path"]
-    r = _run(private_build_cache / "empty", FLASHOT_CPU_MARCH=march, PATH="/nonexistent", CXX="")
+    r = _run(tmp_path / "empty", PATH="/nonexistent", CXX="")
     assert r.returncode != 0 and "no C++ compiler" in r.stderr
-

@@ -27,12 +27,13 @@ pytestmark = [pytest.mark.slow,
 
 
 @pytest.mark.parametrize("march,vbytes", [("x86-64-v3", 32), ("x86-64-v2", 16)])
-def test_engine_suite_under_march(tmp_path, march, vbytes):
+def test_engine_suite_under_march(shared_build_cache, march, vbytes):
     missing = [f for f in build._X86_LEVELS[march] if f not in build._cpu_flags()]
     if missing:
         pytest.skip(f"this CPU cannot run {march} (lacks {', '.join(missing)})")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
-    env.update(FLASHOT_CPU_MARCH=march, FLASHOT_CACHE_DIR=str(tmp_path / "cache"))
+    # the run's shared cache (tests/conftest.py): the default run's build tests compiled these levels already
+    env.update(FLASHOT_CPU_MARCH=march, FLASHOT_CACHE_DIR=str(shared_build_cache))
     check = ("from flashot.ops.cpu import build; lib = build.load(quiet=True); "
              "print('VBYTES', lib.flashot_vector_bytes(), sorted(build.BUILD_INFO['isa']))")
     r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=900, env=env)

@@ -6,15 +6,15 @@ built here three ways:
 * ``library``: linked against the library :func:`flashot.ops.cpu.build.build` makes (the real
   build: four translation units at -O3, for ``FLASHOT_CPU_MARCH`` or native; usually cached
   already by the engine tests);
-* ``x86-64-v2`` (SSE4.2: the 16-byte vector code paths, as on NEON): ``kernels.cpp`` compiled
-  with the driver as one translation unit (``FLASHOT_PART`` unset), build.py's flags for that
-  target but -O2 (half the compile time of -O3).  The native ISA's code is the ``library``
-  case (a separate -O2 native build added ~35 s and no code path of its own);
+* ``x86-64-v2`` (SSE4.2: the 16-byte vector code paths, as on NEON): linked against the library
+  build.py makes for that target in the test run's shared cache (``shared_build_cache`` in
+  conftest.py; the same library tests/test_cpu_build.py and test_isa_matrix.py load), so the
+  SSE4.2 kernels are compiled once per machine, as they ship (four translation units at -O3);
 * ``aarch64``: the same with ``aarch64-linux-gnu-g++`` when it is on PATH, linked statically and
   run under ``qemu-aarch64`` when that is on PATH too (the full ARM64 check, which installs
   both, is tests/native/run_arm64.sh).
 
-All compilations start together on first use (about 20 s on two idle cores).
+Each build starts when a test first needs it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,8 @@ class DriverBuild:
     then link."""
 
     def __init__(self, cxx: str, march: str, work: Path, *, opt: str = "-O2", static: bool = False,
-                 lib: str | None = None):
+                 lib: str | subprocess.Popen | None = None):
+        """``lib``: a library to link (its path, or a running process that prints it last)."""
         self.cxx, self.work, self.static, self.lib = cxx, work, static, lib
         self.env = build._clean_env()
         self.flags = [opt if f == "-O3" else f for f in build.cxxflags(march)]  # as build.py
@@ -50,6 +52,8 @@ class DriverBuild:
         self.procs = [self._compile(DRIVER, "kernel_check.o", "-Wall", "-Wextra", f"-I{KERNELS_DIR}")]
         if lib is None:
             self.procs.append(self._compile(KERNELS_DIR / "kernels.cpp", "kernels.o"))
+        elif isinstance(lib, subprocess.Popen):
+            self.procs.append(lib)
         self._result: tuple[bool, str] | None = None
 
     def _compile(self, src: Path, obj: str, *extra: str) -> subprocess.Popen:
@@ -78,6 +82,8 @@ class DriverBuild:
                     text = p.communicate()[0] + f"\n(timed out after {COMPILE_TIMEOUT_S} s)"
                 out.append(text)
                 ok &= p.returncode == 0
+                if ok and p is self.lib:
+                    self.lib = text.strip().splitlines()[-1]
             if ok:
                 r = self._link()
                 if r.returncode != 0 and self.static:  # no static libraries: a dynamic executable
@@ -107,34 +113,64 @@ def _library_build(cxx: str, work: Path) -> DriverBuild | str:
     return DriverBuild(cxx, build.march(), work, opt="-O3", lib=lib)
 
 
+def _level_library(level: str, cache: Path) -> subprocess.Popen:
+    """build.py's library for an x86-64 level in the shared cache (compiled there once per machine),
+    built by a process that prints its path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
+    env.update(FLASHOT_CPU_MARCH=level, FLASHOT_CACHE_DIR=str(cache))
+    code = "from flashot.ops.cpu import build; print(build.build(quiet=True)[0])"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+
+
+class Builds:
+    """Each target's build, started on first request (a deselected slow target costs nothing);
+    ``get(target)`` -> DriverBuild, or the reason it cannot be built here."""
+
+    def __init__(self, tmp_path_factory, cache: Path):
+        self.tmp, self.cache, self.made = tmp_path_factory, cache, {}
+        self.cxx = build._find_compiler()
+
+    def get(self, target: str) -> DriverBuild | str:
+        if target not in self.made:
+            self.made[target] = self._start(target)
+        return self.made[target]
+
+    def _start(self, target: str) -> DriverBuild | str:
+        if target == "aarch64":
+            cross = shutil.which(CROSS_CXX)
+            if cross is None:
+                return (f"{CROSS_CXX} not on PATH (Debian: apt-get install g++-aarch64-linux-gnu; "
+                        f"tests/native/run_arm64.sh installs it and runs the full ARM64 check)")
+            return DriverBuild(cross, "armv8-a", self.tmp.mktemp("aarch64"), static=True)
+        if self.cxx is None:
+            return "no C++ compiler (g++ / clang++) on PATH"
+        if target == "library":
+            return _library_build(self.cxx, self.tmp.mktemp("library"))
+        why = _x86_level_reason(target)
+        if why:
+            return f"cannot run {target} code here: {why}"
+        return DriverBuild(self.cxx, target, self.tmp.mktemp(target), opt="-O3",
+                           lib=_level_library(target, self.cache))
+
+    def close(self) -> None:
+        for b in self.made.values():
+            if isinstance(b, DriverBuild):
+                for p in b.procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+
+
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """Start every applicable build at once; maps target -> DriverBuild, or -> skip reason."""
-    cxx = build._find_compiler()
-    out: dict[str, DriverBuild | str] = {}
-    if cxx is None:
-        out.update(dict.fromkeys(("library", "x86-64-v2"), "no C++ compiler (g++ / clang++) on PATH"))
-    else:
-        why = _x86_level_reason("x86-64-v2")
-        out["x86-64-v2"] = (f"cannot run x86-64-v2 code here: {why}" if why else
-                            DriverBuild(cxx, "x86-64-v2", tmp_path_factory.mktemp("v2")))
-    cross = shutil.which(CROSS_CXX)
-    out["aarch64"] = (DriverBuild(cross, "armv8-a", tmp_path_factory.mktemp("aarch64"), static=True)
-                      if cross else f"{CROSS_CXX} not on PATH (Debian: apt-get install g++-aarch64-linux-gnu; "
-                                    f"tests/native/run_arm64.sh installs it and runs the full ARM64 check)")
-    if cxx is not None:  # last: a cold build.py build runs while the others compile
-        out["library"] = _library_build(cxx, tmp_path_factory.mktemp("library"))
-    yield out
-    for b in out.values():
-        if isinstance(b, DriverBuild):
-            for p in b.procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+def builds(tmp_path_factory, shared_build_cache):
+    b = Builds(tmp_path_factory, shared_build_cache)
+    yield b
+    b.close()
 
 
-def _built(builds, target: str) -> DriverBuild:
-    b = builds[target]
+def _built(builds: Builds, target: str) -> DriverBuild:
+    b = builds.get(target)
     if isinstance(b, str):
         pytest.skip(b)
     ok, log = b.finish()
@@ -164,12 +200,13 @@ def test_driver_declares_current_abi():
         f"update the driver's extern \"C\" declarations and EXPECTED_ABI")
 
 
-@pytest.mark.parametrize("target", ["library", "x86-64-v2"])
+@pytest.mark.parametrize("target", ["library", pytest.param("x86-64-v2", marks=pytest.mark.slow)])
 def test_kernel_driver_native(builds, target):
     b = _built(builds, target)
     _run_driver([str(b.exe)])
 
 
+@pytest.mark.slow  # a cross compile; CI runs the full ARM64 check (tests/native/run_arm64.sh) instead
 def test_kernel_driver_aarch64_cross(builds):
     """aarch64 cross build (static when the toolchain allows); run under qemu-aarch64 when installed."""
     b = _built(builds, "aarch64")

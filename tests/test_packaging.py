@@ -1,10 +1,11 @@
 """The package as users get it: a non-editable wheel installed into a fresh virtual environment
-compiles and runs the CPU kernels from outside the repository; the sdist carries the kernel
-sources, the examples and the tests."""
+runs the CPU kernels from outside the repository; the sdist carries the kernel sources, the
+examples and the tests."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,12 +28,31 @@ def _build(kind: str, out: str) -> str:
     return os.path.join(out, r.stdout.strip().splitlines()[-1])
 
 
-def test_wheel_in_a_fresh_venv_compiles_and_runs(tmp_path):
+def _native_library(cache) -> str:
+    """The native library in the run's shared cache, as a process with no FLASHOT_* settings loads it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHOT_", "PYTHONPATH"))}
+    env["FLASHOT_CACHE_DIR"] = str(cache)
+    code = "from flashot.ops.cpu import build; build.load(quiet=True); print(build.BUILD_INFO['path'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_wheel_in_a_fresh_venv_finds_its_kernels_and_runs(tmp_path, shared_build_cache):
+    """The installed wheel's kernel sources hash exactly as the tree's: the cache key is a hash of
+    the sources read from the installed package (a missing or changed file changes it), so the
+    library compiled from the tree, placed in a fresh cache, is the one the wheel loads -- no
+    second compile (the first-use compile itself is tests/test_cpu_build.py's)."""
     pytest.importorskip("setuptools")
     from flashot.ops.cpu import build
 
     if build._find_compiler() is None:
         pytest.skip("no C++ compiler on PATH")
+    lib = _native_library(shared_build_cache)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    shutil.copy(lib, cache / os.path.basename(lib))
+    os.chmod(cache / os.path.basename(lib), 0o700)
     whl = _build("wheel", str(tmp_path / "dist"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -62,10 +82,10 @@ def test_wheel_in_a_fresh_venv_compiles_and_runs(tmp_path):
         print("WHEEL_OK", build.BUILD_INFO["cached"])
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHOT_", "PYTHONPATH"))}
-    env["FLASHOT_CACHE_DIR"] = str(tmp_path / "cache")
+    env["FLASHOT_CACHE_DIR"] = str(cache)
     r = subprocess.run([py, "-c", code, str(venv)], cwd=str(tmp_path), capture_output=True, text=True,
                        timeout=900, env=env)
-    assert r.returncode == 0 and "WHEEL_OK False" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+    assert r.returncode == 0 and "WHEEL_OK True" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
 def test_sdist_carries_kernel_sources_examples_and_tests(tmp_path):
