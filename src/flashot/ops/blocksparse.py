@@ -46,7 +46,7 @@ from ..costs import Cost
 from .base import Weight
 from .dense import _lse_last, weighted_product
 from .tiled import TILE_ELEMS
-from .tile_rule import TileArgs, TilePruning, tile_args
+from .tile_rule import TILE_MAX_D, TileArgs, TilePruning, tile_args
 
 NARROW_K = 4  # plan products with V of at most this many columns run in the C++ kernels (PV_K)
 
@@ -548,9 +548,11 @@ class BlockSparseEngine:
 
     def _tile_args(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost) -> TileArgs | None:
         """:func:`_pair_cpu`'s ``tiles`` for the fused call on ``(x, y)`` (``y`` is ``x``: a symmetric step) from the
-        log-weights of :class:`TilePruning` (None without): :func:`~flashot.ops.tile_rule.tile_args`."""
+        log-weights of :class:`TilePruning` (None without): :func:`~flashot.ops.tile_rule.tile_args`.  None for
+        ``D > TILE_MAX_D``: the kernels prune no tiles there, so the output bounds (whose barycentres the
+        kernels give for ``D <= 3`` only) would be work for nothing."""
         t = self._tiles
-        if t is None:
+        if t is None or x.shape[-1] > TILE_MAX_D:
             return None
         la, lb = t.log_weights.get(self._key(x)), t.log_weights.get(self._key(y))
         if la is None or lb is None:

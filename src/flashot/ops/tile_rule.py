@@ -49,6 +49,7 @@ OUTPUT_SAMPLE_STRIDE = 256  # the outputs are sampled at the mean of each run of
 PROBE_EVERY = 16  # the probe samples the rows of one row cluster in this many
 PROBE_MIN_SHIFT = 1.0  # (eps) the least median shift of the outputs below the inputs for which they are bounded
 OUTPUT_BOUND_CHUNK = 1 << 18  # rows per chunk when the bounds are evaluated (temporaries of this many x D)
+TILE_MAX_D = 3  # the kernels prune tiles for D <= TILE_MAX_D only (kernels.cpp ``TILE_D``: fixed-size packed terms)
 
 
 @dataclass(frozen=True)
