@@ -76,6 +76,23 @@ def pprod(x_=x, y_=y, alpha=z10, beta=h8, eps=1.0, V=None, **kw):
     return ops.plan_product(x_, y_, alpha, beta, eps, torch.ones(8) if V is None else V, **kw)
 
 
+def bary(Ys=None, As=None, X0=None, reg=0.5, **kw):
+    """free_support_barycenter on two clouds of 8 and 6 points (numpy), support of 4 points."""
+    Ys = [y.numpy().astype(np.float64), y[:6].numpy().astype(np.float64)] if Ys is None else Ys
+    X0 = x[:4].numpy().astype(np.float64) if X0 is None else X0
+    return flashot.free_support_barycenter(Ys, As, X0, reg, **kw)
+
+
+def _nan_at(v: np.ndarray, i: int = 0) -> np.ndarray:
+    v = np.array(v, dtype=np.float64)
+    v.flat[i] = NAN
+    return v
+
+
+Y8, Y6, X4 = y.double().numpy(), y[:6].double().numpy(), x[:4].double().numpy()
+u8, u6, u4 = np.full(8, 1 / 8), np.full(6, 1 / 6), np.full(4, 1 / 4)
+
+
 def cli(*argv):
     """The console script: ``sys.exit(main(argv))``."""
     rc = flashot.cli.main(list(argv))
@@ -285,6 +302,61 @@ CASES = [
     Case("ctransform-g-int", lambda: ops.c_transform(x, y, h8.long()), TypeError, r"^g: expected a floating-point"),
     Case("ctransform-x-list", lambda: ops.c_transform([[0.0]], y), TypeError, r"^x: expected a torch.Tensor"),
     Case("ctransform-cost-unknown", lambda: ops.c_transform(x, y, cost="l1"), ValueError, r"^cost: expected one of"),
+    # ---- free_support_barycenter -------------------------------------------------------------
+    Case("bary-reg-zero", lambda: bary(reg=0.0), ValueError, r"^reg: expected a positive"),
+    Case("bary-reg-str", lambda: bary(reg="1"), TypeError, r"^reg: "),
+    Case("bary-stopThr-nan", lambda: bary(stopThr=NAN), ValueError, r"^stopThr: expected a positive finite"),
+    Case("bary-numItermax-zero", lambda: bary(numItermax=0), ValueError, r"^numItermax: expected an integer >= 1"),
+    Case("bary-numItermax-float", lambda: bary(numItermax=10.0), TypeError, r"^numItermax: expected an integer"),
+    Case("bary-numInnerItermax-bool", lambda: bary(numInnerItermax=True), TypeError, r"^numInnerItermax: .*got bool"),
+    Case("bary-inner_tol-negative", lambda: bary(inner_tol=-1.0), ValueError, r"^inner_tol: "),
+    Case("bary-verbose-str", lambda: bary(verbose="yes"), TypeError, r"^verbose: expected True or False"),
+    Case("bary-log-none", lambda: bary(log=None), TypeError, r"^log: expected True or False"),
+    Case("bary-locations-empty-list", lambda: bary(Ys=[]), TypeError, r"^measures_locations: expected a non-empty list"),
+    Case("bary-locations-array", lambda: bary(Ys=Y8), TypeError, r"^measures_locations: expected a non-empty list"),
+    Case("bary-locations-nan", lambda: bary(Ys=[Y8, _nan_at(Y6, 3)]), ValueError,
+         r"^measures_locations\[1\]: contains NaN or Inf"),
+    Case("bary-locations-inf", lambda: bary(Ys=[Y8 * INF, Y6]), ValueError, r"^measures_locations\[0\]: contains NaN"),
+    Case("bary-locations-dim", lambda: bary(Ys=[Y8, Y6[:, :2]]), ValueError,
+         r"^measures_locations\[1\]: expected \(N, 3\) points like X_init"),
+    Case("bary-locations-empty-cloud", lambda: bary(Ys=[Y8, Y6[:0]]), ValueError,
+         r"^measures_locations\[1\]: expected .*got shape \(0, 3\)"),
+    Case("bary-locations-1d", lambda: bary(Ys=[Y8[0], Y6]), ValueError, r"^measures_locations\[0\]: expected \(N, 3\)"),
+    Case("bary-locations-list", lambda: bary(Ys=[Y8.tolist(), Y6]), TypeError,
+         r"^measures_locations\[0\]: expected a torch.Tensor or numpy.ndarray, got list"),
+    Case("bary-locations-complex", lambda: bary(Ys=[Y8.astype(np.complex128), Y6]), TypeError,
+         r"^measures_locations\[0\]: expected a real-valued array"),
+    Case("bary-locations-meta", lambda: bary(Ys=[torch.zeros(8, 3, device=meta)], X0=torch.zeros(4, 3)), ValueError,
+         r"^measures_locations\[0\]: is on the 'meta' device"),
+    Case("bary-locations-device", lambda: bary(Ys=[elsewhere(torch.zeros(8, 3))], X0=torch.zeros(4, 3)), ValueError,
+         r"^measures_locations\[0\]: is on cuda:7 but X_init is on cpu"),
+    Case("bary-X_init-str", lambda: bary(X0="X"), TypeError, r"^X_init: expected a torch.Tensor"),
+    Case("bary-X_init-1d", lambda: bary(X0=X4[0]), ValueError, r"^X_init: expected \(M, D\) points"),
+    Case("bary-X_init-empty", lambda: bary(X0=X4[:0]), ValueError, r"^X_init: expected \(M, D\) .*got shape \(0, 3\)"),
+    Case("bary-X_init-nan", lambda: bary(X0=_nan_at(X4, 5)), ValueError, r"^X_init: contains NaN or Inf"),
+    Case("bary-X_init-int-tensor", lambda: bary(Ys=[torch.zeros(8, 3)], X0=torch.zeros(4, 3, dtype=torch.long)),
+         TypeError, r"^X_init: expected a floating-point tensor, got dtype torch.int64"),
+    Case("bary-weights-not-list", lambda: bary(As=u8), ValueError, r"^measures_weights: expected a list of 2 weight"),
+    Case("bary-weights-count", lambda: bary(As=[u8]), ValueError, r"^measures_weights: expected a list of 2 .*got 1 items"),
+    Case("bary-weights-nan", lambda: bary(As=[u8, _nan_at(u6)]), ValueError, r"^measures_weights\[1\]: contains NaN"),
+    Case("bary-weights-negative", lambda: bary(As=[u8, u6 * [-1, 1, 1, 1, 1, 3]]), ValueError,
+         r"^measures_weights\[1\]: weights must be non-negative"),
+    Case("bary-weights-zero-mass", lambda: bary(As=[u8 * 0, u6]), ValueError, r"^measures_weights\[0\]: total mass"),
+    Case("bary-weights-length", lambda: bary(As=[u8[:7], u6]), ValueError, r"^measures_weights\[0\]: expected shape \(8,\)"),
+    Case("bary-weights-str", lambda: bary(As=[u8, "uniform"]), TypeError, r"^measures_weights\[1\]: expected a torch"),
+    Case("bary-weights-mass-vs-b", lambda: bary(As=[u8, u6 * 2]), ValueError,
+         r"^measures_weights\[1\] and b: balanced OT needs equal total masses, got 2 and 1"),
+    Case("bary-b-nan", lambda: bary(b=_nan_at(u4)), ValueError, r"^b: contains NaN or Inf"),
+    Case("bary-b-negative", lambda: bary(b=u4 * [2, -1, 1, 2]), ValueError, r"^b: weights must be non-negative"),
+    Case("bary-b-zero-mass", lambda: bary(b=u4 * 0), ValueError, r"^b: total mass must be positive"),
+    Case("bary-b-length", lambda: bary(b=u8), ValueError, r"^b: expected shape \(4,\), got \(8,\)"),
+    Case("bary-b-mass", lambda: bary(b=u4 / 2), ValueError, r"^measures_weights\[0\] and b: .*got 1 and 0.5"),
+    Case("bary-b-strings", lambda: bary(b=["a"] * 4), TypeError, r"^b: expected a sequence of numbers"),
+    Case("bary-lambda-length", lambda: bary(weights=[1.0]), ValueError, r"^weights: expected shape \(2,\)"),
+    Case("bary-lambda-negative", lambda: bary(weights=[1.0, -0.5]), ValueError, r"^weights: weights must be non-negative"),
+    Case("bary-lambda-zero", lambda: bary(weights=[0.0, 0.0]), ValueError, r"^weights: total mass must be positive"),
+    Case("bary-lambda-inf", lambda: bary(weights=[INF, 1.0]), ValueError, r"^weights: contains NaN or Inf"),
+    Case("bary-backend-unknown", lambda: bary(backend="gpu"), ValueError, r"^backend: expected 'auto'"),
     # ---- command line ------------------------------------------------------------------------
     Case("cli-unknown-command", lambda: cli("frobnicate"), SystemExit, r"unknown command 'frobnicate'"),
     Case("cli-demo-unknown-flag", lambda: cli("demo", "--bogus"), SystemExit, r"unrecognized arguments: --bogus"),
@@ -347,7 +419,7 @@ def test_bad_input(case: Case, request, capsys):
 
 def test_the_table_covers_every_entry_point():
     prefixes = {c.id.split("-")[0] for c in CASES}
-    assert {"SL", "SS", "plan", "pfp", "softmin", "pprod", "ctransform", "cli"} <= prefixes
+    assert {"SL", "SS", "plan", "pfp", "softmin", "pprod", "ctransform", "cli", "bary"} <= prefixes
     assert len(CASES) >= 40
     assert len({c.id for c in CASES}) == len(CASES)
 
