@@ -36,11 +36,11 @@ def kernels(request, monkeypatch):
 def test_samples_loss_multiscale_in_higher_dimensions(d, kernels):
     """Sub-tile pruning (D <= 3 in the kernels) used to ask the kernels for barycentres at D > 3 (-4).  Run to a
     tolerance, value and gradients agree with the single-scale cpu engine within the pruning's error."""
-    x, y = _cloud(200, d, 1), _cloud(150, d, 2) + 0.1
+    x, y = _cloud(100, d, 1), _cloud(80, d, 2) + 0.1
     out = {}
     for backend in ("multiscale", "cpu"):
         xs = x.clone().requires_grad_()
-        L = flashot.SamplesLoss("sinkhorn", p=2, blur=0.1, backend=backend, tol=1e-10, max_iter=3000)
+        L = flashot.SamplesLoss("sinkhorn", p=2, blur=0.2, backend=backend, tol=1e-9, max_iter=3000)
         v = L(xs, y)
         out[backend] = (float(v.detach()), torch.autograd.grad(v, xs)[0])
     (v, g), (v0, g0) = out["multiscale"], out["cpu"]
@@ -56,7 +56,25 @@ def test_solve_sample_multiscale_in_higher_dimensions(d, kernels):
         xs = x.clone().requires_grad_()
         r = flashot.solve_sample(xs, y, reg=0.05, backend=backend, tol=1e-10, max_iter=3000)
         assert r.converged, backend
-        out[backend] = (float(r.value), torch.autograd.grad(r.value, xs)[0])
+        out[backend] = (float(r.value.detach()), torch.autograd.grad(r.value, xs)[0])
     (v, g), (v0, g0) = out["multiscale"], out["cpu"]
     assert abs(v - v0) <= 1e-6 * abs(v0)
     assert _rel(g, g0) <= 1e-4
+
+
+# --- small clouds: the coarse stage's extrapolation ------------------------------------------------------------
+@pytest.mark.parametrize("d, blur", [(2, 0.05), (3, 0.02)])
+def test_multiscale_matches_single_scale_on_small_clouds(d, blur, kernels):
+    """Small clouds cluster into cells of one or two points, where the coarse stage saves no work and its
+    extrapolation was one more step than single scale's: the fixed schedule's (unconverged) value differed by
+    5% (d = 2) and 0.3% (d = 3), gradients by 10-30%.  The coarse temperatures now run on the points: the same
+    iterations as single scale, up to the pruning of the last temperatures (truncate = 5)."""
+    x, y = _cloud(200, d, 1), _cloud(250, d, 2) + 0.05
+    out = {}
+    for backend in ("multiscale", "cpu"):
+        xs = x.clone().requires_grad_()
+        v = flashot.SamplesLoss("sinkhorn", p=2, blur=blur, backend=backend)(xs, y)
+        out[backend] = (float(v.detach()), torch.autograd.grad(v, xs)[0])
+    (v, g), (v0, g0) = out["multiscale"], out["cpu"]
+    assert abs(v - v0) <= 1e-4 * abs(v0)
+    assert _rel(g, g0) <= 1e-3
