@@ -132,6 +132,8 @@ def _check_inputs(measures_locations, measures_weights, X_init, b, weights):
     else:
         lam = _weights("weights", weights, K, X, torch.float64).cpu()
     return X, Ys, As, b, (lam / lam.sum()).tolist()
+
+
 def free_support_barycenter(
     measures_locations: Sequence,
     measures_weights: Sequence | None,

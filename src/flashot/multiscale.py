@@ -520,8 +520,7 @@ def coarse_pays(cx: Clusters, cy: Clusters, min_gain: float = COARSE_MIN_GAIN) -
     or two points: small clouds, where :func:`~flashot.clusters.coarse_scale` halves the cells down to the
     pruning radius) it saves no work, and its extrapolation to the points is one more, un-averaged, step
     than single scale takes: the fixed schedule's (unconverged) result then differs from single scale's by
-    the size of that step (measured up to 5% in value and 25% in gradients at a few hundred points).  Its
-    temperatures then run on the points: the same iterations as single scale."""
+    the size of that step.  Its temperatures then run on the points: the same iterations as single scale."""
     n, m = int(cx.offsets[-1]), int(cy.offsets[-1])
     return cx.n_clusters * cy.n_clusters * min_gain <= n * m
 
