@@ -432,6 +432,16 @@ def _coarse_measures(m: Measures, cx: Clusters, cy: Clusters, group: Any = None)
     return mc
 
 
+def _points_measures(fine: Measures, group: Any = None) -> Measures:
+    """``fine`` for the coarse temperatures run on the points (:func:`coarse_pays` false): its own engine,
+    sharded over the ranks of ``group`` when given (a copy: ``fine`` keeps its engine for the pruned stage)."""
+    if group is None:
+        return fine
+    from .distributed import distribute_measures
+
+    return distribute_measures(replace(fine), group)
+
+
 def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps: float, lam: float, cost,
                  group: Any = None, pruned: "_ExtrapolationPruning | None" = None) -> Tensor:
     """Fine potential from a coarse one: ``lam * softmin_J (log w_J + pot_J / eps)`` at the points (B = 1
@@ -555,7 +565,7 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
             scale = coarse_scale(x.detach(), y.detach(), bs, radius)
     cx, cy = (cluster(x, m.a[0], scale, labels[0], SUB_LEVELS), cluster(y, m.b[0], scale, labels[1], SUB_LEVELS))
     jump = jump_index(eps_list, _jump_threshold(m.cost, scale, p))
-    on_points = group is None and not coarse_pays(cx, cy)
+    on_points = not coarse_pays(cx, cy)
     if not on_points:
         mc = _coarse_measures(m, cx, cy, group)
         st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, rho_x=rx, rho_y=ry,
@@ -566,8 +576,8 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     hier = _Hier.build(fine, cx, cy, debias)
     eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
     if on_points:  # single scale's iterations on the (dense) points: no extrapolation step
-        st = sinkhorn_loop(fine, eps_list[: jump + 1], symmetric=True, debias=debias, rho_x=rx, rho_y=ry,
-                           verbose=verbose)
+        st = sinkhorn_loop(_points_measures(fine, group), eps_list[: jump + 1], symmetric=True, debias=debias,
+                           rho_x=rx, rho_y=ry, verbose=verbose)
     else:
         st = _extrapolated_state(fine, mc, cx, cy, st, eps, debias, group, rho, (scale, cfg.truncate))
     state = replace(st, eps=eps)
