@@ -33,12 +33,13 @@ def pytest_sessionstart(session):
         return
     t0 = time.perf_counter()
     try:
-        path, _, cached, _ = build.build(quiet=True)
+        built = [build.build(quiet=True, library=lib) for lib in build.LIBRARIES]
     except build.BuildError as e:  # the engine tests skip with the reason
         print(f"\nflashot tests: the cpu engine's kernels could not be built: {str(e)[:200]}")
         return
-    if not cached:
-        print(f"\nflashot tests: compiled the cpu engine's kernels in {time.perf_counter() - t0:.1f} s ({path})")
+    if not all(cached for _, _, cached, _ in built):
+        print(f"\nflashot tests: compiled the cpu engine's kernels in {time.perf_counter() - t0:.1f} s "
+              f"({', '.join(path for path, *_ in built)})")
 
 
 @pytest.fixture(autouse=True)

@@ -139,7 +139,7 @@ def test_world_writable_cache_dir_is_refused_and_engine_falls_back(tmp_path, mon
     d.mkdir()
     os.chmod(d, 0o777)  # a directory any local user could have prepared
     monkeypatch.setenv("FLASHOT_CACHE_DIR", str(d))
-    monkeypatch.setattr(build, "_LIB", None)
+    monkeypatch.setattr(build, "_LIBS", {})
     # plant a library under the exact name the build would use
     sources = build._read_sources()
     name = (f"flashot_cpu_{build._base_key(sources, build.march())}_"
@@ -162,7 +162,7 @@ def test_cache_dir_owned_by_another_user_is_refused(tmp_path, monkeypatch):
     d.mkdir(mode=0o755)
     os.chown(d, 65534, 65534)
     monkeypatch.setenv("FLASHOT_CACHE_DIR", str(d))
-    monkeypatch.setattr(build, "_LIB", None)
+    monkeypatch.setattr(build, "_LIBS", {})
     with pytest.raises(build.BuildError, match="owned by uid 65534"):
         build.load()
 

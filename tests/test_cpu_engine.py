@@ -669,7 +669,7 @@ def test_fallback_real_compiler_failure(monkeypatch, tmp_path):
     from flashot.ops import registry
     from flashot.ops.cpu import build
 
-    monkeypatch.setattr(build, "_LIB", None)
+    monkeypatch.setattr(build, "_LIBS", {})
     monkeypatch.setenv("FLASHOT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
     with warnings.catch_warnings(record=True) as w:

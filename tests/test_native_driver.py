@@ -3,13 +3,13 @@
 The driver checks every exported CPU kernel against naive double-precision references.  It is
 built here three ways:
 
-* ``library``: linked against the library :func:`flashot.ops.cpu.build.build` makes (the real
-  build: four translation units at -O3, for ``FLASHOT_CPU_MARCH`` or native; usually cached
-  already by the engine tests);
+* ``library``: linked against the two libraries :func:`flashot.ops.cpu.build.build` makes (the
+  real build: ``core`` and ``blocksparse``, four translation units each at -O3, for
+  ``FLASHOT_CPU_MARCH`` or native; compiled at the start of the test run);
 * ``x86-64-v2`` (SSE4.2: the 16-byte vector code paths, as on NEON): linked against the library
   build.py makes for that target in the test run's shared cache (``shared_build_cache`` in
   conftest.py; the same library tests/test_cpu_build.py and test_isa_matrix.py load), so the
-  SSE4.2 kernels are compiled once per machine, as they ship (four translation units at -O3);
+  SSE4.2 kernels are compiled once per machine, as they ship;
 * ``aarch64``: the same with ``aarch64-linux-gnu-g++`` when it is on PATH, linked statically and
   run under ``qemu-aarch64`` when that is on PATH too (the full ARM64 check, which installs
   both, is tests/native/run_arm64.sh).
@@ -43,8 +43,8 @@ class DriverBuild:
     then link."""
 
     def __init__(self, cxx: str, march: str, work: Path, *, opt: str = "-O2", static: bool = False,
-                 lib: str | subprocess.Popen | None = None):
-        """``lib``: a library to link (its path, or a running process that prints it last)."""
+                 lib: list[str] | subprocess.Popen | None = None):
+        """``lib``: the libraries to link (their paths, or a running process that prints them last)."""
         self.cxx, self.work, self.static, self.lib = cxx, work, static, lib
         self.env = build._clean_env()
         self.flags = [opt if f == "-O3" else f for f in build.cxxflags(march)]  # as build.py
@@ -65,7 +65,7 @@ class DriverBuild:
         if self.lib is None:
             objs.append(str(self.work / "kernels.o"))
         else:
-            objs += [self.lib, f"-Wl,-rpath,{os.path.dirname(self.lib)}"]
+            objs += [*self.lib, *(f"-Wl,-rpath,{d}" for d in sorted({os.path.dirname(p) for p in self.lib}))]
         cmd = [self.cxx, "-pthread", *(["-static"] if self.static else []),
                "-o", str(self.exe), *objs]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, env=self.env)
@@ -83,7 +83,7 @@ class DriverBuild:
                 out.append(text)
                 ok &= p.returncode == 0
                 if ok and p is self.lib:
-                    self.lib = text.strip().splitlines()[-1]
+                    self.lib = text.strip().splitlines()[-len(build.LIBRARIES):]
             if ok:
                 r = self._link()
                 if r.returncode != 0 and self.static:  # no static libraries: a dynamic executable
@@ -105,9 +105,9 @@ def _x86_level_reason(level: str) -> str | None:
 
 
 def _library_build(cxx: str, work: Path) -> DriverBuild | str:
-    """The driver against the library build.py builds (and the engine loads)."""
+    """The driver against the libraries build.py builds (and the engines load)."""
     try:
-        lib = build.build(quiet=True)[0]
+        lib = [build.build(quiet=True, library=name)[0] for name in build.LIBRARIES]
     except build.BuildError as e:
         return f"build.py could not build the kernels: {e}"
     return DriverBuild(cxx, build.march(), work, opt="-O3", lib=lib)
@@ -118,7 +118,8 @@ def _level_library(level: str, cache: Path) -> subprocess.Popen:
     built by a process that prints its path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
     env.update(FLASHOT_CPU_MARCH=level, FLASHOT_CACHE_DIR=str(cache))
-    code = "from flashot.ops.cpu import build; print(build.build(quiet=True)[0])"
+    code = ("from flashot.ops.cpu import build; "
+            "print(*(build.build(quiet=True, library=name)[0] for name in build.LIBRARIES), sep='\\n')")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
 

@@ -247,15 +247,17 @@ def build_cmd(argv: list[str] | None = None) -> int:
 
     try:
         lib = build.load()
+        build.load_blocksparse()
     except build.BuildError as e:
         print(f"flashot build: {e}", file=sys.stderr)
         return 1
     info = build.BUILD_INFO
-    how = "found in the cache" if info["cached"] else (f"compiled in {info['seconds']:.1f} s wall, "
-                                                       f"{info.get('cpu_seconds', 0.0):.1f} s CPU")
     print(f"CPU kernels for {cpu_model()}: -march={info['march']}, {', '.join(info['isa'])}, "
           f"{lib.flashot_vector_bytes() * 8}-bit vectors, up to {torch_threads()} threads (torch.get_num_threads())")
-    print(f"  {how}: {info['path']}")
+    for name, facts in (("core", info), ("blocksparse", info["blocksparse"])):
+        how = "found in the cache" if facts["cached"] else (f"compiled in {facts['seconds']:.1f} s wall, "
+                                                            f"{facts.get('cpu_seconds', 0.0):.1f} s CPU")
+        print(f"  {name}: {how}: {facts['path']}")
     return 0
 
 

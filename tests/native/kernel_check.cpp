@@ -32,6 +32,8 @@
 // ---- the exported C ABI under test (signatures of ABI version 18, see engine.py _SIGS) ----
 extern "C" {
 int flashot_abi_version();
+int flashot_bs_abi_version();
+int flashot_bs_vector_bytes();
 int flashot_isa();
 int flashot_vector_bytes();
 int flashot_fp_bits();
@@ -102,7 +104,7 @@ int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int6
 
 namespace {
 
-constexpr int EXPECTED_ABI = 18;  // the declarations above; update both together
+constexpr int EXPECTED_ABI = 19;  // the declarations above; update both together
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -842,6 +844,8 @@ void check_fp_probe(Tally& t) {
 // ---- build facts: ABI version, instruction set and vector width as this compiler sees them ----
 void check_build_facts(Tally& t) {
   const int abi = flashot_abi_version();
+  t.report(flashot_bs_abi_version() == abi && flashot_bs_vector_bytes() == flashot_vector_bytes(), "bs_build_facts",
+           "the blocksparse library's ABI version and vector width equal the core's");
   t.report(abi == EXPECTED_ABI, "abi_version", std::to_string(abi) + " (driver declares " +
                                                    std::to_string(EXPECTED_ABI) + ")");
   int want = 0;  // flashot_isa() bits: 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA, 16 AVX-512F, 32 AArch64, 64 threads

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ARM64 check of the CPU kernels: cross-compile src/flashot/ops/cpu/kernels.cpp for aarch64
-# (as build.py compiles it: the four translation units -DFLASHOT_PART=1..4, linked both as the
-# shared library and into the test driver tests/native/kernel_check.cpp) and run the driver
+
+
 # under qemu-user with a team of two threads.
 #
 # Needs Debian's g++-aarch64-linux-gnu and qemu-user; installs them (apt-get update first) when
@@ -62,14 +62,15 @@ fi
 
 t0=$(now)
 pids=()
-for k in 1 2 3 4; do  # the real build's translation units, compiled in parallel as build.py does
+PARTS=(1 2 3 4 5 6 7 8)  # the real build's translation units (build.py: LIBRARIES), compiled in parallel
+for k in "${PARTS[@]}"; do
   "$CXX" "${FLAGS[@]}" -DFLASHOT_PART=$k -c "$SRC/kernels.cpp" -o "$WORK/part$k.o" 2>"$WORK/part$k.err" &
   pids+=($!)
 done
 "$CXX" "${FLAGS[@]}" -Wall -Wextra -I "$SRC" -c "$DRIVER" -o "$WORK/kernel_check.o" 2>"$WORK/driver.err"
 driver_rc=$?
 failed=0
-for k in 1 2 3 4; do
+for k in "${PARTS[@]}"; do
   if ! wait "${pids[$((k - 1))]}"; then
     echo "arm64: FAILED to compile kernels.cpp with -DFLASHOT_PART=$k:"
     tail -n 30 "$WORK/part$k.err"
@@ -82,9 +83,10 @@ fi
 [ $failed -eq 0 ] || exit 1
 cat "$WORK"/part*.err "$WORK/driver.err"  # warnings, if any
 
-# the shared library exactly as build.py links it
-if ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu.so" "$WORK"/part?.o 2>"$WORK/link.err"; then
-  echo "arm64: FAILED to link the shared library:"; cat "$WORK/link.err"; exit 1
+# the two shared libraries exactly as build.py links them (core: parts 1-4, blocksparse: 5-8)
+if ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu.so" "$WORK"/part[1-4].o 2>"$WORK/link.err" ||
+   ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu_bs.so" "$WORK"/part[5-8].o 2>>"$WORK/link.err"; then
+  echo "arm64: FAILED to link the shared libraries:"; cat "$WORK/link.err"; exit 1
 fi
 # the driver: static when the cross toolchain has static libgomp / libc, else dynamic with the sysroot
 QEMU_ARGS=()
@@ -95,7 +97,7 @@ if ! "$CXX" -static -pthread -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WO
   QEMU_ARGS=(-L "$SYSROOT")
   echo "arm64: driver linked dynamically (no static libraries); running with -L $SYSROOT"
 fi
-echo "arm64: cross-compiled (4 parts + driver, -march=armv8-a, threads) in $(since "$t0") s"
+echo "arm64: cross-compiled (${#PARTS[@]} parts + driver, -march=armv8-a, threads) in $(since "$t0") s"
 
 # ---- 3. run under qemu ----------------------------------------------------------------------
 t0=$(now)

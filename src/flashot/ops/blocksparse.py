@@ -240,13 +240,14 @@ class PaddedColumns:
 
 
 def _cpu_lib():
-    """The compiled CPU kernels, or None where they cannot be built (the PyTorch path then runs)."""
+    """The compiled block-sparse CPU kernels, or None where they cannot be built (the PyTorch path then
+    runs)."""
     try:
-        from .cpu.build import BuildError, load
+        from .cpu.build import BuildError, load_blocksparse
     except ImportError:  # pragma: no cover
         return None
     try:
-        return load()
+        return load_blocksparse()
     except BuildError:
         return None
 
@@ -256,7 +257,7 @@ def _padded_y(lib, pat: BlockPattern, y: Tensor, h: Tensor, kind: int):
     from .cpu.engine import KIND_DOT, LOG2E, _encode_zero_weights
 
     D = y.shape[-1]
-    lanes = lib.flashot_vector_bytes() // y.element_size()
+    lanes = lib.flashot_bs_vector_bytes() // y.element_size()
     lay = pat.padded(lanes if D <= 3 else 4 * lanes)  # the micro-kernels' column step (1 or <= 4 vectors)
     y0 = y[0]
     key = (y0.data_ptr(), y0._version, tuple(y0.shape), y0.dtype, kind)

@@ -2,8 +2,12 @@
 
 The kernels are plain C++ with a C ABI (``kernels.cpp`` and ``fpenv.h`` beside this
 module, shipped as package data; no torch headers), so ``g++`` builds them without
-ninja or a torch extension toolchain: four translation units of one source
-(``-DFLASHOT_PART=k``) compiled in parallel, then linked.
+ninja or a torch extension toolchain.  They make two libraries, each built when it is first
+needed (:data:`LIBRARIES`): ``core``, the dense and streamed kernels of the ``cpu`` engine, and
+``blocksparse``, the kernels of multiscale; each is four translation units of the one source
+(``-DFLASHOT_PART=k``) compiled in parallel, then linked.  Two libraries rather than one so that
+a first solve waits for the kernels it runs, not for the block-sparse ones (about 60% of the
+compile time).
 
 Instruction set: ``-march=native`` unless ``FLASHOT_CPU_MARCH`` names another target
 (``x86-64-v2`` (SSE4.2), ``x86-64-v3`` (AVX2 + FMA), ``x86-64-v4`` (AVX-512), ``armv8-a``,
@@ -42,13 +46,16 @@ from importlib import resources
 
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
 
-__all__ = ["BuildError", "build", "load", "BUILD_INFO", "cxxflags", "march", "SOURCES", "ISA_BITS",
-           "cache_dir"]
+__all__ = ["BuildError", "build", "load", "load_blocksparse", "BUILD_INFO", "cxxflags", "march", "SOURCES",
+           "ISA_BITS", "LIBRARIES", "cache_dir"]
 
 SOURCES = ("kernels.cpp", "fpenv.h", "parallel.h", "prune.h")
 BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno", "-pthread"]
-ABI_VERSION = 18
-PARTS = 4  # translation units compiled in parallel (FLASHOT_PART = 1..PARTS in the source)
+ABI_VERSION = 19
+# the libraries and their translation units (FLASHOT_PART values in kernels.cpp, compiled in parallel);
+# the units of a library are balanced by compile time
+LIBRARIES = {"core": (1, 2, 3, 4), "blocksparse": (5, 6, 7, 8)}
+_FILE_PREFIX = {"core": "flashot_cpu_", "blocksparse": "flashot_cpu_bs_"}
 LOCK_TIMEOUT_S = 900
 # flashot_isa() bits
 ISA_BITS = {"sse4.2": 1, "avx": 2, "avx2": 4, "fma": 8, "avx512f": 16, "aarch64": 32, "threads": 64}
@@ -67,9 +74,11 @@ _BUILD_ENV = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PAT
 _MARCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 
 # Filled by :func:`load`: {"path", "seconds" (compile wall time, 0 when cached),
-# "cpu_seconds" (compiler CPU time, when compiled here), "cached", "compiler", "march", "isa"}.
+# "cpu_seconds" (compiler CPU time, when compiled here), "cached", "compiler", "march", "isa"};
+# :func:`load_blocksparse` adds the same facts of its library under "blocksparse".
 BUILD_INFO: dict = {}
-_LIB: ctypes.CDLL | None = None
+_LIBS: dict[str, ctypes.CDLL] = {}
+_CPU_SECONDS: dict[str, float] = {}  # compiler CPU time of the libraries compiled by this process
 
 
 class BuildError(RuntimeError):
@@ -144,7 +153,7 @@ def _hash(*parts: str, n: int = 16) -> str:
 
 def _base_key(sources: dict[str, str], target: str) -> str:
     """Everything but the compiler: sources, flags, target, CPU, ABI."""
-    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), str(PARTS),
+    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), repr(LIBRARIES),
                  platform.machine(), " ".join(sorted(_cpu_flags())) or platform.processor(), str(ABI_VERSION))
 
 
@@ -192,10 +201,10 @@ def _remove_stale(d: str) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _compile_parts(cxx: str, flags: list[str], work: str, objs: list[str], env: dict) -> list[str]:
-    procs = [subprocess.Popen([cxx, *flags, f"-DFLASHOT_PART={k}", "-c", "kernels.cpp", "-o", obj], cwd=work,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for k, obj in enumerate(objs, start=1)]
+def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[int, ...], env: dict) -> list[str]:
+    procs = [subprocess.Popen([cxx, *flags, f"-DFLASHOT_PART={k}", "-c", "kernels.cpp", "-o", f"part{k}.o"],
+                              cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for k in parts]
     errs = []
     for pr in procs:
         try:
@@ -209,16 +218,16 @@ def _compile_parts(cxx: str, flags: list[str], work: str, objs: list[str], env: 
     return errs
 
 
-def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str) -> None:
-    """Build the library at ``path``."""
+def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, parts: tuple[int, ...]) -> None:
+    """Build the library of translation units ``parts`` at ``path``."""
     env = _clean_env()
     work = tempfile.mkdtemp(prefix=".tmp-build-", dir=d)
     try:
         for name, text in sources.items():  # compile exactly the text that was hashed
             with open(os.path.join(work, name), "w", encoding="utf-8") as f:
                 f.write(text)
-        objs = [f"part{k}.o" for k in range(1, PARTS + 1)]
-        errs = _compile_parts(cxx, cxxflags(target), work, objs, env)
+        objs = [f"part{k}.o" for k in parts]
+        errs = _compile_parts(cxx, cxxflags(target), work, parts, env)
         if errs:
             here = os.path.dirname(os.path.abspath(__file__))
             raise BuildError(f"{os.path.basename(cxx)} failed: " + errs[0].replace(work, here)[-3000:])
@@ -234,18 +243,25 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str) 
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _estimate_seconds() -> int:
+# compiler CPU seconds of each library and of its largest unit (g++ 12 -O3, AMD EPYC Zen 3; BENCHMARKS.md)
+_COMPILE_CPU_S = {"core": (28.0, 8.0), "blocksparse": (44.0, 15.0)}
+
+
+def _estimate_seconds(library: str) -> int:
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # measured on a 2-vCPU AMD EPYC Zen 3 (g++ 12, README "CPUs"): 85-97 s of compiler CPU time in PARTS
-    # units of 15-27 s each, so more cores than PARTS wait for the largest unit
-    return int(round(max(90 / max(1, min(n, PARTS)), 27))) + 2
+    total, largest = _COMPILE_CPU_S[library]  # more cores than units wait for the largest unit
+    return int(round(max(total / max(1, min(n, len(LIBRARIES[library]))), largest))) + 1
 
 
-def build(*, quiet: bool = False) -> tuple[str, float, bool, str]:
-    """Compile (or find cached) -> (path, compile wall seconds, was cached, compiler).
+def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bool, str]:
+    """Compile (or find cached) one of :data:`LIBRARIES` -> (path, compile wall seconds, was cached,
+    compiler).
 
-    The compiler's CPU time is recorded in ``BUILD_INFO["cpu_seconds"]``.
+    The compiler's CPU time is reported by :func:`load` / :func:`load_blocksparse` in ``BUILD_INFO``.
     """
+    if library not in LIBRARIES:
+        raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
+    prefix, parts = _FILE_PREFIX[library], LIBRARIES[library]
     sources = _read_sources()
     target = march()
     _check_cpu_runs(target)
@@ -256,11 +272,11 @@ def build(*, quiet: bool = False) -> tuple[str, float, bool, str]:
     base = _base_key(sources, target)
     cxx = _find_compiler()
     if cxx is None:  # no compiler: any library built here for the same sources, flags and CPU
-        found = sorted(glob.glob(os.path.join(d, f"flashot_cpu_{base}_*.so")), key=os.path.getmtime)
+        found = sorted(glob.glob(os.path.join(d, f"{prefix}{base}_*.so")), key=os.path.getmtime)
         if found:
             return found[-1], 0.0, True, "(none: cached library)"
         raise BuildError("no C++ compiler found (set CXX or install g++) and no cached library for this machine")
-    path = os.path.join(d, f"flashot_cpu_{base}_{_compiler_key(cxx)}.so")
+    path = os.path.join(d, f"{prefix}{base}_{_compiler_key(cxx)}.so")
     if os.path.exists(path):
         return path, 0.0, True, cxx
     with _DirLock(d):
@@ -268,13 +284,14 @@ def build(*, quiet: bool = False) -> tuple[str, float, bool, str]:
             return path, 0.0, True, cxx
         _remove_stale(d)
         if not quiet:
-            print(f"flashot: compiling the CPU kernels once for this machine (-march={target}, about "
-                  f"{_estimate_seconds()} s) into {d}", file=sys.stderr, flush=True)
+            what = "" if library == "core" else "the block-sparse ones, for multiscale; "
+            print(f"flashot: compiling the CPU kernels once for this machine ({what}-march={target}, about "
+                  f"{_estimate_seconds(library)} s) into {d}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        _compile(cxx, sources, target, path, d)
+        _compile(cxx, sources, target, path, d, parts)
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        BUILD_INFO["cpu_seconds"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        _CPU_SECONDS[library] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         secs = time.perf_counter() - t0
         if not quiet:
             print(f"flashot: compiled in {secs:.1f} s (cached for later runs)", file=sys.stderr, flush=True)
@@ -293,6 +310,8 @@ _SIGS = {
     "flashot_cached_weights": [_P, _L, _L, _P, _P, _DB, _I, _DB, _P, _I],
     "flashot_cached_alt": [_P, _P, _P, _DB, _DB, _P, _P, _I, _L, _L, _I],
     "flashot_alt": [_P, _P, _P, _P, _P, _DB, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _L, _I],
+}
+_BS_SIGS = {  # the blocksparse library
     "flashot_softmin_bs": [_P, _P, _P, _P, _P, _L, _I, _P, _L, _P, _P, _DB, _DB, _I, _DB, _I, _I],
     "flashot_pair_bs": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _DB, _P, _L, _I, _P, _L, _P, _P, _P, _DB, _DB, _I,
                         _I, _I, _I],
@@ -300,39 +319,57 @@ _SIGS = {
                         _I],
 }
 _PLAIN_SIGS = {"flashot_abi_version": [], "flashot_fp_probe": [_I], "flashot_fp_probe_read": [_P, _I],
-               "flashot_fp_bits": [], "flashot_fp_bits_workers": [_P, _I], "flashot_isa": [], "flashot_vector_bytes": [],
-               "flashot_block_keep": [_P, _P, _I, _L, _L, _P, _P, _P, _P, _I, _I, _DB, _DB, _DB, _P, _I]}
+               "flashot_fp_bits": [], "flashot_fp_bits_workers": [_P, _I], "flashot_isa": [], "flashot_vector_bytes": []}
+_BS_PLAIN_SIGS = {"flashot_bs_abi_version": [], "flashot_bs_vector_bytes": [],
+                  "flashot_block_keep": [_P, _P, _I, _L, _L, _P, _P, _P, _P, _I, _I, _DB, _DB, _DB, _P, _I]}
 
 
-def _bind(lib: ctypes.CDLL) -> None:
-    for name, args in _SIGS.items():
+def _bind(lib: ctypes.CDLL, library: str = "core") -> None:
+    sigs, plain = (_SIGS, _PLAIN_SIGS) if library == "core" else (_BS_SIGS, _BS_PLAIN_SIGS)
+    for name, args in sigs.items():
         for fn in (name + "_f32", name + "_f64"):
             f = getattr(lib, fn)
             f.argtypes, f.restype = args, ctypes.c_int
-    for name, args in _PLAIN_SIGS.items():
+    for name, args in plain.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, ctypes.c_int
 
 
-def load(*, quiet: bool = False) -> ctypes.CDLL:
-    """Build if needed and load the library (once per process). Raises :class:`BuildError`."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
-    path, secs, cached, cxx = build(quiet=quiet)
+def _open(library: str, quiet: bool) -> tuple[ctypes.CDLL, dict]:
+    """Build if needed, load and check one library -> (library, its facts for BUILD_INFO)."""
+    path, secs, cached, cxx = build(quiet=quiet, library=library)
     try:
         check_private_file(path)
     except CacheDirError as e:
         raise BuildError(str(e)) from e
     try:
         lib = ctypes.CDLL(path)
-        _bind(lib)
+        _bind(lib, library)
     except (OSError, AttributeError) as e:
         raise BuildError(f"loading {path} failed: {e}") from e
-    if lib.flashot_abi_version() != ABI_VERSION:
+    version = lib.flashot_abi_version() if library == "core" else lib.flashot_bs_abi_version()
+    if version != ABI_VERSION:
         raise BuildError(f"{path}: ABI version mismatch")
-    isa = lib.flashot_isa()
-    BUILD_INFO.update(path=path, seconds=secs, cached=cached, compiler=cxx, march=march(),
-                      isa=sorted(k for k, b in ISA_BITS.items() if isa & b and k != "threads"))
-    _LIB = lib
-    return lib
+    info = dict(path=path, seconds=secs, cached=cached, compiler=cxx, march=march())
+    if not cached and library in _CPU_SECONDS:
+        info["cpu_seconds"] = _CPU_SECONDS[library]
+    return lib, info
+
+
+def load(*, quiet: bool = False) -> ctypes.CDLL:
+    """Build if needed and load the ``core`` library (once per process). Raises :class:`BuildError`."""
+    if "core" not in _LIBS:
+        lib, info = _open("core", quiet)
+        isa = lib.flashot_isa()
+        BUILD_INFO.update(info, isa=sorted(k for k, b in ISA_BITS.items() if isa & b and k != "threads"))
+        _LIBS["core"] = lib
+    return _LIBS["core"]
+
+
+def load_blocksparse(*, quiet: bool = False) -> ctypes.CDLL:
+    """Build if needed and load the ``blocksparse`` library (multiscale's kernels; once per process)."""
+    if "blocksparse" not in _LIBS:
+        lib, info = _open("blocksparse", quiet)
+        BUILD_INFO["blocksparse"] = info
+        _LIBS["blocksparse"] = lib
+    return _LIBS["blocksparse"]

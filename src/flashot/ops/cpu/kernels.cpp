@@ -952,12 +952,12 @@ static void col_group_pass(int64_t G, size_t per, size_t scratch_n, T* csum, int
 // Symmetric Sinkhorn step in one pass: rsum[b, i] = sum_j E_ij and csum[b, j] = sum_i E_ij with
 // E_ij = 2^(hx_i + hs_j - k c_ij) (base-2 log-weights, no running max).  Column sums: per group of
 // row blocks, combined in group order (col_groups: the same bits for any thread count).
-// SYM (y is x, hs is hx padded): E is symmetric, so only the upper triangle is computed, by
+// sym (y is x, hs is hx padded): E is symmetric, so only the upper triangle is computed, by
 // blocks: a row block takes its diagonal block (row sums only) and the columns right of it
 // (row and column sums); the full row sum is then rsum + csum: half the exponentials.
-template <typename T, int R, int NV, int KIND, int DS, bool SYM>
+template <typename T, int R, int NV, int KIND, int DS>
 static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum, int B,
-                      int64_t N, int64_t Mp, const Args& a, int64_t l2, int nth) {
+                      int64_t N, int64_t Mp, const Args& a, bool sym, int64_t l2, int nth) {
   typedef typename VT<T>::v v;
   const int D = a.D;
   const int RB = R * 16;
@@ -967,7 +967,7 @@ static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
   const size_t per = (size_t)B * Mp;
   const int64_t G = col_groups(nt, (int64_t)(per * sizeof(T)));
   // scratch: column sums of diagonal blocks, discarded
-  col_group_pass<T>(G, per, SYM ? (size_t)Mp : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
+  col_group_pass<T>(G, per, sym ? (size_t)Mp : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
     for (int64_t t = g; t < nt; t += G) {
       const int64_t b = t / nb, i0 = (t % nb) * RB;
       const int nr = (int)std::min<int64_t>(RB, N - i0);
@@ -979,7 +979,7 @@ static void pair_impl(const T* x, const T* yT, const T* yy, const T* hs, const T
       const T* yyb = yy + b * Mp;
       const T* hb = hs + b * Mp;
       int64_t jstart = 0;
-      if (SYM) {
+      if (sym) {
         jstart = std::min<int64_t>(Mp, i0 + RB);
         panel_rows<T, R, NV, KIND, DS, MODE_PAIR, W_ONE>(nr, xb, yTb, yyb, hb, i0, jstart, a, m, sum, scratch, 0);
       }
@@ -1449,12 +1449,12 @@ static int alt_entry(const T* x, const T* yT, const T* yy, const T* hs, const T*
   return -2;
 }
 
-template <typename T, int KIND, bool SYM>
+template <typename T, int KIND>
 static int pair_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, int B,
-                         int64_t N, int64_t Mp, const Args& a, int cfg, int64_t l2, int nth) {
+                         int64_t N, int64_t Mp, const Args& a, bool sym, int cfg, int64_t l2, int nth) {
   return with_lse_shape(cfg, a.D, [&](auto s) {
     using S = decltype(s);
-    pair_impl<T, S::R, S::NV, KIND, S::DS, SYM>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, l2, nth);
+    pair_impl<T, S::R, S::NV, KIND, S::DS>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, sym, l2, nth);
   });
 }
 
@@ -1463,10 +1463,10 @@ static int pair_entry(const T* x, const T* yT, const T* yy, const T* hs, const T
                       int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg, int sym, int64_t l2,
                       int nth) {
   Args a{D, Mp, kcoef, minsq};
-#define FL_PAIR(KD, S) return pair_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, cfg, l2, nth)
-  if (kind == KIND_DOT) { if (sym) FL_PAIR(KIND_DOT, true); FL_PAIR(KIND_DOT, false); }
-  if (kind == KIND_DIRECT) { if (sym) FL_PAIR(KIND_DIRECT, true); FL_PAIR(KIND_DIRECT, false); }
-#undef FL_PAIR
+  // sym is a run-time flag: it changes which column ranges a row block visits, not the inner loop
+  if (kind == KIND_DOT) return pair_dispatch<T, KIND_DOT>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, sym, cfg, l2, nth);
+  if (kind == KIND_DIRECT)
+    return pair_dispatch<T, KIND_DIRECT>(x, yT, yy, hs, hx, rs, cs, B, N, Mp, a, sym, cfg, l2, nth);
   return -2;
 }
 
@@ -1685,17 +1685,18 @@ static inline bool tile_kept(const TileBounds<T>& tb, const double* p, const dou
 // Block-sparse symmetric step (pair_impl over softmin_bs_impl's kept ranges, B = 1): rsum[i] = sum_j E_ij
 // over row i's kept columns and csum[j] (padded layout) = sum_i E_ij, E_ij = 2^(hx_i + hs_j - k c_ij), one
 // exponential per pair.  Column partials per group of row clusters (cluster t -> group t % G), combined in
-// group order: the same bits for any thread count.  SYM (y is x with the same clusters, a symmetric pattern,
+// group order: the same bits for any thread count.  sym (y is x with the same clusters, a symmetric pattern,
 // coff (Kx + 1,) the clusters' padded column offsets): cluster k sums its own block for its rows only and
 // the kept columns right of it for rows and columns, skipping those left of it; the caller adds rsum + csum.
 // Barycentres (MODE_PAIRB / MODE_PAIRBC, static D = DS): rb[i * DS + d] = sum_j E_ij y_jd and, with
 // MODE_PAIRBC, csum[(1 + d) Mp + j] = sum_i E_ij x_id after csum's first Mp values (the solver's gradient
 // is then sum_j P_ij (x_i - y_j) = x_i - rb_i / rsum_i per unit of row mass: no plan-product pass).
 // tb.fx: sub-tile pruning (TileBounds); the pairs evaluated (padded columns included) are added to *evaluated.
-template <typename T, int R, int NV, int KIND, int DS, bool SYM, int MODE>
+template <typename T, int R, int NV, int KIND, int DS, int MODE>
 static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum, T* rb,
                          int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
-                         const int64_t* coff, const Args& a, const TileBounds<T>& tb, int64_t* evaluated, int nth) {
+                         const int64_t* coff, const Args& a, const TileBounds<T>& tb, int64_t* evaluated, bool sym,
+                         int nth) {
   typedef typename VT<T>::v v;
   const int D = a.D;
   constexpr int RB = R * FL_TILE_MULT;  // rows per panel: the tiles' height
@@ -1709,14 +1710,14 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   const T kc = (T)a.kcoef;
   std::atomic<int64_t> count{0};
   // scratch: column sums of diagonal blocks, discarded
-  col_group_pass<T>(G, (size_t)per, SYM ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
+  col_group_pass<T>(G, (size_t)per, sym ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
     int64_t done = 0;
     double ball[TILE_STRIDE], ball_o[TILE_STRIDE];  // the panel's terms from fx and fxo (sub-tile pruning)
     T o[DL], u[LOCAL ? RB * DL : 1], A[LOCAL ? RB : 1];  // the row panel's origin and folded terms
     std::vector<T> zbuf;                                 // the folded columns' terms: z (DL rows), H
     for (int64_t t = g; t < ntasks; t += G) {
       const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
-      const int64_t d0 = SYM ? coff[k] : 0, d1 = SYM ? coff[k + 1] : 0;
+      const int64_t d0 = sym ? coff[k] : 0, d1 = sym ? coff[k + 1] : 0;
       for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
         const int nr = (int)std::min<int64_t>(RB, i1 - i0);
         T m[RB];
@@ -1766,7 +1767,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
         for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
           int64_t lo = cr[2 * q];
           const int64_t hi = cr[2 * q + 1];
-          if (SYM) {  // the diagonal block for the rows only; nothing left of it
+          if (sym) {  // the diagonal block for the rows only; nothing left of it
             if (hi <= d0) continue;
             const int64_t dlo = std::max(lo, d0), dhi = std::min(hi, d1);
             if (dlo < dhi) stream(dlo, dhi, scratch);
@@ -1788,29 +1789,29 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   if (evaluated) *evaluated += count.load();
 }
 
-template <typename T, int KIND, bool SYM>
+// sym is a run-time flag: it changes which column ranges a row panel visits, not the inner loop.
+template <typename T, int KIND>
 static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb,
                             int cb, int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                             const int64_t* cr, const int64_t* coff, const Args& a, const TileBounds<T>& tb,
-                            int64_t* evaluated, int cfg, int nth) {
+                            int64_t* evaluated, bool sym, int cfg, int nth) {
   if (rb == nullptr)
     return with_lse_shape(cfg, a.D, [&](auto s) {
       using S = decltype(s);
-      pair_bs_impl<T, S::R, S::NV, KIND, S::DS, SYM, MODE_PAIR>(x, yT, yy, hs, hx, rs, cs, nullptr, Mp, tasks, ntasks,
-                                                                cptr, cr, coff, a, tb, evaluated, nth);
+      pair_bs_impl<T, S::R, S::NV, KIND, S::DS, MODE_PAIR>(x, yT, yy, hs, hx, rs, cs, nullptr, Mp, tasks, ntasks,
+                                                           cptr, cr, coff, a, tb, evaluated, sym, nth);
     });
   // barycentres: dot costs (the only ones the engine asks them for), d <= 3, Shape::PV_R rows (their
-  // accumulators: 1 + d vectors a row, as the narrow plan product's); SYM with the columns' too (the entry
+  // accumulators: 1 + d vectors a row, as the narrow plan product's); sym with the columns' too (the entry
   // refuses the rest).  Only these variants are instantiated: the others would be compile time for nothing.
   if constexpr (KIND != KIND_DOT) {
     return -4;
   } else {
     constexpr int R = Shape::PV_R;
 #define FL_BARY(DS, MODE) \
-  pair_bs_impl<T, R, 1, KIND, DS, SYM, MODE>(x, yT, yy, hs, hx, rs, cs, rb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
-                                             evaluated, nth)
-#define FL_BARY_D(DS) { if (SYM || cb) FL_BARY(DS, MODE_PAIRBC); else if constexpr (!SYM) FL_BARY(DS, MODE_PAIRB); \
-                        return 0; }
+  pair_bs_impl<T, R, 1, KIND, DS, MODE>(x, yT, yy, hs, hx, rs, cs, rb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
+                                        evaluated, sym, nth)
+#define FL_BARY_D(DS) { if (sym || cb) FL_BARY(DS, MODE_PAIRBC); else FL_BARY(DS, MODE_PAIRB); return 0; }
     switch (a.D) {
       case 1: FL_BARY_D(1)
       case 2: FL_BARY_D(2)
@@ -1823,7 +1824,7 @@ static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, c
 }
 
 // rb (N, D) or null: the rows' barycentre numerators (d <= 3, else -4); cb (with rb): the columns' too, in cs
-// after its first Mp values (cs then holds (1 + D) Mp).  SYM needs both (-3 otherwise).  fx, fxo (N,) and gy, gyo
+// after its first Mp values (cs then holds (1 + D) Mp).  sym needs both (-3 otherwise).  fx, fxo (N,) and gy, gyo
 // (Mp,), all four or none: sub-tile pruning at the threshold thr (TileBounds; d <= 3); evaluated (or null) += pairs
 // computed.
 template <typename T>
@@ -1845,11 +1846,11 @@ static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, cons
     tb.linear = kind == KIND_DOT;
     tb.build(yT, gy, gyo, Mp, D, kcoef);
   }
-#define FL_PAIR_BS(KD, S) \
-  return pair_bs_dispatch<T, KD, S>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
-                                    evaluated, cfg, nth)
-  if (kind == KIND_DOT) { if (sym) FL_PAIR_BS(KIND_DOT, true); FL_PAIR_BS(KIND_DOT, false); }
-  if (kind == KIND_DIRECT) { if (sym) FL_PAIR_BS(KIND_DIRECT, true); FL_PAIR_BS(KIND_DIRECT, false); }
+#define FL_PAIR_BS(KD) \
+  return pair_bs_dispatch<T, KD>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
+                                 evaluated, sym != 0, cfg, nth)
+  if (kind == KIND_DOT) FL_PAIR_BS(KIND_DOT);
+  if (kind == KIND_DIRECT) FL_PAIR_BS(KIND_DIRECT);
 #undef FL_PAIR_BS
   return -2;
 }
@@ -2027,12 +2028,11 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 
 }  // namespace
 
-// The exported functions are split into FLASHOT_PARTS groups so that the build can compile
-// them as separate translation units in parallel (-DFLASHOT_PART=k); without the macro (or
-// with 0) one translation unit holds everything.  The groups are balanced by compile time: g++ 12 -O3
-// -march=native on an AMD EPYC Zen 3, each group compiled alone, took 15, 27, 23 and 23 s (the block-sparse
-// pair kernels alone 16 s in float32, 14 s in float64), so 4 or more cores wait for the largest group and
-// 2 cores for about half the total.
+// The exported functions are split into parts, each compiled as its own translation unit
+// (-DFLASHOT_PART=k; without the macro, or with 0, one unit holds everything), so that the build
+// compiles them in parallel and builds each library only when it is first needed: parts 1-4 are the
+// dense and streamed kernels (the `cpu` engine), parts 5-8 the block-sparse ones (multiscale).  Within
+// a library the parts are balanced by compile time (build.py: LIBRARIES).
 #ifndef FLASHOT_PART
 #define FLASHOT_PART 0
 #endif
@@ -2041,7 +2041,7 @@ static int cached_weights_entry(const T* C, int64_t R, int64_t M, const T* rb, c
 extern "C" {
 
 #if FL_PART(1)
-int flashot_abi_version() { return 18; }
+int flashot_abi_version() { return 19; }  // build.py: ABI_VERSION
 
 // FTZ/DAZ probe (tests): flashot_fp_probe(1) clears the slots and makes every FpScope record its
 // thread's bits (FTZ 1 | DAZ 2 | seen 4) while a kernel runs; flashot_fp_probe(0) stops recording
@@ -2115,7 +2115,7 @@ int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const 
 }
 #endif
 
-#if FL_PART(3)
+#if FL_PART(2)
 int flashot_softmin_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out, int B,
                         int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
                         int64_t l2, int nth) {
@@ -2123,7 +2123,7 @@ int flashot_softmin_f64(const double* x, const double* yT, const double* yy, con
 }
 #endif
 
-#if FL_PART(2)
+#if FL_PART(3)
 int flashot_pair_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
                      float* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg,
                      int sym, int64_t l2, int nth) {
@@ -2139,7 +2139,7 @@ int flashot_pair_f64(const double* x, const double* yT, const double* yy, const 
 }
 #endif
 
-#if FL_PART(4)
+#if FL_PART(3)
 int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
                      const float* alpha, const float* VTm, int K, float* out, float* mass, int single, int B,
                      int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
@@ -2159,7 +2159,7 @@ int flashot_plan_f64(const double* x, const double* yT, const double* yy, const 
 }
 #endif
 
-#if FL_PART(4)
+#if FL_PART(1)
 int flashot_alt_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* ha, double lam,
                     float* rlse, float* clse, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
                     int cfg, int64_t l2, int nth) {
@@ -2167,7 +2167,7 @@ int flashot_alt_f32(const float* x, const float* yT, const float* yy, const floa
 }
 #endif
 
-#if FL_PART(1)
+#if FL_PART(2)
 int flashot_alt_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* ha,
                     double lam, double* rlse, double* clse, int B, int64_t N, int64_t Mp, int D, double kcoef,
                     double minsq, int kind, int cfg, int64_t l2, int nth) {
@@ -2175,7 +2175,7 @@ int flashot_alt_f64(const double* x, const double* yT, const double* yy, const d
 }
 #endif
 
-#if FL_PART(2)
+#if FL_PART(3)
 int flashot_cached_alt_f32(const float* C, const float* hs, const float* ha, double lam, double k, float* rlse,
                            float* clse, int B, int64_t N, int64_t M, int nth) {
   cached_alt<float>(C, hs, ha, (float)lam, (float)k, rlse, clse, B, N, M, nth); return 0;
@@ -2189,7 +2189,7 @@ int flashot_cached_alt_f64(const double* C, const double* hs, const double* ha, 
 }
 #endif
 
-#if FL_PART(2)
+#if FL_PART(3)
 int flashot_cached_weights_f32(const float* C, int64_t R, int64_t M, const float* rb, const float* cb, double k,
                                int wk, double wthr, float* P, int nth) {
   return cached_weights_entry<float>(C, R, M, rb, cb, k, wk, wthr, P, nth);
@@ -2210,7 +2210,7 @@ int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int6
 }
 #endif
 
-#if FL_PART(3)
+#if FL_PART(2)
 int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
   rows_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
@@ -2224,7 +2224,7 @@ int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int6
 }
 #endif
 
-#if FL_PART(1)
+#if FL_PART(2)
 int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
                          double oscale, int nth) {
   cols_lse<double>(C, h, out, B, N, M, inv_eps, oscale, nth); return 0;
@@ -2247,7 +2247,7 @@ int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
 }
 #endif
 
-#if FL_PART(3)
+#if FL_PART(2)
 int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
   typedef VT<double>::v v;
   constexpr int L = VT<double>::L;
@@ -2262,7 +2262,7 @@ int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
 }
 #endif
 
-#if FL_PART(2)
+#if FL_PART(7)
 int flashot_softmin_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int64_t Mp,
                            int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                            double kcoef, double minsq, int kind, double oscale, int cfg, int nth) {
@@ -2271,7 +2271,7 @@ int flashot_softmin_bs_f32(const float* x, const float* yT, const float* yy, con
 }
 #endif
 
-#if FL_PART(4)
+#if FL_PART(8)
 int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out,
                            int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                            const int64_t* cr, double kcoef, double minsq, int kind, double oscale, int cfg, int nth) {
@@ -2280,7 +2280,13 @@ int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, 
 }
 #endif
 
-#if FL_PART(3)
+#if FL_PART(5)
+// The blocksparse library's own ABI version and vector width (build.py loads it apart from the core).
+int flashot_bs_abi_version() { return 19; }
+int flashot_bs_vector_bytes() { return FL_VBYTES; }
+#endif
+
+#if FL_PART(5)
 int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
                         float* cs, float* rb, int cb, const float* fx, const float* gy, const float* fxo,
                         const float* gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
@@ -2291,7 +2297,7 @@ int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const 
 }
 #endif
 
-#if FL_PART(2)
+#if FL_PART(6)
 int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
                         double* rs, double* cs, double* rb, int cb, const double* fx, const double* gy, const double* fxo,
                         const double* gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
@@ -2302,7 +2308,7 @@ int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, con
 }
 #endif
 
-#if FL_PART(3)
+#if FL_PART(7)
 int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
                         const float* alpha, const float* VTk, int K, float* out, float* mass, int single, int64_t Mp,
                         int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
@@ -2312,7 +2318,7 @@ int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const 
 }
 #endif
 
-#if FL_PART(1)
+#if FL_PART(8)
 int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
                         const double* alpha, const double* VTk, int K, double* out, double* mass, int single,
                         int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
@@ -2321,7 +2327,7 @@ int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, con
                                kcoef, minsq, kind, wk, wconst, nth);
 }
 #endif
-#if FL_PART(1)
+#if FL_PART(7)
 // Multiscale block pruning (prune.h): X (Kx, 5 + 3 D), Y (Ky, 5 + 3 D) per-cluster terms; the coarse kept
 // blocks as CSR (cptr (Kcx + 1), ccols); px / py the runs of fine clusters of each coarse one; keep (Kx, Ky).
 int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int64_t Kcx, const int64_t* cptr,
