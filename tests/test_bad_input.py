@@ -6,7 +6,7 @@ type and a message that names the argument, before any heavy work: each case run
 engines' primitives (softmin, plan product, cost matrices, the top-k pass) replaced by a
 function that fails the test if called.
 
-Exception types (``src/flashot/_checks.py`` states them; README lists them):
+Exception types (``src/flashot/_checks.py`` states them; docs/conventions.md lists them):
 
 * ``TypeError``: wrong kind of argument (a list or string where a tensor is expected, an int /
   bool / complex tensor where real numbers are computed with, ``bool`` where a number or an

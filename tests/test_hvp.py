@@ -263,7 +263,7 @@ def test_hvp_float32_tiled_is_close_to_float64():
 
 
 def test_float32_hvp_meets_the_default_tol_and_names_float64_when_it_cannot():
-    """README case (issue 13): a float32 HVP at reg = 0.1 reaches the default CG tol (1e-6)
+    """The user guide's case (docs/guide.md): a float32 HVP at reg = 0.1 reaches the default CG tol (1e-6)
     without a warning and agrees with a float64 HVP; a tol below float32's rounding floor
     warns, and the warning names float64 as the way out."""
     torch.manual_seed(0)

@@ -160,11 +160,9 @@ def block_scale(x: Tensor, y: Tensor, start: float, radius: float, min_points: i
     average in both clouds (smaller ones waste the kernels' vector lanes and multiply the blocks).
 
     A kept region is about ``radius`` plus two block radii wide, so finer blocks prune more, and the
-    coarse stage (run on these blocks or finer ones by default, :func:`coarse_scale`) jumps later.
-    Measured on the two tori of ``benchmarks/multiscale_profile.py`` at n = 10^6: stopping at
-    ``radius / 2`` gave 2,142 blocks and 0.89 softmin pairs per n^2, ``radius / 4`` 8,558 blocks and
-    0.25 (2.2x less time); 33,718 blocks of ~30 points (``min_points`` 16) evaluated fewer pairs
-    again but took 3x longer."""
+    coarse stage (run on these blocks or finer ones by default, :func:`coarse_scale`) jumps later;
+    below ``radius / 4``, or with fewer points a block, the pairs saved no longer pay for the extra
+    blocks (BENCHMARKS.md, "Block and coarse-cell sizes")."""
     s = start
     while s / 2 >= radius / 4:
         if min(x.shape[0] / occupied_cells(x, s / 2), y.shape[0] / occupied_cells(y, s / 2)) < min_points:
@@ -182,10 +180,8 @@ def coarse_scale(x: Tensor, y: Tensor, start: float, radius: float, max_cells: i
     """Side of the coarse stage's clusters (by default): the fine blocks' side ``start`` halved while both
     clouds occupy at most ``max_cells`` cells and the cells stay wider than ``radius / 4`` (as
     :func:`block_scale`).  The coarse stage needs no minimum of points per cell, so it can run on finer
-    cells than the fine blocks and jump to the points later.  Measured on the two tori of
-    ``benchmarks/multiscale_profile.py`` at n = 3 x 10^5, with the same 2,121 fine blocks: coarse cells
-    of half their side (8,320 and 6,240 of them) skipped one fine temperature, 0.871 -> 0.388 softmin
-    pairs per n^2, 11.4 s -> 7.4 s."""
+    cells than the fine blocks and jump to the points later: a finer coarse stage can skip a fine
+    temperature, the most expensive steps (BENCHMARKS.md, "Block and coarse-cell sizes")."""
     s = start
     while s / 2 >= radius / 4 and max(occupied_cells(x, s / 2), occupied_cells(y, s / 2)) <= max_cells:
         s /= 2

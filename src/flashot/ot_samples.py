@@ -262,19 +262,19 @@ def solve_sample(
         acceleration: ``"auto"`` (default), None, :class:`flashot.Momentum` ``(omega)`` or
             :class:`flashot.Anderson` ``(m)`` (log-domain, safeguarded; see :mod:`flashot.acceleration`).
             ``"auto"``: :class:`~flashot.Anderson` with alternating updates at ``reg < 3e-3 cmax`` (``cmax``
-            the largest cost), where plain iterations stall (60 x 50 uniform points, reg = 1e-3 cmax: plain
-            Sinkhorn ended 1,000 iterations at error 4e-5, eps-scaling with Anderson converged to 1e-6 in
-            140; ``docs/exactness.md``), none elsewhere; None: plain iterations.  Any acceleration
+            the largest cost), where plain iterations contract too slowly to reach ``tol`` in
+            ``max_iter`` (``docs/exactness.md``, "Small epsilon", measures both), none elsewhere; None:
+            plain iterations.  Any acceleration
             combines with ``eps_scaling`` (its history restarts at every change of eps).
         verbose: progress bar (tqdm if installed, else stderr lines) with iteration, eps, error.
         eps_scaling: epsilon-scaling: iterations at ``eps = cmax, cmax/2, cmax/4, ...`` (3 at each,
             ``cmax`` the largest cost) warm-start the ones at ``reg``; they count in ``max_iter``
             and ``tol`` is only checked at ``reg`` (also after the first two steps, which run at
             ``reg``: a problem they solve stops there).  ``None`` (default): on when ``reg < 3e-3
-            cmax`` with alternating updates and no ``potentials_init`` (there it needed up to 2.5x fewer
-            iterations and fixed 21 of 24 GeomLoss convex-gradient plans at reg = 1e-3; above it
-            it costs iterations); ``True``/``False``: on/off; a number in (0, 1): on, with that
-            ratio.
+            cmax`` with alternating updates and no ``potentials_init``: there iterations started
+            from zero potentials are slow and can stop at a wrong plan (``tests/test_eps_scaling.py``),
+            while above it the schedule only costs iterations; ``True``/``False``: on/off; a number
+            in (0, 1): on, with that ratio.
         implicit: :class:`~flashot.ImplicitDiff` settings (CG tolerance, iterations, ridge) of the
             second derivatives of ``value`` (``create_graph=True``, e.g. Hessian-vector products;
             balanced problems).

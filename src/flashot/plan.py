@@ -248,7 +248,7 @@ class LazyPlan:
             P = torch.exp(alpha.unsqueeze(-1) + beta.unsqueeze(-2) - C / self.eps)
         return self._finish(P)
 
-    # -- plan-derived maps (issue 4) -------------------------------------------------------
+    # -- plan-derived maps -----------------------------------------------------------------
     def barycentric_map(self):
         r"""``T(x_i) = sum_j P_ij y_j / sum_j P_ij``: (N, D) (or (B, N, D)), streamed.
 

@@ -5,29 +5,23 @@ the compiled CPU engine) are imported only when used.  A loader that raises
 :class:`EngineUnavailable` makes the engine unavailable with a reason; ``auto``
 then falls back, and forcing it raises a clear error.
 
-``auto`` on CPU tensors follows measured speed (``benchmarks/AUTO_CROSSOVER.md``,
-``benchmarks/auto_crossover.py``: one softmin, and a full ``SamplesLoss`` value and
-gradient, float32 and float64, d = 1..64, N = M = 8..4096, engines dense / tiled / cpu,
-at 2552477 on the 2-core development machine): ``dense`` for tiny problems, then the
-``cpu`` engine (when built; float32 / float64 and its costs), else ``tiled``.  The cpu
-engine's fixed cost per call depends on its thread count, so the crossover does:
+``auto`` on CPU tensors picks the faster engine by size: ``dense`` for tiny problems, then the
+``cpu`` engine (when built; float32 / float64 and its costs), else ``tiled``.  The reason is a
+fixed cost per call: the cpu engine's thread team costs ~0.05 ms per call with two threads, which
+one dense matrix of a tiny problem beats, while above that the compiled streaming kernels win by a
+margin that grows with N M.  The fixed cost depends on the thread count, so the crossover does:
 
-* one thread: ``dense`` only for B N M <= 32^2 and d < 16, where solves were up to 9% faster
-  than on ``cpu`` (within 1% at N = M = 32 in float64; a single softmin was still 1.1-1.3x
-  faster on ``cpu``; at d = 64, where the cpu engine works from a cached cost matrix
-  (d >= 16), ``cpu`` won every size);
-* more threads (2 measured): ``dense`` for B N M <= 128^2 (solves 1.05-2.2x faster than on
-  ``cpu``, whose thread team costs ~0.05 ms per call), ``cpu`` above: solves 1.03-1.6x faster
-  at N = M = 256 (a single softmin at d >= 10 up to 15% slower than ``dense`` there),
-  1.1-16x at 512-1024, 3-100x at 2048-4096.
+* one thread: ``dense`` only for B N M <= 32^2 and d < 16 (at d >= 16 the cpu engine works from a
+  cached cost matrix and wins at every size);
+* more threads: ``dense`` for B N M <= 128^2, ``cpu`` above.
 
-The old rule (``dense`` up to B N M = 2^21, N = M = 1448) ran ``dense`` up to 16x (two
-threads) and 27x (one thread) slower than ``cpu`` at N = M = 1024.  Without the cpu engine
-(no compiler, other costs): ``dense`` up to B N M = 128^2 (5-30% faster than ``tiled``),
-``tiled`` above.  Re-run the script after changing an engine's per-call cost or threading:
-it moves these limits.
+Without the cpu engine (no compiler, other costs): ``dense`` up to B N M = 128^2 (where it beats
+``tiled`` by 5-30%), ``tiled`` above.  The limits are crossovers measured with ``benchmarks/auto_crossover.py`` (one softmin,
+and a full ``SamplesLoss`` value and gradient, float32 and float64, d = 1..64, N = M = 8..4096;
+the figures are in ``benchmarks/AUTO_CROSSOVER.md``).  Re-run it after changing an engine's
+per-call cost or threading: it moves these limits.
 
-Other devices keep ``dense`` up to ``DENSE_AUTO_LIMIT`` (not re-measured: no GPU here),
+Other devices keep ``dense`` up to ``DENSE_AUTO_LIMIT`` (a crossover not yet measured on a GPU),
 then ``triton`` / ``tiled``.
 
 Memory: ``auto`` never picks ``dense`` for a (B, N, M) matrix above the dense engine's budget
