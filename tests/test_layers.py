@@ -71,7 +71,6 @@ KNOWN_CYCLES: set[frozenset[str]] = {  # the modules of one cycle
     frozenset(["flashot.distributed", "flashot.multiscale", "flashot.ot_samples"]),
     frozenset(["flashot.ops", "flashot.ops.ctransform"]),
     frozenset(["flashot.ops.blocksparse", "flashot.ops.tile_rule"]),
-    frozenset(["flashot.ops.triton", "flashot.ops.triton.engine"]),
 }
 KNOWN_PRIVATE: set[tuple[str, str, str]] = {  # (module, owner module or "<object>", private name)
     ("flashot.distributed", "<object>", "_f"),
