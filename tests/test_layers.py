@@ -69,7 +69,6 @@ KNOWN_UP: set[tuple[str, str]] = {  # (module, imported module of a higher layer
 }
 KNOWN_CYCLES: set[frozenset[str]] = {  # the modules of one cycle
     frozenset(["flashot.distributed", "flashot.multiscale", "flashot.ot_samples"]),
-    frozenset(["flashot.ops", "flashot.ops.ctransform"]),
     frozenset(["flashot.ops.blocksparse", "flashot.ops.tile_rule"]),
 }
 KNOWN_PRIVATE: set[tuple[str, str, str]] = {  # (module, owner module or "<object>", private name)
@@ -88,8 +87,6 @@ KNOWN_PRIVATE: set[tuple[str, str, str]] = {  # (module, owner module or "<objec
     ("flashot.ops.blocksparse", "<object>", "_cost_args"),
     ("flashot.ops.blocksparse", "flashot.ops.cpu.engine", "_encode_zero_weights"),
     ("flashot.ops.blocksparse", "flashot.ops.dense", "_lse_last"),
-    ("flashot.ops.ctransform", "flashot.ops", "_prepare"),
-    ("flashot.ops.ctransform", "flashot.ops", "_vec"),
     ("flashot.ops.dense", "flashot.ops.cpu.engine", "_memory_bytes"),
     ("flashot.ops.rowtopk", "flashot.ops.tiled", "_blocks"),
     ("flashot.ops.rowtopk", "flashot.ops.tiled", "_cost_tile"),
