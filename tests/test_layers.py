@@ -69,7 +69,6 @@ KNOWN_UP: set[tuple[str, str]] = {  # (module, imported module of a higher layer
 }
 KNOWN_CYCLES: set[frozenset[str]] = {  # the modules of one cycle
     frozenset(["flashot.distributed", "flashot.multiscale", "flashot.ot_samples"]),
-    frozenset(["flashot.ops.blocksparse", "flashot.ops.tile_rule"]),
 }
 KNOWN_PRIVATE: set[tuple[str, str, str]] = {  # (module, owner module or "<object>", private name)
     ("flashot.distributed", "<object>", "_f"),
@@ -82,17 +81,6 @@ KNOWN_PRIVATE: set[tuple[str, str, str]] = {  # (module, owner module or "<objec
     ("flashot.gromov", "<object>", "_g"),
     ("flashot.kernel_losses", "<object>", "_engine64"),
     ("flashot.kernel_losses", "flashot.implicit", "_safe_log"),
-    ("flashot.multiscale", "<object>", "_key"),
-    ("flashot.multiscale", "flashot.ops.blocksparse", "_cpu_lib"),
-    ("flashot.ops.blocksparse", "<object>", "_cost_args"),
-    ("flashot.ops.blocksparse", "flashot.ops.cpu.engine", "_encode_zero_weights"),
-    ("flashot.ops.blocksparse", "flashot.ops.dense", "_lse_last"),
-    ("flashot.ops.dense", "flashot.ops.cpu.engine", "_memory_bytes"),
-    ("flashot.ops.rowtopk", "flashot.ops.tiled", "_blocks"),
-    ("flashot.ops.rowtopk", "flashot.ops.tiled", "_cost_tile"),
-    ("flashot.ops.tile_rule", "flashot.ops.blocksparse", "_pair_cpu"),
-    ("flashot.ops.tile_rule", "flashot.ops.blocksparse", "_plan_call"),
-    ("flashot.ops.tile_rule", "flashot.ops.blocksparse", "_softmin_cpu"),
     ("flashot.ot_matrix", "<object>", "_f"),
     ("flashot.ot_matrix", "<object>", "_g"),
     ("flashot.ot_matrix", "<object>", "_m"),
