@@ -107,11 +107,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from .measures import Measures, _log64
-from .ot_samples import OTResult
 from ._checks import check_int
+from .driver import check_init, solve_measures
+from .measures import Measures, _log64
 from .ops.dense import check_dense_budget
 from .plan import DENSE_PLAN_LIMIT, LazyPlan
+from .results import OTResult
 
 __all__ = [
     "SHARDS",
@@ -1000,8 +1001,6 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     rank's slices, values the whole problem's (same on every rank).  Options are checked across ranks.
     ``opts.implicit`` sets the conjugate gradients of the second derivatives and of ``value_linear``'s
     gradient (:mod:`flashot.implicit`, as in one process)."""
-    from .ot_samples import _check_init, solve_measures
-
     check_group(group)
     fields = {
         "reg": opts.reg, "max_iter": opts.max_iter, "tol": opts.tol, "method": opts.method,
@@ -1014,7 +1013,7 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     def build(x, y, a_, b_):  # inside points_measures: an error on one rank is raised on every rank
         m = Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
         if potentials_init is not None:  # this rank's slices of the potentials
-            _check_init(potentials_init, m)
+            check_init(potentials_init, m)
         return m
 
     m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))

@@ -91,8 +91,8 @@ from ._checks import (
 )
 from .costs import FeatureBilinearCost
 from .measures import Measures, log_weights
+from .driver import solve_measures, solve_options
 from .ops import get_engine
-from .ot_samples import solve_measures, solve_options
 from .plan import LazyPlan
 from .solver import FLOOR_CAP
 

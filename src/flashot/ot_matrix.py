@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .driver import pot_uniform, solve_measures, solve_options
 from .implicit import _cg
 from .matrix_cost import is_lazy_matrix, matrix_measures
-from .ot_samples import OTResult, _pot_uniform, solve_measures, solve_options
+from .results import OTResult
 
 __all__ = ["solve", "sinkhorn", "sinkhorn2"]
 
@@ -89,7 +90,7 @@ def solve(
         n_threads=n_threads, max_iter=max_iter, tol=tol, grad=grad, callback=callback,
         inner_iterations=inner_iterations, acceleration=acceleration, verbose=verbose, eps_scaling=eps_scaling,
         exact_hint="POT's ot.solve")
-    a, b = (None if _pot_uniform(w) else w for w in (a, b))
+    a, b = (None if pot_uniform(w) else w for w in (a, b))
     m = matrix_measures(M, a, b, backend=backend)
     res = solve_measures(m, opts, potentials_init, numpy=isinstance(M, np.ndarray) or is_lazy_matrix(M))
     if opts.grad == "detach" or not torch.is_grad_enabled() or not isinstance(M, Tensor):
@@ -228,7 +229,7 @@ def _warm_potentials(warmstart, a, b, reg):
     out = []
     for lu, w in zip(warmstart, (a, b)):
         lu_t = torch.as_tensor(np.asarray(lu) if not isinstance(lu, Tensor) else lu)
-        if w is None or _pot_uniform(w):
+        if w is None or pot_uniform(w):
             lw = torch.full_like(lu_t, -float(np.log(lu_t.shape[-1])), dtype=torch.float64)
         else:
             lw = torch.as_tensor(np.asarray(w) if not isinstance(w, Tensor) else w.detach()).double().log()
