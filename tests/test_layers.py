@@ -67,25 +67,7 @@ LAYERS: dict[str, int] = {
 # Known violations still to fix: these sets only shrink (a stale entry fails the test).
 KNOWN_UP: set[tuple[str, str]] = set()  # (module, imported module of a higher layer)
 KNOWN_CYCLES: set[frozenset[str]] = set()  # the modules of one cycle
-KNOWN_PRIVATE: set[tuple[str, str, str]] = {  # (module, owner module or "<object>", private name)
-    ("flashot.distributed", "<object>", "_f"),
-    ("flashot.distributed", "<object>", "_g"),
-    ("flashot.distributed", "<object>", "_m"),
-    ("flashot.distributed", "<object>", "_numpy"),
-    ("flashot.distributed", "flashot.measures", "_log64"),
-    ("flashot.gromov", "<object>", "_f"),
-    ("flashot.gromov", "<object>", "_g"),
-    ("flashot.kernel_losses", "<object>", "_engine64"),
-    ("flashot.kernel_losses", "flashot.implicit", "_safe_log"),
-    ("flashot.ot_matrix", "<object>", "_f"),
-    ("flashot.ot_matrix", "<object>", "_g"),
-    ("flashot.ot_matrix", "<object>", "_m"),
-    ("flashot.ot_matrix", "<object>", "_numpy"),
-    ("flashot.ot_matrix", "flashot.implicit", "_cg"),
-    ("flashot.results", "<object>", "_f"),
-    ("flashot.results", "<object>", "_g"),
-    ("flashot.results", "<object>", "_m"),
-}
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()  # (module, owner module or "<object>", private name)
 
 # Private attributes of objects that are not flashot's: torch's tensor version counter.
 EXTERNAL_PRIVATE = {"_version"}

@@ -109,7 +109,7 @@ from torch import Tensor
 
 from ._checks import check_int
 from .driver import check_init, solve_measures
-from .measures import Measures, _log64
+from .measures import Measures, log64
 from .ops.dense import check_dense_budget
 from .plan import DENSE_PLAN_LIMIT, LazyPlan
 from .results import OTResult
@@ -729,11 +729,11 @@ class PointsMeasures(Measures):
 
     @cached_property
     def _a_log64(self) -> Tensor:
-        return _log64(self.a, self.sizes[0])  # uniform weights are 1 / N over all ranks' points
+        return log64(self.a, self.sizes[0])  # uniform weights are 1 / N over all ranks' points
 
     @cached_property
     def _b_log64(self) -> Tensor:
-        return _log64(self.b, self.sizes[1])
+        return log64(self.b, self.sizes[1])
 
     @cached_property
     def _engine64(self):
@@ -990,7 +990,7 @@ def _points_result(res: OTResult) -> PointsOTResult:
     """``res`` with the plan of a points-sharded solve."""
     p = res.plan
     out = PointsOTResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(OTResult)})
-    out.plan = PointsPlan(p._m, p._f, p._g, p.eps, numpy=p._numpy)
+    out.plan = PointsPlan(p.measures, *p.raw_potentials, p.eps, numpy=p.returns_numpy)
     return out
 
 

@@ -726,7 +726,7 @@ def _gw_loop(pb: _GWProblem, o: _Options) -> _GWRun:
             res = run.res = solve_measures(mm, inner, init)
             if len(caught) > n_warn or not res.converged:
                 run.inner_ok = False
-            f, g = res.plan._f, res.plan._g
+            f, g = res.plan.raw_potentials
             if o.warmstart:
                 init = res.potentials
             run.n_inner += res.n_iter

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .driver import pot_uniform, solve_measures, solve_options
-from .implicit import _cg
+from .implicit import conjugate_gradient
 from .matrix_cost import is_lazy_matrix, matrix_measures
 from .results import OTResult
 
@@ -101,7 +101,8 @@ def solve(
         if opts.unbalanced:
             res.__dict__["value_linear"] = _RefuseGrad.apply(m.restore(res.plan.cost_sum()), M, m.a, m.b)
         else:  # the cached_property's value: <M, P> with implicit gradients in M, a, b
-            alpha, beta = m.a_log + res.plan._f / res.reg, m.b_log + res.plan._g / res.reg
+            f, g = res.plan.raw_potentials
+            alpha, beta = m.a_log + f / res.reg, m.b_log + g / res.reg
             res.__dict__["value_linear"] = m.restore(_LinearCost.apply(M, m.a, m.b, alpha, beta, res.reg, m.cost.M))
     return res
 
@@ -130,8 +131,9 @@ class _DensePlan:
     """The plan of a result as a dense (B, N, M) tensor, computed on demand (backward only)."""
 
     def __init__(self, res: OTResult, m):
-        self.alpha = m.a_log + res.plan._f / res.reg
-        self.beta = m.b_log + res.plan._g / res.reg
+        f, g = res.plan.raw_potentials
+        self.alpha = m.a_log + f / res.reg
+        self.beta = m.b_log + g / res.reg
         self.m, self.eps = m, res.reg
 
     def __call__(self) -> Tensor:
@@ -241,15 +243,16 @@ def _plan_limit(res: OTResult) -> int:
     from .plan import DENSE_PLAN_LIMIT
 
     n = int(np.prod(res.plan.shape))
-    return max(n, DENSE_PLAN_LIMIT) if not is_lazy_matrix(res.plan._m.cost.M) else DENSE_PLAN_LIMIT
+    return max(n, DENSE_PLAN_LIMIT) if not is_lazy_matrix(res.plan.measures.cost.M) else DENSE_PLAN_LIMIT
 
 
 def _log(res: OTResult) -> dict:
     f, g = res.potentials
-    m = res.plan._m
-    log_u = m.restore(m.a_log + res.plan._f / res.reg)
-    log_v = m.restore(m.b_log + res.plan._g / res.reg)
-    if res._numpy:
+    m = res.plan.measures
+    f_raw, g_raw = res.plan.raw_potentials
+    log_u = m.restore(m.a_log + f_raw / res.reg)
+    log_v = m.restore(m.b_log + g_raw / res.reg)
+    if res.returns_numpy:
         log_u, log_v = log_u.cpu().numpy(), log_v.cpu().numpy()
         exp = np.exp
     else:
@@ -289,7 +292,7 @@ def linear_cost_grads(M: Tensor, a: Tensor, b: Tensor, alpha: Tensor, beta: Tens
         Hw = torch.cat([r * w[..., :N] + (P @ v)[..., 0], c * w[..., N:] + (P.transpose(-1, -2) @ u)[..., 0]], -1)
         return project(Hw * d) + 1e-12 * z
 
-    z, _, _ = _cg(matvec, project(torch.cat([PM.sum(-1), PM.sum(-2)], -1) * d), tol, max_iter)
+    z, _, _ = conjugate_gradient(matvec, project(torch.cat([PM.sum(-1), PM.sum(-2)], -1) * d), tol, max_iter)
     w = z * d
     u, v = w[..., :N], w[..., N:]
     S = u.unsqueeze(-1) + v.unsqueeze(-2)

@@ -68,6 +68,11 @@ class OTResult:
     multiscale: Any = field(default=None, repr=False)  # backend="multiscale": the run (kept fractions, clusters)
     value_dual: Any = None
 
+    @property
+    def returns_numpy(self) -> bool:
+        """Whether the values, potentials and plan products come back as numpy arrays (numpy inputs)."""
+        return self._numpy
+
     def _out(self, t: Tensor):
         if not self._numpy:
             return t
@@ -98,10 +103,10 @@ class OTResult:
 
         p = self.plan
         if isinstance(self.value, Tensor) and self.value.requires_grad:
-            v = linear_value(p._m, p._f, p._g, p.eps, unbalanced=self.unbalanced)
+            v = linear_value(p.measures, *p.raw_potentials, p.eps, unbalanced=self.unbalanced)
         else:
             v = p.cost_sum()
-        return self._out(v if p._m.batched else v[0])
+        return self._out(v if p.measures.batched else v[0])
 
     @cached_property
     def marginals(self):
