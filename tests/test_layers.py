@@ -9,8 +9,9 @@ package ``__init__`` re-export its submodules.
 
 Checks: (a) no import points to a higher layer; (b) no cycle among modules, within a layer too;
 (c) no module reads another module's private names: neither ``from flashot.x import _name`` /
-``mod._name`` on a flashot module, nor ``obj._name`` on an object when ``_name`` is not defined by the
-reading module itself (another module's class owns it: it should expose a public property).
+``mod._name`` on a flashot module / ``Cls._name`` on a name imported from one, nor ``obj._name`` on an
+object when ``_name`` is not defined by the reading module itself (another module's class owns it: it
+should expose a public property).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class _Module:
         self.tree = ast.parse(MODULES[mod].read_text(), filename=str(MODULES[mod]))
         self.imports: list[tuple[str, int]] = []
         self.aliases: dict[str, str] = {}  # local name -> flashot module
+        self.names: dict[str, str] = {}  # local name -> the flashot module it was imported from (a class, ...)
         self.foreign: set[str] = set()  # local names bound to non-flashot imports
         self.private_imports: list[tuple[str, str, int]] = []
         for node in ast.walk(self.tree):
@@ -134,6 +136,7 @@ class _Module:
                 self.aliases[a.asname or a.name] = sub
                 continue
             self.imports.append((src, node.lineno))
+            self.names[a.asname or a.name] = src
             if a.name.startswith("_") and not a.name.startswith("__") and src != self.mod:
                 self.private_imports.append((src, a.name, node.lineno))
 
@@ -184,6 +187,8 @@ class _Module:
             if not name.startswith("_") or name.startswith("__"):
                 continue
             target = self._module_of(node.value)
+            if target is None and isinstance(node.value, ast.Name) and node.value.id in self.names:
+                target = self.names[node.value.id]  # ``Cls._name`` on a class imported from another module
             if target is not None:
                 if target != self.mod:
                     out.append((target, name, node.lineno))

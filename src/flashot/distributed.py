@@ -407,12 +407,12 @@ def distribute_measures(m, group, options: dict[str, Any] | None = None,
     check_same(group, fields)
     inner = m.engine
     m.engine = ShardedEngine(inner, group)
-    # float32 at high temperature runs softmins in float64 on ``_engine64``: shard it too
-    eng64 = m._engine64  # cached property: resolved now against the sharded engine unless already cached
+    # float32 at high temperature runs softmins in float64 on ``engine64``: shard it too
+    eng64 = m.engine64  # cached: resolved now against the sharded engine unless already cached
     if eng64 is inner:
-        m.__dict__["_engine64"] = m.engine
+        m.engine64 = m.engine
     elif not isinstance(eng64, ShardedEngine):
-        m.__dict__["_engine64"] = ShardedEngine(eng64, group)
+        m.engine64 = ShardedEngine(eng64, group)
     return m
 
 
@@ -735,9 +735,8 @@ class PointsMeasures(Measures):
     def _b_log64(self) -> Tensor:
         return log64(self.b, self.sizes[1])
 
-    @cached_property
-    def _engine64(self):
-        eng = Measures._engine64.func(self)
+    def float64_engine(self):
+        eng = super().float64_engine()
         return eng if isinstance(eng, RingEngine) else RingEngine(eng, self.group)
 
 
