@@ -132,7 +132,7 @@ def test_native_plan_product_one_pass_and_fallback(shift, passes, monkeypatch):
     is below 2^-75 (alpha shifted by -80: its entries would fall under float32's normal range) is redone in
     two passes.  Both against the masked dense float64 product on the same (rounded) inputs, 2e-5 relative.
     Without the fallback the second case loses its small entries."""
-    import flashot.ops.blocksparse as BS
+    import flashot.ops.blocksparse_cpu as BS
 
     xs, ys, pat, mask = _pattern_case(seed=5)
     xf, yf = xs.float(), ys.float()
@@ -145,8 +145,8 @@ def test_native_plan_product_one_pass_and_fallback(shift, passes, monkeypatch):
     S = torch.where(mask, hy[0][None] - C / eps, torch.tensor(-math.inf, dtype=F64))
     hx = (-torch.logsumexp(S, -1) + shift)[None]  # rows of plan mass 1 (the solver's plans), or e^shift
     calls = []
-    real = BS._plan_call
-    monkeypatch.setattr(BS, "_plan_call", lambda *a: calls.append(a[-1] is None) or real(*a))
+    real = BS.plan_call
+    monkeypatch.setattr(BS, "plan_call", lambda *a: calls.append(a[-1] is None) or real(*a))
     out = eng.plan_product(xf, yf, hx.float(), hy.float(), eps, V.float(), cost)[0].double()
     hx, hy, V = hx.float().double(), hy.float().double(), V.float().double()  # the reference on the rounded inputs
     C = cost.matrix(xf.double(), yf.double())[0]
@@ -389,8 +389,8 @@ def test_tile_pruning_inside_kept_blocks(sym):
     ref = _masked_softmin(xs, ys, hy, mask, eps, cost)
     pats = [(xs, xs, pat)] if sym else [(xs, ys, pat), (ys, xs, pat.T)]
     for trunc, exact in ((1e6, True), (5.0, False)):
-        eng = BlockSparseEngine(pats, tiles=TilePruning({BlockSparseEngine._key(xs): la, BlockSparseEngine._key(ys): lb},
-                                                        trunc))
+        key = BlockSparseEngine.cloud_key
+        eng = BlockSparseEngine(pats, tiles=TilePruning({key(xs): la, key(ys): lb}, trunc))
         out = eng.softmin_sym(xs, hx, eps, cost) if sym else eng.softmin_pair(xs, ys, hx, hy, eps, cost)[0]
         err = (out[0] - ref).abs()
         if exact:
@@ -755,7 +755,7 @@ def test_solve_sample_multiscale_refusals():
 def test_native_plan_product_fallback_redoes_only_the_clusters_of_bad_rows(monkeypatch):
     """One row cluster's plan mass is e^-80 (below 2^-75 in float32): only that cluster is redone in two passes
     (its rows' two-pass calls see that cluster alone), and every row matches the masked dense float64 product."""
-    import flashot.ops.blocksparse as BS
+    import flashot.ops.blocksparse_cpu as BS
 
     xs, ys, pat, mask = _pattern_case(seed=5)
     xf, yf = xs.float(), ys.float()
@@ -770,8 +770,8 @@ def test_native_plan_product_fallback_redoes_only_the_clusters_of_bad_rows(monke
     lo, hi = int(pat.row_offsets[k]), int(pat.row_offsets[k + 1])
     hx[0, lo:hi] -= 80.0
     rows = []
-    real = BS._plan_call
-    monkeypatch.setattr(BS, "_plan_call", lambda *a: rows.append((a[-1] is None, a[2].shape[1])) or real(*a))
+    real = BS.plan_call
+    monkeypatch.setattr(BS, "plan_call", lambda *a: rows.append((a[-1] is None, a[2].shape[1])) or real(*a))
     out = eng.plan_product(xf, yf, hx.float(), hy.float(), eps, V.float(), cost)[0].double()
     assert rows == [(True, 240), (False, hi - lo)]
     hx, hy, V = hx.float().double(), hy.float().double(), V.float().double()

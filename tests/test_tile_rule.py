@@ -112,7 +112,7 @@ def test_outputs_rule_after_a_jump(sym, monkeypatch):
                                                & (E < la[:, None].exp() * math.exp(-trunc) * Cs[None]))
     B = (E * droppable).sum(1)
     ref = _masked_softmin(xs, ys, hy, torch.ones_like(E, dtype=torch.bool), eps, cost)
-    key = BlockSparseEngine._key
+    key = BlockSparseEngine.cloud_key
     pats = [(xs, xs, pat)] if sym else [(xs, ys, pat), (ys, xs, pat.T)]
     monkeypatch.setattr(tile_rule, "OUTPUT_SAMPLE_STRIDE", 1)
     counts = {}

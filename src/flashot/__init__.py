@@ -22,8 +22,9 @@ from .gromov import (
 from .costs import Cost, get_cost
 from .implicit import ImplicitDiff
 from .plan import LazyPlan, plan_from_potentials
+from .results import OTResult
 from .samples_loss import SamplesLoss
-from .ot_samples import OTResult, solve_sample
+from .ot_samples import solve_sample
 from .ot_matrix import sinkhorn, sinkhorn2, solve
 
 __version__ = "0.1.0"

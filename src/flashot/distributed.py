@@ -107,11 +107,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from .measures import Measures, _log64
-from .ot_samples import OTResult
 from ._checks import check_int
+from .driver import check_init, solve_measures
+from .measures import Measures, log64
 from .ops.dense import check_dense_budget
 from .plan import DENSE_PLAN_LIMIT, LazyPlan
+from .results import OTResult
 
 __all__ = [
     "SHARDS",
@@ -406,12 +407,12 @@ def distribute_measures(m, group, options: dict[str, Any] | None = None,
     check_same(group, fields)
     inner = m.engine
     m.engine = ShardedEngine(inner, group)
-    # float32 at high temperature runs softmins in float64 on ``_engine64``: shard it too
-    eng64 = m._engine64  # cached property: resolved now against the sharded engine unless already cached
+    # float32 at high temperature runs softmins in float64 on ``engine64``: shard it too
+    eng64 = m.engine64  # cached: resolved now against the sharded engine unless already cached
     if eng64 is inner:
-        m.__dict__["_engine64"] = m.engine
+        m.engine64 = m.engine
     elif not isinstance(eng64, ShardedEngine):
-        m.__dict__["_engine64"] = ShardedEngine(eng64, group)
+        m.engine64 = ShardedEngine(eng64, group)
     return m
 
 
@@ -728,15 +729,14 @@ class PointsMeasures(Measures):
 
     @cached_property
     def _a_log64(self) -> Tensor:
-        return _log64(self.a, self.sizes[0])  # uniform weights are 1 / N over all ranks' points
+        return log64(self.a, self.sizes[0])  # uniform weights are 1 / N over all ranks' points
 
     @cached_property
     def _b_log64(self) -> Tensor:
-        return _log64(self.b, self.sizes[1])
+        return log64(self.b, self.sizes[1])
 
-    @cached_property
-    def _engine64(self):
-        eng = Measures._engine64.func(self)
+    def float64_engine(self):
+        eng = super().float64_engine()
         return eng if isinstance(eng, RingEngine) else RingEngine(eng, self.group)
 
 
@@ -989,7 +989,7 @@ def _points_result(res: OTResult) -> PointsOTResult:
     """``res`` with the plan of a points-sharded solve."""
     p = res.plan
     out = PointsOTResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(OTResult)})
-    out.plan = PointsPlan(p._m, p._f, p._g, p.eps, numpy=p._numpy)
+    out.plan = PointsPlan(p.measures, *p.raw_potentials, p.eps, numpy=p.returns_numpy)
     return out
 
 
@@ -1000,8 +1000,6 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     rank's slices, values the whole problem's (same on every rank).  Options are checked across ranks.
     ``opts.implicit`` sets the conjugate gradients of the second derivatives and of ``value_linear``'s
     gradient (:mod:`flashot.implicit`, as in one process)."""
-    from .ot_samples import _check_init, solve_measures
-
     check_group(group)
     fields = {
         "reg": opts.reg, "max_iter": opts.max_iter, "tol": opts.tol, "method": opts.method,
@@ -1014,7 +1012,7 @@ def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, gr
     def build(x, y, a_, b_):  # inside points_measures: an error on one rank is raised on every rank
         m = Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
         if potentials_init is not None:  # this rank's slices of the potentials
-            _check_init(potentials_init, m)
+            check_init(potentials_init, m)
         return m
 
     m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))

@@ -91,8 +91,8 @@ from ._checks import (
 )
 from .costs import FeatureBilinearCost
 from .measures import Measures, log_weights
+from .driver import solve_measures, solve_options
 from .ops import get_engine
-from .ot_samples import solve_measures, solve_options
 from .plan import LazyPlan
 from .solver import FLOOR_CAP
 
@@ -726,7 +726,7 @@ def _gw_loop(pb: _GWProblem, o: _Options) -> _GWRun:
             res = run.res = solve_measures(mm, inner, init)
             if len(caught) > n_warn or not res.converged:
                 run.inner_ok = False
-            f, g = res.plan._f, res.plan._g
+            f, g = res.plan.raw_potentials
             if o.warmstart:
                 init = res.potentials
             run.n_inner += res.n_iter

@@ -179,7 +179,7 @@ class PlanProductFn(torch.autograd.Function):
         return gx, gy, ga, gb, gV, None, None, None
 
 
-def _safe_log(a: Tensor) -> Tensor:
+def safe_log(a: Tensor) -> Tensor:
     """``log a`` with ``-inf`` at zero weights and a finite (unused) derivative there."""
     pos = a > 0
     return torch.where(pos, torch.where(pos, a, torch.ones_like(a)).log(), torch.full_like(a, float("-inf")))
@@ -200,7 +200,7 @@ def _local_sum(t: Tensor) -> Tensor:
     return t
 
 
-def _cg(matvec, rhs: Tensor, tol: float, max_iter: int, reduce=_local_sum) -> tuple[Tensor, int, float]:
+def conjugate_gradient(matvec, rhs: Tensor, tol: float, max_iter: int, reduce=_local_sum) -> tuple[Tensor, int, float]:
     """Batched conjugate gradients on (B, n) vectors; returns (solution, iterations, max rel. residual).
 
     ``reduce`` completes the inner products ``<u, v> = sum_k u_k v_k`` when the vectors are split over
@@ -265,7 +265,7 @@ def _solve_h(x, y, alpha, beta, r, c, rhs_f, rhs_g, eps, cost, engine, cfg,
     rhs = proj(torch.cat([rhs_f, rhs_g], -1) * Dinv_sqrt)
     with torch.no_grad():
         tol = cfg.tol
-        zsol, iters, res = _cg(matvec, rhs, tol, cfg.max_iter, reduce)
+        zsol, iters, res = conjugate_gradient(matvec, rhs, tol, cfg.max_iter, reduce)
     last_cg_info.update(iterations=iters, residual=res, tol=tol)
     if res > tol:
         warnings.warn(
@@ -289,7 +289,7 @@ class ImplicitGradFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, reduce=_local_sum):
-        a_log, b_log = _safe_log(a.detach()), _safe_log(b.detach())
+        a_log, b_log = safe_log(a.detach()), safe_log(b.detach())
         gx, gy = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
                               eps, cost, engine, True, True)
         ctx.save_for_backward(x, y, a, b, f_new, g_new)
@@ -303,7 +303,7 @@ class ImplicitGradFn(torch.autograd.Function):
         eps, cost, engine, cfg = ctx.eps, ctx.cost, ctx.engine, ctx.cfg
         with torch.enable_grad():
             X, Y, A, Bw, F, Gp = (t.detach().requires_grad_() for t in (x, y, a, b, f, g))
-            alpha, beta = F / eps + _safe_log(A), Gp / eps + _safe_log(Bw)
+            alpha, beta = F / eps + safe_log(A), Gp / eps + safe_log(Bw)
             gx, gy, r, c = _plan_grads(X, Y, alpha, beta, eps, cost, engine)
             L = (vx * gx).sum() + (vy * gy).sum() + (uf * F).sum() + (ug * Gp).sum()
             dX, dY, dA, dB, dF, dG = torch.autograd.grad(L, (X, Y, A, Bw, F, Gp), allow_unused=True)
@@ -317,7 +317,7 @@ class ImplicitGradFn(torch.autograd.Function):
         # - d/dtheta <w, E(theta, f, g)>,  <w, E> = sum_ij P_ij (w1_i + w2_j) - <w1, a> - <w2, b>
         with torch.enable_grad():
             X, Y, A, Bw = (t.detach().requires_grad_() for t in (x, y, a, b))
-            al, be = f / eps + _safe_log(A), g / eps + _safe_log(Bw)
+            al, be = f / eps + safe_log(A), g / eps + safe_log(Bw)
             o = PlanProductFn.apply(X, Y, al, be, torch.stack([torch.ones_like(w2), w2], -1), eps, cost, engine)
             E = (o[..., 0] * w1 + o[..., 1]).sum()
             eX, eY, eA, eB = torch.autograd.grad(E, (X, Y, A, Bw))
@@ -391,7 +391,7 @@ class OTValueFn(torch.autograd.Function):
                                                   ctx.reduce)
             out = [Gv.unsqueeze(-1) * gx, Gv.unsqueeze(-1) * gy, Gv * fa, Gv * gb]
         else:
-            a_log, b_log = _safe_log(a.detach()), _safe_log(b.detach())
+            a_log, b_log = safe_log(a.detach()), safe_log(b.detach())
             if sym:  # grad wrt x enters through both slots, equal by symmetry: one pass
                 gx, _ = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
                                      eps, cost, engine, nx or ny, False, (bx, None))
@@ -598,7 +598,7 @@ def _linear_grad_side(x, y, al0, be, a, r0, u0, w_own, w_other, eps, cost, engin
 def _cost_sum(x, y, a, b, f, g, eps, cost, engine) -> Tensor:
     """``<C, P>``, (B,): one ``cost`` plan product (no autograd)."""
     with torch.no_grad():
-        alpha, beta = f.detach() / eps + _safe_log(a.detach()), g.detach() / eps + _safe_log(b.detach())
+        alpha, beta = f.detach() / eps + safe_log(a.detach()), g.detach() / eps + safe_log(b.detach())
         ones = torch.ones_like(y[..., :1]).detach()
         return engine.plan_product(x.detach(), y.detach(), alpha, beta, eps, ones, cost, "cost")[..., 0].sum(-1)
 
@@ -637,7 +637,7 @@ class LinearValueFn(torch.autograd.Function):
                 "use cost='euclidean', 'sqeuclidean' or 'half_sqeuclidean'"
             )
         al0, be0 = f / eps, g / eps  # the plan without the weights of one side: P = diag(a) K0 = K0' diag(b)
-        al, be = al0 + _safe_log(a), be0 + _safe_log(b)
+        al, be = al0 + safe_log(a), be0 + safe_log(b)
         ones_y, ones_x = torch.ones_like(y[..., :1]), torch.ones_like(x[..., :1])
         r0 = engine.plan_product(x, y, al0, be, eps, ones_y, cost, "plan")[..., 0]
         u0 = engine.plan_product(x, y, al0, be, eps, ones_y, cost, "cost")[..., 0]

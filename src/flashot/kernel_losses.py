@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .implicit import _safe_log
+from .implicit import safe_log
 from .measures import Measures
 from .ops.autograd import softmin_fn
 from .ops.kernel_sum import KERNELS, kernel_spec, kernel_sum
@@ -63,7 +63,7 @@ def kernel_loss(name: str, m: Measures, blur: float, backend: str, potentials: b
 
 
 def _hausdorff(x: Tensor, y: Tensor, a: Tensor, b: Tensor, eps: float, cost, eng) -> Tensor:
-    la, lb = _safe_log(a), _safe_log(b)
+    la, lb = safe_log(a), safe_log(b)
     if getattr(cost, "graph", None) is not None:  # a user's cost function: its matrices, by autograd
         def sm(side, h):
             return cost.softmin_graph(side, h, eps).to(a.dtype)
@@ -81,7 +81,7 @@ def hausdorff_loss(m: Measures, eps: float, potentials: bool):
     ``(dH/da, dH/db)`` (detached)."""
     x, y, a, b, eng, cost = m.x, m.y, m.a, m.b, m.engine, m.cost
     if m.hot(eps):  # float32 softmins at eps >> cost lose their digits: float64, as the solver does
-        x, y, a, b, eng = x.double(), y.double(), a.double(), b.double(), m._engine64
+        x, y, a, b, eng = x.double(), y.double(), a.double(), b.double(), m.engine64
     if not potentials:
         return _hausdorff(x, y, a, b, eps, cost, eng).to(m.x.dtype)
     a, b = a.detach().requires_grad_(), b.detach().requires_grad_()

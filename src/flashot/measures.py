@@ -45,7 +45,7 @@ def log_weights(a: Tensor) -> Tensor:
         return out.masked_fill_(a <= 0, float("-inf"))
 
 
-def _log64(w: Tensor, n: int | None = None) -> Tensor:
+def log64(w: Tensor, n: int | None = None) -> Tensor:
     """float64 log-weights of ``w``; a row of weights all equal to ``1/N`` rounded to their dtype
     is taken as exactly ``1/N`` (mass 1: at a high temperature a mass off by ``d`` moves the
     uncorrected value ``<a, f> + <b, g>`` by ``~eps d``).  ``n``: ``N`` when ``w`` is a slice of
@@ -149,18 +149,31 @@ class Measures:
 
     @cached_property
     def _a_log64(self) -> Tensor:
-        return _log64(self.a)
+        return log64(self.a)
 
     @cached_property
     def _b_log64(self) -> Tensor:
-        return _log64(self.b)
+        return log64(self.b)
 
-    @cached_property
-    def _engine64(self) -> Engine:
-        """The engine for float64 softmins: ours if it runs float64 here, else ``tiled``."""
+    def float64_engine(self) -> Engine:
+        """The engine for float64 softmins: ours if it runs float64 here, else ``tiled`` (resolved once, on first
+        use, into :attr:`engine64`; a subclass may wrap it)."""
         if self.engine.unsupported(self.x.device, torch.float64, self.cost) is None:
             return self.engine
         return get_engine("tiled", device=self.x.device, dtype=torch.float64, cost=self.cost)
+
+    @cached_property
+    def _engine64(self) -> Engine:
+        return self.float64_engine()
+
+    @property
+    def engine64(self) -> Engine:
+        """The engine that runs this problem's float64 softmins (float32 problems at a high temperature)."""
+        return self._engine64
+
+    @engine64.setter
+    def engine64(self, eng: Engine) -> None:
+        self.__dict__["_engine64"] = eng  # replaces the cached one (a distributed solve shards it)
 
     @cached_property
     def _xy64(self) -> tuple[Tensor, Tensor]:

@@ -345,7 +345,7 @@ def _cpu_lib():
 
     if os.environ.get("FLASHOT_PRUNE") == "torch":
         return None
-    from .ops.blocksparse import _cpu_lib as load
+    from .ops.blocksparse_cpu import cpu_lib as load
 
     return load()
 
@@ -495,7 +495,7 @@ def _extrapolate_pruned(pts: Tensor, centroids: Tensor, h: Tensor, eps: float, c
     if (c0.shape[0] < EXTRAPOLATION_MIN_CENTROIDS or pts.device.type != "cpu" or h.dtype != pts.dtype
             or c0.dtype != pts.dtype):
         return None
-    from .ops.blocksparse import _cpu_lib as load
+    from .ops.blocksparse_cpu import cpu_lib as load
 
     if load() is None:
         return None
@@ -720,7 +720,7 @@ def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept:
     kept.append(pxy.fraction)
     tiles = None
     if truncate is not None and TILE_PRUNING:
-        key = BlockSparseEngine._key
+        key = BlockSparseEngine.cloud_key
         tiles = TilePruning({key(x): fine.a_log[0].detach(), key(y): fine.b_log[0].detach()}, truncate)
     engine = BlockSparseEngine(pats, tiles=tiles)
     if group is not None:
@@ -744,14 +744,14 @@ class InputOrderEngine:
         self.inner = inner
         self.name = inner.name  # "multiscale", or "sharded(multiscale)" in a distributed solve
         inv = [torch.empty_like(p).scatter_(0, p, torch.arange(p.numel(), device=p.device)) for p in (px, py)]
-        key = BlockSparseEngine._key
+        key = BlockSparseEngine.cloud_key
         self._sides = {key(x): (xs, px, inv[0]), key(y): (ys, py, inv[1])}
 
     def unsupported(self, device, dtype, cost):
         return None
 
     def _side(self, t: Tensor):
-        hit = self._sides.get(BlockSparseEngine._key(t))
+        hit = self._sides.get(BlockSparseEngine.cloud_key(t))
         if hit is None:
             raise RuntimeError("multiscale engine: called on a cloud of another problem (it is bound to one problem; "
                                "this is a flashot bug, please report it)")

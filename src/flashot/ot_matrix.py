@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .implicit import _cg
+from .driver import pot_uniform, solve_measures, solve_options
+from .implicit import conjugate_gradient
 from .matrix_cost import is_lazy_matrix, matrix_measures
-from .ot_samples import OTResult, _pot_uniform, solve_measures, solve_options
+from .results import OTResult
 
 __all__ = ["solve", "sinkhorn", "sinkhorn2"]
 
@@ -89,7 +90,7 @@ def solve(
         n_threads=n_threads, max_iter=max_iter, tol=tol, grad=grad, callback=callback,
         inner_iterations=inner_iterations, acceleration=acceleration, verbose=verbose, eps_scaling=eps_scaling,
         exact_hint="POT's ot.solve")
-    a, b = (None if _pot_uniform(w) else w for w in (a, b))
+    a, b = (None if pot_uniform(w) else w for w in (a, b))
     m = matrix_measures(M, a, b, backend=backend)
     res = solve_measures(m, opts, potentials_init, numpy=isinstance(M, np.ndarray) or is_lazy_matrix(M))
     if opts.grad == "detach" or not torch.is_grad_enabled() or not isinstance(M, Tensor):
@@ -100,7 +101,8 @@ def solve(
         if opts.unbalanced:
             res.__dict__["value_linear"] = _RefuseGrad.apply(m.restore(res.plan.cost_sum()), M, m.a, m.b)
         else:  # the cached_property's value: <M, P> with implicit gradients in M, a, b
-            alpha, beta = m.a_log + res.plan._f / res.reg, m.b_log + res.plan._g / res.reg
+            f, g = res.plan.raw_potentials
+            alpha, beta = m.a_log + f / res.reg, m.b_log + g / res.reg
             res.__dict__["value_linear"] = m.restore(_LinearCost.apply(M, m.a, m.b, alpha, beta, res.reg, m.cost.M))
     return res
 
@@ -129,8 +131,9 @@ class _DensePlan:
     """The plan of a result as a dense (B, N, M) tensor, computed on demand (backward only)."""
 
     def __init__(self, res: OTResult, m):
-        self.alpha = m.a_log + res.plan._f / res.reg
-        self.beta = m.b_log + res.plan._g / res.reg
+        f, g = res.plan.raw_potentials
+        self.alpha = m.a_log + f / res.reg
+        self.beta = m.b_log + g / res.reg
         self.m, self.eps = m, res.reg
 
     def __call__(self) -> Tensor:
@@ -228,7 +231,7 @@ def _warm_potentials(warmstart, a, b, reg):
     out = []
     for lu, w in zip(warmstart, (a, b)):
         lu_t = torch.as_tensor(np.asarray(lu) if not isinstance(lu, Tensor) else lu)
-        if w is None or _pot_uniform(w):
+        if w is None or pot_uniform(w):
             lw = torch.full_like(lu_t, -float(np.log(lu_t.shape[-1])), dtype=torch.float64)
         else:
             lw = torch.as_tensor(np.asarray(w) if not isinstance(w, Tensor) else w.detach()).double().log()
@@ -240,15 +243,16 @@ def _plan_limit(res: OTResult) -> int:
     from .plan import DENSE_PLAN_LIMIT
 
     n = int(np.prod(res.plan.shape))
-    return max(n, DENSE_PLAN_LIMIT) if not is_lazy_matrix(res.plan._m.cost.M) else DENSE_PLAN_LIMIT
+    return max(n, DENSE_PLAN_LIMIT) if not is_lazy_matrix(res.plan.measures.cost.M) else DENSE_PLAN_LIMIT
 
 
 def _log(res: OTResult) -> dict:
     f, g = res.potentials
-    m = res.plan._m
-    log_u = m.restore(m.a_log + res.plan._f / res.reg)
-    log_v = m.restore(m.b_log + res.plan._g / res.reg)
-    if res._numpy:
+    m = res.plan.measures
+    f_raw, g_raw = res.plan.raw_potentials
+    log_u = m.restore(m.a_log + f_raw / res.reg)
+    log_v = m.restore(m.b_log + g_raw / res.reg)
+    if res.returns_numpy:
         log_u, log_v = log_u.cpu().numpy(), log_v.cpu().numpy()
         exp = np.exp
     else:
@@ -288,7 +292,7 @@ def linear_cost_grads(M: Tensor, a: Tensor, b: Tensor, alpha: Tensor, beta: Tens
         Hw = torch.cat([r * w[..., :N] + (P @ v)[..., 0], c * w[..., N:] + (P.transpose(-1, -2) @ u)[..., 0]], -1)
         return project(Hw * d) + 1e-12 * z
 
-    z, _, _ = _cg(matvec, project(torch.cat([PM.sum(-1), PM.sum(-2)], -1) * d), tol, max_iter)
+    z, _, _ = conjugate_gradient(matvec, project(torch.cat([PM.sum(-1), PM.sum(-2)], -1) * d), tol, max_iter)
     w = z * d
     u, v = w[..., :N], w[..., N:]
     S = u.unsqueeze(-1) + v.unsqueeze(-2)

@@ -15,150 +15,31 @@ terms' masses there).
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from ._checks import (
-    check_bool,
-    check_choice,
-    check_dtype,
-    check_eps_scale,
-    check_int,
-    check_positive,
-    check_storage,
-    to_tensor,
+from ._checks import check_eps_scale, check_positive, to_tensor
+from .driver import (  # noqa: F401  (OTResult ... EPS_SCALING_AUTO: their former home, kept importable)
+    EPS_SCALING_AUTO,
+    EPS_SCALING_RATIO,
+    EPS_SCALING_STEPS,
+    GRADS,
+    METHODS,
+    POT_METHODS,
+    SolveOptions,
+    check_equal_masses,
+    check_init,
+    make_result,
+    pot_uniform,
+    solve_measures,
+    solve_options,
 )
+from .implicit import ImplicitDiff
 from .measures import Measures
-from .implicit import ImplicitDiff, check_implicit, sinkhorn_value, with_hot_value
-from .plan import LazyPlan
+from .results import OTResult
 from .schedules import Schedule
-from .acceleration import Anderson, check_acceleration
-from .solver import IterationRecord, SinkhornState, final_step, sinkhorn_loop
-from .unbalanced import dual_value, parse_unbalanced, primal_value, warn_on_second_order
-
-METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
-
-
-@dataclass
-class OTResult:
-    """Result of :func:`solve_sample` (POT's ``OTResult`` names).
-
-    Attributes:
-        value: entropic OT value ``<C, P> + reg KL(P | a x b)`` (= ``<f, a> + <g, b>``
-            at convergence); differentiable w.r.t. torch inputs that require grad.
-        potentials: ``(f, g)`` dual potentials, (N,), (M,) (or batched).
-        plan: the lazy transport plan (:class:`~flashot.plan.LazyPlan`).
-        n_iter, converged, error: iterations run, whether ``tol`` was met, and the last
-            error read (L1 marginal violation when balanced, ``max |change of f, g| / reg``
-            for (semi-)unbalanced problems).
-        stopped: the ``callback`` returned True.
-        value_dual: the optimal value with generalised KL divergences (mass terms included),
-            ``min <C, P> + reg KL(P|a x b) + rho_a KL(P 1|a) + rho_b KL(P^T 1|b)``, from the dual;
-            exact envelope gradients.  Equals ``value`` for balanced problems.  For unbalanced
-            ones ``value`` is that objective evaluated at the returned plan (the two agree at
-            convergence), with the same gradients (:func:`flashot.unbalanced.primal_value`); POT 0.9
-            drops the KL terms' masses there, which makes its value 0 when both sides are relaxed.
-        unbalanced: ``(rho_a, rho_b)`` (None = strict side), or None when balanced.
-        multiscale: with ``backend="multiscale"``, the :class:`~flashot.multiscale.MultiscaleRun`
-            (``kept``: the kept fraction of the pairs at each pruning; clusters), else None.
-
-    The plan is ``P_ij = a_i b_j exp((f_i + g_j - C(x_i, y_j)) / reg)`` (``eps = reg``, ``C`` the
-    cost of the solve, ``|x - y|^2`` by default).
-
-    Example:
-        >>> import torch, flashot
-        >>> _ = torch.manual_seed(0)
-        >>> res = flashot.solve_sample(torch.randn(5, 2), torch.randn(6, 2), reg=0.5)
-        >>> res.status, res.potentials[0].shape, res.plan.shape
-        ('converged', torch.Size([5]), (5, 6))
-        >>> bool(abs(res.value - res.value_dual) < 1e-6)  # balanced: the same number
-        True
-    """
-
-    value: Any
-    potentials: tuple[Any, Any]
-    plan: LazyPlan
-    n_iter: int
-    converged: bool
-    error: float | None
-    reg: float
-    backend: str
-    _numpy: bool = field(default=False, repr=False)
-    stopped: bool = False
-    unbalanced: tuple | None = None
-    multiscale: Any = field(default=None, repr=False)  # backend="multiscale": the run (kept fractions, clusters)
-    value_dual: Any = None
-
-    def _out(self, t: Tensor):
-        if not self._numpy:
-            return t
-        t = t.detach().cpu()
-        return t.numpy()[()] if t.dim() == 0 else t.numpy()  # a numpy scalar of the input's dtype
-
-    @cached_property
-    def value_linear(self):
-        """``<C, P> = sum_ij C(x_i, y_j) P_ij``, streamed (plan products only): the transport cost
-        of the entropic plan, without the ``reg KL(P | a x b)`` term of ``value`` (POT's
-        ``sinkhorn2``).
-
-        Differentiable like ``value`` (torch inputs that
-        require grad, ``grad`` not ``"detach"``): implicit differentiation through the fixed point
-        (:func:`flashot.implicit.linear_value`, the ``implicit=`` settings); balanced problems only, an
-        unbalanced one's backward raises ``NotImplementedError``.
-
-        Example:
-            >>> import torch, flashot
-            >>> _ = torch.manual_seed(0)
-            >>> x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-            >>> res = flashot.solve_sample(x, y, reg=0.5)
-            >>> P = res.plan.to_dense()
-            >>> bool(torch.allclose(res.value_linear, (torch.cdist(x, y) ** 2 * P).sum()))
-            True
-        """
-        from .implicit import linear_value
-
-        p = self.plan
-        if isinstance(self.value, Tensor) and self.value.requires_grad:
-            v = linear_value(p._m, p._f, p._g, p.eps, unbalanced=self.unbalanced)
-        else:
-            v = p.cost_sum()
-        return self._out(v if p._m.batched else v[0])
-
-    @cached_property
-    def marginals(self):
-        """``(P 1, P^T 1)``: the row sums (N,) and column sums (M,) of the plan, streamed.
-
-        They equal ``(a, b)`` up to ``tol`` (L1) for a converged balanced solve.
-
-        Example:
-            >>> import torch, flashot
-            >>> _ = torch.manual_seed(0)
-            >>> res = flashot.solve_sample(torch.randn(5, 2), torch.randn(6, 2), reg=0.5)
-            >>> row, col = res.marginals
-            >>> bool(torch.allclose(row, torch.full((5,), 1 / 5), atol=1e-5)), col.shape
-            (True, torch.Size([6]))
-        """
-        return self.plan.row_sums(), self.plan.T.row_sums()
-
-    @property
-    def marginal_a(self):
-        return self.marginals[0]
-
-    @property
-    def marginal_b(self):
-        return self.marginals[1]
-
-    @property
-    def status(self) -> str:
-        if self.converged:
-            return "converged"
-        return "stopped by callback" if self.stopped else "max_iter reached"
+from .solver import IterationRecord, SinkhornState, sinkhorn_loop
 
 
 def solve_sample(
@@ -310,7 +191,7 @@ def solve_sample(
         True
     """
     with rank_checks(group):  # local checks only: with a group, a rank's rejection raises on every rank
-        a, b = (None if _pot_uniform(w) else w for w in (a, b))
+        a, b = (None if pot_uniform(w) else w for w in (a, b))
         if metric is not None:
             if not isinstance(metric, str):
                 hint = f"; POT's order is (X_a, X_b, a, b, metric, reg): did you mean reg={metric!r}?" \
@@ -383,111 +264,8 @@ def _replicated_measures(X_a, X_b, a, b, cost, backend, opts, cluster_scale, tru
             raise ValueError(f"{name}: used by backend='multiscale' only (GeomLoss' multiscale option)")
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
     if potentials_init is not None:
-        _check_init(potentials_init, m)
+        check_init(potentials_init, m)
     return m, cluster_scale, truncate
-
-
-@dataclass(frozen=True)
-class SolveOptions:
-    """The validated options of one balanced or (semi-)unbalanced solve (see :func:`solve_sample`)."""
-
-    reg: float
-    max_iter: int
-    tol: float | None
-    method: str
-    eps_scaling: float | None  # None: auto; 0: off; else the ratio
-    rho_a: float | None  # None: strict marginal
-    rho_b: float | None
-    inner_iterations: int
-    acceleration: Any
-    implicit: ImplicitDiff
-    callback: Callable[[IterationRecord], bool | None] | None
-    verbose: bool
-    grad: str
-
-    @property
-    def unbalanced(self) -> bool:
-        return self.rho_a is not None or self.rho_b is not None
-
-
-def solve_options(reg, *, reg_type="KL", unbalanced=None, unbalanced_type="KL", lazy=None, batch_size=None,
-                  method="auto", n_threads=None, max_iter=None, tol=1e-6, grad="autodiff", callback=None,
-                  inner_iterations=10, acceleration="auto", verbose=False, implicit=None, eps_scaling=None,
-                  exact_hint: str = "POT") -> SolveOptions:
-    """Validate and map the options shared by :func:`solve_sample` and :func:`flashot.solve` (POT's
-    names accepted), before any heavy work."""
-    method, eps_scaling = _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad)
-    if reg is None:
-        raise ValueError("reg: flashot solves entropic OT and needs reg > 0 (the epsilon); "
-                         f"for exact (unregularised) OT use {exact_hint}")
-    reg = check_positive("reg", reg)
-    max_iter = check_int("max_iter", 1000 if max_iter is None else max_iter)
-    tol = check_positive("tol", tol, allow_none=True)
-    check_choice("method", method, METHODS)
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback: expected a callable (or None), got {type(callback).__name__}")
-    verbose = check_bool("verbose", verbose)
-    rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type) if unbalanced is not None else (None, None)
-    inner_iterations = check_int("inner_iterations", inner_iterations)
-    eps_scaling = _check_eps_scaling(eps_scaling)
-    acceleration = check_acceleration(acceleration, allow_auto=True)
-    if (rho_a is not None or rho_b is not None) and implicit is not None:
-        raise NotImplementedError("implicit= (second derivatives) supports balanced OT only; use unbalanced=None")
-    implicit = check_implicit(implicit)
-    return SolveOptions(reg, max_iter, tol, method, eps_scaling, rho_a, rho_b, inner_iterations, acceleration,
-                        implicit, callback, verbose, grad)
-
-
-def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy: bool = False) -> OTResult:
-    """Run the solver on prepared measures with validated options; the :class:`OTResult` of both front ends."""
-    reg = o.reg
-    check_eps_scale("reg", reg, m.cmax, m.x.dtype)
-    if not o.unbalanced:
-        _check_equal_masses(m)
-    init = None if potentials_init is None else _check_init(potentials_init, m)
-    symmetric = METHODS[o.method]
-    head = _scaling_head(m, reg, o.eps_scaling, init, symmetric)
-    st: SinkhornState = sinkhorn_loop(
-        m, Schedule(reg, o.max_iter, head), symmetric=symmetric, tol=o.tol, init=init, callback=o.callback,
-        rho_x=o.rho_a, rho_y=o.rho_b, inner_iterations=o.inner_iterations,
-        acceleration=_acceleration(m, reg, o.acceleration, symmetric), verbose=o.verbose,
-    )
-    return _result(m, st, o, numpy)
-
-
-def _result(m: Measures, st: SinkhornState, o: SolveOptions, numpy: bool) -> OTResult:
-    """The :class:`OTResult` of a finished loop: the final step, values, potentials and the lazy plan."""
-    reg = o.reg
-    f, g, _, _ = final_step(m, st, rho_x=o.rho_a, rho_y=o.rho_b)
-    plan = LazyPlan(m, f, g, reg, numpy=numpy)
-    if o.unbalanced:  # m.full: the whole vectors when the points are split over ranks (else the same)
-        r, c = plan.raw_marginals()
-        full = m.full("xyxyxy", m.a, m.b, f, g, r, c)
-        value = warn_on_second_order(primal_value(*full, reg, o.rho_a, o.rho_b))
-        value_dual = warn_on_second_order(dual_value(*full[:4], reg, o.rho_a, o.rho_b))
-    else:  # points-sharded too: summed over the ranks, each rank's gradients its slices
-        value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
-        if st.converged:  # else the value of the returned iterate, <a, f> + <b, g> as it is
-            value = value_dual = with_hot_value(value, m, f, g, reg)
-    res = OTResult(
-        value=None,
-        potentials=(None, None),
-        plan=plan,
-        n_iter=st.n_iter,
-        converged=st.converged,
-        error=st.error,
-        reg=reg,
-        backend=m.engine.name,
-        _numpy=numpy,
-        stopped=st.stopped,
-        unbalanced=(o.rho_a, o.rho_b) if o.unbalanced else None,
-    )
-    if o.grad == "detach":
-        value, value_dual, f, g = value.detach(), value_dual.detach(), f.detach(), g.detach()
-    res.value = res._out(m.restore(value))
-    res.value_dual = res._out(m.restore(value_dual))
-    res.potentials = (res._out(m.restore(f)), res._out(m.restore(g)))
-    return res
 
 
 def _multiscale_measures(X_a, X_b, a, b, cost, o: SolveOptions, potentials_init) -> Measures:
@@ -502,7 +280,7 @@ def _multiscale_measures(X_a, X_b, a, b, cost, o: SolveOptions, potentials_init)
                                   "use backend='auto'")
     check_eps_scale("reg", o.reg, m.cmax, m.x.dtype)
     if not o.unbalanced:
-        _check_equal_masses(m)
+        check_equal_masses(m)
     return m
 
 
@@ -531,103 +309,9 @@ def _solve_multiscale(m: Measures, o: SolveOptions, cluster_scale, truncate, gro
 
     run = continue_fine(run, loop)
     mo, st = in_input_order(m, run)
-    res = _result(mo, st, o, numpy)
+    res = make_result(mo, st, o, numpy)
     res.multiscale = run
     return res
-
-
-# POT's method names (ot.solve_sample / ot.sinkhorn) -> ours; eps_scaling forced where the name says so
-POT_METHODS = {"sinkhorn_stabilized": ("sinkhorn", None), "sinkhorn_epsilon_scaling": ("sinkhorn", True),
-               "geomloss": ("symmetric", None), "geomloss_auto": ("symmetric", None),
-               "geomloss_tensorized": ("symmetric", None), "geomloss_online": ("symmetric", None)}
-GRADS = ("autodiff", "envelope", "last_step", "detach")
-
-
-def _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad):
-    """POT's solve_sample options: map or accept them, or raise naming the mapping."""
-    if method is None:
-        method = "auto"
-    if isinstance(method, str) and method in POT_METHODS:
-        method, forced = POT_METHODS[method]
-        eps_scaling = forced if eps_scaling is None else eps_scaling
-    elif isinstance(method, str) and method not in METHODS:
-        raise ValueError(f"method: expected one of {sorted(METHODS) + sorted(POT_METHODS)}, got {method!r} "
-                         "(greenkhorn / screenkhorn / exact solvers: use POT; every flashot method is a "
-                         "log-domain Sinkhorn)")
-    if not isinstance(reg_type, str) or reg_type.lower() not in ("kl", "entropy"):
-        raise ValueError(f"reg_type: flashot regularises with KL(P | a x b) ('KL', POT's default; 'entropy' "
-                         f"differs by a constant for fixed a, b), got {reg_type!r}")
-    if lazy is not None and not isinstance(lazy, bool):
-        raise TypeError(f"lazy: expected a bool (flashot's plan is always lazy), got {type(lazy).__name__}")
-    for name, v in (("batch_size", batch_size), ("n_threads", n_threads)):
-        if v is not None:
-            check_int(name, v)  # accepted for POT compatibility; the engines choose tiles and threads
-    if grad not in GRADS:
-        raise ValueError(f"grad: expected one of {GRADS}, got {grad!r}")
-    return method, eps_scaling
-
-
-def _pot_uniform(w) -> bool:
-    """POT's ``a=[]`` / ``b=[]`` (an empty list or array) means uniform weights."""
-    return (isinstance(w, (list, tuple)) and len(w) == 0) or (isinstance(w, np.ndarray) and w.size == 0)
-
-
-def _check_equal_masses(m: Measures) -> None:
-    """Balanced OT needs sum(a) = sum(b); masses that differ beyond rounding have no coupling."""
-    masses = m.unequal_masses()
-    if masses is not None:
-        raise ValueError(
-            f"a and b: balanced OT needs equal total masses, got {masses[0]:.6g} and {masses[1]:.6g}; "
-            "normalise the weights, or use unbalanced= (KL marginal penalties)"
-        )
-
-
-# eps-scaling: the first eps is the largest cost (an upper bound, Measures.cmax), each next one
-# EPS_SCALING_RATIO times the previous, EPS_SCALING_STEPS iterations each, until reg; with
-# eps_scaling=None it is used when reg < EPS_SCALING_AUTO * cmax and no potentials_init is given.
-# Measured (tests/test_eps_scaling.py, the solve_sample docstring): ratio 0.5 x 3 steps left no
-# GeomLoss convex-gradient plan wrong (1 step per level: 2 of 24; plain: 21 of 24) and needs no
-# more iterations than plain Sinkhorn from reg = 3e-3 cmax down (more above it: off there).
-EPS_SCALING_RATIO = 0.5
-EPS_SCALING_STEPS = 3
-EPS_SCALING_AUTO = 3e-3
-
-
-def _check_eps_scaling(v) -> float | None:
-    """None (auto) stays None; False -> 0 (off); True -> the default ratio; a ratio in (0, 1)."""
-    if v is None:
-        return None
-    if isinstance(v, bool):
-        return EPS_SCALING_RATIO if v else 0.0
-    if not isinstance(v, (int, float)) or not 0 < v < 1:
-        raise ValueError(f"eps_scaling: expected None (auto), True, False or a ratio in (0, 1), got {v!r}")
-    return float(v)
-
-
-def _small_eps(m: Measures, reg: float, symmetric: bool) -> bool:
-    """Alternating updates at ``reg < EPS_SCALING_AUTO * cmax``: where the defaults add eps-scaling and Anderson."""
-    return not symmetric and reg < EPS_SCALING_AUTO * m.cmax
-
-
-def _acceleration(m: Measures, reg: float, acceleration, symmetric: bool):
-    """``acceleration="auto"``: Anderson at small eps (alternating updates, ``reg < EPS_SCALING_AUTO * cmax``),
-    none elsewhere: there it converged where plain iterations did not (docs/exactness.md)."""
-    if not (isinstance(acceleration, str) and acceleration == "auto"):
-        return acceleration
-    return Anderson() if _small_eps(m, reg, symmetric) else None
-
-
-def _scaling_head(m: Measures, reg: float, ratio: float | None, init, symmetric: bool) -> list[float]:
-    """The temperatures run before the ones at ``reg`` (empty when eps-scaling is off)."""
-    if ratio is None:  # auto
-        ratio = EPS_SCALING_RATIO if init is None and _small_eps(m, reg, symmetric) else 0.0
-    if ratio == 0.0 or not math.isfinite(m.cmax) or m.cmax <= reg:
-        return []
-    head, eps = [reg, reg], float(m.cmax)  # two steps at reg first: a problem they solve stops there
-    while eps > reg:
-        head += [eps] * EPS_SCALING_STEPS
-        eps *= ratio
-    return head
 
 
 def _check_positional_scalars(a, b, reg) -> None:
@@ -640,21 +324,3 @@ def _check_positional_scalars(a, b, reg) -> None:
                 f"{'X_a' if name == 'a' else 'X_b'}, which must be a tensor or array; reg and the other "
                 f"options are keyword-only: use {hint}"
             )
-
-
-def _check_init(init, m: Measures) -> tuple[Tensor, Tensor]:
-    if not isinstance(init, (tuple, list)) or len(init) != 2:
-        raise TypeError("potentials_init: expected a pair (f, g)")
-    out = []
-    for name, v, ref in (("potentials_init[0]", init[0], m.a_log), ("potentials_init[1]", init[1], m.b_log)):
-        t = to_tensor(name, v)
-        check_dtype(name, t)
-        check_storage(name, t)
-        t = t.unsqueeze(0) if not m.batched else t
-        if t.shape != ref.shape:
-            shape = tuple(ref.shape) if m.batched else tuple(ref.shape[1:])
-            raise ValueError(f"{name}: expected shape {shape}, got {tuple(v.shape)}")
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name}: contains NaN or Inf values")
-        out.append(t.detach().to(ref.device, ref.dtype))
-    return out[0], out[1]

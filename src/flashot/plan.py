@@ -51,6 +51,22 @@ class LazyPlan:
 
     # -- structure -----------------------------------------------------------------
     @property
+    def measures(self) -> Measures:
+        """The :class:`~flashot.measures.Measures` of the solve (its points, weights, cost and engine)."""
+        return self._m
+
+    @property
+    def raw_potentials(self) -> tuple[Tensor, Tensor]:
+        """``(f, g)`` as the plan holds them: detached, (B, N) and (B, M), in the compute dtype, on the
+        centred problem of :attr:`measures` (``OTResult.potentials`` are these with the input's layout restored)."""
+        return self._f, self._g
+
+    @property
+    def returns_numpy(self) -> bool:
+        """Whether products, sums and dense copies come back as numpy arrays (the solve had numpy inputs)."""
+        return self._numpy
+
+    @property
     def shape(self) -> tuple[int, ...]:
         B, N, M, _ = self._m.shape
         nm = (M, N) if self._t else (N, M)

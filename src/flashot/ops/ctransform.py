@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..costs import Cost
+from .prepare import check_vector, prepare_pair
 from .rowtopk import row_topk
 
 __all__ = ["c_transform"]
@@ -63,19 +64,13 @@ def c_transform(
         >>> ops.c_transform(x, y, torch.tensor([0.0, 0.0, 9.0]))[1]  # argmin_j C(x_i, y_j) - g_j
         tensor([2, 1])
     """
-    import flashot.ops as _ops  # late import: flashot.ops imports this module
-
-    _vec = _ops._vec
-    if hasattr(_ops, "prepare_pair"):  # newer flashot.ops (main after the unbalanced merge)
-        pp = _ops.prepare_pair(x, y, cost=cost, backend=backend)
-        x_, y_, cost_, eng, batched, out_dtype = pp.x, pp.y, pp.cost, pp.engine, pp.batched, pp.out_dtype
-        cdt = x_.dtype
-    else:
-        x_, y_, cost_, eng, batched, out_dtype, cdt = _ops._prepare(x, y, backend, cost)
+    pp = prepare_pair(x, y, cost=cost, backend=backend)
+    x_, y_, cost_, eng, batched, out_dtype = pp.x, pp.y, pp.cost, pp.engine, pp.batched, pp.out_dtype
+    cdt = x_.dtype
     if g is None:
         g_ = torch.zeros(y_.shape[:-1], dtype=cdt, device=y_.device)
     else:
-        g_ = _vec("g", g, y.shape[:-1], cdt, x.device)
+        g_ = check_vector("g", g, y.shape[:-1], cdt, x.device)
         if not batched:
             g_ = g_.unsqueeze(0)
         if bool(torch.isneginf(g_.detach()).all(-1).any()):

@@ -59,9 +59,9 @@ def _default_bytes(kind: str, index) -> int:
         except Exception:  # pragma: no cover - no CUDA here
             mem = None
     else:
-        from .cpu.engine import _memory_bytes
+        from .cpu.engine import memory_bytes
 
-        mem = _memory_bytes()
+        mem = memory_bytes()
     return 1 << 30 if mem is None else max(MIN_DEFAULT_DENSE_BYTES, mem // 16)
 
 
@@ -110,7 +110,7 @@ def _exp_shifted(S: Tensor, m: Tensor) -> Tensor:
     return S.sub_(m).clamp_(min=floor).exp_().sub_(cut).clamp_(min=0.0)
 
 
-def _lse_last(S: Tensor) -> Tensor:
+def lse_last(S: Tensor) -> Tensor:
     """``logsumexp`` over the last dimension (kept), with a clamped ``exp``; ``S`` is consumed."""
     if S.shape[-1] == 0:  # the empty sum: log 0
         return S.new_full((*S.shape[:-1], 1), -math.inf)
@@ -128,7 +128,7 @@ class DenseEngine:
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
         check_dense_budget(x.shape[0], x.shape[1], y.shape[1], x.dtype, x.device)
         C = cost.matrix(x, y)
-        return -eps * _lse_last(h.unsqueeze(-2) - C / eps).squeeze(-1)
+        return -eps * lse_last(h.unsqueeze(-2) - C / eps).squeeze(-1)
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan"):
         check_dense_budget(x.shape[0], x.shape[1], y.shape[1], x.dtype, x.device)

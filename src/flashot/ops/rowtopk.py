@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..costs import Cost
-from .tiled import TILE_ELEMS, _blocks, _cost_tile
+from .tiled import TILE_ELEMS, cost_tile, tile_blocks
 
 
 def row_topk(
@@ -58,7 +58,7 @@ def row_topk(
         if dense:
             S = beta.unsqueeze(-2) - scale * cost.matrix(x, y)
             return torch.topk(S, k, dim=-1, largest=True, sorted=True)
-        bn, bm = _blocks(B, N, M, max(int(tile_elems), k + 1))
+        bn, bm = tile_blocks(B, N, M, max(int(tile_elems), k + 1))
         bm = max(bm, min(M, k))  # a column block holds at least k candidates when possible
         xsq = (x * x).sum(-1)
         ysq = (y * y).sum(-1)
@@ -70,7 +70,7 @@ def row_topk(
             best_v = best_i = None
             for j0 in range(0, M, bm):
                 j1 = min(M, j0 + bm)
-                C = _cost_tile(cost, x[:, i0:i1], y[:, j0:j1], xsq[:, i0:i1], ysq[:, j0:j1])
+                C = cost_tile(cost, x[:, i0:i1], y[:, j0:j1], xsq[:, i0:i1], ysq[:, j0:j1])
                 S = C.mul_(-scale).add_(beta[:, None, j0:j1])
                 J = cols[j0:j1].expand(B, i1 - i0, j1 - j0)
                 if best_v is not None:

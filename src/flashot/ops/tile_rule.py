@@ -38,12 +38,11 @@ inputs' rule alone applies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
 from ..costs import Cost
+from .blocksparse_cpu import TileArgs, pair_cpu, plan_call, softmin_cpu
 
 OUTPUT_SAMPLE_STRIDE = 256  # the outputs are sampled at the mean of each run of this many rows of a cluster
 PROBE_EVERY = 16  # the probe samples the rows of one row cluster in this many
@@ -61,20 +60,6 @@ class TilePruning:
 
     log_weights: dict
     truncate: float
-
-
-class TileArgs(NamedTuple):
-    """The sub-tile pruning of one fused call (:func:`~flashot.ops.blocksparse._pair_cpu`): the inputs ``fx = f /
-    eps`` (N,) and ``gy = g / eps`` (M,), upper bounds ``fxo`` (N,) and ``gyo`` (M,) of the call's outputs in the
-    same units, GeomLoss' ``truncate``, and ``counter``: a one-element list to which the pairs evaluated are
-    added."""
-
-    fx: Tensor
-    gy: Tensor
-    fxo: Tensor
-    gyo: Tensor
-    truncate: float
-    counter: list
 
 
 def tile_args(lib, pat, back, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, la: Tensor, lb: Tensor, eps: float,
@@ -133,7 +118,6 @@ def _sampled_outputs(lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps
     outputs ``f'(c_k) / eps`` (S,) and (dot costs) barycentres ``b_k`` (S, D) over the kept blocks of their
     clusters, float64 (``+inf`` where a sum cannot be had: no kept mass, or a sum out of the fused kernel's
     one-pass range after the two-pass plan product too)."""
-    from .blocksparse import _pair_cpu, _plan_call, _softmin_cpu
     from .cpu.engine import PAIR_MIN_SUM
 
     dot = cost.is_dot
@@ -142,14 +126,14 @@ def _sampled_outputs(lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps
     # the sums' scale: the runs' mean log-weight keeps them near the fused call's own
     alpha = runs.mean(hx[0, runs.rows].double()).to(x.dtype)[None].contiguous()
     hy = hy.contiguous()
-    mass, _, num, _ = _pair_cpu(lib, pat, xs, y, alpha, hy, eps, cost, sym=False, bary=1 if dot else 0,
+    mass, _, num, _ = pair_cpu(lib, pat, xs, y, alpha, hy, eps, cost, sym=False, bary=1 if dot else 0,
                                 tasks=runs.tasks)
     S = torch.cat([num, mass[:, None]], -1) if dot else mass[:, None]
     if not bool((torch.isfinite(mass) & (mass >= PAIR_MIN_SUM)).all()):  # rare: all of them in two passes
         ones = torch.ones_like(y[..., :1])
         V = (torch.cat([y, ones], -1) if dot else ones).contiguous()
-        lse = _softmin_cpu(lib, pat, xs, y, hy, eps, cost, base2=True, tasks=runs.tasks)[0].contiguous()
-        S = _plan_call(lib, pat, xs, y, alpha, hy, eps, V, cost, "plan", lse, runs.tasks)[0][0]
+        lse = softmin_cpu(lib, pat, xs, y, hy, eps, cost, base2=True, tasks=runs.tasks)[0].contiguous()
+        S = plan_call(lib, pat, xs, y, alpha, hy, eps, V, cost, "plan", lse, runs.tasks)[0][0]
     S = S.double()
     fo = alpha[0].double() - S[:, -1].log()  # -log sum_j exp(hy_j - C_kj / eps)
     b = S[:, :-1] / S[:, -1:] if dot else None

@@ -26,7 +26,8 @@ TILE_ELEMS = 2**21
 COL_BLOCK = 4096
 
 
-def _blocks(B: int, N: int, M: int, tile_elems: int) -> tuple[int, int]:
+def tile_blocks(B: int, N: int, M: int, tile_elems: int) -> tuple[int, int]:
+    """``(bn, bm)``: rows and columns of a (B, bn, bm) tile of at most about ``tile_elems`` entries."""
     bm = min(M, COL_BLOCK)
     bn = max(1, min(N, tile_elems // max(1, B * bm)))
     if bn < 16 and bm > 256:  # huge batch: shrink columns instead of rows
@@ -35,7 +36,7 @@ def _blocks(B: int, N: int, M: int, tile_elems: int) -> tuple[int, int]:
     return bn, bm
 
 
-def _cost_tile(cost: Cost, xi: Tensor, yj: Tensor, xsq: Tensor, ysq: Tensor) -> Tensor:
+def cost_tile(cost: Cost, xi: Tensor, yj: Tensor, xsq: Tensor, ysq: Tensor) -> Tensor:
     """(B, bn, bm) cost block; a fresh tensor the caller may overwrite."""
     if cost.direct:
         return cost.tile(xi, yj)
@@ -59,7 +60,7 @@ class TiledEngine:
         """Online-LSE sweep. Returns (m, s) with lse = m + log s (V None), or (m, acc)."""
         B, N, _ = x.shape
         M = y.shape[1]
-        bn, bm = _blocks(B, N, M, self.tile_elems)
+        bn, bm = tile_blocks(B, N, M, self.tile_elems)
         floor = exp_floor(x.dtype)
         lowest = torch.finfo(x.dtype).min
         xsq = (x * x).sum(-1)
@@ -72,7 +73,7 @@ class TiledEngine:
             acc = torch.zeros_like(acc_all[:, i0:i1])
             for j0 in range(0, M, bm):
                 j1 = min(M, j0 + bm)
-                C = _cost_tile(cost, x[:, i0:i1], y[:, j0:j1], xsq[:, i0:i1], ysq[:, j0:j1])
+                C = cost_tile(cost, x[:, i0:i1], y[:, j0:j1], xsq[:, i0:i1], ysq[:, j0:j1])
                 W = None
                 if weight == "cost":
                     W = C.clone()

@@ -76,7 +76,7 @@ MIN_DEFAULT_CACHE_BYTES = 256 << 20
 PLAN_CHUNK_BYTES = 4 << 20  # cached plan products: rows of weights per GEMM (fits the L2 + L3)
 
 
-def _memory_bytes() -> int | None:
+def memory_bytes() -> int | None:
     """Physical memory, or the cgroup (v2 / v1) memory limit when that is lower."""
     total = None
     try:
@@ -96,7 +96,7 @@ def _memory_bytes() -> int | None:
 
 def default_cache_bytes() -> int:
     """1/8 of the machine's (or cgroup's) memory, at least 256 MiB (1 GiB if unknown)."""
-    mem = _memory_bytes()
+    mem = memory_bytes()
     return 1 << 30 if mem is None else max(MIN_DEFAULT_CACHE_BYTES, mem // 8)
 
 # auto: use the cached cost matrix from the second call on a pair when D >= this
@@ -302,9 +302,9 @@ class CpuEngine:
         rows (base 2, zero weights encoded), ``hy`` on the columns.  Returns (rows (B, N), cols (B, M))."""
         B, N, D = x.shape
         M = y.shape[1]
-        kind, kcoef, minsq = self._cost_args(cost, eps)
+        kind, kcoef, minsq = self.cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, hy, kind)
-        hx2 = _encode_zero_weights((hx * LOG2E).contiguous())
+        hx2 = encode_zero_weights((hx * LOG2E).contiguous())
         rows = torch.empty(B, N, dtype=x.dtype)
         cols = torch.empty(B, Mp, dtype=x.dtype)
         fn = getattr(self.lib, name + ("_f32" if x.dtype == torch.float32 else "_f64"))
@@ -348,7 +348,7 @@ class CpuEngine:
             if ent is not None:
                 return self._plan_cached(ent[0], ent[3], transposed, alpha, beta, eps, V, cost, weight)
         self.stats["stream"] += 1
-        kind, kcoef, minsq = self._cost_args(cost, eps)
+        kind, kcoef, minsq = self.cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, beta, kind)
         wk, wconst = W_ONE, 1.0
         if weight == "cost":
@@ -440,7 +440,7 @@ class CpuEngine:
         return t.detach().contiguous()
 
     @staticmethod
-    def _cost_args(cost: Cost, eps: float):
+    def cost_args(cost: Cost, eps: float):
         """(kind, k, minsq): the kernels' base-2 score is ``h * log2(e) - k * c`` with ``k = log2(e) / eps``
         times the cost's scale (dot kind: c = |x - y|^2; direct: c = |x - y|)."""
         if cost.is_dot:
@@ -458,7 +458,7 @@ class CpuEngine:
             yy[:, :M] = (y * y).sum(-1)
         hs = torch.full((B, Mp), -math.inf, dtype=y.dtype)
         hs[:, :M] = h * LOG2E
-        _encode_zero_weights(hs)
+        encode_zero_weights(hs)
         return yT, yy, hs, Mp
 
     def _kernel_cfg(self, D: int) -> int:
@@ -477,7 +477,7 @@ class CpuEngine:
         return out
 
     def _stream_lse(self, x, y, h, eps, cost, oscale):
-        kind, kcoef, minsq = self._cost_args(cost, eps)
+        kind, kcoef, minsq = self.cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, h, kind)
         return self._run_softmin(x, yT, yy, hs, Mp, kind, kcoef, minsq, oscale * LN2)
 
@@ -601,7 +601,7 @@ class CpuEngine:
         else:
             out = torch.empty(B, N, dtype=C.dtype)
             fn = lib.flashot_rows_lse_f32 if f32 else lib.flashot_rows_lse_f64
-        h2 = _encode_zero_weights((h * LOG2E).contiguous())
+        h2 = encode_zero_weights((h * LOG2E).contiguous())
         rc = fn(_ptr(C), _ptr(h2), _ptr(out), B, N, M, LOG2E * scale / eps, -eps * LN2 if oscale is None else oscale,
                 self._nthreads())
         if rc != 0:
@@ -614,8 +614,8 @@ class CpuEngine:
         B, N, M = C.shape
         f32 = C.dtype == torch.float32
         self.stats["alt_cached"] = self.stats.get("alt_cached", 0) + 1
-        h2 = _encode_zero_weights((hy * LOG2E).contiguous())
-        ha2 = _encode_zero_weights((ha * LOG2E).contiguous())
+        h2 = encode_zero_weights((hy * LOG2E).contiguous())
+        ha2 = encode_zero_weights((ha * LOG2E).contiguous())
         rlse = torch.empty(B, N, dtype=C.dtype)
         clse = torch.empty(B, M, dtype=C.dtype)
         fn = self.lib.flashot_cached_alt_f32 if f32 else self.lib.flashot_cached_alt_f64
@@ -685,7 +685,7 @@ class CpuEngine:
         return (out * factor.unsqueeze(-1)).contiguous()
 
 
-def _encode_zero_weights(h: Tensor) -> Tensor:
+def encode_zero_weights(h: Tensor) -> Tensor:
     """In place for float32: -inf log-weights -> ZERO_W_F32 (exp2 of it is exactly 0)."""
     if h.dtype == torch.float32:
         h.clamp_(min=ZERO_W_F32)

@@ -9,33 +9,10 @@ may be set any time before the first kernel call.
 
 from __future__ import annotations
 
-import torch
-
 import triton  # noqa: F401  (ImportError here = engine unavailable)
 
-from .configs import KernelConfig, interpret_enabled, parse_config
+from .configs import KernelConfig, interpret_enabled, parse_config  # noqa: F401  (interpret_enabled: kept importable)
 from .engine import TritonEngine
+from .loader import kernels_for_device
 
 __all__ = ["TritonEngine", "KernelConfig", "parse_config", "kernels_for_device"]
-
-_KERNELS = None
-_KERNELS_INTERPRETED: bool | None = None
-
-
-def kernels_for_device(device: torch.device):
-    """The kernels module, imported on first use; checks it matches the device.
-
-    Triton decides at decoration time whether a kernel is compiled or
-    interpreted, so the mode is fixed by the first launch in the process.
-    """
-    global _KERNELS, _KERNELS_INTERPRETED
-    if _KERNELS is None:
-        from . import kernels
-
-        _KERNELS, _KERNELS_INTERPRETED = kernels, interpret_enabled()
-    if device.type == "cpu" and not _KERNELS_INTERPRETED:
-        raise ValueError(
-            "backend='triton': the kernels were compiled for CUDA (TRITON_INTERPRET was not set "
-            "when they were first used), so CPU tensors cannot run; use backend='tiled'"
-        )
-    return _KERNELS

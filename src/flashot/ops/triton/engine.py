@@ -278,7 +278,7 @@ class TritonEngine:
         if x.shape[0] > MAX_BATCH:
             raise ValueError(f"x: backend='triton' launches the batch on a grid axis limited to {MAX_BATCH}, "
                              f"got B = {x.shape[0]}; split the batch or use backend='tiled'")
-        from . import kernels_for_device
+        from .loader import kernels_for_device
 
         return x.contiguous(), y.contiguous(), kernels_for_device(x.device)
 

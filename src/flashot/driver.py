@@ -1,0 +1,217 @@
+r"""The core solve on prepared :class:`~flashot.measures.Measures`: validated options, the eps-scaling head, the
+Sinkhorn loop and its :class:`~flashot.results.OTResult`.
+
+Shared by the front ends (:func:`flashot.solve_sample`, :func:`flashot.solve`, the GW solvers) and the
+distributed strategy, which is why it lives below them.  Options take POT's names (``method``, ``reg_type``,
+...) and map them to the loop's (:func:`solve_options`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ._checks import (
+    check_bool,
+    check_choice,
+    check_dtype,
+    check_eps_scale,
+    check_int,
+    check_positive,
+    check_storage,
+    to_tensor,
+)
+from .acceleration import Anderson, check_acceleration
+from .implicit import ImplicitDiff, check_implicit
+from .measures import Measures
+from .results import OTResult, make_result
+from .schedules import Schedule
+from .solver import IterationRecord, SinkhornState, sinkhorn_loop
+from .unbalanced import parse_unbalanced
+
+METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """The validated options of one balanced or (semi-)unbalanced solve (see :func:`solve_sample`)."""
+
+    reg: float
+    max_iter: int
+    tol: float | None
+    method: str
+    eps_scaling: float | None  # None: auto; 0: off; else the ratio
+    rho_a: float | None  # None: strict marginal
+    rho_b: float | None
+    inner_iterations: int
+    acceleration: Any
+    implicit: ImplicitDiff
+    callback: Callable[[IterationRecord], bool | None] | None
+    verbose: bool
+    grad: str
+
+    @property
+    def unbalanced(self) -> bool:
+        return self.rho_a is not None or self.rho_b is not None
+
+
+def solve_options(reg, *, reg_type="KL", unbalanced=None, unbalanced_type="KL", lazy=None, batch_size=None,
+                  method="auto", n_threads=None, max_iter=None, tol=1e-6, grad="autodiff", callback=None,
+                  inner_iterations=10, acceleration="auto", verbose=False, implicit=None, eps_scaling=None,
+                  exact_hint: str = "POT") -> SolveOptions:
+    """Validate and map the options shared by :func:`solve_sample` and :func:`flashot.solve` (POT's
+    names accepted), before any heavy work."""
+    method, eps_scaling = _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad)
+    if reg is None:
+        raise ValueError("reg: flashot solves entropic OT and needs reg > 0 (the epsilon); "
+                         f"for exact (unregularised) OT use {exact_hint}")
+    reg = check_positive("reg", reg)
+    max_iter = check_int("max_iter", 1000 if max_iter is None else max_iter)
+    tol = check_positive("tol", tol, allow_none=True)
+    check_choice("method", method, METHODS)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback: expected a callable (or None), got {type(callback).__name__}")
+    verbose = check_bool("verbose", verbose)
+    rho_a, rho_b = parse_unbalanced(unbalanced, unbalanced_type) if unbalanced is not None else (None, None)
+    inner_iterations = check_int("inner_iterations", inner_iterations)
+    eps_scaling = _check_eps_scaling(eps_scaling)
+    acceleration = check_acceleration(acceleration, allow_auto=True)
+    if (rho_a is not None or rho_b is not None) and implicit is not None:
+        raise NotImplementedError("implicit= (second derivatives) supports balanced OT only; use unbalanced=None")
+    implicit = check_implicit(implicit)
+    return SolveOptions(reg, max_iter, tol, method, eps_scaling, rho_a, rho_b, inner_iterations, acceleration,
+                        implicit, callback, verbose, grad)
+
+
+def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy: bool = False) -> OTResult:
+    """Run the solver on prepared measures with validated options; the :class:`OTResult` of both front ends."""
+    reg = o.reg
+    check_eps_scale("reg", reg, m.cmax, m.x.dtype)
+    if not o.unbalanced:
+        check_equal_masses(m)
+    init = None if potentials_init is None else check_init(potentials_init, m)
+    symmetric = METHODS[o.method]
+    head = _scaling_head(m, reg, o.eps_scaling, init, symmetric)
+    st: SinkhornState = sinkhorn_loop(
+        m, Schedule(reg, o.max_iter, head), symmetric=symmetric, tol=o.tol, init=init, callback=o.callback,
+        rho_x=o.rho_a, rho_y=o.rho_b, inner_iterations=o.inner_iterations,
+        acceleration=_acceleration(m, reg, o.acceleration, symmetric), verbose=o.verbose,
+    )
+    return make_result(m, st, o, numpy)
+
+
+# POT's method names (ot.solve_sample / ot.sinkhorn) -> ours; eps_scaling forced where the name says so
+POT_METHODS = {"sinkhorn_stabilized": ("sinkhorn", None), "sinkhorn_epsilon_scaling": ("sinkhorn", True),
+               "geomloss": ("symmetric", None), "geomloss_auto": ("symmetric", None),
+               "geomloss_tensorized": ("symmetric", None), "geomloss_online": ("symmetric", None)}
+GRADS = ("autodiff", "envelope", "last_step", "detach")
+
+
+def _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad):
+    """POT's solve_sample options: map or accept them, or raise naming the mapping."""
+    if method is None:
+        method = "auto"
+    if isinstance(method, str) and method in POT_METHODS:
+        method, forced = POT_METHODS[method]
+        eps_scaling = forced if eps_scaling is None else eps_scaling
+    elif isinstance(method, str) and method not in METHODS:
+        raise ValueError(f"method: expected one of {sorted(METHODS) + sorted(POT_METHODS)}, got {method!r} "
+                         "(greenkhorn / screenkhorn / exact solvers: use POT; every flashot method is a "
+                         "log-domain Sinkhorn)")
+    if not isinstance(reg_type, str) or reg_type.lower() not in ("kl", "entropy"):
+        raise ValueError(f"reg_type: flashot regularises with KL(P | a x b) ('KL', POT's default; 'entropy' "
+                         f"differs by a constant for fixed a, b), got {reg_type!r}")
+    if lazy is not None and not isinstance(lazy, bool):
+        raise TypeError(f"lazy: expected a bool (flashot's plan is always lazy), got {type(lazy).__name__}")
+    for name, v in (("batch_size", batch_size), ("n_threads", n_threads)):
+        if v is not None:
+            check_int(name, v)  # accepted for POT compatibility; the engines choose tiles and threads
+    if grad not in GRADS:
+        raise ValueError(f"grad: expected one of {GRADS}, got {grad!r}")
+    return method, eps_scaling
+
+
+def pot_uniform(w) -> bool:
+    """POT's ``a=[]`` / ``b=[]`` (an empty list or array) means uniform weights."""
+    return (isinstance(w, (list, tuple)) and len(w) == 0) or (isinstance(w, np.ndarray) and w.size == 0)
+
+
+def check_equal_masses(m: Measures) -> None:
+    """Balanced OT needs sum(a) = sum(b); masses that differ beyond rounding have no coupling."""
+    masses = m.unequal_masses()
+    if masses is not None:
+        raise ValueError(
+            f"a and b: balanced OT needs equal total masses, got {masses[0]:.6g} and {masses[1]:.6g}; "
+            "normalise the weights, or use unbalanced= (KL marginal penalties)"
+        )
+
+
+# eps-scaling: the first eps is the largest cost (an upper bound, Measures.cmax), each next one
+# EPS_SCALING_RATIO times the previous, EPS_SCALING_STEPS iterations each, until reg; with
+# eps_scaling=None it is used when reg < EPS_SCALING_AUTO * cmax and no potentials_init is given.
+# Measured (tests/test_eps_scaling.py, the solve_sample docstring): ratio 0.5 x 3 steps left no
+# GeomLoss convex-gradient plan wrong (1 step per level: 2 of 24; plain: 21 of 24) and needs no
+# more iterations than plain Sinkhorn from reg = 3e-3 cmax down (more above it: off there).
+EPS_SCALING_RATIO = 0.5
+EPS_SCALING_STEPS = 3
+EPS_SCALING_AUTO = 3e-3
+
+
+def _check_eps_scaling(v) -> float | None:
+    """None (auto) stays None; False -> 0 (off); True -> the default ratio; a ratio in (0, 1)."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return EPS_SCALING_RATIO if v else 0.0
+    if not isinstance(v, (int, float)) or not 0 < v < 1:
+        raise ValueError(f"eps_scaling: expected None (auto), True, False or a ratio in (0, 1), got {v!r}")
+    return float(v)
+
+
+def _small_eps(m: Measures, reg: float, symmetric: bool) -> bool:
+    """Alternating updates at ``reg < EPS_SCALING_AUTO * cmax``: where the defaults add eps-scaling and Anderson."""
+    return not symmetric and reg < EPS_SCALING_AUTO * m.cmax
+
+
+def _acceleration(m: Measures, reg: float, acceleration, symmetric: bool):
+    """``acceleration="auto"``: Anderson at small eps (alternating updates, ``reg < EPS_SCALING_AUTO * cmax``),
+    none elsewhere: there it converged where plain iterations did not (docs/exactness.md)."""
+    if not (isinstance(acceleration, str) and acceleration == "auto"):
+        return acceleration
+    return Anderson() if _small_eps(m, reg, symmetric) else None
+
+
+def _scaling_head(m: Measures, reg: float, ratio: float | None, init, symmetric: bool) -> list[float]:
+    """The temperatures run before the ones at ``reg`` (empty when eps-scaling is off)."""
+    if ratio is None:  # auto
+        ratio = EPS_SCALING_RATIO if init is None and _small_eps(m, reg, symmetric) else 0.0
+    if ratio == 0.0 or not math.isfinite(m.cmax) or m.cmax <= reg:
+        return []
+    head, eps = [reg, reg], float(m.cmax)  # two steps at reg first: a problem they solve stops there
+    while eps > reg:
+        head += [eps] * EPS_SCALING_STEPS
+        eps *= ratio
+    return head
+
+
+def check_init(init, m: Measures) -> tuple[Tensor, Tensor]:
+    if not isinstance(init, (tuple, list)) or len(init) != 2:
+        raise TypeError("potentials_init: expected a pair (f, g)")
+    out = []
+    for name, v, ref in (("potentials_init[0]", init[0], m.a_log), ("potentials_init[1]", init[1], m.b_log)):
+        t = to_tensor(name, v)
+        check_dtype(name, t)
+        check_storage(name, t)
+        t = t.unsqueeze(0) if not m.batched else t
+        if t.shape != ref.shape:
+            shape = tuple(ref.shape) if m.batched else tuple(ref.shape[1:])
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(v.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: contains NaN or Inf values")
+        out.append(t.detach().to(ref.device, ref.dtype))
+    return out[0], out[1]
