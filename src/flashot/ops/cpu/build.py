@@ -243,7 +243,8 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, 
         shutil.rmtree(work, ignore_errors=True)
 
 
-# compiler CPU seconds of each library and of its largest unit (g++ 12 -O3, AMD EPYC Zen 3; BENCHMARKS.md)
+# compiler CPU seconds of each library and of its largest unit (g++ 12 -O3, AMD EPYC Zen 3; BENCHMARKS.md,
+# "First-use compile of the CPU kernels")
 _COMPILE_CPU_S = {"core": (28.0, 8.0), "blocksparse": (44.0, 15.0)}
 
 
