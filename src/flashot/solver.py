@@ -186,6 +186,178 @@ def check_potentials(m: Measures, eps: float, where: str, *pots: Tensor | None) 
     )
 
 
+@dataclass
+class _Iterate:
+    """The potentials a loop carries: the cross pair, and the debiasing ones where asked."""
+
+    f: Tensor
+    g: Tensor
+    f_aa: Tensor | None = None
+    g_bb: Tensor | None = None
+    g_aa: Tensor | None = None  # two-sided debiasing (rho_x != rho_y) only
+    f_bb: Tensor | None = None
+    g_plain: Tensor | None = None  # alternating Anderson: the last plain g (returned instead of an extrapolated one)
+
+    def all(self) -> tuple[Tensor | None, ...]:
+        return self.f, self.g, self.f_aa, self.g_bb, self.g_aa, self.f_bb
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What stays fixed during a loop: the problem, the schedule and the update rule."""
+
+    m: Measures
+    eps_list: Sequence[float]
+    symmetric: bool
+    debias: bool
+    two_sided: bool  # debiasing with rho_x != rho_y: two potentials per self problem
+    rho_x: float | None
+    rho_y: float | None
+    balanced: bool
+    acc: Accelerator | None
+    momentum: bool
+    anderson: bool
+    wz: Tensor | None  # Anderson's weights of (f, g) (symmetric updates) and of g (alternating ones)
+    wb: Tensor | None
+
+
+def _setup(m: Measures, eps_list: Sequence[float], symmetric: bool, debias: bool, rho_x: float | None,
+           rho_y: float | None, acceleration) -> _Setup:
+    a_log = m.a_log
+    acc = None if acceleration is None else Accelerator(acceleration, a_log.shape[0], a_log.device, a_log.dtype,
+                                                        m.reduce)
+    wz = wb = None
+    if acc is not None:  # Anderson's least squares weigh each potential by its point's weight (the error's norm)
+        wb = m.b.detach().to(a_log.dtype)
+        wz = torch.cat([m.a.detach().to(a_log.dtype), wb], -1)
+    return _Setup(m, eps_list, symmetric, debias, debias and rho_x != rho_y, rho_x, rho_y,
+                  rho_x is None and rho_y is None, acc, isinstance(acceleration, Momentum),
+                  isinstance(acceleration, Anderson), wz, wb)
+
+
+def _initialise(s: _Setup, eps: float, init: tuple[Tensor, Tensor] | None,
+                init_self: tuple[Tensor, Tensor] | None) -> _Iterate:
+    """The starting potentials: ``init``, else one symmetric step from zero (symmetric updates) or zeros;
+    the debiasing ones from ``init_self``, else one self step from zero."""
+    m = s.m
+    lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
+    if init is not None:
+        f, g = init
+    elif s.symmetric:
+        sx, sy = m.softmin_pair(m.h_a(None, eps), m.h_b(None, eps), eps)  # (softmin_x(log b), softmin_y(log a))
+        f, g = lx * sx, ly * sy
+    else:
+        f, g = torch.zeros_like(m.a_log), torch.zeros_like(m.b_log)
+    z = _Iterate(f, g)
+    if s.debias and init_self is not None:
+        z.f_aa, z.g_bb = init_self
+    elif s.debias:
+        z.f_aa, z.g_bb = lx * m.softmin_xx(m.h_a(None, eps), eps), ly * m.softmin_yy(m.h_b(None, eps), eps)
+    if s.two_sided:
+        z.g_aa, z.f_bb = ly * m.softmin_xx(m.h_a(None, eps), eps), lx * m.softmin_yy(m.h_b(None, eps), eps)
+    return z
+
+
+def _self_step(s: _Setup, z: _Iterate, eps: float, err_t: Tensor | None, need_err: bool) -> Tensor | None:
+    """The debiasing potentials' averaged step (symmetric updates); their errors count in ``err_t``."""
+    m, balanced = s.m, s.balanced
+    lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
+    if s.two_sided:
+        ft_aa = lx * m.softmin_xx(m.h_a(z.g_aa, eps), eps)
+        gt_aa = ly * m.softmin_xx(m.h_a(z.f_aa, eps), eps)
+        ft_bb = lx * m.softmin_yy(m.h_b(z.g_bb, eps), eps)
+        gt_bb = ly * m.softmin_yy(m.h_b(z.f_bb, eps), eps)
+        if need_err:  # the self problems must converge too: their errors count
+            err_t = _max_error(m, err_t, balanced, eps, (z.f_aa, ft_aa, "x"), (z.g_aa, gt_aa, "x"),
+                               (z.f_bb, ft_bb, "y"), (z.g_bb, gt_bb, "y"))
+        z.f_aa, z.g_aa = 0.5 * (z.f_aa + ft_aa), 0.5 * (z.g_aa + gt_aa)
+        z.f_bb, z.g_bb = 0.5 * (z.f_bb + ft_bb), 0.5 * (z.g_bb + gt_bb)
+    elif s.debias:
+        ft_aa = lx * m.softmin_xx(m.h_a(z.f_aa, eps), eps)
+        gt_bb = ly * m.softmin_yy(m.h_b(z.g_bb, eps), eps)
+        if need_err:
+            err_t = _max_error(m, err_t, balanced, eps, (z.f_aa, ft_aa, "x"), (z.g_bb, gt_bb, "y"))
+        z.f_aa, z.g_bb = 0.5 * (z.f_aa + ft_aa), 0.5 * (z.g_bb + gt_bb)
+    return err_t
+
+
+def _symmetric_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: bool) -> Tensor | None:
+    """GeomLoss' update: both potentials from the previous pair, averaged with it (then accelerated)."""
+    m, acc = s.m, s.acc
+    lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
+    err_t = None
+    sx, sy = m.softmin_pair(m.h_a(z.f, eps), m.h_b(z.g, eps), eps)
+    ft, gt = lx * sx, ly * sy
+    if need_err:
+        err_t = torch.maximum(_error(m, z.f, ft, eps, "x", s.balanced), _error(m, z.g, gt, eps, "y", s.balanced))
+    err_t = _self_step(s, z, eps, err_t, need_err)
+    fp, gp = 0.5 * (z.f + ft), 0.5 * (z.g + gt)
+    if acc is None:
+        z.f, z.g = fp, gp
+    elif s.momentum:
+        w = acc.omega(err_t, eps, _left_at(s.eps_list, it))
+        z.f = acc.momentum_guard(z.f + w * (fp - z.f), fp)
+        z.g = acc.momentum_guard(z.g + w * (gp - z.g), gp)
+    else:
+        n = z.f.shape[-1]
+        zz = acc.extrapolate(torch.cat([z.f, z.g], -1), torch.cat([fp, gp], -1), err_t, eps, s.wz)
+        z.f, z.g = zz[..., :n], zz[..., n:]
+    return err_t
+
+
+def _alternating_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: bool) -> Tensor | None:
+    """POT's update: ``f`` from ``g``, then ``g`` from the new ``f`` (each half-step relaxed under
+    Momentum; ``g`` extrapolated under Anderson, the plain one kept in ``z.g_plain``)."""
+    m, acc, balanced = s.m, s.acc, s.balanced
+    lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
+    f, g = z.f, z.g
+    err_t = err_x = None
+    relaxed = s.momentum and it > 1  # g's update then needs the relaxed f
+    if relaxed:
+        fs = lx * m.softmin_x(m.h_b(g, eps), eps)
+    else:  # both half-steps in one pass where the engine can (cpu: d >= 4)
+        sx, sy = m.softmin_alt(m.h_a(None, eps), m.h_b(g, eps), eps, lam=lx)
+        fs, gs = lx * sx, ly * sy
+    if need_err:
+        err_x = _error(m, f, fs, eps, "x", balanced)
+    if relaxed:
+        # the safeguard compares the row errors of (f, g) before each relaxed step
+        # (at it == 1 the initial f is not a potential yet: plain step)
+        w = acc.omega(err_x, eps, _left_at(s.eps_list, it))
+        fn = acc.momentum_guard(f + w * (fs - f), fs)
+        gs = ly * m.softmin_y(m.h_a(fn, eps), eps)
+    else:
+        fn = fs
+    if need_err:
+        err_y = _error(m, g, gs, eps, "y", balanced)
+        # at it == 1 the initial f (zeros) is not a potential: use the g-side error only
+        # Anderson: f = S_x(g) with the extrapolated g, so (f, g) has exact rows and err_y
+        # is its whole error; err_x would compare the previous f with an extrapolated g
+        err_t = err_y if it == 1 or s.anderson else torch.maximum(err_x, err_y)
+    if relaxed:
+        gn = acc.momentum_guard(g + w * (gs - g), gs)
+    elif s.anderson:
+        gn = acc.extrapolate(g, gs, err_y, eps, s.wb)
+        z.g_plain = gs  # returned instead of gn: (fs, gs) is a plain, consistent pair
+    else:
+        gn = gs
+    z.f, z.g = fn, gn
+    return err_t
+
+
+def _read_error(s: _Setup, z: _Iterate, err_t: Tensor, eps: float, it: int,
+                tol: float | None) -> tuple[float, float | None]:
+    """The error on the host (one sync), with the rounding floor when a ``tol`` is to be met; non-finite
+    potentials raise here."""
+    if tol is None:
+        err, floor = float(err_t.max()), None
+    else:  # one sync for both
+        err, floor = torch.stack([err_t.max(), rounding_floor(s.m, z.f, z.g, eps)]).tolist()
+    if not math.isfinite(err):  # an overflowing error, or non-finite potentials?
+        check_potentials(s.m, eps, f"at iteration {it}", *z.all())
+    return err, floor
+
+
 def sinkhorn_loop(
     m: Measures,
     eps_list: Sequence[float],
@@ -212,27 +384,24 @@ def sinkhorn_loop(
     ``tol`` is given and the error is below ``max(tol, rounding floor)`` (:func:`stop_tol`;
     never where the floor exceeds ``max(tol, FLOOR_CAP)``).  ``init = (f, g)`` warm-starts the cross
     potentials and ``init_self = (f_aa, g_bb)`` the debiasing ones (``rho_x == rho_y``).
-    ``callback(record)`` runs after every iteration (``record.error`` is None between checks); returning ``True`` stops the solve (``stopped=True``, no warning).
+    ``callback(record)`` runs after every iteration (``record.error`` is None between checks); returning
+    ``True`` stops the solve (``stopped=True``, no warning).
     ``acceleration``: None, :class:`~flashot.acceleration.Momentum` or
     :class:`~flashot.acceleration.Anderson` (cross potentials only; the adaptive Momentum is told the steps
-    left at the current eps, :func:`_left_at`, to start a relaxed phase only where it can pay off).  ``verbose`` shows a
-    progress bar updated at the checks.  Runs without autograd.
+    left at the current eps, :func:`_left_at`, to start a relaxed phase only where it can pay off).
+    ``verbose`` shows a progress bar updated at the checks.  Runs without autograd.
+
+    The steps: :func:`_initialise`, then per temperature :func:`_symmetric_step` (with :func:`_self_step`
+    for the debiasing potentials) or :func:`_alternating_step`, and every ``inner_iterations`` steps
+    :func:`_read_error` and the stopping test.
     """
     inner = check_int("inner_iterations", inner_iterations)
-    acceleration = check_acceleration(acceleration)
-    balanced = rho_x is None and rho_y is None
-    a_log, b_log = m.a_log, m.b_log
+    s = _setup(m, eps_list, symmetric, debias, rho_x, rho_y, check_acceleration(acceleration))
     n_total = len(eps_list)
     eps_final = eps_list[n_total - 1] if n_total else None
     progress = make_progress(verbose, n_total)
     want_err = tol is not None or callback is not None or progress.active
-    B = a_log.shape[0]
-    acc = None if acceleration is None else Accelerator(acceleration, B, a_log.device, a_log.dtype, m.reduce)
-    if acc is not None:  # Anderson's least squares weigh each potential by its point's weight (the error's norm)
-        wb = m.b.detach().to(a_log.dtype)
-        wz = torch.cat([m.a.detach().to(a_log.dtype), wb], -1)
-    momentum = isinstance(acceleration, Momentum)
-    anderson = isinstance(acceleration, Anderson)
+    step = _symmetric_step if symmetric else _alternating_step
     t0 = time.perf_counter()
     err_t: Tensor | None = None
     err: float | None = None
@@ -244,106 +413,17 @@ def sinkhorn_loop(
     eps = eps_list[0] if n_total else float("nan")  # bound before the try: its finally reports it
     try:
         with torch.no_grad():
-            lx, ly = damping(eps, rho_x), damping(eps, rho_y)
-            if init is not None:
-                f, g = init
-            elif symmetric:
-                sx, sy = m.softmin_pair(m.h_a(None, eps), m.h_b(None, eps), eps)  # (softmin_x(log b), softmin_y(log a))
-                f, g = lx * sx, ly * sy
-            else:
-                f, g = torch.zeros_like(a_log), torch.zeros_like(b_log)
-            f_aa = g_bb = g_aa = f_bb = None
-            two_sided = debias and rho_x != rho_y
-            if debias and init_self is not None:
-                f_aa, g_bb = init_self
-            elif debias:
-                f_aa, g_bb = lx * m.softmin_xx(m.h_a(None, eps), eps), ly * m.softmin_yy(m.h_b(None, eps), eps)
-            if two_sided:
-                g_aa, f_bb = ly * m.softmin_xx(m.h_a(None, eps), eps), lx * m.softmin_yy(m.h_b(None, eps), eps)
-            N = f.shape[-1]
-
+            z = _initialise(s, eps, init, init_self)
             for it, eps in enumerate(eps_list, start=1):
-                lx, ly = damping(eps, rho_x), damping(eps, rho_y)
                 # read the error every `inner` steps, at the end, and at the end of each eps level
                 check = it % inner == 0 or it == n_total or eps_list[it] != eps
-                need_err = acc is not None or (want_err and check)
-                if symmetric:
-                    sx, sy = m.softmin_pair(m.h_a(f, eps), m.h_b(g, eps), eps)
-                    ft, gt = lx * sx, ly * sy
-                    if need_err:
-                        err_t = torch.maximum(
-                            _error(m, f, ft, eps, "x", balanced), _error(m, g, gt, eps, "y", balanced)
-                        )
-                    if two_sided:
-                        ft_aa = lx * m.softmin_xx(m.h_a(g_aa, eps), eps)
-                        gt_aa = ly * m.softmin_xx(m.h_a(f_aa, eps), eps)
-                        ft_bb = lx * m.softmin_yy(m.h_b(g_bb, eps), eps)
-                        gt_bb = ly * m.softmin_yy(m.h_b(f_bb, eps), eps)
-                        if need_err:  # the self problems must converge too: their errors count
-                            err_t = _max_error(m, err_t, balanced, eps, (f_aa, ft_aa, "x"), (g_aa, gt_aa, "x"),
-                                               (f_bb, ft_bb, "y"), (g_bb, gt_bb, "y"))
-                        f_aa, g_aa = 0.5 * (f_aa + ft_aa), 0.5 * (g_aa + gt_aa)
-                        f_bb, g_bb = 0.5 * (f_bb + ft_bb), 0.5 * (g_bb + gt_bb)
-                    elif debias:
-                        ft_aa = lx * m.softmin_xx(m.h_a(f_aa, eps), eps)
-                        gt_bb = ly * m.softmin_yy(m.h_b(g_bb, eps), eps)
-                        if need_err:
-                            err_t = _max_error(m, err_t, balanced, eps, (f_aa, ft_aa, "x"), (g_bb, gt_bb, "y"))
-                        f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
-                    fp, gp = 0.5 * (f + ft), 0.5 * (g + gt)
-                    if acc is None:
-                        f, g = fp, gp
-                    elif momentum:
-                        w = acc.omega(err_t, eps, _left_at(eps_list, it))
-                        f = acc.momentum_guard(f + w * (fp - f), fp)
-                        g = acc.momentum_guard(g + w * (gp - g), gp)
-                    else:
-                        z = acc.extrapolate(torch.cat([f, g], -1), torch.cat([fp, gp], -1), err_t, eps, wz)
-                        f, g = z[..., :N], z[..., N:]
-                else:
-                    relaxed = momentum and it > 1  # g's update then needs the relaxed f
-                    if relaxed:
-                        fs = lx * m.softmin_x(m.h_b(g, eps), eps)
-                    else:  # both half-steps in one pass where the engine can (cpu: d >= 4)
-                        sx, sy = m.softmin_alt(m.h_a(None, eps), m.h_b(g, eps), eps, lam=lx)
-                        fs, gs = lx * sx, ly * sy
-                    if need_err:
-                        err_x = _error(m, f, fs, eps, "x", balanced)
-                    if relaxed:
-                        # the safeguard compares the row errors of (f, g) before each relaxed step
-                        # (at it == 1 the initial f is not a potential yet: plain step)
-                        w = acc.omega(err_x, eps, _left_at(eps_list, it))
-                        fn = acc.momentum_guard(f + w * (fs - f), fs)
-                        gs = ly * m.softmin_y(m.h_a(fn, eps), eps)
-                    else:
-                        fn = fs
-                    if need_err:
-                        err_y = _error(m, g, gs, eps, "y", balanced)
-                        # at it == 1 the initial f (zeros) is not a potential: use the g-side error only
-                        # Anderson: f = S_x(g) with the extrapolated g, so (f, g) has exact rows and err_y
-                        # is its whole error; err_x would compare the previous f with an extrapolated g
-                        err_t = err_y if it == 1 or anderson else torch.maximum(err_x, err_y)
-                    if relaxed:
-                        gn = acc.momentum_guard(g + w * (gs - g), gs)
-                    elif anderson:
-                        gn = acc.extrapolate(g, gs, err_y, eps, wb)
-                        g_plain = gs  # returned instead of gn: (fs, gs) is a plain, consistent pair
-                    else:
-                        gn = gs
-                    f, g = fn, gn
+                err_t = step(s, z, eps, it, s.acc is not None or (want_err and check))
+                err = None
                 if check and want_err:
-                    if tol is None:
-                        err = float(err_t.max())
-                    else:  # one sync for both
-                        err, floor = torch.stack([err_t.max(), rounding_floor(m, f, g, eps)]).tolist()
-                    if not math.isfinite(err):  # an overflowing error, or non-finite potentials?
-                        check_potentials(m, eps, f"at iteration {it}", f, g, f_aa, g_bb, g_aa, f_bb)
+                    err, floor = _read_error(s, z, err_t, eps, it, tol)
                     progress.update(it, eps, err)
-                else:
-                    err = None
-                if callback is not None:
-                    if callback(IterationRecord(it, eps, err, time.perf_counter() - t0)) is True:
-                        stopped = True
+                if callback is not None and callback(IterationRecord(it, eps, err, time.perf_counter() - t0)) is True:
+                    stopped = True
                 if tol is not None and err is not None and eps == eps_final:  # not during eps-scaling
                     stop_at = stop_tol(tol, floor)
                     if stop_at is not None and err < stop_at:
@@ -353,20 +433,20 @@ def sinkhorn_loop(
                     break
         if err_t is not None and err is None:
             err = float(err_t.max())
-        if anderson and not symmetric and n_total > 0:
-            g = g_plain  # an extrapolated g paired with f = S_x(previous g) can carry any mass
-        check_potentials(m, eps, f"after {it} iterations", f, g, f_aa, g_bb, g_aa, f_bb)
+        if s.anderson and not symmetric and n_total > 0:
+            z.g = z.g_plain  # an extrapolated g paired with f = S_x(previous g) can carry any mass
+        check_potentials(m, eps, f"after {it} iterations", *z.all())
     finally:
         status = "converged" if converged else ("stopped by callback" if stopped else "")
         progress.close(it, eps, err, status)
     if tol is not None and not converged and not stopped and warn:
         warnings.warn(
             f"Sinkhorn did not reach tol={tol:g} in {it} iterations (error {err:.3g}); "
-            + _advice(m, tol, eps, floor, balanced),
+            + _advice(m, tol, eps, floor, s.balanced),
             RuntimeWarning,
             stacklevel=3,
         )
-    return SinkhornState(f, g, f_aa, g_bb, eps, it, err, converged, stopped, g_aa, f_bb)
+    return SinkhornState(z.f, z.g, z.f_aa, z.g_bb, eps, it, err, converged, stopped, z.g_aa, z.f_bb)
 
 
 def final_step(
