@@ -423,16 +423,10 @@ def _check_backend(p, args) -> None:
         print(f"flashot solve: warning: {_one_line(w.message)}", file=sys.stderr)
 
 
-def _solve(args, p) -> int:
-    import json
-    import warnings
-
-    import numpy as np
-
-    from . import __version__
+def _read_inputs(args, p):
+    """The two clouds and their weights, read and checked (``--out``'s directory too) before any work."""
     from . import io as fio
 
-    t_read = time.perf_counter()
     limits = fio.Limits(max_points=args.max_points, max_bytes=args.max_bytes)
     if args.out:
         out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -456,24 +450,31 @@ def _solve(args, p) -> int:
                         f"d = {y.shape[1]} (points of both clouds need the same number of coordinates)")
     if args.topk is not None and args.topk > y.shape[0]:
         p.error(f"argument --topk: {args.topk} is above the number of target points ({y.shape[0]})")
-    t_read = time.perf_counter() - t_read
-    n, m, d = x.shape[0], y.shape[0], x.shape[1]
     if args.unbalanced is None:  # balanced OT compares distributions: total mass 1 on each side
         a = None if a is None else a / a.sum()
         b = None if b is None else b / b.sum()
-    dtype = np.float32 if args.float32 else np.float64
-    cast = (lambda v: None if v is None else v.astype(dtype))
+    wsrc = [s for s in (xs.source or args.source_weights, ys.source or args.target_weights) if s]
+    return x, y, a, b, wsrc
+
+
+def _temperature(args) -> tuple[str, float, str]:
+    """(cost, reg, a line saying which): ``--blur`` is GeomLoss' convention, cost |x-y|^2/2 at eps = blur^2."""
     if args.blur is not None:
-        cost, reg, temp = "half_sqeuclidean", args.blur ** 2, f"blur = {args.blur:g}: cost |x-y|^2/2, eps = blur^2 = {args.blur ** 2:g}"
-    else:
-        cost, reg = args.cost or "sqeuclidean", args.reg
-        temp = f"cost {_COST_TEXT[cost]}, eps = reg = {reg:g}"
-    verbose = not args.quiet and n * m >= PROGRESS_MIN_PAIRS
+        return "half_sqeuclidean", args.blur ** 2, \
+            f"blur = {args.blur:g}: cost |x-y|^2/2, eps = blur^2 = {args.blur ** 2:g}"
+    cost = args.cost or "sqeuclidean"
+    return cost, args.reg, f"cost {_COST_TEXT[cost]}, eps = reg = {args.reg:g}"
+
+
+def _run_solve(args, x, y, a, b, dtype, cost: str, reg: float):
+    """``flashot.solve_sample`` with its warnings printed as one line each on stderr."""
+    import warnings
 
     import flashot
 
+    cast = (lambda v: None if v is None else v.astype(dtype))
+    verbose = not args.quiet and x.shape[0] * y.shape[0] >= PROGRESS_MIN_PAIRS
     caught = []
-    t0 = time.perf_counter()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -482,10 +483,62 @@ def _solve(args, p) -> int:
                                        backend=args.backend, verbose=verbose)
     except (ValueError, TypeError, FloatingPointError, MemoryError, NotImplementedError) as e:
         raise _CliError(_one_line(e)) from None
-    t_solve = time.perf_counter() - t0
     for w in caught:
         print(f"flashot solve: warning: {_one_line(w.message)}", file=sys.stderr)
+    return res
+
+
+def _write_out(args, res, a, b, n: int, m: int, reg: float, cost: str, t_solve: float) -> tuple[list[str], float]:
+    """``--out``: the potentials, weights and (``--map``, ``--topk``) plan extras in one ``.npz``."""
+    import numpy as np
+
+    from . import __version__
+
     f, g = res.potentials
+    arrays = {
+        "value": np.float64(float(res.value)), "f": np.asarray(f, dtype=np.float64),
+        "g": np.asarray(g, dtype=np.float64),
+        "a": np.full(n, 1.0 / n) if a is None else np.asarray(a, dtype=np.float64),
+        "b": np.full(m, 1.0 / m) if b is None else np.asarray(b, dtype=np.float64),
+        "n_iter": np.int64(res.n_iter), "converged": np.bool_(res.converged),
+        "error": np.float64(np.nan if res.error is None else res.error), "reg": np.float64(reg),
+        "cost": np.str_(cost), "backend": np.str_(res.backend), "time_s": np.float64(t_solve),
+        "version": np.str_(__version__),
+    }
+    t1 = time.perf_counter()
+    try:
+        if args.map:
+            arrays["barycentric_map"] = np.asarray(res.plan.barycentric_map(), dtype=np.float64)
+        if args.topk:
+            vals, idx = res.plan.topk(args.topk)
+            arrays["topk_values"], arrays["topk_indices"] = np.asarray(vals, dtype=np.float64), np.asarray(idx)
+    except (ValueError, FloatingPointError, MemoryError) as e:
+        raise _CliError(_one_line(e)) from None
+    extras_s = time.perf_counter() - t1
+    try:
+        with open(args.out, "wb") as fh:
+            np.savez(fh, **arrays)
+    except OSError as e:
+        raise _CliError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
+    return sorted(arrays), extras_s
+
+
+def _solve(args, p) -> int:
+    import json
+
+    import numpy as np
+
+    from . import __version__
+
+    t_read = time.perf_counter()
+    x, y, a, b, wsrc = _read_inputs(args, p)
+    t_read = time.perf_counter() - t_read
+    n, m, d = x.shape[0], y.shape[0], x.shape[1]
+    dtype = np.float32 if args.float32 else np.float64
+    cost, reg, temp = _temperature(args)
+    t0 = time.perf_counter()
+    res = _run_solve(args, x, y, a, b, dtype, cost, reg)
+    t_solve = time.perf_counter() - t0
     value = float(res.value)
     result = {
         "value": value, "n_iter": int(res.n_iter), "converged": bool(res.converged),
@@ -495,35 +548,10 @@ def _solve(args, p) -> int:
         "source": args.source, "target": args.target, "out": args.out, "version": __version__,
     }
     if args.out:
-        arrays = {
-            "value": np.float64(value), "f": np.asarray(f, dtype=np.float64), "g": np.asarray(g, dtype=np.float64),
-            "a": np.full(n, 1.0 / n) if a is None else np.asarray(a, dtype=np.float64),
-            "b": np.full(m, 1.0 / m) if b is None else np.asarray(b, dtype=np.float64),
-            "n_iter": np.int64(res.n_iter), "converged": np.bool_(res.converged),
-            "error": np.float64(np.nan if res.error is None else res.error), "reg": np.float64(reg),
-            "cost": np.str_(cost), "backend": np.str_(res.backend), "time_s": np.float64(t_solve),
-            "version": np.str_(__version__),
-        }
-        t1 = time.perf_counter()
-        try:
-            if args.map:
-                arrays["barycentric_map"] = np.asarray(res.plan.barycentric_map(), dtype=np.float64)
-            if args.topk:
-                vals, idx = res.plan.topk(args.topk)
-                arrays["topk_values"], arrays["topk_indices"] = np.asarray(vals, dtype=np.float64), np.asarray(idx)
-        except (ValueError, FloatingPointError, MemoryError) as e:
-            raise _CliError(_one_line(e)) from None
-        result["extras_s"] = time.perf_counter() - t1
-        try:
-            with open(args.out, "wb") as fh:
-                np.savez(fh, **arrays)
-        except OSError as e:
-            raise _CliError(f"--out {args.out}: cannot write ({e.strerror or e})") from None
-        result["written"] = sorted(arrays)
+        result["written"], result["extras_s"] = _write_out(args, res, a, b, n, m, reg, cost, t_solve)
     if args.json:
         print(json.dumps(result))
         return 0
-    wsrc = [s for s in (xs.source or args.source_weights, ys.source or args.target_weights) if s]
     print(f"flashot {__version__} solve: {args.source} ({n:,} points) -> {args.target} ({m:,} points), d = {d}")
     print(f"  {temp}" + (f", unbalanced rho = {args.unbalanced}" if args.unbalanced is not None else "")
           + (f"; weights from {', '.join(wsrc)}" if wsrc else "; uniform weights"))
