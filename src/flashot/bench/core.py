@@ -228,15 +228,61 @@ def _progress(total: int):
         return None
 
 
+def _run_one(cfg: Config, planner: Planner, s: str, prob: Problem, row: Row, iters: int) -> bool:
+    """One solver on one problem: skipped where memory or the time budget rule it out, else timed in a
+    worker; fills ``row`` (status, times, value, ...).  True when it ran and succeeded."""
+    runner = get_runner(s)
+    mem = mem_available_bytes()
+    if runner.bytes_per_pair and mem is not None and runner.bytes_per_pair * prob.pairs > 0.8 * mem:
+        row.status, row.reason = "skipped", (f"needs ~{runner.bytes_per_pair * prob.pairs / 2**30:.1f} GiB "
+                                             f"(dense n x m arrays), {mem / 2**30:.1f} GiB available")
+        return False
+    if planner.needs_probe(s, prob):
+        err = planner.probe(s, prob)
+        if err:
+            row.status, row.reason = "error", f"probe failed: {err}"
+            return False
+    k, r, skip = planner.plan(s, prob, iters, cfg.repeats)
+    if skip:
+        row.status, row.reason = "skipped", skip
+        return False
+    notes = []
+    if iters < cfg.iters:
+        notes.append(f"iterations capped at flashot's {iters}")
+    if k < iters or r < cfg.repeats:
+        notes.append(f"reduced from {iters}x{cfg.repeats} to fit the time budget")
+    row.reduced = "; ".join(notes)
+    limits_t = [t for t in (cfg.timeout, planner.remaining()) if t is not None]
+    sb = planner.solver_budget(s)
+    if sb is not None:  # estimates can be off: stop a worker well past its budget
+        limits_t.append(2 * sb + 60)
+    timeout = max(1.0, min(limits_t)) if limits_t else None
+    res, wall = run_worker(s, prob, k, r, record=row.is_ref, timeout=timeout, in_process=cfg.in_process)
+    row.wall_s = wall
+    row.iters, row.repeats = k, r
+    if res.get("rss_peak_kib") is not None:
+        row.rss_peak_mib = res["rss_peak_kib"] / 1024
+    if res.get("status") != "ok":
+        row.status, row.reason = "error", res.get("error", "unknown error")
+        return False
+    planner.learn(s, prob, res, wall)
+    row.times = res["times"]
+    row.version = res.get("version", row.version)
+    row.engine = res.get("engine")
+    row.value = res["value"]
+    row.trajectory = res.get("trajectory")
+    row.cpu_s = res.get("cpu_s")
+    row.rss_before_mib = res["rss_before_kib"] / 1024 if res.get("rss_before_kib") else None
+    return True
+
+
 def run_bench(cfg: Config, *, progress: bool = True, log=None, rates: dict | None = None) -> BenchResult:
+    """Every active solver on every problem of ``cfg`` (flashot's first engine first: the reference whose
+    iteration count caps the others'), within the time budget."""
     t_start = time.perf_counter()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     solvers = [f"flashot:{e}" for e in cfg.engines] + list(cfg.peers)
-    missing: dict[str, str] = {}
-    for s in solvers:
-        why = get_runner(s).missing()
-        if why:
-            missing[s] = why
+    missing = {s: why for s in solvers if (why := get_runner(s).missing())}
     active = [s for s in solvers if s not in missing]
     limits: dict[str, Limits] = {}
     if cfg.measure_limits:
@@ -255,64 +301,16 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None, rates: dict | Non
         ref_iters = None  # iterations of the reference (first flashot) run, when it ran
         for s in active:
             done += 1
-            msg = f"[{done}/{total}] {s} on {prob.label()}"
             if bar is not None:
                 bar.set_description(f"{s} n={prob.n} d={prob.d}")
             elif progress:
-                log(msg)
+                log(f"[{done}/{total}] {s} on {prob.label()}")
             row = Row(prob, s, version=get_runner(s).version())
             cell.append(row)
-            is_ref = s == active[0] and s.startswith("flashot:")
-            row.is_ref = is_ref
-            iters = cfg.iters if is_ref or ref_iters is None else min(cfg.iters, ref_iters)
-            runner = get_runner(s)
-            mem = mem_available_bytes()
-            if runner.bytes_per_pair and mem is not None and runner.bytes_per_pair * prob.pairs > 0.8 * mem:
-                row.status, row.reason = "skipped", (f"needs ~{runner.bytes_per_pair * prob.pairs / 2**30:.1f} GiB "
-                                                     f"(dense n x m arrays), {mem / 2**30:.1f} GiB available")
-                _tick(bar)
-                continue
-            if planner.needs_probe(s, prob):
-                err = planner.probe(s, prob)
-                if err:
-                    row.status, row.reason = "error", f"probe failed: {err}"
-                    _tick(bar)
-                    continue
-            k, r, skip = planner.plan(s, prob, iters, cfg.repeats)
-            if skip:
-                row.status, row.reason = "skipped", skip
-                _tick(bar)
-                continue
-            notes = []
-            if iters < cfg.iters:
-                notes.append(f"iterations capped at flashot's {iters}")
-            if k < iters or r < cfg.repeats:
-                notes.append(f"reduced from {iters}x{cfg.repeats} to fit the time budget")
-            row.reduced = "; ".join(notes)
-            limits_t = [t for t in (cfg.timeout, planner.remaining()) if t is not None]
-            sb = planner.solver_budget(s)
-            if sb is not None:  # estimates can be off: stop a worker well past its budget
-                limits_t.append(2 * sb + 60)
-            timeout = max(1.0, min(limits_t)) if limits_t else None
-            res, wall = run_worker(s, prob, k, r, record=is_ref, timeout=timeout, in_process=cfg.in_process)
-            row.wall_s = wall
-            row.iters, row.repeats = k, r
-            if res.get("rss_peak_kib") is not None:
-                row.rss_peak_mib = res["rss_peak_kib"] / 1024
-            if res.get("status") != "ok":
-                row.status, row.reason = "error", res.get("error", "unknown error")
-                _tick(bar)
-                continue
-            planner.learn(s, prob, res, wall)
-            row.times = res["times"]
-            row.version = res.get("version", row.version)
-            row.engine = res.get("engine")
-            row.value = res["value"]
-            row.trajectory = res.get("trajectory")
-            row.cpu_s = res.get("cpu_s")
-            row.rss_before_mib = res["rss_before_kib"] / 1024 if res.get("rss_before_kib") else None
-            if is_ref:
-                ref_iters = k
+            row.is_ref = s == active[0] and s.startswith("flashot:")
+            iters = cfg.iters if row.is_ref or ref_iters is None else min(cfg.iters, ref_iters)
+            if _run_one(cfg, planner, s, prob, row, iters) and row.is_ref:
+                ref_iters = row.iters
             _tick(bar)
         _finish_cell(cell, limits.get(prob.dtype))
         rows.extend(cell)
