@@ -23,6 +23,7 @@ from flashot.clusters import MORTON_BITS, _spread, block_cost_bounds, cluster, c
 from flashot.costs import get_cost
 import flashot.multiscale as MS
 from flashot.multiscale import BlockBounds, hierarchy, prune
+from flashot.ops import Capability
 from flashot.ops.blocksparse import BlockPattern, BlockSparseEngine
 
 F64 = torch.float64
@@ -295,6 +296,12 @@ def test_fused_steps_with_barycentres_match_masked_dense(dtype, tol):
     assert e4.softmin_sym_bary(x4, h, eps, cost) is None
 
 
+def _without_barycentres(monkeypatch):
+    """The block-sparse engine without its barycentre steps (it stops declaring them)."""
+    monkeypatch.setattr(BlockSparseEngine, "capabilities", BlockSparseEngine.capabilities
+                        - {Capability.SOFTMIN_PAIR_BARY, Capability.SOFTMIN_SYM_BARY})
+
+
 @pytest.mark.parametrize("debias, reach", [(True, {}), (False, {}), (True, dict(reach=0.5))])
 def test_gradients_from_barycentres_match_plan_products(debias, reach, monkeypatch):
     """A multiscale ``SamplesLoss``'s gradients (points and weights, both sides) with the final step's
@@ -308,8 +315,7 @@ def test_gradients_from_barycentres_match_plan_products(debias, reach, monkeypat
     v1, g1, L = _loss_and_grads(x, y, a, b, **kw)
     st = L.last_multiscale.m.engine.stats
     assert st["pair_bary"] + st["sym_bary"] >= 1 and L.last_multiscale.kept[-1] < 0.5
-    monkeypatch.delattr(BlockSparseEngine, "softmin_pair_bary")
-    monkeypatch.delattr(BlockSparseEngine, "softmin_sym_bary")
+    _without_barycentres(monkeypatch)
     v0, g0, _ = _loss_and_grads(x, y, a, b, **kw)
     assert abs(float(v1 - v0)) <= 1e-12 * abs(float(v0))
     for u, w in zip(g1, g0):
@@ -328,8 +334,7 @@ def test_float32_gradients_from_barycentres_are_closer_to_float64(monkeypatch):
         return [t.double() - t.double().mean() for t in g]
 
     ref, fused = grads(F64), grads(torch.float32)
-    monkeypatch.delattr(BlockSparseEngine, "softmin_pair_bary")
-    monkeypatch.delattr(BlockSparseEngine, "softmin_sym_bary")
+    _without_barycentres(monkeypatch)
     plan = grads(torch.float32)
     errs = [(_rel(u, r), _rel(w, r)) for u, w, r in zip(fused, plan, ref)]
     assert all(e <= 3e-5 for e, _ in errs), errs

@@ -110,6 +110,7 @@ from torch import Tensor
 from ._checks import check_int
 from .driver import check_init, solve_measures
 from .measures import Measures, log64
+from .ops.base import Capability, Engine, ForwardingEngine
 from .ops.dense import check_dense_budget
 from .plan import DENSE_PLAN_LIMIT, LazyPlan
 from .results import OTResult
@@ -195,22 +196,30 @@ def check_same(group, fields: dict[str, Any]) -> None:
                              f"rank 0; {shown}); every rank must pass the same problem")
 
 
-class ShardedEngine:
+# the fused steps that shard by even row slices (each kept when the inner engine declares it)
+_SHARDED_FUSED = frozenset({Capability.SOFTMIN_PAIR, Capability.SOFTMIN_ALT, Capability.EXPECT_REUSE})
+
+
+class ShardedEngine(ForwardingEngine):
     """An engine that computes this rank's slice of the rows with ``inner`` and all-gathers the rest.
 
-    Implements the engine contract (:mod:`flashot.ops.base`) plus ``softmin_pair`` / ``softmin_alt``
-    when ``inner`` has them, ``softmin_sym`` and ``expect_reuse``.  ``stats``: ``calls`` (collectives)
+    Implements the engine contract (:mod:`flashot.ops.base`) and declares ``softmin_sym`` (a row-sharded
+    ``softmin(x, x, h)``), plus ``softmin_pair`` / ``softmin_alt`` / ``expect_reuse`` where ``inner``
+    declares them and does not pick the slices itself.  ``stats``: ``calls`` (collectives)
     and ``bytes`` (bytes received by this rank's all-gathers, own slice included).
 
     An inner engine bound to fixed row blocks (the multiscale engine,
     :class:`~flashot.ops.blocksparse.BlockSparseEngine`) chooses the slices itself: ``row_bounds(x, y,
     world)`` gives every rank's rows ``[lo, hi)`` of the pair (whole row clusters) and its ``softmin`` /
     ``plan_product`` take ``rows=(lo, hi)`` and the whole clouds; its ``digest(x, y)`` (the kept blocks)
-    enters the header's checksum, so ranks whose pruning diverged raise at that call.
+    enters the header's checksum, so ranks whose pruning diverged raise at that call
+    (``Capability.ROW_RANGES``).
     """
 
-    def __init__(self, inner, group):
-        self.inner = inner
+    def __init__(self, inner: Engine, group):
+        own_rows = inner.supports(Capability.ROW_RANGES)  # the inner engine picks the slices (whole row blocks)
+        fused = frozenset() if own_rows else inner.capabilities & _SHARDED_FUSED  # fused forms: even slices
+        super().__init__(inner, fused | {Capability.SOFTMIN_SYM})
         self.group = check_group(group)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -218,17 +227,10 @@ class ShardedEngine:
         self.stats = {"calls": 0, "bytes": 0}
         self._calls = 0
         self._slices: OrderedDict = OrderedDict()
-        self._own_rows = hasattr(inner, "row_bounds")  # the inner engine picks the slices (whole row blocks)
-        if hasattr(inner, "softmin_pair") and not self._own_rows:  # the fused forms shard by even slices
-            self.softmin_pair = self._softmin_pair
-        if hasattr(inner, "softmin_alt") and not self._own_rows:
-            self.softmin_alt = self._softmin_alt
+        self._own_rows = own_rows
 
     def __repr__(self) -> str:
         return f"ShardedEngine({self.inner.name!r}, rank {self.rank} of {self.world})"
-
-    def unsupported(self, device, dtype, cost):
-        return self.inner.unsupported(device, dtype, cost)
 
     # -- slices ---------------------------------------------------------------------
     def bounds(self, n: int, rank: int | None = None) -> tuple[int, int]:
@@ -359,11 +361,11 @@ class ShardedEngine:
         f, parts = self._exchange(op, [(fr, self._spans(x.shape[1]))], [gp.contiguous()], (x, y, hx, hy))
         return f, self._lse_combine(parts, eps)
 
-    def _softmin_pair(self, x, y, hx, hy, eps, cost):
+    def softmin_pair(self, x, y, hx, hy, eps, cost):
         return self._fused("softmin_pair", x, y, hx, hy, eps,
                            lambda xr, hr: self.inner.softmin_pair(xr, y, hr, hy, eps, cost))
 
-    def _softmin_alt(self, x, y, ha, hy, eps, cost, lam=1.0):
+    def softmin_alt(self, x, y, ha, hy, eps, cost, lam=1.0):
         return self._fused("softmin_alt", x, y, ha, hy, eps,
                            lambda xr, hr: self.inner.softmin_alt(xr, y, hr, hy, eps, cost, lam))
 
@@ -371,9 +373,9 @@ class ShardedEngine:
         return self._softmin("softmin_sym", x, x, h, eps, cost, (x, h))
 
     def expect_reuse(self, x: Tensor, y: Tensor, cost) -> None:
-        hint = getattr(self.inner, "expect_reuse", None)
-        if hint is not None and not self._own_rows and self.bounds(x.shape[1])[1] > self.bounds(x.shape[1])[0]:
-            hint(self._rows(x), y, cost)
+        lo, hi = self.bounds(x.shape[1])
+        if hi > lo and self.supports(Capability.EXPECT_REUSE):  # the inner engine takes it, even slices
+            self.inner.expect_reuse(self._rows(x), y, cost)
 
 
 # -- front-end helpers ------------------------------------------------------------------
@@ -491,7 +493,7 @@ def _lse2(acc: Tensor, out: Tensor, eps: float) -> Tensor:
     return -eps * torch.logaddexp(-acc / eps, -out / eps)
 
 
-class RingEngine:
+class RingEngine(ForwardingEngine):
     """An engine over points sharded across the ranks of ``group`` (ring attention's scheme).
 
     ``softmin(x, y, h)`` and ``plan_product(x, y, alpha, beta, V)`` take THIS rank's rows (``x``,
@@ -503,16 +505,15 @@ class RingEngine:
     blocks at a time) and the partial results are combined as they arrive (LogSumExp / sum).  Each call
     starts with one small all-gather (operation, call number, batch, widths, block lengths) that checks
     that the ranks are at the same call.  ``stats``: ``calls`` and ``bytes`` received by this rank.
+    Capabilities: ``ring_visit``, and ``softmin_pair`` (one ring pass) where ``inner`` declares it.
     """
 
-    def __init__(self, inner, group):
-        self.inner = inner
+    def __init__(self, inner: Engine, group):
+        super().__init__(inner, (inner.capabilities & {Capability.SOFTMIN_PAIR}) | {Capability.RING_VISIT})
         self.group = check_group(group)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.name = f"ring({inner.name})"
-        if hasattr(inner, "softmin_pair"):
-            self.softmin_pair = self._softmin_pair
         self.stats = {"calls": 0, "bytes": 0}
         self._calls = 0
         self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
@@ -520,9 +521,6 @@ class RingEngine:
 
     def __repr__(self) -> str:
         return f"RingEngine({self.inner.name!r}, rank {self.rank} of {self.world})"
-
-    def unsupported(self, device, dtype, cost):
-        return self.inner.unsupported(device, dtype, cost)
 
     def _header(self, op: str, parts: list[Tensor]) -> list[int]:
         """All-gather (op, call number, batch, widths, block length); raise if the ranks' calls differ.
@@ -606,7 +604,7 @@ class RingEngine:
             return self.inner.softmin(x, yb, hb[..., 0], eps, cost)
         return self._ring("softmin", [y, h.unsqueeze(-1)], part, lambda acc, o: _lse2(acc, o, eps))
 
-    def _softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost) -> tuple[Tensor, Tensor]:
+    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost) -> tuple[Tensor, Tensor]:
         """``(softmin(x, y, hy), softmin(y, x, hx))`` for this rank's rows of x and of y, in ONE ring pass:
         each y block travels with its potential and its partial column softmin, which every rank updates
         with its rows (the inner engine's fused ``softmin_pair``); after W hops each block is home, complete."""
@@ -961,7 +959,8 @@ class PointsPlan(LazyPlan):
             err = e
         self._agree(err, k=k)
         x, y, alpha, beta = self._sides()
-        dense = getattr(self._m.engine, "inner", self._m.engine).name == "dense"
+        eng = self._m.engine
+        dense = (eng.inner if isinstance(eng, ForwardingEngine) else eng).name == "dense"
 
         def block(src, yb, bb):
             v, i = row_topk(x, yb, bb[..., 0], 1.0 / self.eps, self._m.cost, min(k, yb.shape[1]), dense=dense)

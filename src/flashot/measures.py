@@ -32,7 +32,7 @@ from ._checks import check_weights
 from .costs import Cost
 from .ops import get_engine, prepare_pair
 from .ops.autograd import softmin_fn, softmin_pair_fn
-from .ops.base import Engine, self_softmin
+from .ops.base import Capability, Engine, self_softmin
 
 
 # float32 softmins at eps > HOT_RATIO * cmax run in float64 (see the module docstring)
@@ -202,18 +202,16 @@ class Measures:
     def softmin_pair(self, hx: Tensor, hy: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         """``(softmin_x(hy), softmin_y(hx))``: one fused pass where the engine has ``softmin_pair``."""
         eng, x, y = self._route(hx)
-        pair = getattr(eng, "softmin_pair", None)
-        if pair is not None:
-            return tuple(self._back(t) for t in pair(x, y, hx, hy, eps, self.cost))
+        if eng.supports(Capability.SOFTMIN_PAIR):
+            return tuple(self._back(t) for t in eng.softmin_pair(x, y, hx, hy, eps, self.cost))
         return self._back(eng.softmin(x, y, hy, eps, self.cost)), self._back(eng.softmin(y, x, hx, eps, self.cost))
 
     def softmin_alt(self, ha: Tensor, hy: Tensor, eps: float, lam: float = 1.0) -> tuple[Tensor, Tensor]:
         """Alternating step: ``fx = softmin_x(hy)``, then ``softmin_y(ha + lam fx / eps)``; one fused
         pass where the engine has ``softmin_alt``."""
         eng, x, y = self._route(hy)
-        alt = getattr(eng, "softmin_alt", None)
-        if alt is not None:
-            return tuple(self._back(t) for t in alt(x, y, ha, hy, eps, self.cost, lam))
+        if eng.supports(Capability.SOFTMIN_ALT):
+            return tuple(self._back(t) for t in eng.softmin_alt(x, y, ha, hy, eps, self.cost, lam))
         fx = eng.softmin(x, y, hy, eps, self.cost)  # kept in h's dtype for the second half-step
         return self._back(fx), self._back(eng.softmin(y, x, ha + lam * fx / eps, eps, self.cost))
 
@@ -228,9 +226,8 @@ class Measures:
 
     def expect_reuse(self) -> None:
         """Tell the engine (if it listens) that the solver will call it on (x, y) many times."""
-        hint = getattr(self.engine, "expect_reuse", None)
-        if hint is not None:
-            hint(self.x.detach(), self.y.detach(), self.cost)
+        if self.engine.supports(Capability.EXPECT_REUSE):
+            self.engine.expect_reuse(self.x.detach(), self.y.detach(), self.cost)
 
     # -- differentiable variants (final step) -------------------------------------------
     def softmin_grad(self, side: str, h: Tensor, eps: float) -> Tensor:

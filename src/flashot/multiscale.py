@@ -61,6 +61,7 @@ from .clusters import Clusters, block_scale, cluster, coarse_scale, coarsen, def
 from .measures import Measures, log_weights
 from .ops import prepare_pair
 from .ops import softmin as ops_softmin
+from .ops.base import Engine, ForwardingEngine
 from .ops.blocksparse import BlockPattern, BlockSparseEngine
 from .ops.tile_rule import TilePruning
 from .solver import SinkhornState, damping, sinkhorn_loop
@@ -730,19 +731,21 @@ def _with_patterns(fine: Measures, h: "_Hier", keeps: list[Tensor] | None, kept:
     return replace(fine, engine=engine)
 
 
-class InputOrderEngine:
+class InputOrderEngine(ForwardingEngine):
     """A multiscale engine seen in the callers' point order: the fine stage sorts both clouds by cluster, and
     this wrapper permutes the log-weights and ``V`` into that order and the results back, so that the
     ordinary solver, :class:`~flashot.plan.LazyPlan` and the gradients run on the inputs unchanged.
 
-    Bound to the problem ``(x, y)`` of the original measures, like the block-sparse engine it wraps."""
+    Bound to the problem ``(x, y)`` of the original measures, like the block-sparse engine it wraps.  It
+    declares no capability: the fused steps of the inner engine take the sorted clouds, so only the two
+    primitives are permuted.  ``name`` is ``inner``'s: ``"multiscale"``, or ``"sharded(multiscale)"`` in a
+    distributed solve."""
 
     name = "multiscale"
 
-    def __init__(self, inner: BlockSparseEngine, x: Tensor, y: Tensor, xs: Tensor, ys: Tensor, px: Tensor,
+    def __init__(self, inner: Engine, x: Tensor, y: Tensor, xs: Tensor, ys: Tensor, px: Tensor,
                  py: Tensor):
-        self.inner = inner
-        self.name = inner.name  # "multiscale", or "sharded(multiscale)" in a distributed solve
+        super().__init__(inner, frozenset())
         inv = [torch.empty_like(p).scatter_(0, p, torch.arange(p.numel(), device=p.device)) for p in (px, py)]
         key = BlockSparseEngine.cloud_key
         self._sides = {key(x): (xs, px, inv[0]), key(y): (ys, py, inv[1])}

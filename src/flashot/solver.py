@@ -42,6 +42,7 @@ from torch import Tensor
 from ._checks import check_int
 from .acceleration import Accelerator, Anderson, Momentum, check_acceleration
 from .measures import Measures
+from .ops.base import Capability
 from .progress import make_progress
 
 
@@ -496,14 +497,14 @@ def final_values(m: Measures, st: SinkhornState) -> tuple[Tensor, Tensor, Tensor
     ``softmin_pair_bary`` / ``softmin_sym_bary``) and a gradient w.r.t. the points is wanted, the
     :class:`Barycentres` of the sides that need them.  Otherwise :func:`final_step`'s values and None."""
     need_x, need_y = (torch.is_grad_enabled() and t.requires_grad for t in (m.x, m.y))
-    pair = getattr(m.engine, "softmin_pair_bary", None)
+    pair = m.engine.supports(Capability.SOFTMIN_PAIR_BARY)
     eps = st.eps
     hy, hx = m.h_b(st.g, eps), m.h_a(st.f, eps)
-    if not (need_x or need_y) or pair is None or hx.dtype != m.x.dtype or hy.dtype != m.x.dtype:
+    if not (need_x or need_y) or not pair or hx.dtype != m.x.dtype or hy.dtype != m.x.dtype:
         return (*final_step(m, st), None)
     x, y = m.x.detach(), m.y.detach()
     with torch.no_grad():
-        res = pair(x, y, hx, hy, eps, m.cost, cols=need_y)
+        res = m.engine.softmin_pair_bary(x, y, hx, hy, eps, m.cost, cols=need_y)
         if res is None:
             return (*final_step(m, st), None)
         f, g, bx, by = res
@@ -519,9 +520,8 @@ def _self_values(m: Measures, side: str, h: Tensor, eps: float, need: bool) -> t
     """``softmin(x, x, h)`` (``side`` "xx" or "yy") and, when ``need``-ed and the engine gives them, its
     barycentres (else None)."""
     pts = (m.x if side == "xx" else m.y).detach()
-    sym = getattr(m.engine, "softmin_sym_bary", None)
-    if need and sym is not None and h.dtype == pts.dtype:
-        res = sym(pts, h, eps, m.cost)
+    if need and m.engine.supports(Capability.SOFTMIN_SYM_BARY) and h.dtype == pts.dtype:
+        res = m.engine.softmin_sym_bary(pts, h, eps, m.cost)
         if res is not None:
             return res
     return (m.softmin_xx(h, eps) if side == "xx" else m.softmin_yy(h, eps)), None

@@ -25,7 +25,7 @@ from .._checks import (
 )
 from ..costs import Cost
 from .autograd import plan_apply, softmin_fn
-from .base import WEIGHTS, Engine, Weight
+from .base import WEIGHTS, Capability, Engine, ForwardingEngine, Weight
 from .ctransform import c_transform
 from .prepare import PreparedPair, common_center, max_cost, prepare_pair  # noqa: F401  (max_cost: kept here)
 from .prepare import check_vector as _vec
@@ -40,6 +40,8 @@ __all__ = [
     "engine_names",
     "EngineUnavailable",
     "Engine",
+    "Capability",
+    "ForwardingEngine",
     "common_center",
     "prepare_pair",
     "PreparedPair",

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..costs import Cost
-from .base import Engine, self_softmin
+from .base import Capability, Engine, self_softmin
 
 
 class SoftminFn(torch.autograd.Function):
@@ -126,11 +126,10 @@ def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: 
     """Softmin that is differentiable w.r.t. ``x``, ``y`` and ``h`` (batched tensors)."""
     if plain_autograd(x, y, h, cost, engine):
         return engine.softmin(x, y, h, eps, cost)
-    sym_bary = getattr(engine, "softmin_sym_bary", None)
-    if (sym_bary is not None and torch.is_grad_enabled() and x.requires_grad and x.shape == y.shape
+    if (engine.supports(Capability.SOFTMIN_SYM_BARY) and torch.is_grad_enabled() and x.requires_grad and x.shape == y.shape
             and x.data_ptr() == y.data_ptr() and x.stride() == y.stride()):
         with torch.no_grad():  # softmin(x, x, h) and its barycentres from one (half) pass
-            res = sym_bary(x.detach(), h.detach(), eps, cost)
+            res = engine.softmin_sym_bary(x.detach(), h.detach(), eps, cost)
         if res is not None:
             return SoftminFn.apply(x, y, h, eps, cost, engine, *res)
     return SoftminFn.apply(x, y, h, eps, cost, engine)
@@ -148,21 +147,22 @@ def softmin_pair_fn(x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, co
                     engine: Engine) -> tuple[Tensor, Tensor]:
     """``(softmin_fn(x, y.detach(), hy), softmin_fn(y, x.detach(), hx))``: each potential differentiable w.r.t.
     its own points and its log-weights (the final step of a symmetric solve).  The values come from the
-    engine's fused ``softmin_pair`` (one pass for both) where the engine asks for it (``fused_final_step``:
+    engine's fused ``softmin_pair`` (one pass for both) where the engine asks for it (``Capability.FUSED_FINAL_STEP``:
     the multiscale engine, whose fine stage runs few iterations, so the final step is a large share of
     its work) and :func:`softmin_fn` would use :class:`SoftminFn`; the backward is :class:`SoftminFn`'s
     either way, from the engine's barycentres (``softmin_pair_bary``, no plan product) when the points need
     a gradient and it gives them.  Elsewhere the final step keeps the two softmins (the same rounding as
     ``dense``)."""
     xd, yd = x.detach(), y.detach()
-    pair = getattr(engine, "softmin_pair", None) if getattr(engine, "fused_final_step", False) else None
-    if pair is None or plain_autograd(x, yd, hy, cost, engine) or plain_autograd(y, xd, hx, cost, engine):
+    fused = engine.supports(Capability.FUSED_FINAL_STEP) and engine.supports(Capability.SOFTMIN_PAIR)
+    if not fused or plain_autograd(x, yd, hy, cost, engine) or plain_autograd(y, xd, hx, cost, engine):
         return softmin_fn(x, yd, hy, eps, cost, engine), softmin_fn(y, xd, hx, eps, cost, engine)
     need_x, need_y = (torch.is_grad_enabled() and t.requires_grad for t in (x, y))
-    bary = getattr(engine, "softmin_pair_bary", None) if need_x or need_y else None
+    bary = (need_x or need_y) and engine.supports(Capability.SOFTMIN_PAIR_BARY)
     with torch.no_grad():
-        res = None if bary is None else bary(xd, yd, hx.detach(), hy.detach(), eps, cost, cols=need_y)
-        f, g, bx, by = res if res is not None else (*pair(xd, yd, hx.detach(), hy.detach(), eps, cost), None, None)
+        res = engine.softmin_pair_bary(xd, yd, hx.detach(), hy.detach(), eps, cost, cols=need_y) if bary else None
+        f, g, bx, by = res if res is not None else (*engine.softmin_pair(xd, yd, hx.detach(), hy.detach(), eps, cost),
+                                                     None, None)
     return (SoftminFn.apply(x, yd, hy, eps, cost, engine, f, bx),
             SoftminFn.apply(y, xd, hx, eps, cost, engine, g, by))
 

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..costs import COSTS, Cost
-from .base import Weight
+from .base import Capability, Engine, ForwardingEngine, Weight
 
 __all__ = ["BilinearAdapter", "adapt", "split_bilinear"]
 
@@ -108,24 +108,24 @@ def _add(out: Tensor, o: Tensor) -> Tensor:
     return (out.double() + o).to(out.dtype)
 
 
-class BilinearAdapter:
+# the fused steps the adapter rewrites on the split (the others, e.g. softmin_sym, are not kept: plain softmins)
+_KEPT = frozenset({Capability.SOFTMIN_PAIR, Capability.SOFTMIN_ALT, Capability.EXPECT_REUSE})
+
+
+class BilinearAdapter(ForwardingEngine):
     """An engine for feature-bilinear costs built on ``inner``'s squared-Euclidean primitives.
 
     Same contract as every engine (:mod:`flashot.ops.base`): ``softmin`` ``out_i = -eps log sum_j
     exp(h_j - C_ij / eps)`` and ``plan_product`` ``out_i = sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j``,
     for ``C_ij = |xh_i - yh_j|^2 + ox_i + oy_j`` (:func:`split_bilinear`).  Other costs go to ``inner``
-    unchanged.  ``name`` is ``inner``'s.
+    unchanged.  ``name`` is ``inner``'s.  Capabilities: those of ``inner`` among ``softmin_pair``,
+    ``softmin_alt`` and ``expect_reuse`` (rewritten here on the split).
     """
 
-    def __init__(self, inner):
-        self.inner = inner
-        self.name = inner.name
+    def __init__(self, inner: Engine):
+        super().__init__(inner, inner.capabilities & _KEPT)
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
-        if hasattr(inner, "softmin_pair"):
-            self.softmin_pair = self._softmin_pair
-        if hasattr(inner, "softmin_alt"):
-            self.softmin_alt = self._softmin_alt
 
     def __repr__(self) -> str:
         return f"BilinearAdapter({self.inner!r})"
@@ -161,14 +161,14 @@ class BilinearAdapter:
         sp = self.split(x, y, cost)
         return _add(self.inner.softmin(sp.xh, sp.yh, _shift(h, sp.oy, eps), eps, SQ), sp.ox)
 
-    def _softmin_pair(self, x, y, hx, hy, eps, cost):
+    def softmin_pair(self, x, y, hx, hy, eps, cost):
         if not getattr(cost, "bilinear", False):
             return self.inner.softmin_pair(x, y, hx, hy, eps, cost)
         sp = self.split(x, y, cost)
         f, g = self.inner.softmin_pair(sp.xh, sp.yh, _shift(hx, sp.ox, eps), _shift(hy, sp.oy, eps), eps, SQ)
         return _add(f, sp.ox), _add(g, sp.oy)
 
-    def _softmin_alt(self, x, y, ha, hy, eps, cost, lam=1.0):
+    def softmin_alt(self, x, y, ha, hy, eps, cost, lam=1.0):
         """``f = softmin(x, y, hy)``, ``g = softmin(y, x, ha + lam f / eps)``; with ``f = f_sq + ox``
         the second half-step's log-weights are ``ha + (lam - 1) ox / eps + lam f_sq / eps``."""
         if not getattr(cost, "bilinear", False):
@@ -199,19 +199,16 @@ class BilinearAdapter:
         return (CV + sp.ox.unsqueeze(-1) * PV[..., :K] + PV[..., K:]).to(V.dtype)
 
     def expect_reuse(self, x: Tensor, y: Tensor, cost: Cost) -> None:
-        hint = getattr(self.inner, "expect_reuse", None)
-        if hint is None:
-            return
         if not getattr(cost, "bilinear", False):
-            return hint(x, y, cost)
+            return self.inner.expect_reuse(x, y, cost)
         sp = self.split(x, y, cost)
-        hint(sp.xh, sp.yh, SQ)
+        self.inner.expect_reuse(sp.xh, sp.yh, SQ)
 
 
 _ADAPTERS: dict[int, BilinearAdapter] = {}
 
 
-def adapt(engine) -> BilinearAdapter:
+def adapt(engine: Engine) -> BilinearAdapter:
     """The (one, cached) :class:`BilinearAdapter` over ``engine``: its squared-Euclidean kernels
     run feature-bilinear costs ``C_ij = u_i + v_j + <phi_i, M psi_j>``."""
     ad = _ADAPTERS.get(id(engine))

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..costs import Cost
-from .base import Weight
+from .base import Capability, Engine, Weight
 from .block_pattern import BlockPattern, PaddedColumns  # noqa: F401  (PaddedColumns: kept importable here)
 from .blocksparse_cpu import TileArgs, cpu_lib, pair_cpu, plan_cpu, softmin_cpu
 from .dense import lse_last, weighted_product
@@ -90,7 +90,7 @@ def _gather(t: Tensor, idx: Tensor) -> Tensor:
     return t[idx.clamp_min(0)]
 
 
-class BlockSparseEngine:
+class BlockSparseEngine(Engine):
     """The two primitives over the kept blocks of fixed patterns (one problem; see the module docstring).
 
     ``patterns`` maps ``(row cloud, column cloud)`` tensors (B = 1) to their :class:`BlockPattern`.
@@ -101,7 +101,10 @@ class BlockSparseEngine:
     """
 
     name = "multiscale"
-    fused_final_step = True  # the solver's final step takes softmin_pair (ops.autograd.softmin_pair_fn)
+    # FUSED_FINAL_STEP: the solver's final step takes softmin_pair (ops.autograd.softmin_pair_fn), since the fine
+    # stage runs few iterations; ROW_RANGES: row_bounds / digest and rows= (a distributed solve's slices)
+    capabilities = frozenset({Capability.SOFTMIN_PAIR, Capability.SOFTMIN_SYM, Capability.SOFTMIN_PAIR_BARY,
+                              Capability.SOFTMIN_SYM_BARY, Capability.FUSED_FINAL_STEP, Capability.ROW_RANGES})
 
     def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool | str = True,
                  tiles: "TilePruning | None" = None):

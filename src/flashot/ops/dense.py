@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..costs import Cost
-from .base import Weight, exp_floor
+from .base import Engine, Weight, exp_floor
 
 
 DENSE_MAX_BYTES_ENV = "FLASHOT_DENSE_MAX_BYTES"
@@ -119,8 +119,9 @@ def lse_last(S: Tensor) -> Tensor:
     return torch.log(_exp_shifted(S, m).sum(-1, keepdim=True)) + m
 
 
-class DenseEngine:
+class DenseEngine(Engine):
     name = "dense"
+    capabilities = frozenset()  # the two primitives only (materialised: the oracle)
 
     def unsupported(self, device, dtype, cost):
         return None

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from ..costs import Cost
-from .base import Engine
+from .base import Engine, as_engine
 from .dense import check_dense_budget, dense_bytes, dense_max_bytes
 
 __all__ = ["EngineUnavailable", "register_engine", "get_engine", "engine_names", "DENSE_AUTO_LIMIT",
@@ -86,11 +86,16 @@ _AUTO_ORDER: dict[str, list[str]] = {"cuda": ["triton", "tiled"]}
 def register_engine(name: str, loader: Callable[[], Engine]) -> None:
     """Register ``loader`` (called once, lazily) under ``name``.
 
-    ``loader()`` returns an :class:`~flashot.ops.Engine`: an object whose ``softmin`` computes
+    ``loader()`` returns an engine: an object whose ``softmin`` computes
     ``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)`` and whose ``plan_product`` computes
     ``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j`` on batched (B, N, D)
     inputs (contract: :mod:`flashot.ops.base`), or raises :class:`EngineUnavailable`.  The name is
     then accepted as ``backend=`` everywhere; registering a name again replaces its loader.
+
+    Fused steps (``softmin_pair``, ``softmin_sym``, ...) are used only when the engine subclasses
+    :class:`~flashot.ops.Engine` and declares them in ``capabilities`` (:class:`~flashot.ops.Capability`).
+    Any other object is wrapped in a :class:`~flashot.ops.base.ForeignEngine` that declares none: its two
+    primitives (and its ``unsupported(device, dtype, cost)``, when it has one) are all that is called.
 
     Example:
         >>> import torch, flashot
@@ -157,7 +162,7 @@ def engine_names() -> list[str]:
 
 def _load(name: str) -> Engine:
     if name not in _CACHE:
-        _CACHE[name] = _LOADERS[name]()
+        _CACHE[name] = as_engine(_LOADERS[name]())  # a user's object without the base class: no capability
     return _CACHE[name]
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..costs import Cost
-from .base import Weight, exp_floor
+from .base import Engine, Weight, exp_floor
 
 # Elements of one score tile (B * bn * bm).  2**21 float32 = 8 MiB.
 TILE_ELEMS = 2**21
@@ -47,8 +47,9 @@ def cost_tile(cost: Cost, xi: Tensor, yj: Tensor, xsq: Tensor, ysq: Tensor) -> T
     return cost.from_sqdist(d2)
 
 
-class TiledEngine:
+class TiledEngine(Engine):
     name = "tiled"
+    capabilities = frozenset()  # the two primitives only
 
     def __init__(self, tile_elems: int = TILE_ELEMS):
         self.tile_elems = int(tile_elems)

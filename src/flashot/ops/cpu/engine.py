@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from ...costs import Cost
-from ..base import WEIGHTS, Weight
+from ..base import WEIGHTS, Capability, Engine, Weight
 
 KIND_DOT, KIND_DIRECT = 0, 1
 W_ONE, W_COST, W_INV = 0, 1, 2
@@ -144,8 +144,10 @@ def _storage_ref(t: Tensor):
         return None
 
 
-class CpuEngine:
+class CpuEngine(Engine):
     name = "cpu"
+    capabilities = frozenset({Capability.SOFTMIN_PAIR, Capability.SOFTMIN_ALT, Capability.SOFTMIN_SYM,
+                              Capability.EXPECT_REUSE})
 
     def __init__(self, lib=None, *, mode: str | None = None, cache_bytes: int | None = None,
                  threads: int | None = None, cfg: int | None = None, max_entries: int = 3):

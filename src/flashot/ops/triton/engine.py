@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from ...costs import Cost
-from ..base import Weight
+from ..base import Capability, Engine, Weight
 from .configs import INTERPRET_CONFIG, KernelConfig, candidates, interpret_enabled, parse_config, pinned_config
 
 __all__ = ["TritonEngine"]
@@ -83,7 +83,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-class TritonEngine:
+class TritonEngine(Engine):
     """Engine ``triton``.
 
     Args:
@@ -98,6 +98,7 @@ class TritonEngine:
     """
 
     name = "triton"
+    capabilities = frozenset({Capability.SOFTMIN_PAIR})
 
     def __init__(self, config: str | KernelConfig | None = None, allow_tf32: bool | None = None,
                  fold: bool | None = None, direct_max_d: int = 8):
