@@ -24,6 +24,8 @@ from .features import (
     SMALL_CHANGE,
     bilinear_bound,
     cloud_features,
+    mean_cost,
+    plan_inner,
     quadratic_form,
     stop_threshold,
     unresolved,
@@ -143,21 +145,13 @@ class GWProblem:
     def sq_norm(self, mm: Measures, f: Tensor, g: Tensor) -> float:
         """``|T|_F^2``: a plan product at eps / 2 with doubled log-weights."""
         reg, a_log, b_log = self.reg, self.a_log, self.b_log
-        ones = torch.ones(1, self.m, 1, dtype=self.cdt, device=self.dev)
-        with torch.no_grad():
-            r = self.engine.plan_product(self.xs, self.ys, 2 * (f / reg + a_log), 2 * (g / reg + b_log), reg / 2,
-                                         ones, mm.cost)
-        return float(r.double().sum())
+        return plan_inner(self.engine, self.xs, self.ys, 2 * (f / reg + a_log), 2 * (g / reg + b_log), reg / 2, mm.cost)
 
     def dot(self, m1: Measures, f1, g1, m2: Measures, f2, g2) -> float:
         """``<T1, T2>``: a plan product with the mean of the two (feature-bilinear) costs at eps / 2."""
         reg, a_log, b_log = self.reg, self.a_log, self.b_log
-        mid = FeatureBilinearCost(0.5 * (m1.cost.S + m2.cost.S))
-        ones = torch.ones(1, self.m, 1, dtype=self.cdt, device=self.dev)
-        with torch.no_grad():
-            r = self.engine.plan_product(self.xs, self.ys, (f1 + f2) / reg + 2 * a_log, (g1 + g2) / reg + 2 * b_log,
-                                         reg / 2, ones, mid)
-        return float(r.double().sum())
+        return plan_inner(self.engine, self.xs, self.ys, (f1 + f2) / reg + 2 * a_log, (g1 + g2) / reg + 2 * b_log,
+                          reg / 2, mean_cost(m1.cost, m2.cost))
 
     def small_change(self, mm: Measures, f, g, M1, f2, g2, M2) -> tuple[float, float]:
         """``(sum_ij T_ij^2 d_ij^2, its rounding error)`` with ``T2 = T exp(d)``: ``|T2 - T|_F^2`` to second order

@@ -11,6 +11,7 @@ import sys
 import torch
 from torch import Tensor
 
+from ..costs import FeatureBilinearCost
 from ..solver import FLOOR_CAP
 
 # POT reads the change of the coupling every CHECK_EVERY outer iterations (cpt % 10 == 0)
@@ -96,3 +97,18 @@ def quadratic_form(w: Tensor, R: Tensor, cdt: torch.dtype) -> tuple[float, float
     ``|w_k w_l R_kl| <= |w_k| |w_l| sqrt(R_kk R_ll)``, rows rounding independently."""
     b = (w.abs() * R.diagonal(dim1=-2, dim2=-1).clamp_min(0).sqrt()).sum(-1) ** 2
     return float(torch.einsum("ik,ikl,il->", w, R, w)), torch.finfo(cdt).eps * float(b.norm())
+
+
+def plan_inner(engine, xs: Tensor, ys: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost) -> float:
+    """``sum_ij exp(alpha_i + beta_j - C_ij / eps)`` (one plan product with ones): with the summed log-weights of two
+    plans at ``reg``, ``eps = reg / 2`` and their mean cost (:func:`mean_cost`) it is ``<T1, T2>``, and ``|T|_F^2``
+    with doubled log-weights; both GW loops measure the change of the coupling from these."""
+    ones = torch.ones(1, ys.shape[1], 1, dtype=xs.dtype, device=xs.device)
+    with torch.no_grad():
+        r = engine.plan_product(xs, ys, alpha, beta, eps, ones, cost)
+    return float(r.double().sum())
+
+
+def mean_cost(c1: FeatureBilinearCost, c2: FeatureBilinearCost) -> FeatureBilinearCost:
+    """The mean of two feature-bilinear costs (itself feature-bilinear): ``T1 T2`` is a plan of it at ``reg / 2``."""
+    return FeatureBilinearCost(0.5 * (c1.S + c2.S))

@@ -21,6 +21,8 @@ from .features import (
     SMALL_CHANGE,
     bilinear_bound,
     embed,
+    mean_cost,
+    plan_inner,
     quadratic_form,
     quartic,
     stop_threshold,
@@ -139,19 +141,13 @@ class SRProblem:
     def sq_norm(self, it: SRIterate) -> float:
         """``|T|_F^2``: a plan product at ``reg / 2`` with doubled log-weights."""
         al, be = self.logs(it)
-        ones = torch.ones(1, self.m, 1, dtype=self.cdt, device=self.dev)
-        with torch.no_grad():
-            r = self.engine.plan_product(self.xs, self.ys, 2 * al, 2 * be, self.reg / 2, ones, it.mm.cost)
-        return float(r.double().sum())
+        return plan_inner(self.engine, self.xs, self.ys, 2 * al, 2 * be, self.reg / 2, it.mm.cost)
 
     def dot(self, i1: SRIterate, i2: SRIterate) -> float:
         """``<T1, T2>``: a plan product with the mean of the two (feature-bilinear) costs at ``reg / 2``."""
         (a1, b1), (a2, b2) = self.logs(i1), self.logs(i2)
-        mid = FeatureBilinearCost(0.5 * (i1.mm.cost.S + i2.mm.cost.S))
-        ones = torch.ones(1, self.m, 1, dtype=self.cdt, device=self.dev)
-        with torch.no_grad():
-            r = self.engine.plan_product(self.xs, self.ys, a1 + a2, b1 + b2, self.reg / 2, ones, mid)
-        return float(r.double().sum())
+        mid = mean_cost(i1.mm.cost, i2.mm.cost)
+        return plan_inner(self.engine, self.xs, self.ys, a1 + a2, b1 + b2, self.reg / 2, mid)
 
     def small_change(self, i1: SRIterate, i2: SRIterate, dM: Tensor) -> tuple[float, float]:
         """``(sum_ij T1_ij T2_ij d_ij^2, its rounding error)`` with ``T2 = T1 exp(d)``, ``d_ij = <w_i, z_j>``
@@ -167,7 +163,7 @@ class SRProblem:
         k = z.shape[1]
         Z2 = (z.unsqueeze(-1) * z.unsqueeze(-2)).reshape(1, self.m, k * k).to(self.cdt).contiguous()
         (a1, b1), (a2, b2) = self.logs(i1), self.logs(i2)
-        mid = FeatureBilinearCost(0.5 * (i1.mm.cost.S + i2.mm.cost.S))
+        mid = mean_cost(i1.mm.cost, i2.mm.cost)
         with torch.no_grad():
             R = self.engine.plan_product(self.xs, self.ys, a1 + a2, b1 + b2, reg / 2, Z2, mid)[0].double()
         return quadratic_form(w, R.reshape(self.n, k, k), self.cdt)
