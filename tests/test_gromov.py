@@ -342,14 +342,14 @@ def test_second_order_change_against_dense(dtype, monkeypatch):
 
     X, Y = _clouds(seed=5)
     seen = []
-    orig = gromov._GWProblem.change
+    orig = gromov.GWProblem.change
 
     def spy(self, mm, f, g, Mm, bound, prev):
         out = orig(self, mm, f, g, Mm, bound, prev)
         seen.append((self, mm, f, g, prev, out))
         return out
 
-    monkeypatch.setattr(gromov._GWProblem, "change", spy)
+    monkeypatch.setattr(gromov.GWProblem, "change", spy)
     flashot.gromov_wasserstein(X.to(dtype), Y.to(dtype), reg=REG, backend="dense", max_iter=51)
     pb, mm, f, g, prev, (err, floor, _) = seen[-1]
     T, T0 = _dense_plan(pb, mm, f, g), _dense_plan(pb, *prev[:3])
