@@ -95,7 +95,7 @@ def softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: fl
     end row, row cluster)`` per row cluster, as :class:`PaddedColumns`)."""
     from .cpu.engine import LN2, CpuEngine
 
-    N, D = x.shape[1], x.shape[2]
+    N = x.shape[1]
     kind, kcoef, minsq = CpuEngine.cost_args(cost, eps)
     lay, yT, yy, hs = padded_y(lib, pat, y, h, kind)
     xc = x[0].contiguous()
@@ -184,7 +184,7 @@ def plan_call(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta:
     LSE ``lse`` (base 2) is given, one-pass otherwise; ``tasks`` as in :func:`softmin_cpu`."""
     from .cpu.engine import KIND_DOT, W_COST, W_INV, W_ONE, CpuEngine
 
-    N, D, K = x.shape[1], x.shape[2], V.shape[-1]
+    N, K = x.shape[1], V.shape[-1]
     kind, kcoef, minsq = CpuEngine.cost_args(cost, eps)
     lay, yT, yy, hs = padded_y(lib, pat, y, beta, kind)
     wk, wconst = W_ONE, 1.0

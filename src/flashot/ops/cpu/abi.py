@@ -15,9 +15,26 @@ import ctypes
 import hashlib
 from importlib import resources
 
-__all__ = ["AbiError", "Stream", "LseArgs", "RowColArgs", "PlanArgs", "CachedArgs", "WeightsArgs", "Blocks",
-           "LseBsArgs", "PairBsArgs", "PlanBsArgs", "PruneArgs", "STRUCTS", "abi_version", "layout_text",
-           "check_layout", "bind", "call"]
+__all__ = [
+    "STRUCTS",
+    "AbiError",
+    "Blocks",
+    "CachedArgs",
+    "LseArgs",
+    "LseBsArgs",
+    "PairBsArgs",
+    "PlanArgs",
+    "PlanBsArgs",
+    "PruneArgs",
+    "RowColArgs",
+    "Stream",
+    "WeightsArgs",
+    "abi_version",
+    "bind",
+    "call",
+    "check_layout",
+    "layout_text",
+]
 
 _P, _I, _L, _D = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_double
 

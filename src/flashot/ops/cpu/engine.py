@@ -301,7 +301,7 @@ class CpuEngine:
     def _rowcol(self, name, x, y, hx, hy, eps, cost, lam: float = 0.0, sym: int = 0):
         """Call a kernel with row and column outputs (``flashot_pair``, ``flashot_alt``): ``hx`` on the
         rows (base 2, zero weights encoded), ``hy`` on the columns.  Returns (rows (B, N), cols (B, M))."""
-        B, N, D = x.shape
+        B, N, _ = x.shape
         M = y.shape[1]
         kind, kcoef, minsq = self.cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, hy, kind)
@@ -395,7 +395,7 @@ class CpuEngine:
 
     def _plan_call(self, x, yT, yy, hs, lse, alpha, Vb, Kp, kind, kcoef, minsq, wk, wconst, narrow):
         """One plan kernel call: two-pass mode when ``lse`` (base 2) is given, one-pass otherwise."""
-        B, N, D = x.shape
+        B, N, _ = x.shape
         Mp = hs.shape[1]
         out = torch.empty(B, N, Kp, dtype=x.dtype)
         mass = torch.empty(B, N, dtype=x.dtype)
@@ -475,7 +475,7 @@ class CpuEngine:
         return 0 if D <= SMALL_D else LARGE_D_CFG
 
     def _run_softmin(self, x, yT, yy, hs, Mp, kind, kcoef, minsq, oscale):
-        B, N, D = x.shape
+        B, N, _ = x.shape
         out = torch.empty(B, N, dtype=x.dtype)
         fn = self.lib.flashot_softmin_f32 if x.dtype == torch.float32 else self.lib.flashot_softmin_f64
         rc = abi.call(fn, abi.LseArgs(self._stream(x, yT, yy, hs, Mp, kind, kcoef, minsq), _ptr(out), oscale))
