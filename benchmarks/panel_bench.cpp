@@ -1,16 +1,15 @@
 // Micro-benchmark of the CPU kernels' folded pair panels (panel_local), one thread, no Python: the
 // block-sparse pair kernels' inner loop as the engine instantiates it (d = 3, float32; Shape::SMALL_R rows
 // without barycentres, Shape::PV_R rows with the rows' and columns' barycentre numerators), over a
-// 64-row x 2048-column panel held in L1 / L2.  It includes kernels.cpp itself (no exported function
-// compiled), so any ISA path can be built and timed in seconds, e.g. from the repository root:
+// 64-row x 2048-column panel held in L1 / L2.  It includes the kernels' blocksparse.h (no exported
+// function compiled), so any ISA path can be built and timed in seconds, e.g. from the repository root:
 //
 //   for m in native x86-64-v3 x86-64-v2; do
 //     g++ -O3 -std=c++17 -fno-math-errno -pthread -march=$m -Isrc/flashot/ops/cpu \
 //         benchmarks/panel_bench.cpp -o /tmp/panel_$m && /tmp/panel_$m; done
 //
 // Prints the best of 9 timings in ns per pair (the machine's noise is one-sided), and a checksum.
-#define FLASHOT_PART 9
-#include "kernels.cpp"
+#include "blocksparse.h"
 #include <chrono>
 #include <cstdio>
 #include <random>

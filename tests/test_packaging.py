@@ -93,6 +93,9 @@ def test_sdist_carries_kernel_sources_examples_and_tests(tmp_path):
     sdist = _build("sdist", str(tmp_path / "dist"))
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    for need in ("src/flashot/ops/cpu/kernels.cpp", "src/flashot/ops/cpu/fpenv.h", "README.md",
-                 "tests/test_cpu_engine.py", "examples/gradient_flow.py"):
+    from flashot.ops.cpu import build
+
+    kernels = [f"src/flashot/ops/cpu/{name}" for name in build.SOURCES]  # every header and translation unit
+    for need in (*kernels, "README.md", "tests/test_cpu_engine.py", "tests/native/kernel_check.cpp",
+                 "examples/gradient_flow.py"):
         assert need in names, need

@@ -63,6 +63,7 @@ from .ops import prepare_pair
 from .ops import softmin as ops_softmin
 from .ops.base import Engine, ForwardingEngine
 from .ops.blocksparse import BlockPattern, BlockSparseEngine
+from .ops.cpu import abi
 from .ops.tile_rule import TilePruning
 from .solver import SinkhornState, damping, sinkhorn_loop
 
@@ -318,9 +319,10 @@ class BlockBounds:
             kind, lin, sc, minsq = 1, 0, float(self.cost.scale), 0.0
         else:
             kind, lin, sc, minsq = 0, 0, 1.0, float(self.cost.min_sqdist)
-        rc = lib.flashot_block_keep(X.data_ptr(), Y.data_ptr(), self.X.c.shape[1], Ky, Kcx,
-                                    cptr.data_ptr(), ccols.data_ptr(), px.data_ptr(), py.data_ptr(), kind, lin, sc,
-                                    minsq, float(margin), keep.data_ptr(), torch.get_num_threads())
+        args = abi.PruneArgs(X.data_ptr(), Y.data_ptr(), cptr.data_ptr(), ccols.data_ptr(), px.data_ptr(),
+                             py.data_ptr(), keep.data_ptr(), Ky, Kcx, sc, minsq, float(margin), self.X.c.shape[1], kind,
+                             lin, torch.get_num_threads())
+        rc = abi.call(lib.flashot_block_keep, args)
         if rc != 0:
             raise RuntimeError(f"multiscale: block pruning kernel returned {rc}")
         return keep.bool()

@@ -1,11 +1,12 @@
-// Standalone check of the compiled CPU kernels (src/flashot/ops/cpu/kernels.cpp) against
+// Standalone check of the compiled CPU kernels (src/flashot/ops/cpu/*.cpp, build.py LIBRARIES) against
 // naive double-precision references computed here with plain loops, std::exp and std::log.
 //
-// No Python, no torch: it is compiled together with kernels.cpp, natively or for another
-// architecture (tests/native/run_arm64.sh cross-compiles it for aarch64 and runs it under
+// No Python, no torch: it is compiled together with the kernels' translation units, natively or for
+// another architecture (tests/native/run_arm64.sh cross-compiles it for aarch64 and runs it under
 // qemu-user), e.g.
-//   g++ -O2 -std=c++17 -pthread -I src/flashot/ops/cpu tests/native/kernel_check.cpp
-//       src/flashot/ops/cpu/kernels.cpp -o kc && ./kc
+//   g++ -O2 -std=c++17 -pthread -DFLASHOT_ABI_VERSION=<python -c 'from flashot.ops.cpu import abi;
+//       print(abi.abi_version())'> -I src/flashot/ops/cpu tests/native/kernel_check.cpp
+//       src/flashot/ops/cpu/core_*.cpp src/flashot/ops/cpu/bs_*.cpp -o kc && ./kc
 // (the driver and the kernels must be compiled with the same -march: it checks flashot_isa()
 // and flashot_vector_bytes() against its own predefined macros).
 // It prints one line per check and ends with the line "N passed, M failed"; the exit status is
@@ -29,82 +30,108 @@
 #include <type_traits>
 #include <vector>
 
-// ---- the exported C ABI under test (signatures of ABI version 18, see engine.py _SIGS) ----
-extern "C" {
-int flashot_abi_version();
-int flashot_bs_abi_version();
-int flashot_bs_vector_bytes();
-int flashot_isa();
-int flashot_vector_bytes();
-int flashot_fp_bits();
-int flashot_fp_probe(int on);
-int flashot_fp_probe_read(int* out, int n);
-int flashot_fp_bits_workers(int* out, int nth);
-int flashot_softmin_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int B,
-                        int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
-                        int64_t l2, int nth);
-int flashot_softmin_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out, int B,
-                        int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, double oscale, int cfg,
-                        int64_t l2, int nth);
-int flashot_pair_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
-                     float* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg,
-                     int sym, int64_t l2, int nth);
-int flashot_pair_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
-                     double* rs, double* cs, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
-                     int cfg, int sym, int64_t l2, int nth);
-int flashot_plan_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
-                     const float* alpha, const float* VTm, int K, float* out, float* mass, int single, int B,
-                     int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
-                     int narrow, int64_t l2, int nth);
-int flashot_plan_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
-                     const double* alpha, const double* VTm, int K, double* out, double* mass, int single, int B,
-                     int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
-                     int narrow, int64_t l2, int nth);
-int flashot_alt_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* ha, double lam,
-                    float* rlse, float* clse, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind,
-                    int cfg, int64_t l2, int nth);
-int flashot_rows_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
-                         double oscale, int nth);
-int flashot_rows_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
-                         double oscale, int nth);
-int flashot_cols_lse_f32(const float* C, const float* h, float* out, int B, int64_t N, int64_t M, double inv_eps,
-                         double oscale, int nth);
-int flashot_cols_lse_f64(const double* C, const double* h, double* out, int B, int64_t N, int64_t M, double inv_eps,
-                         double oscale, int nth);
-int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth);
-int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth);
-int flashot_softmin_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, float* out, int64_t Mp,
-                           int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
-                           double kcoef, double minsq, int kind, double oscale, int cfg, int nth);
-int flashot_softmin_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, double* out,
-                           int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                           const int64_t* cr, double kcoef, double minsq, int kind, double oscale, int cfg, int nth);
-int flashot_plan_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* lse,
-                        const float* alpha, const float* VTk, int K, float* out, float* mass, int single, int64_t Mp,
-                        int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
-                        double kcoef, double minsq, int kind, int wk, double wconst, int nth);
-int flashot_pair_bs_f32(const float* x, const float* yT, const float* yy, const float* hs, const float* hx, float* rs,
-                        float* cs, float* rb, int cb, const float* fx, const float* gy, const float* fxo,
-                        const float* gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
-                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
-                        double minsq, int kind, int cfg, int sym, int nth);
-int flashot_pair_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* hx,
-                        double* rs, double* cs, double* rb, int cb, const double* fx, const double* gy, const double* fxo,
-                        const double* gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
-                        int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef,
-                        double minsq, int kind, int cfg, int sym, int nth);
-int flashot_plan_bs_f64(const double* x, const double* yT, const double* yy, const double* hs, const double* lse,
-                        const double* alpha, const double* VTk, int K, double* out, double* mass, int single,
-                        int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
-                        const int64_t* cr, double kcoef, double minsq, int kind, int wk, double wconst, int nth);
-int flashot_block_keep(const double* X, const double* Y, int D, int64_t Ky, int64_t Kcx, const int64_t* cptr,
-                       const int64_t* ccols, const int64_t* px, const int64_t* py, int kind, int linear, double s,
-                       double minsq, double margin, uint8_t* keep, int nth);
-}
+// ---- the exported C ABI under test (abi.h: one argument struct per kernel entry point) ----
+#include "abi.h"
 
 namespace {
 
-constexpr int EXPECTED_ABI = 19;  // the declarations above; update both together
+// Positional adapters: each fills its entry point's argument struct (abi.h) and calls the float or double
+// entry point (T from the first pointer; the other pointers may be null).
+template <typename T> struct Id { typedef T type; };
+template <typename T> using P = const typename Id<T>::type*;
+template <typename T> using W = typename Id<T>::type*;
+
+flashot_stream stream(const void* x, const void* yT, const void* yy, const void* hs, int B, int64_t N, int64_t Mp,
+                      int D, double kcoef, double minsq, int kind, int cfg, int64_t l2, int nth) {
+  flashot_stream s{};
+  s.x = x, s.yT = yT, s.yy = yy, s.hs = hs, s.B = B, s.N = N, s.Mp = Mp, s.D = D, s.kcoef = kcoef;
+  s.minsq = minsq, s.kind = kind, s.cfg = cfg, s.l2 = l2, s.nth = nth;
+  return s;
+}
+flashot_blocks blocks(const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
+                      const int64_t* coff) {
+  flashot_blocks b{};
+  b.tasks = tasks, b.ntasks = ntasks, b.cptr = cptr, b.cr = cr, b.coff = coff;
+  return b;
+}
+template <typename T> constexpr bool F32 = std::is_same<T, float>::value;
+
+template <typename T>
+int pos_softmin(const T* x, P<T> yT, P<T> yy, P<T> hs, W<T> out, int B, int64_t N, int64_t Mp, int D, double kcoef,
+                double minsq, int kind, double oscale, int cfg, int64_t l2, int nth) {
+  flashot_lse_args a{stream(x, yT, yy, hs, B, N, Mp, D, kcoef, minsq, kind, cfg, l2, nth), out, oscale};
+  return F32<T> ? flashot_softmin_f32(&a) : flashot_softmin_f64(&a);
+}
+template <typename T>
+int pos_pair(const T* x, P<T> yT, P<T> yy, P<T> hs, P<T> hx, W<T> rs, W<T> cs, int B, int64_t N, int64_t Mp, int D,
+             double kcoef, double minsq, int kind, int cfg, int sym, int64_t l2, int nth) {
+  flashot_rowcol_args a{stream(x, yT, yy, hs, B, N, Mp, D, kcoef, minsq, kind, cfg, l2, nth), hx, rs, cs, 0.0, sym, 0};
+  return F32<T> ? flashot_pair_f32(&a) : flashot_pair_f64(&a);
+}
+template <typename T>
+int pos_alt(const T* x, P<T> yT, P<T> yy, P<T> hs, P<T> ha, double lam, W<T> rlse, W<T> clse, int B, int64_t N,
+            int64_t Mp, int D, double kcoef, double minsq, int kind, int cfg, int64_t l2, int nth) {
+  flashot_rowcol_args a{stream(x, yT, yy, hs, B, N, Mp, D, kcoef, minsq, kind, cfg, l2, nth), ha, rlse, clse, lam, 0, 0};
+  return F32<T> ? flashot_alt_f32(&a) : flashot_alt_f64(&a);
+}
+template <typename T>
+int pos_plan(const T* x, P<T> yT, P<T> yy, P<T> hs, P<T> lse, P<T> alpha, P<T> V, int K, W<T> out, W<T> mass,
+             int single, int B, int64_t N, int64_t Mp, int D, double kcoef, double minsq, int kind, int wk, double wconst,
+             int narrow, int64_t l2, int nth) {
+  flashot_plan_args a{stream(x, yT, yy, hs, B, N, Mp, D, kcoef, minsq, kind, 0, l2, nth), lse, alpha, V, out, mass,
+                      wconst, K, single, wk, narrow};
+  return F32<T> ? flashot_plan_f32(&a) : flashot_plan_f64(&a);
+}
+template <typename T>
+int pos_rows_lse(const T* C, P<T> h, W<T> out, int B, int64_t N, int64_t M, double k, double oscale, int nth) {
+  flashot_cached_args a{C, h, nullptr, out, nullptr, N, M, k, oscale, 0.0, B, nth};
+  return F32<T> ? flashot_rows_lse_f32(&a) : flashot_rows_lse_f64(&a);
+}
+template <typename T>
+int pos_cols_lse(const T* C, P<T> h, W<T> out, int B, int64_t N, int64_t M, double k, double oscale, int nth) {
+  flashot_cached_args a{C, h, nullptr, out, nullptr, N, M, k, oscale, 0.0, B, nth};
+  return F32<T> ? flashot_cols_lse_f32(&a) : flashot_cols_lse_f64(&a);
+}
+template <typename T>
+int pos_softmin_bs(const T* x, P<T> yT, P<T> yy, P<T> hs, W<T> out, int64_t Mp, int D, const int64_t* tasks,
+                   int64_t ntasks, const int64_t* cptr, const int64_t* cr, double kcoef, double minsq, int kind,
+                   double oscale, int cfg, int nth) {
+  flashot_lse_bs_args a{{stream(x, yT, yy, hs, 1, 0, Mp, D, kcoef, minsq, kind, cfg, 0, nth), out, oscale},
+                        blocks(tasks, ntasks, cptr, cr, nullptr)};
+  return F32<T> ? flashot_softmin_bs_f32(&a) : flashot_softmin_bs_f64(&a);
+}
+template <typename T>
+int pos_plan_bs(const T* x, P<T> yT, P<T> yy, P<T> hs, P<T> lse, P<T> alpha, P<T> V, int K, W<T> out, W<T> mass,
+                int single, int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
+                const int64_t* cr, double kcoef, double minsq, int kind, int wk, double wconst, int nth) {
+  flashot_plan_bs_args a{{stream(x, yT, yy, hs, 1, 0, Mp, D, kcoef, minsq, kind, 0, 0, nth), lse, alpha, V, out, mass,
+                          wconst, K, single, wk, 1},
+                         blocks(tasks, ntasks, cptr, cr, nullptr)};
+  return F32<T> ? flashot_plan_bs_f32(&a) : flashot_plan_bs_f64(&a);
+}
+template <typename T>
+int pos_pair_bs(const T* x, P<T> yT, P<T> yy, P<T> hs, P<T> hx, W<T> rs, W<T> cs, W<T> rb, int cb, P<T> fx, P<T> gy,
+                P<T> fxo, P<T> gyo, double thr, int64_t* evaluated, int64_t Mp, int D, const int64_t* tasks,
+                int64_t ntasks, const int64_t* cptr, const int64_t* cr, const int64_t* coff, double kcoef, double minsq,
+                int kind, int cfg, int sym, int nth) {
+  flashot_pair_bs_args a{};
+  a.a = flashot_rowcol_args{stream(x, yT, yy, hs, 1, 0, Mp, D, kcoef, minsq, kind, cfg, 0, nth), hx, rs, cs, 0.0, sym,
+                            0};
+  a.b = blocks(tasks, ntasks, cptr, cr, coff);
+  a.rb = rb, a.cb = cb, a.fx = fx, a.gy = gy, a.fxo = fxo, a.gyo = gyo, a.thr = thr, a.evaluated = evaluated;
+  return F32<T> ? flashot_pair_bs_f32(&a) : flashot_pair_bs_f64(&a);
+}
+int pos_block_keep(const double* X, const double* Y, int D, int64_t Ky, int64_t Kcx, const int64_t* cptr,
+                   const int64_t* ccols, const int64_t* px, const int64_t* py, int kind, int linear, double s,
+                   double minsq, double margin, uint8_t* keep, int nth) {
+  flashot_prune_args a{X, Y, cptr, ccols, px, py, keep, Ky, Kcx, s, minsq, margin, D, kind, linear, nth};
+  return flashot_block_keep(&a);
+}
+
+}  // namespace
+
+namespace {
+
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr int64_t PAD = 64;           // engine.py PAD
 constexpr int64_t L2 = 512 * 1024;    // engine.py L2_BYTES: one column chunk at these sizes
@@ -270,42 +297,42 @@ std::string describe(const char* fn, const char* t, int D, int N, int M, double 
 
 // ---- typed entry points (float / double overloads of the C functions) -----------------------
 int softmin(const Problem<float>& p, float* out, double oscale, int cfg, int64_t l2) {
-  return flashot_softmin_f32(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), out, p.B, p.N, p.Mp, p.D, p.k, 0.0,
+  return pos_softmin(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), out, p.B, p.N, p.Mp, p.D, p.k, 0.0,
                              KIND_DOT, oscale, cfg, l2, NTH);
 }
 int softmin(const Problem<double>& p, double* out, double oscale, int cfg, int64_t l2) {
-  return flashot_softmin_f64(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), out, p.B, p.N, p.Mp, p.D, p.k, 0.0,
+  return pos_softmin(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), out, p.B, p.N, p.Mp, p.D, p.k, 0.0,
                              KIND_DOT, oscale, cfg, l2, NTH);
 }
 int pair(const Problem<float>& p, const float* hx, float* rs, float* cs, int cfg) {
-  return flashot_pair_f32(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), hx, rs, cs, p.B, p.N, p.Mp, p.D, p.k,
+  return pos_pair(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), hx, rs, cs, p.B, p.N, p.Mp, p.D, p.k,
                           0.0, KIND_DOT, cfg, 0, L2, NTH);
 }
 int pair(const Problem<double>& p, const double* hx, double* rs, double* cs, int cfg) {
-  return flashot_pair_f64(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), hx, rs, cs, p.B, p.N, p.Mp, p.D, p.k,
+  return pos_pair(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), hx, rs, cs, p.B, p.N, p.Mp, p.D, p.k,
                           0.0, KIND_DOT, cfg, 0, L2, NTH);
 }
 int plan(const Problem<float>& p, const float* lse, const float* alpha, const float* V, int K, float* out,
          float* mass, int single, int wk, int narrow) {
-  return flashot_plan_f32(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), lse, alpha, V, K, out, mass, single,
+  return pos_plan(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), lse, alpha, V, K, out, mass, single,
                           p.B, p.N, p.Mp, p.D, p.k, 0.0, KIND_DOT, wk, 1.0, narrow, L2, NTH);
 }
 int plan(const Problem<double>& p, const double* lse, const double* alpha, const double* V, int K, double* out,
          double* mass, int single, int wk, int narrow) {
-  return flashot_plan_f64(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), lse, alpha, V, K, out, mass, single,
+  return pos_plan(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), lse, alpha, V, K, out, mass, single,
                           p.B, p.N, p.Mp, p.D, p.k, 0.0, KIND_DOT, wk, 1.0, narrow, L2, NTH);
 }
 int rows_lse(const float* C, const float* h, float* o, int B, int N, int M, double k, double os) {
-  return flashot_rows_lse_f32(C, h, o, B, N, M, k, os, NTH);
+  return pos_rows_lse(C, h, o, B, N, M, k, os, NTH);
 }
 int rows_lse(const double* C, const double* h, double* o, int B, int N, int M, double k, double os) {
-  return flashot_rows_lse_f64(C, h, o, B, N, M, k, os, NTH);
+  return pos_rows_lse(C, h, o, B, N, M, k, os, NTH);
 }
 int cols_lse(const float* C, const float* h, float* o, int B, int N, int M, double k, double os) {
-  return flashot_cols_lse_f32(C, h, o, B, N, M, k, os, NTH);
+  return pos_cols_lse(C, h, o, B, N, M, k, os, NTH);
 }
 int cols_lse(const double* C, const double* h, double* o, int B, int N, int M, double k, double os) {
-  return flashot_cols_lse_f64(C, h, o, B, N, M, k, os, NTH);
+  return pos_cols_lse(C, h, o, B, N, M, k, os, NTH);
 }
 int vexp(const float* a, float* o, int64_t n) { return flashot_vexp_f32(a, o, n, NTH); }
 int vexp(const double* a, double* o, int64_t n) { return flashot_vexp_f64(a, o, n, NTH); }
@@ -342,13 +369,13 @@ template <typename T> void check_softmin(Tally& t, int D, int N, int M, double e
 int softmin_bs(const Problem<float>& p, const std::vector<float>& yT, const std::vector<float>& yy,
                const std::vector<float>& hs, int64_t Mp, float* out, const std::vector<int64_t>& tasks,
                const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr, double oscale, int cfg) {
-  return flashot_softmin_bs_f32(p.x.data(), yT.data(), yy.data(), hs.data(), out, Mp, p.D, tasks.data(),
+  return pos_softmin_bs(p.x.data(), yT.data(), yy.data(), hs.data(), out, Mp, p.D, tasks.data(),
                                 (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, oscale, cfg, NTH);
 }
 int softmin_bs(const Problem<double>& p, const std::vector<double>& yT, const std::vector<double>& yy,
                const std::vector<double>& hs, int64_t Mp, double* out, const std::vector<int64_t>& tasks,
                const std::vector<int64_t>& cptr, const std::vector<int64_t>& cr, double oscale, int cfg) {
-  return flashot_softmin_bs_f64(p.x.data(), yT.data(), yy.data(), hs.data(), out, Mp, p.D, tasks.data(),
+  return pos_softmin_bs(p.x.data(), yT.data(), yy.data(), hs.data(), out, Mp, p.D, tasks.data(),
                                 (int64_t)tasks.size() / 3, cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, oscale, cfg, NTH);
 }
 
@@ -357,7 +384,7 @@ int plan_bs(const Problem<float>& p, const std::vector<float>& yT, const std::ve
             const std::vector<float>& hs, const float* lse, const std::vector<float>& VTk, int K, float* out, float* mass,
             int64_t Mp, const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr,
             const std::vector<int64_t>& cr) {
-  return flashot_plan_bs_f32(p.x.data(), yT.data(), yy.data(), hs.data(), lse ? lse : p.a.data(), p.a.data(), VTk.data(),
+  return pos_plan_bs(p.x.data(), yT.data(), yy.data(), hs.data(), lse ? lse : p.a.data(), p.a.data(), VTk.data(),
                              K, out, mass, lse == nullptr, Mp, p.D, tasks.data(), (int64_t)tasks.size() / 3, cptr.data(),
                              cr.data(), p.k, 0.0, KIND_DOT, 0, 1.0, NTH);
 }
@@ -365,7 +392,7 @@ int plan_bs(const Problem<double>& p, const std::vector<double>& yT, const std::
             const std::vector<double>& hs, const double* lse, const std::vector<double>& VTk, int K, double* out,
             double* mass, int64_t Mp, const std::vector<int64_t>& tasks, const std::vector<int64_t>& cptr,
             const std::vector<int64_t>& cr) {
-  return flashot_plan_bs_f64(p.x.data(), yT.data(), yy.data(), hs.data(), lse ? lse : p.a.data(), p.a.data(),
+  return pos_plan_bs(p.x.data(), yT.data(), yy.data(), hs.data(), lse ? lse : p.a.data(), p.a.data(),
                              VTk.data(), K, out, mass, lse == nullptr, Mp, p.D, tasks.data(), (int64_t)tasks.size() / 3,
                              cptr.data(), cr.data(), p.k, 0.0, KIND_DOT, 0, 1.0, NTH);
 }
@@ -497,10 +524,10 @@ template <typename T> int pair_bs(const T* x, const std::vector<T>& yT, const st
                                   const std::vector<int64_t>& cr, const std::vector<int64_t>& poff, double k, int cfg,
                                   int sym, bool tiles, int N) {
   if constexpr (std::is_same<T, float>::value)
-    return pair_bs_call(flashot_pair_bs_f32, x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, cptr, cr, poff, k, cfg,
+    return pair_bs_call(pos_pair_bs<T>, x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, cptr, cr, poff, k, cfg,
                         sym, tiles, N);
   else
-    return pair_bs_call(flashot_pair_bs_f64, x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, cptr, cr, poff, k, cfg,
+    return pair_bs_call(pos_pair_bs<T>, x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, D, tasks, cptr, cr, poff, k, cfg,
                         sym, tiles, N);
 }
 
@@ -705,7 +732,7 @@ void check_alt(Tally& t, int D, int N, int M, uint64_t seed) {
   const Problem<float> p = make_problem<float>(seed, N, M, D, eps_rel);
   std::vector<float> ha((size_t)p.B * N), rl((size_t)p.B * N), cl((size_t)p.B * p.Mp);
   for (size_t i = 0; i < ha.size(); ++i) ha[i] = (float)(p.a[i] * LOG2E);
-  const int rc = flashot_alt_f32(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), ha.data(), lam, rl.data(),
+  const int rc = pos_alt(p.x.data(), p.yT.data(), p.yy.data(), p.hs.data(), ha.data(), lam, rl.data(),
                                  cl.data(), p.B, N, p.Mp, D, p.k, 0.0, KIND_DOT, 0, L2, NTH);
   MaxErr e;
   const double unit = p.expo_scale() * LOG2E;
@@ -846,8 +873,11 @@ void check_build_facts(Tally& t) {
   const int abi = flashot_abi_version();
   t.report(flashot_bs_abi_version() == abi && flashot_bs_vector_bytes() == flashot_vector_bytes(), "bs_build_facts",
            "the blocksparse library's ABI version and vector width equal the core's");
-  t.report(abi == EXPECTED_ABI, "abi_version", std::to_string(abi) + " (driver declares " +
-                                                   std::to_string(EXPECTED_ABI) + ")");
+  t.report(abi == FLASHOT_ABI_VERSION && abi != 0, "abi_version", std::to_string(abi) + " (driver compiled with " +
+                                                   std::to_string(FLASHOT_ABI_VERSION) + ")");
+  const std::string layout = flashot_layout_text();
+  t.report(layout == flashot_abi_layout() && layout == flashot_bs_abi_layout(), "abi_layout",
+           "both libraries' argument structs laid out as the driver's abi.h");
   int want = 0;  // flashot_isa() bits: 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA, 16 AVX-512F, 32 AArch64, 64 threads
 #if defined(__SSE4_2__)
   want |= 1;
@@ -934,7 +964,7 @@ void check_block_keep(Tally& t, int D, int kind, int linear, uint64_t seed) {
     cptr.push_back((int64_t)ccols.size());
   }
   std::vector<uint8_t> keep((size_t)(Kx * Ky), 0);
-  const int rc = flashot_block_keep(X.data(), Y.data(), D, Ky, Kcx, cptr.data(), ccols.data(), px.data(), py.data(),
+  const int rc = pos_block_keep(X.data(), Y.data(), D, Ky, Kcx, cptr.data(), ccols.data(), px.data(), py.data(),
                                     kind, linear, s, minsq, margin, keep.data(), NTH);
   std::vector<double> bound((size_t)(Kx * Ky), INF);
   for (int64_t I = 0; I < Kcx; ++I)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ARM64 check of the CPU kernels: cross-compile src/flashot/ops/cpu/kernels.cpp for aarch64
+# ARM64 check of the CPU kernels: cross-compile src/flashot/ops/cpu/*.cpp for aarch64
 
 
 # under qemu-user with a team of two threads.
@@ -18,8 +18,10 @@ SRC=src/flashot/ops/cpu
 DRIVER=tests/native/kernel_check.cpp
 CXX=aarch64-linux-gnu-g++
 SYSROOT=/usr/aarch64-linux-gnu
-# the flags of build.py cxxflags("armv8-a") (BASE_FLAGS, -march)
-FLAGS=(-O3 -fPIC -std=c++17 -fno-math-errno -pthread -march=armv8-a)
+# the flags of build.py cxxflags("armv8-a") (BASE_FLAGS, -march, the ABI version: abi.py abi_version, the first
+# 28 bits of abi.h's SHA-256)
+ABI_VERSION=$((16#$(sha256sum "$SRC/abi.h" | cut -c1-7)))
+FLAGS=(-O3 -fPIC -std=c++17 -fno-math-errno -pthread -march=armv8-a "-DFLASHOT_ABI_VERSION=$ABI_VERSION")
 
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
@@ -62,18 +64,21 @@ fi
 
 t0=$(now)
 pids=()
-PARTS=(1 2 3 4 5 6 7 8)  # the real build's translation units (build.py: LIBRARIES), compiled in parallel
+# the real build's translation units (build.py: LIBRARIES, core_*.cpp and bs_*.cpp), compiled in parallel
+PARTS=()
+for f in "$SRC"/core_*.cpp "$SRC"/bs_*.cpp; do PARTS+=("$(basename "$f" .cpp)"); done
 for k in "${PARTS[@]}"; do
-  "$CXX" "${FLAGS[@]}" -DFLASHOT_PART=$k -c "$SRC/kernels.cpp" -o "$WORK/part$k.o" 2>"$WORK/part$k.err" &
+  "$CXX" "${FLAGS[@]}" -c "$SRC/$k.cpp" -o "$WORK/$k.o" 2>"$WORK/$k.err" &
   pids+=($!)
 done
 "$CXX" "${FLAGS[@]}" -Wall -Wextra -I "$SRC" -c "$DRIVER" -o "$WORK/kernel_check.o" 2>"$WORK/driver.err"
 driver_rc=$?
 failed=0
-for k in "${PARTS[@]}"; do
-  if ! wait "${pids[$((k - 1))]}"; then
-    echo "arm64: FAILED to compile kernels.cpp with -DFLASHOT_PART=$k:"
-    tail -n 30 "$WORK/part$k.err"
+for i in "${!PARTS[@]}"; do
+  k=${PARTS[$i]}
+  if ! wait "${pids[$i]}"; then
+    echo "arm64: FAILED to compile $SRC/$k.cpp:"
+    tail -n 30 "$WORK/$k.err"
     failed=1
   fi
 done
@@ -81,23 +86,24 @@ if [ $driver_rc -ne 0 ]; then
   echo "arm64: FAILED to compile $DRIVER:"; tail -n 30 "$WORK/driver.err"; failed=1
 fi
 [ $failed -eq 0 ] || exit 1
-cat "$WORK"/part*.err "$WORK/driver.err"  # warnings, if any
+cat "$WORK"/core_*.err "$WORK"/bs_*.err "$WORK/driver.err"  # warnings, if any
 
-# the two shared libraries exactly as build.py links them (core: parts 1-4, blocksparse: 5-8)
-if ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu.so" "$WORK"/part[1-4].o 2>"$WORK/link.err" ||
-   ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu_bs.so" "$WORK"/part[5-8].o 2>>"$WORK/link.err"; then
+# the two shared libraries exactly as build.py links them (core: core_*.o, blocksparse: bs_*.o)
+if ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu.so" "$WORK"/core_*.o 2>"$WORK/link.err" ||
+   ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu_bs.so" "$WORK"/bs_*.o 2>>"$WORK/link.err"; then
   echo "arm64: FAILED to link the shared libraries:"; cat "$WORK/link.err"; exit 1
 fi
 # the driver: static when the cross toolchain has static libgomp / libc, else dynamic with the sysroot
 QEMU_ARGS=()
-if ! "$CXX" -static -pthread -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/part?.o 2>"$WORK/link.err"; then
-  if ! "$CXX" -pthread -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/part?.o 2>"$WORK/link.err"; then
+if ! "$CXX" -static -pthread -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/core_*.o "$WORK"/bs_*.o 2>"$WORK/link.err"; then
+  if ! "$CXX" -pthread -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WORK"/core_*.o "$WORK"/bs_*.o \
+      2>"$WORK/link.err"; then
     echo "arm64: FAILED to link the driver:"; cat "$WORK/link.err"; exit 1
   fi
   QEMU_ARGS=(-L "$SYSROOT")
   echo "arm64: driver linked dynamically (no static libraries); running with -L $SYSROOT"
 fi
-echo "arm64: cross-compiled (${#PARTS[@]} parts + driver, -march=armv8-a, threads) in $(since "$t0") s"
+echo "arm64: cross-compiled (${#PARTS[@]} units + driver, -march=armv8-a, threads) in $(since "$t0") s"
 
 # ---- 3. run under qemu ----------------------------------------------------------------------
 t0=$(now)

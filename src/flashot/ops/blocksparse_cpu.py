@@ -16,6 +16,7 @@ from torch import Tensor
 from ..costs import Cost
 from .base import Weight
 from .block_pattern import BlockPattern
+from .cpu import abi
 
 __all__ = ["TileArgs", "cpu_lib", "padded_y", "softmin_cpu", "pair_cpu", "plan_cpu", "plan_call"]
 
@@ -48,6 +49,22 @@ def cpu_lib():
         return None
 
 
+def _stream(x: Tensor, yT: Tensor, yy: Tensor, hs: Tensor, width: int, kind: int, kcoef: float, minsq: float
+            ) -> abi.Stream:
+    """The kernels' ``flashot_stream`` for the rows ``x`` (1, N, D) against the padded columns (B = 1)."""
+    from .cpu.engine import LARGE_D_CFG, SMALL_D
+
+    N, D = x.shape[-2], x.shape[-1]
+    return abi.Stream(x.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), N, width, 0, kcoef, minsq, 1, D,
+                      kind, 0 if D <= SMALL_D else LARGE_D_CFG, torch.get_num_threads())
+
+
+def _blocks(lay, tasks: Tensor) -> abi.Blocks:
+    """The kernels' ``flashot_blocks`` of a padded layout, for the row tasks ``tasks``."""
+    return abi.Blocks(tasks.data_ptr(), lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(),
+                      tasks.numel() // 3)
+
+
 def padded_y(lib, pat: BlockPattern, y: Tensor, h: Tensor, kind: int):
     """The kernels' layout of the columns (engine.py ``_prep_y``, cluster by cluster): ``(layout, yT, yy, hs)``."""
     from .cpu.engine import KIND_DOT, LOG2E, encode_zero_weights
@@ -76,18 +93,18 @@ def softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: fl
     """The block-sparse softmin by the C++ kernels (B = 1, CPU, float32 / float64); ``base2``: the row
     LSE in base 2 instead (the plan product's first pass); ``tasks``: other rows than the pattern's (``(first row,
     end row, row cluster)`` per row cluster, as :class:`PaddedColumns`)."""
-    from .cpu.engine import LARGE_D_CFG, LN2, SMALL_D, CpuEngine
+    from .cpu.engine import LN2, CpuEngine
 
-    N, D = x.shape[1], x.shape[2]
+    N = x.shape[1]
     kind, kcoef, minsq = CpuEngine.cost_args(cost, eps)
     lay, yT, yy, hs = padded_y(lib, pat, y, h, kind)
     xc = x[0].contiguous()
     out = torch.empty(N, dtype=x.dtype)
     tasks = lay.tasks if tasks is None else tasks
     fn = lib.flashot_softmin_bs_f32 if x.dtype == torch.float32 else lib.flashot_softmin_bs_f64
-    rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), out.data_ptr(), lay.width, D,
-            tasks.data_ptr(), tasks.numel() // 3, lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
-            1.0 if base2 else -eps * LN2, 0 if D <= SMALL_D else LARGE_D_CFG, torch.get_num_threads())
+    lse = abi.LseArgs(_stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq), out.data_ptr(),
+                      1.0 if base2 else -eps * LN2)
+    rc = abi.call(fn, abi.LseBsArgs(lse, _blocks(lay, tasks)))
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse softmin kernel returned {rc}")
     return out.unsqueeze(0)
@@ -105,7 +122,7 @@ def pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tenso
     and column sums the call puts out (``fxo_i + g_j - C_ij / eps < -truncate`` and ``f_i + gyo_j - C_ij / eps <
     -truncate``) or below ``e^-truncate a_i b_j`` (GeomLoss' rule for the inputs) are skipped.  ``tasks``: other
     rows than the pattern's, as in :func:`softmin_cpu` (not with ``sym``)."""
-    from .cpu.engine import LARGE_D_CFG, LOG2E, SMALL_D, CpuEngine, encode_zero_weights
+    from .cpu.engine import LOG2E, CpuEngine, encode_zero_weights
 
     N, D = x.shape[1], x.shape[2]
     kind, kcoef, minsq = CpuEngine.cost_args(cost, eps)
@@ -126,11 +143,10 @@ def pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tenso
     tasks = lay.tasks if tasks is None else tasks
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     fn = lib.flashot_pair_bs_f32 if x.dtype == torch.float32 else lib.flashot_pair_bs_f64
-    rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), hx2.data_ptr(), rows.data_ptr(),
-            cols.data_ptr(), ptr(rb), int(bary == 2), ptr(fx), ptr(gy), ptr(fxo), ptr(gyo), thr, done.data_ptr(),
-            lay.width, D,
-            tasks.data_ptr(), tasks.numel() // 3, lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(),
-            kcoef, minsq, kind, 0 if D <= SMALL_D else LARGE_D_CFG, int(sym), torch.get_num_threads())
+    rowcol = abi.RowColArgs(_stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq), hx2.data_ptr(), rows.data_ptr(),
+                            cols.data_ptr(), 0.0, int(sym))
+    rc = abi.call(fn, abi.PairBsArgs(rowcol, _blocks(lay, tasks), ptr(rb), ptr(fx), ptr(gy), ptr(fxo), ptr(gyo),
+                                     done.data_ptr(), thr, int(bary == 2)))
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse pair kernel returned {rc}")
     if tiles is not None:
@@ -168,7 +184,7 @@ def plan_call(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta:
     LSE ``lse`` (base 2) is given, one-pass otherwise; ``tasks`` as in :func:`softmin_cpu`."""
     from .cpu.engine import KIND_DOT, W_COST, W_INV, W_ONE, CpuEngine
 
-    N, D, K = x.shape[1], x.shape[2], V.shape[-1]
+    N, K = x.shape[1], V.shape[-1]
     kind, kcoef, minsq = CpuEngine.cost_args(cost, eps)
     lay, yT, yy, hs = padded_y(lib, pat, y, beta, kind)
     wk, wconst = W_ONE, 1.0
@@ -183,10 +199,10 @@ def plan_call(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta:
     mass = torch.empty(N, dtype=x.dtype)
     tasks = lay.tasks if tasks is None else tasks
     fn = lib.flashot_plan_bs_f32 if x.dtype == torch.float32 else lib.flashot_plan_bs_f64
-    rc = fn(xc.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), (al if lse is None else lse).data_ptr(),
-            al.data_ptr(), VTk.data_ptr(), K, out.data_ptr(), mass.data_ptr(), int(lse is None), lay.width, D,
-            tasks.data_ptr(), tasks.numel() // 3, lay.cptr.data_ptr(), lay.ranges.data_ptr(), kcoef, minsq, kind,
-            wk, wconst, torch.get_num_threads())
+    plan = abi.PlanArgs(_stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq), (al if lse is None else lse).data_ptr(),
+                        al.data_ptr(), VTk.data_ptr(), out.data_ptr(), mass.data_ptr(), wconst, K, int(lse is None), wk,
+                        1)
+    rc = abi.call(fn, abi.PlanBsArgs(plan, _blocks(lay, tasks)))
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse plan kernel returned {rc}")
     return out.unsqueeze(0), mass

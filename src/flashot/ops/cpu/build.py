@@ -1,13 +1,15 @@
 """Compile the fused CPU kernels once per machine and load them with ctypes.
 
-The kernels are plain C++ with a C ABI (``kernels.cpp`` and ``fpenv.h`` beside this
-module, shipped as package data; no torch headers), so ``g++`` builds them without
-ninja or a torch extension toolchain.  They make two libraries, each built when it is first
-needed (:data:`LIBRARIES`): ``core``, the dense and streamed kernels of the ``cpu`` engine, and
-``blocksparse``, the kernels of multiscale; each is four translation units of the one source
-(``-DFLASHOT_PART=k``) compiled in parallel, then linked.  Two libraries rather than one so that
-a first solve waits for the kernels it runs, not for the block-sparse ones (about 60% of the
-compile time).
+The kernels are plain C++ with a C ABI (the ``*.h`` and ``*.cpp`` files beside this module, shipped as
+package data; no torch headers), so ``g++`` builds them without ninja or a torch extension toolchain.
+Headers by job (``vecmath.h`` vector maths, ``panel.h`` the streaming panels, ``colsum.h`` ordered column
+sums, ``dense.h`` / ``cached.h`` / ``blocksparse.h`` the kernels, ``abi.h`` the C ABI: one argument struct
+per entry point, mirrored by :mod:`.abi`); translation units by job and dtype instantiate them.  They make
+two libraries, each built when it is first needed (:data:`LIBRARIES`): ``core``, the dense and streamed
+kernels of the ``cpu`` engine (``core_*.cpp``), and ``blocksparse``, the kernels of multiscale
+(``bs_*.cpp``); a library's units are compiled in parallel, then linked.  Two libraries rather than one so
+that a first solve waits for the kernels it runs, not for the block-sparse ones (about 60% of the compile
+time).  Within a library the units are balanced by compile time: two cores finish together.
 
 Instruction set: ``-march=native`` unless ``FLASHOT_CPU_MARCH`` names another target
 (``x86-64-v2`` (SSE4.2), ``x86-64-v3`` (AVX2 + FMA), ``x86-64-v4`` (AVX-512), ``armv8-a``,
@@ -44,17 +46,22 @@ import tempfile
 import time
 from importlib import resources
 
+from . import abi
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
 
 __all__ = ["BuildError", "build", "load", "load_blocksparse", "BUILD_INFO", "cxxflags", "march", "SOURCES",
            "ISA_BITS", "LIBRARIES", "cache_dir"]
 
-SOURCES = ("kernels.cpp", "fpenv.h", "parallel.h", "prune.h")
+# the libraries and their translation units (compiled in parallel), balanced by compile time
+LIBRARIES = {"core": ("core_abi.cpp", "core_lse_f32.cpp", "core_lse_f64.cpp", "core_pairplan_f32.cpp",
+                      "core_pairplan_f64.cpp"),
+             "blocksparse": ("bs_abi.cpp", "bs_pair_f32.cpp", "bs_pair_f64.cpp", "bs_lseplan_f32.cpp",
+                             "bs_lseplan_f64.cpp")}
+HEADERS = ("abi.h", "vecmath.h", "panel.h", "colsum.h", "dense.h", "cached.h", "blocksparse.h", "fpenv.h",
+           "parallel.h", "prune.h")
+SOURCES = (*HEADERS, *(u for units in LIBRARIES.values() for u in units))
 BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno", "-pthread"]
-ABI_VERSION = 19
-# the libraries and their translation units (FLASHOT_PART values in kernels.cpp, compiled in parallel);
-# the units of a library are balanced by compile time
-LIBRARIES = {"core": (1, 2, 3, 4), "blocksparse": (5, 6, 7, 8)}
+ABI_VERSION = abi.abi_version()  # a hash of abi.h (the libraries report it; abi.py checks it at load)
 _FILE_PREFIX = {"core": "flashot_cpu_", "blocksparse": "flashot_cpu_bs_"}
 LOCK_TIMEOUT_S = 900
 # flashot_isa() bits
@@ -101,7 +108,7 @@ def march() -> str:
 
 def cxxflags(target: str | None = None) -> list[str]:
     """Compiler flags for one translation unit (without ``-c``/``-o``)."""
-    return [*BASE_FLAGS, f"-march={target or march()}"]
+    return [*BASE_FLAGS, f"-march={target or march()}", f"-DFLASHOT_ABI_VERSION={ABI_VERSION}"]
 
 
 def _cpu_flags() -> set[str]:
@@ -201,10 +208,14 @@ def _remove_stale(d: str) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[int, ...], env: dict) -> list[str]:
-    procs = [subprocess.Popen([cxx, *flags, f"-DFLASHOT_PART={k}", "-c", "kernels.cpp", "-o", f"part{k}.o"],
+def _object(unit: str) -> str:
+    return unit[:-len(".cpp")] + ".o"
+
+
+def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[str, ...], env: dict) -> list[str]:
+    procs = [subprocess.Popen([cxx, *flags, "-c", unit, "-o", _object(unit)],
                               cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for k in parts]
+             for unit in parts]
     errs = []
     for pr in procs:
         try:
@@ -218,7 +229,7 @@ def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[int, ...]
     return errs
 
 
-def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, parts: tuple[int, ...]) -> None:
+def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, parts: tuple[str, ...]) -> None:
     """Build the library of translation units ``parts`` at ``path``."""
     env = _clean_env()
     work = tempfile.mkdtemp(prefix=".tmp-build-", dir=d)
@@ -226,7 +237,7 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, 
         for name, text in sources.items():  # compile exactly the text that was hashed
             with open(os.path.join(work, name), "w", encoding="utf-8") as f:
                 f.write(text)
-        objs = [f"part{k}.o" for k in parts]
+        objs = [_object(unit) for unit in parts]
         errs = _compile_parts(cxx, cxxflags(target), work, parts, env)
         if errs:
             here = os.path.dirname(os.path.abspath(__file__))
@@ -299,41 +310,9 @@ def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bo
     return path, secs, False, cxx
 
 
-_F, _D = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_double)
-_P, _I, _L, _DB = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
-_SIGS = {
-    "flashot_softmin": [_P, _P, _P, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _DB, _I, _L, _I],
-    "flashot_pair": [_P, _P, _P, _P, _P, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _I, _L, _I],
-    "flashot_plan": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _L, _L, _I, _DB, _DB, _I, _I, _DB, _I, _L, _I],
-    "flashot_rows_lse": [_P, _P, _P, _I, _L, _L, _DB, _DB, _I],
-    "flashot_cols_lse": [_P, _P, _P, _I, _L, _L, _DB, _DB, _I],
-    "flashot_vexp": [_P, _P, _L, _I],
-    "flashot_cached_weights": [_P, _L, _L, _P, _P, _DB, _I, _DB, _P, _I],
-    "flashot_cached_alt": [_P, _P, _P, _DB, _DB, _P, _P, _I, _L, _L, _I],
-    "flashot_alt": [_P, _P, _P, _P, _P, _DB, _P, _P, _I, _L, _L, _I, _DB, _DB, _I, _I, _L, _I],
-}
-_BS_SIGS = {  # the blocksparse library
-    "flashot_softmin_bs": [_P, _P, _P, _P, _P, _L, _I, _P, _L, _P, _P, _DB, _DB, _I, _DB, _I, _I],
-    "flashot_pair_bs": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _DB, _P, _L, _I, _P, _L, _P, _P, _P, _DB, _DB, _I,
-                        _I, _I, _I],
-    "flashot_plan_bs": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _L, _I, _P, _L, _P, _P, _DB, _DB, _I, _I, _DB,
-                        _I],
-}
-_PLAIN_SIGS = {"flashot_abi_version": [], "flashot_fp_probe": [_I], "flashot_fp_probe_read": [_P, _I],
-               "flashot_fp_bits": [], "flashot_fp_bits_workers": [_P, _I], "flashot_isa": [], "flashot_vector_bytes": []}
-_BS_PLAIN_SIGS = {"flashot_bs_abi_version": [], "flashot_bs_vector_bytes": [],
-                  "flashot_block_keep": [_P, _P, _I, _L, _L, _P, _P, _P, _P, _I, _I, _DB, _DB, _DB, _P, _I]}
-
-
 def _bind(lib: ctypes.CDLL, library: str = "core") -> None:
-    sigs, plain = (_SIGS, _PLAIN_SIGS) if library == "core" else (_BS_SIGS, _BS_PLAIN_SIGS)
-    for name, args in sigs.items():
-        for fn in (name + "_f32", name + "_f64"):
-            f = getattr(lib, fn)
-            f.argtypes, f.restype = args, ctypes.c_int
-    for name, args in plain.items():
-        f = getattr(lib, name)
-        f.argtypes, f.restype = args, ctypes.c_int
+    """Set the entry points' ctypes signatures (:func:`.abi.bind`)."""
+    abi.bind(lib, library)
 
 
 def _open(library: str, quiet: bool) -> tuple[ctypes.CDLL, dict]:
@@ -347,10 +326,12 @@ def _open(library: str, quiet: bool) -> tuple[ctypes.CDLL, dict]:
         lib = ctypes.CDLL(path)
         _bind(lib, library)
     except (OSError, AttributeError) as e:
-        raise BuildError(f"loading {path} failed: {e}") from e
-    version = lib.flashot_abi_version() if library == "core" else lib.flashot_bs_abi_version()
-    if version != ABI_VERSION:
-        raise BuildError(f"{path}: ABI version mismatch")
+        raise BuildError(f"loading {path} failed: {e}; rebuild it (clear the cache directory, {cache_dir()})") from e
+    try:
+        abi.check_version(lib, library, path)
+        abi.check_layout(lib, library, path)
+    except abi.AbiError as e:
+        raise BuildError(str(e)) from e
     info = dict(path=path, seconds=secs, cached=cached, compiler=cxx, march=march())
     if not cached and library in _CPU_SECONDS:
         info["cpu_seconds"] = _CPU_SECONDS[library]

@@ -58,6 +58,7 @@ from torch import Tensor
 
 from ...costs import Cost
 from ..base import WEIGHTS, Capability, Engine, Weight
+from . import abi
 
 KIND_DOT, KIND_DIRECT = 0, 1
 W_ONE, W_COST, W_INV = 0, 1, 2
@@ -276,7 +277,7 @@ class CpuEngine(Engine):
             fx = self._stream_lse(x, y, hy, eps, cost, -eps)
         else:
             self.stats["alt"] = self.stats.get("alt", 0) + 1
-            rlse, clse = self._rowcol("flashot_alt", x, y, ha, hy, eps, cost, mid=(lam,))
+            rlse, clse = self._rowcol("flashot_alt", x, y, ha, hy, eps, cost, lam=lam)
             return (-eps * LN2) * rlse, (-eps * LN2) * clse
         return fx, self.softmin(y, x, ha + lam * fx / eps, eps, cost)
 
@@ -297,12 +298,12 @@ class CpuEngine(Engine):
 
     def _pair_sums(self, x, y, hx, hy, eps, cost, sym: bool):
         self.stats["pair"] = self.stats.get("pair", 0) + 1
-        return self._rowcol("flashot_pair", x, y, hx, hy, eps, cost, after_cfg=(int(sym),))
+        return self._rowcol("flashot_pair", x, y, hx, hy, eps, cost, sym=int(sym))
 
-    def _rowcol(self, name, x, y, hx, hy, eps, cost, mid=(), after_cfg=()):
+    def _rowcol(self, name, x, y, hx, hy, eps, cost, lam: float = 0.0, sym: int = 0):
         """Call a kernel with row and column outputs (``flashot_pair``, ``flashot_alt``): ``hx`` on the
         rows (base 2, zero weights encoded), ``hy`` on the columns.  Returns (rows (B, N), cols (B, M))."""
-        B, N, D = x.shape
+        B, N, _ = x.shape
         M = y.shape[1]
         kind, kcoef, minsq = self.cost_args(cost, eps)
         yT, yy, hs, Mp = self._prep_y(y, hy, kind)
@@ -310,8 +311,9 @@ class CpuEngine(Engine):
         rows = torch.empty(B, N, dtype=x.dtype)
         cols = torch.empty(B, Mp, dtype=x.dtype)
         fn = getattr(self.lib, name + ("_f32" if x.dtype == torch.float32 else "_f64"))
-        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(hx2), *mid, _ptr(rows), _ptr(cols), B, N, Mp, D, kcoef,
-                minsq, kind, self._kernel_cfg(D), *after_cfg, L2_BYTES, self._nthreads())
+        args = abi.RowColArgs(self._stream(x, yT, yy, hs, Mp, kind, kcoef, minsq), _ptr(hx2), _ptr(rows), _ptr(cols),
+                              lam, sym)
+        rc = abi.call(fn, args)
         if rc != 0:
             raise RuntimeError(f"cpu engine: {name} kernel returned {rc}")
         return rows, cols[:, :M]
@@ -395,14 +397,14 @@ class CpuEngine(Engine):
 
     def _plan_call(self, x, yT, yy, hs, lse, alpha, Vb, Kp, kind, kcoef, minsq, wk, wconst, narrow):
         """One plan kernel call: two-pass mode when ``lse`` (base 2) is given, one-pass otherwise."""
-        B, N, D = x.shape
+        B, N, _ = x.shape
         Mp = hs.shape[1]
         out = torch.empty(B, N, Kp, dtype=x.dtype)
         mass = torch.empty(B, N, dtype=x.dtype)
         fn = self.lib.flashot_plan_f32 if x.dtype == torch.float32 else self.lib.flashot_plan_f64
-        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(alpha if lse is None else lse), _ptr(alpha), _ptr(Vb),
-                Kp, _ptr(out), _ptr(mass), int(lse is None), B, N, Mp, D, kcoef, minsq, kind, wk, wconst,
-                int(narrow), L2_BYTES, self._nthreads())
+        args = abi.PlanArgs(self._stream(x, yT, yy, hs, Mp, kind, kcoef, minsq), _ptr(alpha if lse is None else lse),
+                            _ptr(alpha), _ptr(Vb), _ptr(out), _ptr(mass), wconst, Kp, int(lse is None), wk, int(narrow))
+        rc = abi.call(fn, args)
         if rc != 0:
             raise RuntimeError(f"cpu engine: plan kernel returned {rc}")
         return out, mass
@@ -463,17 +465,22 @@ class CpuEngine(Engine):
         encode_zero_weights(hs)
         return yT, yy, hs, Mp
 
+    def _stream(self, x, yT, yy, hs, Mp, kind, kcoef, minsq) -> abi.Stream:
+        """The kernels' description of the streamed clouds (``flashot_stream``): x (B, N, D), y padded to Mp."""
+        B, N, D = x.shape
+        return abi.Stream(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), N, Mp, L2_BYTES, kcoef, minsq, B, D, kind,
+                          self._kernel_cfg(D), self._nthreads())
+
     def _kernel_cfg(self, D: int) -> int:
         if self.cfg is not None:
             return int(self.cfg)
         return 0 if D <= SMALL_D else LARGE_D_CFG
 
     def _run_softmin(self, x, yT, yy, hs, Mp, kind, kcoef, minsq, oscale):
-        B, N, D = x.shape
+        B, N, _ = x.shape
         out = torch.empty(B, N, dtype=x.dtype)
         fn = self.lib.flashot_softmin_f32 if x.dtype == torch.float32 else self.lib.flashot_softmin_f64
-        rc = fn(_ptr(x), _ptr(yT), _ptr(yy), _ptr(hs), _ptr(out), B, N, Mp, D, kcoef, minsq, kind, oscale,
-                self._kernel_cfg(D), L2_BYTES, self._nthreads())
+        rc = abi.call(fn, abi.LseArgs(self._stream(x, yT, yy, hs, Mp, kind, kcoef, minsq), _ptr(out), oscale))
         if rc != 0:
             raise RuntimeError(f"cpu engine: softmin kernel returned {rc}")
         return out
@@ -604,8 +611,9 @@ class CpuEngine(Engine):
             out = torch.empty(B, N, dtype=C.dtype)
             fn = lib.flashot_rows_lse_f32 if f32 else lib.flashot_rows_lse_f64
         h2 = encode_zero_weights((h * LOG2E).contiguous())
-        rc = fn(_ptr(C), _ptr(h2), _ptr(out), B, N, M, LOG2E * scale / eps, -eps * LN2 if oscale is None else oscale,
-                self._nthreads())
+        args = abi.CachedArgs(C=_ptr(C), h=_ptr(h2), out=_ptr(out), N=N, M=M, k=LOG2E * scale / eps,
+                              oscale=-eps * LN2 if oscale is None else oscale, B=B, nth=self._nthreads())
+        rc = abi.call(fn, args)
         if rc != 0:
             raise RuntimeError(f"cpu engine: cached-cost kernel returned {rc}")
         return out
@@ -621,8 +629,9 @@ class CpuEngine(Engine):
         rlse = torch.empty(B, N, dtype=C.dtype)
         clse = torch.empty(B, M, dtype=C.dtype)
         fn = self.lib.flashot_cached_alt_f32 if f32 else self.lib.flashot_cached_alt_f64
-        rc = fn(_ptr(C), _ptr(h2), _ptr(ha2), float(lam), LOG2E * scale / eps, _ptr(rlse), _ptr(clse), B, N, M,
-                self._nthreads())
+        args = abi.CachedArgs(C=_ptr(C), h=_ptr(h2), ha=_ptr(ha2), out=_ptr(rlse), cols=_ptr(clse), N=N, M=M,
+                              k=LOG2E * scale / eps, lam=float(lam), B=B, nth=self._nthreads())
+        rc = abi.call(fn, args)
         if rc != 0:
             raise RuntimeError(f"cpu engine: cached alternating kernel returned {rc}")
         return (-eps * LN2) * rlse, (-eps * LN2) * clse
@@ -674,7 +683,8 @@ class CpuEngine(Engine):
                 i1 = min(N, i0 + rows)
                 Pi = P[: i1 - i0]
                 rb, cb = (h2[b, i0:i1], shift[b]) if transposed else (shift[b, i0:i1], h2[b])
-                rc = fn(_ptr(C[b, i0:i1]), i1 - i0, M, _ptr(rb), _ptr(cb), k, wk, wthr, _ptr(Pi), self._nthreads())
+                rc = abi.call(fn, abi.WeightsArgs(_ptr(C[b, i0:i1]), _ptr(rb), _ptr(cb), _ptr(Pi), i1 - i0, M, k,
+                                                  wthr, wk, self._nthreads()))
                 if rc != 0:
                     raise RuntimeError(f"cpu engine: cached plan kernel returned {rc}")
                 if transposed:

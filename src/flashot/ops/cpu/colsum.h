@@ -1,0 +1,143 @@
+// flashot CPU kernels: column sums and column LogSumExp states in a fixed order (the same bits for
+// any thread count), shared by the pair, alternating and cached kernels.
+#pragma once
+#include "fpenv.h"
+#include "parallel.h"
+#include "vecmath.h"
+
+namespace {
+
+// Column partials in a fixed order (results independent of the thread count and of scheduling):
+// the flat row blocks t in [0, nt) are dealt into G groups (block t -> group t % G; strided, so a
+// triangle's heavy and light blocks mix); one task is one group, whose blocks are processed in
+// ascending order into the group's own column buffer, and the buffers are then combined in group
+// order.  G depends on the problem only, never on nth: at most COL_GROUPS, at most nt, and the
+// buffers within COL_GROUP_BYTES (at least COL_GROUPS_MIN groups).  Per-thread buffers (the
+// previous scheme) gave column sums that changed with the thread count and, under dynamic
+// scheduling, from run to run (float32 ~1e-7 relative).  Cost: benchmarks/CPU_ENGINE.md,
+// "Determinism" (-DFL_COL_GROUPS=16 or 256 measured no faster than 64; the value changes the bits).
+#ifndef FL_COL_GROUPS
+#define FL_COL_GROUPS 64
+#endif
+constexpr int64_t COL_GROUPS = FL_COL_GROUPS, COL_GROUPS_MIN = 4;
+constexpr int64_t COL_GROUP_BYTES = (int64_t)64 << 20;
+static inline int64_t col_groups(int64_t nt, int64_t group_bytes) {
+  int64_t g = std::min<int64_t>(COL_GROUPS, std::max<int64_t>(COL_GROUPS_MIN, COL_GROUP_BYTES / std::max<int64_t>(1, group_bytes)));
+  return std::max<int64_t>(1, std::min<int64_t>(g, nt));
+}
+constexpr int64_t MERGE_CHUNK = 2048;  // columns per merge task (a multiple of every vector width)
+
+// out[u] = sum_g parts[g * per + u] in group order, u < per, in parallel over columns.
+template <typename T>
+static void merge_col_sums(const T* parts, int64_t G, size_t per, T* out, int nth) {
+  const int64_t nc = ((int64_t)per + MERGE_CHUNK - 1) / MERGE_CHUNK;
+  Tasks tasks(nc);
+  run_team((int)std::min<int64_t>(nth, nc), [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t c; tasks.next(c);) {
+      const size_t u0 = (size_t)c * MERGE_CHUNK, u1 = std::min(per, u0 + MERGE_CHUNK);
+      std::copy(parts + u0, parts + u1, out + u0);
+      for (int64_t g = 1; g < G; ++g) {
+        const T* pg = parts + (size_t)g * per;
+        for (size_t u = u0; u < u1; ++u) out[u] += pg[u];
+      }
+    }
+  });
+}
+
+// Column sums in a fixed order: G groups, one task each, each with its own zeroed buffer of `per` columns;
+// body(g, cacc, scratch) adds group g's rows into cacc (scratch: a per-thread buffer of scratch_n, for
+// sums to discard); the buffers are then added into csum in group order.
+template <typename T, typename F>
+static void col_group_pass(int64_t G, size_t per, size_t scratch_n, T* csum, int nth, F&& body) {
+  std::unique_ptr<T[]> parts(new T[(size_t)G * per]);  // zeroed by each group's task
+  Tasks tasks(G);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    std::vector<T> scratch(scratch_n);
+    for (int64_t g; tasks.next(g);) {
+      T* cacc = parts.get() + (size_t)g * per;
+      std::fill(cacc, cacc + per, (T)0);
+      body(g, cacc, scratch.data());
+    }
+  });
+  merge_col_sums(parts.get(), G, per, csum, nth);
+}
+
+// Running column LSE states (base 2, lazy maximum as in cols_lse) += rows r < nr of P (costs,
+// row stride ldp) with row log-weights w[r]: score w_r - k P[r, j], j < M.
+template <typename T>
+static inline void col_states(const T* P, int64_t ldp, int nr, const T* w, T k, int64_t M, T* cm, T* cs) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  int64_t j = 0;
+  for (; j + L <= M; j += L) {
+    v mq = vload<v>(cm + j), sq = vload<v>(cs + j);
+    for (int r = 0; r < nr; ++r) {
+      const v sc = w[r] - vload<v>(P + (int64_t)r * ldp + j) * k;
+      if (__builtin_expect(any_gt(sc, mq + Consts<T>::TH), 0)) {
+        const v up = sc + Consts<T>::H;
+        const v nm = up > mq ? up : mq;
+        sq *= vexp2(mq - nm);
+        mq = nm;
+      }
+      sq += vexp2(sc - mq);
+    }
+    vstore(cm + j, mq);
+    vstore(cs + j, sq);
+  }
+  for (; j < M; ++j)
+    for (int r = 0; r < nr; ++r) {
+      const T sc = w[r] - P[(int64_t)r * ldp + j] * k;
+      if (sc > cm[j] + Consts<T>::TH) { cs[j] *= std::exp2(cm[j] - (sc + Consts<T>::H)); cm[j] = sc + Consts<T>::H; }
+      if (sc - cm[j] > Consts<T>::LO) cs[j] += std::exp2(sc - cm[j]);
+    }
+}
+
+// clse[u] = LSE2 over the groups' column states (G copies of `per` values each, combined in group
+// order), in parallel over columns, vectorised (a column's bits do not depend on the thread count).
+template <typename T>
+static void merge_col_states(const T* cmax, const T* csum, int64_t G, size_t per, T* clse, int nth) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  const int64_t nc = ((int64_t)per + MERGE_CHUNK - 1) / MERGE_CHUNK;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  Tasks tasks(nc);
+  run_team((int)std::min<int64_t>(nth, nc), [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t c; tasks.next(c);) {
+      const size_t u0 = (size_t)c * MERGE_CHUNK, u1 = std::min(per, u0 + MERGE_CHUNK);
+      size_t u = u0;
+      for (; u + L <= u1; u += L) {
+        v mx = vset<v>(Consts<T>::SENT);
+        for (int64_t g = 0; g < G; ++g) {
+          const v cm = vload<v>(cmax + (size_t)g * per + u);
+          mx = cm > mx ? cm : mx;
+        }
+        v sm = {};
+        for (int64_t g = 0; g < G; ++g)
+          sm += vload<v>(csum + (size_t)g * per + u) * vexp2(vload<v>(cmax + (size_t)g * per + u) - mx);
+        for (int l = 0; l < L; ++l)
+          clse[u + l] = (mx[l] == Consts<T>::SENT || !(sm[l] > 0)) ? ninf : mx[l] + std::log2(sm[l]);
+      }
+      for (; u < u1; ++u) {  // the last per % L columns (the same ones for any thread count)
+        T mx = Consts<T>::SENT;
+        for (int64_t g = 0; g < G; ++g) mx = std::max(mx, cmax[(size_t)g * per + u]);
+        T sm = 0;
+        for (int64_t g = 0; g < G; ++g) sm += csum[(size_t)g * per + u] * std::exp2(cmax[(size_t)g * per + u] - mx);
+        clse[u] = (mx == Consts<T>::SENT || !(sm > 0)) ? ninf : mx + std::log2(sm);
+      }
+    }
+  });
+}
+
+// Row weight of the column pass after a row LSE: ha_i - lam lse_i, or the finite "zero weight"
+// when the row has no mass (lse = -inf, or ha is a zero weight).
+template <typename T>
+static inline T alt_row_weight(T ha, T lse, T lam) {
+  const T zero_w = std::is_same<T, float>::value ? (T)-1e38 : (T)-1e300;
+  const T wi = ha - lam * lse;
+  return (std::isfinite(lse) && std::isfinite(wi) && ha > zero_w) ? wi : zero_w;
+}
+
+}  // namespace
