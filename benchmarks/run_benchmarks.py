@@ -89,7 +89,6 @@ def main(argv=None) -> int:
     from flashot.bench import report
     from flashot.bench.core import Config, run_bench
     from flashot.bench.peers import PEERS
-    from flashot.bench.problems import Problem
     from flashot.ops import engine_names
 
     if args.million_from and not os.path.isfile(args.million_from):
@@ -102,7 +101,6 @@ def main(argv=None) -> int:
     B = args.budget
     load_start = os.getloadavg()
     rates: dict = {}  # per-solver speed estimates shared between the stages
-    sections = []
 
     def left() -> float:
         return B - (time.perf_counter() - t0)

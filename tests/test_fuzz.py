@@ -536,7 +536,6 @@ def test_softmin_grad(p, engine, cost, log_blur, hmode):
     dist = (x64.unsqueeze(-2) - y64.unsqueeze(-3)).norm(dim=-1)
     diam = math.sqrt(bbox_cost(x64, y64, "sqeuclidean"))
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
-    fo, uo = torch.finfo(dtype), _U_OUT[dtype]
     under = DROP[cdt] * (p["m"] + 1) + (p["m"] + 2) * torch.finfo(cdt).tiny  # dropped / flushed terms
     tol_x = (amp * (pi * wc * dist).sum(-1) + K_GRAD * u * DF * diam * (pi * wc).sum(-1)
              + under * w.abs() * (wc * dist).amax(-1))

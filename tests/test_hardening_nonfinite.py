@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 
-import flashot
 from flashot import SamplesLoss, ops, solve_sample
 from flashot.measures import Measures
 from flashot.ops import register_engine, unregister_engine

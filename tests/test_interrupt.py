@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 
 import pytest

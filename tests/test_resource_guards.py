@@ -11,7 +11,6 @@ import torch
 
 import flashot
 from flashot.costs import Cost, get_cost
-from flashot.ops import dense as dense_mod
 from flashot.ops.dense import DENSE_MAX_BYTES_ENV, DenseBudgetError, DenseEngine, dense_max_bytes
 from flashot.ops.registry import get_engine
 

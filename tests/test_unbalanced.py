@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-import flashot
 from flashot import SamplesLoss, solve_sample
 
 geomloss = pytest.importorskip("geomloss")

@@ -21,7 +21,6 @@ Exception types (``tests/test_bad_input.py`` holds the table of cases):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -198,7 +198,6 @@ class Planner:
 
     def plan(self, solver: str, prob: Problem, iters: int, repeats: int) -> tuple[int, int, str]:
         """(iters, repeats, skip reason or '')."""
-        cfg = self.cfg
         sb = self.solver_budget(solver)
         if sb is not None:
             est = self.estimate(solver, prob, iters, repeats)
