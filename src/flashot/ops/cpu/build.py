@@ -273,7 +273,6 @@ def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bo
     """
     if library not in LIBRARIES:
         raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
-    prefix, parts = _FILE_PREFIX[library], LIBRARIES[library]
     sources = _read_sources()
     target = march()
     _check_cpu_runs(target)
@@ -281,19 +280,39 @@ def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bo
         d = private_cache_dir()
     except OSError as e:
         raise BuildError(str(e)) from e
-    base = _base_key(sources, target)
     cxx = _find_compiler()
     if cxx is None:  # no compiler: any library built here for the same sources, flags and CPU
-        found = sorted(glob.glob(os.path.join(d, f"{prefix}{base}_*.so")), key=os.path.getmtime)
+        base = _base_key(sources, target)
+        found = sorted(glob.glob(os.path.join(d, f"{_FILE_PREFIX[library]}{base}_*.so")), key=os.path.getmtime)
         if found:
             return found[-1], 0.0, True, "(none: cached library)"
         raise BuildError("no C++ compiler found (set CXX or install g++) and no cached library for this machine")
-    path = os.path.join(d, f"{prefix}{base}_{_compiler_key(cxx)}.so")
+    path, secs, cached = build_in_cache(library, target, cxx, sources, d, quiet=quiet)
+    return path, secs, cached, cxx
+
+
+def build_in_cache(library: str, target: str, cxx: str, sources: dict[str, str] | None = None,
+                   d: str | None = None, *, quiet: bool = True) -> tuple[str, float, bool]:
+    """Compile ``library`` for ``-march=target`` with ``cxx`` into the cache directory ``d`` (default: the
+    private cache), or find it there -> (path, compile wall seconds, was cached).
+
+    No check that this CPU runs ``target``: the wheel build (:mod:`.prebuilt`) compiles every level (and
+    AArch64 with a cross compiler) on one machine; the cache key is the one :func:`build` uses, so a level
+    the test suite or a user compiled already is reused, and the other way round.
+    """
+    sources = _read_sources() if sources is None else sources
+    if d is None:
+        try:
+            d = private_cache_dir()
+        except OSError as e:
+            raise BuildError(str(e)) from e
+    prefix, parts = _FILE_PREFIX[library], LIBRARIES[library]
+    path = os.path.join(d, f"{prefix}{_base_key(sources, target)}_{_compiler_key(cxx)}.so")
     if os.path.exists(path):
-        return path, 0.0, True, cxx
+        return path, 0.0, True
     with _DirLock(d):
         if os.path.exists(path):  # another process built it while we waited
-            return path, 0.0, True, cxx
+            return path, 0.0, True
         _remove_stale(d)
         if not quiet:
             what = "" if library == "core" else "the block-sparse ones, for multiscale; "
@@ -307,7 +326,7 @@ def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bo
         secs = time.perf_counter() - t0
         if not quiet:
             print(f"flashot: compiled in {secs:.1f} s (cached for later runs)", file=sys.stderr, flush=True)
-    return path, secs, False, cxx
+    return path, secs, False
 
 
 def _bind(lib: ctypes.CDLL, library: str = "core") -> None:
@@ -315,24 +334,43 @@ def _bind(lib: ctypes.CDLL, library: str = "core") -> None:
     abi.bind(lib, library)
 
 
+def _prebuilt(library: str) -> tuple[str, dict] | None:
+    """The wheel's prebuilt ``library`` for this CPU (:mod:`.prebuilt`), or None: compile it."""
+    explicit = (os.environ.get("FLASHOT_CPU_MARCH") or "").strip()
+    if explicit == "native":
+        return None
+    from . import prebuilt
+
+    if explicit:
+        _check_cpu_runs(march())
+    return prebuilt.find(library, march() if explicit else None)
+
+
 def _open(library: str, quiet: bool) -> tuple[ctypes.CDLL, dict]:
-    """Build if needed, load and check one library -> (library, its facts for BUILD_INFO)."""
-    path, secs, cached, cxx = build(quiet=quiet, library=library)
-    try:
-        check_private_file(path)
-    except CacheDirError as e:
-        raise BuildError(str(e)) from e
+    """Load the prebuilt library, or build if needed and load; check it -> (library, its facts for
+    BUILD_INFO)."""
+    pre = _prebuilt(library)
+    if pre is not None:
+        (path, facts), secs, cached = pre, 0.0, True
+    else:
+        path, secs, cached, cxx = build(quiet=quiet, library=library)
+        facts = dict(prebuilt=None, march=march(), compiler=cxx)
+        try:
+            check_private_file(path)
+        except CacheDirError as e:
+            raise BuildError(str(e)) from e
     try:
         lib = ctypes.CDLL(path)
         _bind(lib, library)
     except (OSError, AttributeError) as e:
-        raise BuildError(f"loading {path} failed: {e}; rebuild it (clear the cache directory, {cache_dir()})") from e
+        how = "reinstall flashot" if pre is not None else f"clear the cache directory, {cache_dir()}"
+        raise BuildError(f"loading {path} failed: {e}; rebuild it ({how})") from e
     try:
         abi.check_version(lib, library, path)
         abi.check_layout(lib, library, path)
     except abi.AbiError as e:
         raise BuildError(str(e)) from e
-    info = dict(path=path, seconds=secs, cached=cached, compiler=cxx, march=march())
+    info = dict(path=path, seconds=secs, cached=cached, **facts)
     if not cached and library in _CPU_SECONDS:
         info["cpu_seconds"] = _CPU_SECONDS[library]
     return lib, info
