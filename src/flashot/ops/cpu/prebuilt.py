@@ -150,7 +150,7 @@ def status(target: str | None = None, root: str | None = None) -> dict:
     if man is None:
         out["reason"] = "no prebuilt kernels in this install (a source or editable install)"
     elif target == "native":
-        out["reason"] = "FLASHOT_CPU_MARCH=native: compiled for this CPU"
+        out["reason"] = "FLASHOT_CPU_MARCH=native asks for a build for this exact CPU"
     elif target is not None and target not in shipped:
         out["reason"] = f"FLASHOT_CPU_MARCH={target} is not a prebuilt variant ({', '.join(shipped) or 'none'})"
     else:
@@ -176,7 +176,7 @@ def find(library: str, target: str | None = None, root: str | None = None) -> tu
     if not os.path.exists(path):
         return None
     check_package_file(path, st["dir"])
-    return path, {"prebuilt": v, "march": v, "compiler": f"prebuilt ({st['compiler'] or '?'})"}
+    return path, {"prebuilt": v, "march": v, "compiler": st["compiler"] or "?"}
 
 
 # ---- the wheel build (setup.py) ---------------------------------------------------------------------
