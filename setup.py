@@ -1,7 +1,7 @@
 """Build hook: a wheel carries the CPU kernels prebuilt for each instruction-set level of its platform.
 
 Everything else is in pyproject.toml.  ``build_py`` compiles (or takes from the kernel cache) the
-libraries with the recipe of first use, ``flashot.ops.cpu.prebuilt.build_variants``, into the wheel's
+libraries with the recipe of first use, ``flashot.ops.cpu.wheel.build_variants``, into the wheel's
 ``flashot/ops/cpu/prebuilt/``; the package loads the best level the running CPU supports.  The wheel is
 tagged ``py3-none-<platform>``: the libraries are plain C ABI (loaded with ctypes), so any Python 3 runs
 them, but only on the platform they were compiled for.
@@ -33,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CPU = os.path.join(HERE, "src", "flashot", "ops", "cpu")
 
 
-def _prebuilt_module():
-    """``flashot.ops.cpu.prebuilt``, loaded on its own: the build environment has no torch, which
+def _wheel_module():
+    """``flashot.ops.cpu.wheel``, loaded on its own: the build environment has no torch, which
     ``flashot/__init__.py`` imports (``flashot.ops.cpu`` itself imports nothing but the standard library)."""
     name = "_flashot_cpu_build"
     if name not in sys.modules:
@@ -43,7 +43,7 @@ def _prebuilt_module():
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
-    return importlib.import_module(name + ".prebuilt")
+    return importlib.import_module(name + ".wheel")
 
 
 def _platform(dist) -> str:
@@ -55,7 +55,7 @@ def _platform(dist) -> str:
 def _variants(dist) -> list[str]:
     key = (_platform(dist), os.environ.get("FLASHOT_WHEEL_KERNELS"))
     if getattr(dist, "_flashot_variants", (None,))[0] != key:
-        variants, notes = _prebuilt_module().wheel_variants(*key)
+        variants, notes = _wheel_module().wheel_variants(*key)
         for note in notes:
             print(f"flashot: {note}", file=sys.stderr)
         dist._flashot_variants = (key, variants)
@@ -76,8 +76,9 @@ class build_py_kernels(build_py):
             return  # an editable install compiles on first use, from the working tree
         variants = _variants(self.distribution)
         if variants:
-            out = os.path.join(self.build_lib, "flashot", "ops", "cpu", _prebuilt_module().DIRNAME)
-            _prebuilt_module().build_variants(out, variants, log=lambda s: print(s, file=sys.stderr))
+            wheel = _wheel_module()
+            out = os.path.join(self.build_lib, "flashot", "ops", "cpu", wheel.prebuilt.DIRNAME)
+            wheel.build_variants(out, variants, log=lambda s: print(s, file=sys.stderr))
 
 
 class bdist_wheel_kernels(bdist_wheel):

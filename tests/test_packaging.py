@@ -153,7 +153,7 @@ def test_prebuilt_wheel_runs_the_demo_without_a_compiler(tmp_path, shared_build_
 
     from flashot.ops.cpu import build, prebuilt
 
-    arch = prebuilt._arch(platform.machine())
+    arch = prebuilt.arch(platform.machine())
     if build._find_compiler() is None or arch is None:
         pytest.skip("needs a C++ compiler and an x86-64 or AArch64 machine")
     src = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info beside the sources

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from flashot.ops.cpu import build, prebuilt
+from flashot.ops.cpu import build, prebuilt, wheel
 
 # /proc/cpuinfo flag sets of real CPU generations (the flags the levels look at, plus some noise)
 NEHALEM = {"fpu", "sse2", "cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
@@ -50,23 +50,23 @@ def test_selection_only_among_shipped_variants_and_this_architecture():
 
 def test_the_level_flags_are_the_psabi_ones():
     """x86-64-v4 needs AVX-512 F/BW/CD/DQ/VL; v3 AVX2/FMA/BMI1/BMI2/F16C/MOVBE/LZCNT; v2 SSE4.2/POPCNT/SSSE3."""
-    v2, v3, v4 = (set(prebuilt._level_flags(v)) for v in ("x86-64-v2", "x86-64-v3", "x86-64-v4"))
+    v2, v3, v4 = (set(prebuilt.level_flags(v)) for v in ("x86-64-v2", "x86-64-v3", "x86-64-v4"))
     assert {"sse4_2", "popcnt", "ssse3"} <= v2 < v3 < v4
     assert {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"} <= v3 - v2
     assert v4 - v3 == {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 
 def test_wheel_variants_follow_the_platform_and_the_setting(monkeypatch):
-    assert prebuilt.variants_for_platform("linux_x86_64") == ALL
-    assert prebuilt.variants_for_platform("manylinux_2_28_aarch64") == ("armv8-a",)
-    assert prebuilt.variants_for_platform("win_amd64") == ALL
-    assert prebuilt.variants_for_platform("linux_riscv64") == ()
-    assert prebuilt.wheel_variants("linux_x86_64", "none") == ([], ["FLASHOT_WHEEL_KERNELS=none: no prebuilt kernels"])
-    assert prebuilt.wheel_variants("linux_x86_64", "x86-64-v3, x86-64-v2")[0] == ["x86-64-v3", "x86-64-v2"]
+    assert wheel.variants_for_platform("linux_x86_64") == ALL
+    assert wheel.variants_for_platform("manylinux_2_28_aarch64") == ("armv8-a",)
+    assert wheel.variants_for_platform("win_amd64") == ALL
+    assert wheel.variants_for_platform("linux_riscv64") == ()
+    assert wheel.wheel_variants("linux_x86_64", "none") == ([], ["FLASHOT_WHEEL_KERNELS=none: no prebuilt kernels"])
+    assert wheel.wheel_variants("linux_x86_64", "x86-64-v3, x86-64-v2")[0] == ["x86-64-v3", "x86-64-v2"]
     with pytest.raises(build.BuildError, match="armv8-a not a variant of linux_x86_64"):
-        prebuilt.wheel_variants("linux_x86_64", "armv8-a")
-    monkeypatch.setattr(prebuilt, "_compiler_for", lambda v: None)  # no compiler: a source-only wheel
-    got, notes = prebuilt.wheel_variants("linux_x86_64", None)
+        wheel.wheel_variants("linux_x86_64", "armv8-a")
+    monkeypatch.setattr(wheel, "compiler_for", lambda v: None)  # no compiler: a source-only wheel
+    got, notes = wheel.wheel_variants("linux_x86_64", None)
     assert got == [] and len(notes) == 3
 
 
@@ -78,42 +78,69 @@ def _fake_install(tmp_path, variant="x86-64-v3", key=None):
     (root / variant).mkdir(parents=True)
     for library in build.LIBRARIES:
         (root / variant / f"{library}.so").write_bytes(b"")
-    key = prebuilt.source_key(build._read_sources(), variant) if key is None else key
+    key = build.source_key(build.read_sources(), variant) if key is None else key
     man = {"format": prebuilt.FORMAT, "abi_version": build.ABI_VERSION,
            "variants": {variant: {"key": key, "compiler": "g++ 12"}}}
     (root / prebuilt.MANIFEST).write_text(json.dumps(man))
     return root
 
 
-@pytest.fixture
-def haswell(monkeypatch):
-    monkeypatch.setattr(build, "_cpu_flags", lambda: set(HASWELL))
-    monkeypatch.setattr(prebuilt.platform, "machine", lambda: "x86_64")
+def _key(v):
+    return build.source_key(build.read_sources(), v)
 
 
-def test_the_selected_variant_is_found_with_its_facts(tmp_path, haswell):
+def _find(library, root, target=None, flags=HASWELL):
+    return prebuilt.find(library, _key, set(flags), "x86_64", target, root=str(root))
+
+
+def _status(root, target=None, flags=HASWELL):
+    return prebuilt.status(_key, set(flags), "x86_64", target, root=str(root))
+
+
+def test_the_selected_variant_is_found_with_its_facts(tmp_path):
     root = _fake_install(tmp_path)
-    path, facts = prebuilt.find("blocksparse", root=str(root))
+    path, facts = _find("blocksparse", root)
     assert path == str(root / "x86-64-v3" / "blocksparse.so")
     assert facts == {"prebuilt": "x86-64-v3", "march": "x86-64-v3", "compiler": "g++ 12"}
-    assert prebuilt.find("core", "native", root=str(root)) is None  # FLASHOT_CPU_MARCH=native compiles
-    st = prebuilt.status("x86-64-v2", root=str(root))
+    assert _find("core", root, "native") is None  # FLASHOT_CPU_MARCH=native compiles
+    st = _status(root, "x86-64-v2")
     assert st["selected"] is None and "not a prebuilt variant" in st["reason"]
 
 
-def test_stale_or_unrunnable_prebuilt_kernels_are_not_used(tmp_path, haswell, monkeypatch):
+def test_stale_or_unrunnable_prebuilt_kernels_are_not_used(tmp_path):
     root = _fake_install(tmp_path, key="0" * 16)  # built from other sources than this package's
-    st = prebuilt.status(root=str(root))
+    st = _status(root)
     assert st["selected"] is None and "other sources" in st["reason"]
-    assert prebuilt.find("core", root=str(root)) is None
-    monkeypatch.setattr(build, "_cpu_flags", lambda: set(NEHALEM))
+    assert _find("core", root) is None
     root = _fake_install(tmp_path / "b")
-    st = prebuilt.status(root=str(root))
+    st = _status(root, flags=NEHALEM)
     assert st["selected"] is None and "runs none" in st["reason"] and st["shipped"] == ["x86-64-v3"]
 
 
+def test_the_load_path_takes_the_prebuilt_library(tmp_path, monkeypatch):
+    """build._open loads what prebuilt.find names, checked as a prebuilt one (here: a fake package dir
+    holding this tree's compiled library, so the ABI checks pass) -- and BUILD_INFO names the level."""
+    import shutil
+
+    lib, *_ = build.build(quiet=True)
+    root = _fake_install(tmp_path)
+    shutil.copyfile(lib, root / "x86-64-v3" / "core.so")
+    monkeypatch.setattr(prebuilt, "package_dir", lambda: str(root))
+    real_flags = build._cpu_flags
+    monkeypatch.setattr(build, "_cpu_flags", lambda: set(HASWELL))
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("FLASHOT_CPU_MARCH", raising=False)
+    _, info = build._open("core", quiet=True)
+    assert info["prebuilt"] == "x86-64-v3" and info["path"] == str(root / "x86-64-v3" / "core.so")
+    assert build.prebuilt_status()["selected"] == "x86-64-v3"
+    monkeypatch.setenv("FLASHOT_CPU_MARCH", "native")
+    monkeypatch.setattr(build, "_cpu_flags", real_flags)  # the native library's cache key: no new compile
+    _, info = build._open("core", quiet=True)
+    assert info["prebuilt"] is None and info["march"] == "native"
+
+
 def test_no_manifest_means_compile_on_first_use(tmp_path):
-    st = prebuilt.status(root=str(tmp_path))
+    st = _status(tmp_path)
     assert st["selected"] is None and st["shipped"] == [] and "source or editable" in st["reason"]
     # this source tree ships none: build.load() compiles (or finds the cache), as before
     assert not os.path.exists(os.path.join(prebuilt.package_dir(), prebuilt.MANIFEST))
@@ -136,18 +163,18 @@ def test_a_library_outside_the_package_dir_is_refused(tmp_path):
     prebuilt.check_package_file(str(root / "inner.so"), str(root))  # fine
 
 
-def test_a_library_others_can_write_is_refused(tmp_path, haswell):
+def test_a_library_others_can_write_is_refused(tmp_path):
     root = _fake_install(tmp_path)
     lib = root / "x86-64-v3" / "core.so"
     os.chmod(lib, 0o666)
     with pytest.raises(prebuilt.PrebuiltError, match="written by others"):
-        prebuilt.find("core", root=str(root))
+        _find("core", root)
     os.chmod(lib, 0o644)
     os.chmod(root / "x86-64-v3", 0o777)  # or its directory
     with pytest.raises(prebuilt.PrebuiltError, match="written by others"):
-        prebuilt.find("core", root=str(root))
+        _find("core", root)
     os.chmod(root / "x86-64-v3", 0o755)
-    assert prebuilt.find("core", root=str(root))[0] == str(lib)
+    assert _find("core", root)[0] == str(lib)
 
 
 def test_build_info_of_a_source_tree_says_compile_on_first_use():

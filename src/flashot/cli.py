@@ -277,11 +277,8 @@ def _build_info(build) -> int:
     """``flashot build --info``: the prebuilt variants and the one selected, or what first use compiles."""
     import platform
 
-    from flashot.ops.cpu import prebuilt
-
     try:
-        target = build.march() if os.environ.get("FLASHOT_CPU_MARCH", "").strip() else None
-        st = prebuilt.status(target)
+        st = build.prebuilt_status()
     except build.BuildError as e:
         print(f"flashot build: {e}", file=sys.stderr)
         return 1
@@ -291,7 +288,7 @@ def _build_info(build) -> int:
         print(f"kernels: prebuilt {st['selected']} (compiled by {st['compiler']}) from {st['dir']}; no compiler needed "
               f"(FLASHOT_CPU_MARCH=native compiles for this exact CPU instead)")
         return 0
-    cxx = build._find_compiler()
+    cxx = build.find_compiler()
     print(f"kernels: compiled on first use with -march={build.march()}: {st['reason']}; compiler: "
           f"{cxx or 'none found (set CXX or install g++)'}; cache: {build.cache_dir()}")
     return 0

@@ -16,6 +16,10 @@ Instruction set: ``-march=native`` unless ``FLASHOT_CPU_MARCH`` names another ta
 or any value your compiler accepts for ``-march``); the x86-64 levels are checked against
 the CPU before compiling, so a library the CPU cannot run is never built.
 
+Prebuilt: a wheel built by ``setup.py`` ships the libraries for each x86-64 level (or AArch64);
+when ``FLASHOT_CPU_MARCH`` is unset, :func:`load` takes the best one the CPU runs from the
+installed package (:mod:`.prebuilt`) and compiles nothing; ``native`` always compiles.
+
 Threads: the kernels bring their own thread team (``parallel.h``: C++11 threads, dynamic
 tasks, passive waiting), so no OpenMP is needed: the same multi-threaded library builds with
 g++, clang++ and Apple clang.
@@ -46,7 +50,7 @@ import tempfile
 import time
 from importlib import resources
 
-from . import abi
+from . import abi, prebuilt
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
 
 __all__ = ["BuildError", "build", "load", "load_blocksparse", "BUILD_INFO", "cxxflags", "march", "SOURCES",
@@ -67,12 +71,7 @@ LOCK_TIMEOUT_S = 900
 # flashot_isa() bits
 ISA_BITS = {"sse4.2": 1, "avx": 2, "avx2": 4, "fma": 8, "avx512f": 16, "aarch64": 32, "threads": 64}
 # x86-64 micro-architecture levels: the /proc/cpuinfo flags each one needs (cumulative)
-_X86_LEVELS = {
-    "x86-64": [],
-    "x86-64-v2": ["cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"],
-    "x86-64-v3": ["avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"],
-    "x86-64-v4": ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"],
-}
+_X86_LEVELS = prebuilt.X86_LEVELS
 # environment variables that change what g++ / clang++ compile or link
 _BUILD_ENV = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "LIBRARY_PATH",
               "GCC_EXEC_PREFIX", "COMPILER_PATH", "DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES",
@@ -334,16 +333,55 @@ def _bind(lib: ctypes.CDLL, library: str = "core") -> None:
     abi.bind(lib, library)
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where unknown)."""
+    return _cpu_flags()
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler :func:`build` uses (``CXX``, ``g++``, ``c++``, ``clang++``), or None."""
+    return _find_compiler()
+
+
+def read_sources() -> dict[str, str]:
+    """The kernel sources of this package (:data:`SOURCES`: name -> text)."""
+    return _read_sources()
+
+
+def source_key(sources: dict[str, str], target: str) -> str:
+    """What a library for ``-march=target`` is compiled from: the sources, the flags, the libraries' units.
+
+    The key of a prebuilt library (:mod:`.prebuilt`): unlike the cache key, no CPU and no compiler,
+    since the target names the instruction set and the wheel was compiled elsewhere."""
+    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), repr(LIBRARIES))
+
+
+def _explicit_target() -> str | None:
+    """``FLASHOT_CPU_MARCH`` when set (checked), else None: the best prebuilt level, or native."""
+    return march() if (os.environ.get("FLASHOT_CPU_MARCH") or "").strip() else None
+
+
+def prebuilt_status() -> dict:
+    """What the installed package's prebuilt kernels offer this CPU (:func:`.prebuilt.status`)."""
+    try:  # the sources are read only where a manifest names a variant for this CPU
+        return prebuilt.status(lambda v: source_key(_read_sources(), v), _cpu_flags(), platform.machine(),
+                               _explicit_target())
+    except prebuilt.PrebuiltError as e:
+        raise BuildError(str(e)) from e
+
+
 def _prebuilt(library: str) -> tuple[str, dict] | None:
     """The wheel's prebuilt ``library`` for this CPU (:mod:`.prebuilt`), or None: compile it."""
-    explicit = (os.environ.get("FLASHOT_CPU_MARCH") or "").strip()
-    if explicit == "native":
+    target = _explicit_target()
+    if target == "native":
         return None
-    from . import prebuilt
-
-    if explicit:
-        _check_cpu_runs(march())
-    return prebuilt.find(library, march() if explicit else None)
+    if target is not None:
+        _check_cpu_runs(target)
+    try:
+        return prebuilt.find(library, lambda v: source_key(_read_sources(), v), _cpu_flags(), platform.machine(),
+                             target)
+    except prebuilt.PrebuiltError as e:
+        raise BuildError(str(e)) from e
 
 
 def _open(library: str, quiet: bool) -> tuple[ctypes.CDLL, dict]:
