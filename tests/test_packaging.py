@@ -106,7 +106,7 @@ def test_sdist_carries_kernel_sources_examples_and_tests(tmp_path):
     from flashot.ops.cpu import build
 
     kernels = [f"src/flashot/ops/cpu/{name}" for name in build.SOURCES]  # every header and translation unit
-    for need in (*kernels, "README.md", "tests/test_cpu_engine.py", "tests/native/kernel_check.cpp",
+    for need in (*kernels, "setup.py", "README.md", "tests/test_cpu_engine.py", "tests/native/kernel_check.cpp",
                  "examples/gradient_flow.py"):
         assert need in names, need
 

@@ -183,3 +183,17 @@ def test_build_info_of_a_source_tree_says_compile_on_first_use():
                        timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "prebuilt variants in this install: none" in r.stdout and "compiled on first use" in r.stdout
+
+
+def test_an_aarch64_wheel_on_x86_uses_the_cross_compiler(monkeypatch, tmp_path):
+    """``--plat-name=linux_aarch64`` on an x86-64 machine: armv8-a, compiled by aarch64-linux-gnu-g++;
+    without it, none (and an explicit request fails before writing anything)."""
+    monkeypatch.setattr(wheel.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(wheel.shutil, "which", lambda c: f"/usr/bin/{c}" if c == wheel.CROSS_CXX["aarch64"] else None)
+    assert wheel.compiler_for("armv8-a") == "/usr/bin/aarch64-linux-gnu-g++"
+    assert wheel.wheel_variants("linux_aarch64", None) == (["armv8-a"], [])
+    monkeypatch.setattr(wheel.shutil, "which", lambda c: None)
+    assert wheel.wheel_variants("linux_aarch64", None)[0] == []
+    with pytest.raises(build.BuildError, match="aarch64-linux-gnu-g\\+\\+"):
+        wheel.build_variants(str(tmp_path / "out"), ["armv8-a"])
+    assert not (tmp_path / "out").exists()

@@ -70,17 +70,18 @@ def wheel_variants(plat: str, setting: str | None) -> tuple[list[str], list[str]
 def build_variants(out: str, variants: list[str], log=print) -> dict[str, dict]:
     """Compile (or take from the kernel cache) both libraries of each variant into ``out``
     (``out/<variant>/<library>.so``) and write ``out/manifest.json`` -> the manifest's variants."""
+    compilers = {v: compiler_for(v) for v in variants}
+    for v, cxx in compilers.items():
+        if cxx is None:
+            arch = _arch_of(v)
+            need = "g++ or CXX" if prebuilt.arch(platform.machine()) == arch else CROSS_CXX[arch]
+            raise build.BuildError(f"no compiler for the prebuilt {v} kernels (on {platform.machine()}: {need})")
     sources = build.read_sources()
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.makedirs(out)
     entries = {}
-    for v in variants:
-        cxx = compiler_for(v)
-        if cxx is None:
-            arch = _arch_of(v)
-            need = "g++ or CXX" if prebuilt.arch(platform.machine()) == arch else CROSS_CXX[arch]
-            raise build.BuildError(f"no compiler for the prebuilt {v} kernels (on {platform.machine()}: {need})")
+    for v, cxx in compilers.items():
         os.makedirs(os.path.join(out, v))
         for library in build.LIBRARIES:
             path, secs, cached = build.build_in_cache(library, v, cxx, sources, quiet=True)
