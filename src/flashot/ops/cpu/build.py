@@ -54,7 +54,8 @@ from . import abi, prebuilt
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
 
 __all__ = ["BuildError", "build", "load", "load_blocksparse", "BUILD_INFO", "cxxflags", "march", "SOURCES",
-           "ISA_BITS", "LIBRARIES", "cache_dir"]
+           "ISA_BITS", "LIBRARIES", "cache_dir", "build_in_cache", "cpu_flags", "find_compiler", "prebuilt_status",
+           "read_sources", "source_key"]
 
 # the libraries and their translation units (compiled in parallel), balanced by compile time
 LIBRARIES = {"core": ("core_abi.cpp", "core_lse_f32.cpp", "core_lse_f64.cpp", "core_pairplan_f32.cpp",
@@ -295,7 +296,7 @@ def build_in_cache(library: str, target: str, cxx: str, sources: dict[str, str] 
     """Compile ``library`` for ``-march=target`` with ``cxx`` into the cache directory ``d`` (default: the
     private cache), or find it there -> (path, compile wall seconds, was cached).
 
-    No check that this CPU runs ``target``: the wheel build (:mod:`.prebuilt`) compiles every level (and
+    No check that this CPU runs ``target``: the wheel build (:mod:`.wheel`) compiles every level (and
     AArch64 with a cross compiler) on one machine; the cache key is the one :func:`build` uses, so a level
     the test suite or a user compiled already is reused, and the other way round.
     """
