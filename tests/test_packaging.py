@@ -172,6 +172,15 @@ def test_prebuilt_wheel_runs_the_demo_without_a_compiler(tmp_path, shared_build_
     with zipfile.ZipFile(whl) as z:
         names = set(z.namelist())
     assert {f"flashot/ops/cpu/prebuilt/{v}/{lib}.so" for v in variants for lib in build.LIBRARIES} <= names
+    if arch == "x86_64" and shutil.which("objdump"):  # no register wider than the level allows
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(tmp_path / "unzipped", [n for n in names if n.endswith(".so")])
+        for v, wider in (("x86-64-v2", ("%ymm", "%zmm")), ("x86-64-v3", ("%zmm",))):
+            for lib in build.LIBRARIES:
+                asm = subprocess.run(["objdump", "-d", str(tmp_path / "unzipped" / f"flashot/ops/cpu/prebuilt/{v}/"
+                                                                                    f"{lib}.so")],
+                                     capture_output=True, text=True, timeout=300).stdout
+                assert len(asm) > 10_000 and not any(r in asm for r in wider), (v, lib)
     py = _venv_with_wheel(tmp_path, whl)
     bindir = os.path.dirname(py)
     cache = tmp_path / "cache"
