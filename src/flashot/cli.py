@@ -117,7 +117,10 @@ def _demo_run(args, p) -> int:
     if eng.name == "cpu":
         from flashot.ops.cpu.build import BUILD_INFO, cache_dir
 
-        if BUILD_INFO.get("cached", True):
+        if BUILD_INFO.get("prebuilt"):
+            print(f"engine cpu: prebuilt {BUILD_INFO['prebuilt']} kernels loaded ({time.perf_counter() - tp:.2f} s; "
+                  f"the best level of the wheel this CPU runs)")
+        elif BUILD_INFO.get("cached", True):
             print(f"engine cpu: compiled kernels loaded from the cache ({time.perf_counter() - tp:.2f} s)")
         else:
             print(f"engine cpu: kernels compiled on first use in {BUILD_INFO.get('seconds', 0.0):.1f} s "
@@ -234,10 +237,13 @@ def torch_threads() -> int:
 def build_cmd(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="flashot build",
-        description="Compile the CPU kernels now (for images and CI) instead of at first use, and say what was "
-                    "built. The instruction set follows FLASHOT_CPU_MARCH (default native).")
-    p.add_argument("--march", default=None, help="build for this -march instead (e.g. x86-64-v3); sets "
-                                                  "FLASHOT_CPU_MARCH for this command")
+        description="Load the CPU kernels now (for images and CI) instead of at first use -- the wheel's prebuilt "
+                    "ones, or compiled here -- and say which. The instruction set follows FLASHOT_CPU_MARCH "
+                    "(default: the best prebuilt level this CPU runs, else native).")
+    p.add_argument("--march", default=None, help="build for this -march instead (e.g. x86-64-v3, or native to "
+                                                  "compile for this CPU); sets FLASHOT_CPU_MARCH for this command")
+    p.add_argument("--info", action="store_true", help="say which kernels would be used (prebuilt variant, "
+                                                        "compiler, cache) without compiling anything")
     args = p.parse_args(argv)
     import os
 
@@ -245,6 +251,8 @@ def build_cmd(argv: list[str] | None = None) -> int:
         os.environ["FLASHOT_CPU_MARCH"] = args.march
     from flashot.ops.cpu import build
 
+    if args.info:
+        return _build_info(build)
     try:
         lib = build.load()
         build.load_blocksparse()
@@ -252,12 +260,37 @@ def build_cmd(argv: list[str] | None = None) -> int:
         print(f"flashot build: {e}", file=sys.stderr)
         return 1
     info = build.BUILD_INFO
-    print(f"CPU kernels for {cpu_model()}: -march={info['march']}, {', '.join(info['isa'])}, "
+    how = f"prebuilt {info['prebuilt']}" if info.get("prebuilt") else f"-march={info['march']}"
+    print(f"CPU kernels for {cpu_model()}: {how}, {', '.join(info['isa'])}, "
           f"{lib.flashot_vector_bytes() * 8}-bit vectors, up to {torch_threads()} threads (torch.get_num_threads())")
     for name, facts in (("core", info), ("blocksparse", info["blocksparse"])):
-        how = "found in the cache" if facts["cached"] else (f"compiled in {facts['seconds']:.1f} s wall, "
-                                                            f"{facts.get('cpu_seconds', 0.0):.1f} s CPU")
+        if facts.get("prebuilt"):
+            how = f"prebuilt {facts['prebuilt']} (compiled by {facts['compiler']}), from the installed package"
+        else:
+            how = "found in the cache" if facts["cached"] else (f"compiled in {facts['seconds']:.1f} s wall, "
+                                                                f"{facts.get('cpu_seconds', 0.0):.1f} s CPU")
         print(f"  {name}: {how}: {facts['path']}")
+    return 0
+
+
+def _build_info(build) -> int:
+    """``flashot build --info``: the prebuilt variants and the one selected, or what first use compiles."""
+    import platform
+
+    try:
+        st = build.prebuilt_status()
+    except build.BuildError as e:
+        print(f"flashot build: {e}", file=sys.stderr)
+        return 1
+    print(f"CPU: {cpu_model()} ({platform.machine()}); prebuilt variants in this install: "
+          f"{', '.join(st['shipped']) or 'none'}; this CPU runs: {', '.join(st['runs']) or 'none'}")
+    if st["selected"]:
+        print(f"kernels: prebuilt {st['selected']} (compiled by {st['compiler']}) from {st['dir']}; no compiler needed "
+              f"(FLASHOT_CPU_MARCH=native compiles for this exact CPU instead)")
+        return 0
+    cxx = build.find_compiler()
+    print(f"kernels: compiled on first use with -march={build.march()}: {st['reason']}; compiler: "
+          f"{cxx or 'none found (set CXX or install g++)'}; cache: {build.cache_dir()}")
     return 0
 
 
@@ -592,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
               "  solve  entropic OT between two point-cloud files (.npy .npz .csv .txt .ply); see flashot solve --help\n"
               "  demo   solve a built-in problem (20,000 points per cloud) and print value, iterations, time, memory;\n"
               "         writes a PNG of a 2-D transport (barycentric-map arrows) when matplotlib is installed\n"
-              "  build  compile the CPU kernels now (first use would) and print the instruction set and cache path\n"
+              "  build  load the CPU kernels now (the wheel's prebuilt ones, or compiled here: first use would) and print\n"
+              "         the instruction set and path; --info says which would be used, compiling nothing\n"
               + ("  bench  time flashot against installed peers (see flashot bench --help)\n" if "bench" in cmds else ""),
               file=out)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -105,7 +105,8 @@ def kernel_isa() -> str:
     except Exception:  # noqa: BLE001 - no compiler, no engine: nothing to report
         return ""
     info = build.BUILD_INFO
-    return (f"-march={info.get('march')} ({lib.flashot_vector_bytes() * 8}-bit vectors; "
+    pre = " prebuilt" if info.get("prebuilt") else ""
+    return (f"-march={info.get('march')}{pre} ({lib.flashot_vector_bytes() * 8}-bit vectors; "
             f"{' '.join(info.get('isa', []))})")
 
 

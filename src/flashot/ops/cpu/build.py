@@ -16,6 +16,10 @@ Instruction set: ``-march=native`` unless ``FLASHOT_CPU_MARCH`` names another ta
 or any value your compiler accepts for ``-march``); the x86-64 levels are checked against
 the CPU before compiling, so a library the CPU cannot run is never built.
 
+Prebuilt: a wheel built by ``setup.py`` ships the libraries for each x86-64 level (or AArch64);
+when ``FLASHOT_CPU_MARCH`` is unset, :func:`load` takes the best one the CPU runs from the
+installed package (:mod:`.prebuilt`) and compiles nothing; ``native`` always compiles.
+
 Threads: the kernels bring their own thread team (``parallel.h``: C++11 threads, dynamic
 tasks, passive waiting), so no OpenMP is needed: the same multi-threaded library builds with
 g++, clang++ and Apple clang.
@@ -46,11 +50,12 @@ import tempfile
 import time
 from importlib import resources
 
-from . import abi
+from . import abi, prebuilt
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
 
 __all__ = ["BuildError", "build", "load", "load_blocksparse", "BUILD_INFO", "cxxflags", "march", "SOURCES",
-           "ISA_BITS", "LIBRARIES", "cache_dir"]
+           "ISA_BITS", "LIBRARIES", "cache_dir", "build_in_cache", "cpu_flags", "find_compiler", "prebuilt_status",
+           "read_sources", "source_key"]
 
 # the libraries and their translation units (compiled in parallel), balanced by compile time
 LIBRARIES = {"core": ("core_abi.cpp", "core_lse_f32.cpp", "core_lse_f64.cpp", "core_pairplan_f32.cpp",
@@ -67,12 +72,7 @@ LOCK_TIMEOUT_S = 900
 # flashot_isa() bits
 ISA_BITS = {"sse4.2": 1, "avx": 2, "avx2": 4, "fma": 8, "avx512f": 16, "aarch64": 32, "threads": 64}
 # x86-64 micro-architecture levels: the /proc/cpuinfo flags each one needs (cumulative)
-_X86_LEVELS = {
-    "x86-64": [],
-    "x86-64-v2": ["cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"],
-    "x86-64-v3": ["avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"],
-    "x86-64-v4": ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"],
-}
+_X86_LEVELS = prebuilt.X86_LEVELS
 # environment variables that change what g++ / clang++ compile or link
 _BUILD_ENV = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "LIBRARY_PATH",
               "GCC_EXEC_PREFIX", "COMPILER_PATH", "DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES",
@@ -273,7 +273,6 @@ def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bo
     """
     if library not in LIBRARIES:
         raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
-    prefix, parts = _FILE_PREFIX[library], LIBRARIES[library]
     sources = _read_sources()
     target = march()
     _check_cpu_runs(target)
@@ -281,19 +280,39 @@ def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bo
         d = private_cache_dir()
     except OSError as e:
         raise BuildError(str(e)) from e
-    base = _base_key(sources, target)
     cxx = _find_compiler()
     if cxx is None:  # no compiler: any library built here for the same sources, flags and CPU
-        found = sorted(glob.glob(os.path.join(d, f"{prefix}{base}_*.so")), key=os.path.getmtime)
+        base = _base_key(sources, target)
+        found = sorted(glob.glob(os.path.join(d, f"{_FILE_PREFIX[library]}{base}_*.so")), key=os.path.getmtime)
         if found:
             return found[-1], 0.0, True, "(none: cached library)"
         raise BuildError("no C++ compiler found (set CXX or install g++) and no cached library for this machine")
-    path = os.path.join(d, f"{prefix}{base}_{_compiler_key(cxx)}.so")
+    path, secs, cached = build_in_cache(library, target, cxx, sources, d, quiet=quiet)
+    return path, secs, cached, cxx
+
+
+def build_in_cache(library: str, target: str, cxx: str, sources: dict[str, str] | None = None,
+                   d: str | None = None, *, quiet: bool = True) -> tuple[str, float, bool]:
+    """Compile ``library`` for ``-march=target`` with ``cxx`` into the cache directory ``d`` (default: the
+    private cache), or find it there -> (path, compile wall seconds, was cached).
+
+    No check that this CPU runs ``target``: the wheel build (:mod:`.wheel`) compiles every level (and
+    AArch64 with a cross compiler) on one machine; the cache key is the one :func:`build` uses, so a level
+    the test suite or a user compiled already is reused, and the other way round.
+    """
+    sources = _read_sources() if sources is None else sources
+    if d is None:
+        try:
+            d = private_cache_dir()
+        except OSError as e:
+            raise BuildError(str(e)) from e
+    prefix, parts = _FILE_PREFIX[library], LIBRARIES[library]
+    path = os.path.join(d, f"{prefix}{_base_key(sources, target)}_{_compiler_key(cxx)}.so")
     if os.path.exists(path):
-        return path, 0.0, True, cxx
+        return path, 0.0, True
     with _DirLock(d):
         if os.path.exists(path):  # another process built it while we waited
-            return path, 0.0, True, cxx
+            return path, 0.0, True
         _remove_stale(d)
         if not quiet:
             what = "" if library == "core" else "the block-sparse ones, for multiscale; "
@@ -307,7 +326,7 @@ def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bo
         secs = time.perf_counter() - t0
         if not quiet:
             print(f"flashot: compiled in {secs:.1f} s (cached for later runs)", file=sys.stderr, flush=True)
-    return path, secs, False, cxx
+    return path, secs, False
 
 
 def _bind(lib: ctypes.CDLL, library: str = "core") -> None:
@@ -315,24 +334,82 @@ def _bind(lib: ctypes.CDLL, library: str = "core") -> None:
     abi.bind(lib, library)
 
 
-def _open(library: str, quiet: bool) -> tuple[ctypes.CDLL, dict]:
-    """Build if needed, load and check one library -> (library, its facts for BUILD_INFO)."""
-    path, secs, cached, cxx = build(quiet=quiet, library=library)
-    try:
-        check_private_file(path)
-    except CacheDirError as e:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where unknown)."""
+    return _cpu_flags()
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler :func:`build` uses (``CXX``, ``g++``, ``c++``, ``clang++``), or None."""
+    return _find_compiler()
+
+
+def read_sources() -> dict[str, str]:
+    """The kernel sources of this package (:data:`SOURCES`: name -> text)."""
+    return _read_sources()
+
+
+def source_key(sources: dict[str, str], target: str) -> str:
+    """What a library for ``-march=target`` is compiled from: the sources, the flags, the libraries' units.
+
+    The key of a prebuilt library (:mod:`.prebuilt`): unlike the cache key, no CPU and no compiler,
+    since the target names the instruction set and the wheel was compiled elsewhere."""
+    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), repr(LIBRARIES))
+
+
+def _explicit_target() -> str | None:
+    """``FLASHOT_CPU_MARCH`` when set (checked), else None: the best prebuilt level, or native."""
+    return march() if (os.environ.get("FLASHOT_CPU_MARCH") or "").strip() else None
+
+
+def prebuilt_status() -> dict:
+    """What the installed package's prebuilt kernels offer this CPU (:func:`.prebuilt.status`)."""
+    try:  # the sources are read only where a manifest names a variant for this CPU
+        return prebuilt.status(lambda v: source_key(_read_sources(), v), _cpu_flags(), platform.machine(),
+                               _explicit_target())
+    except prebuilt.PrebuiltError as e:
         raise BuildError(str(e)) from e
+
+
+def _prebuilt(library: str) -> tuple[str, dict] | None:
+    """The wheel's prebuilt ``library`` for this CPU (:mod:`.prebuilt`), or None: compile it."""
+    target = _explicit_target()
+    if target == "native":
+        return None
+    if target is not None:
+        _check_cpu_runs(target)
+    try:
+        return prebuilt.find(library, lambda v: source_key(_read_sources(), v), _cpu_flags(), platform.machine(),
+                             target)
+    except prebuilt.PrebuiltError as e:
+        raise BuildError(str(e)) from e
+
+
+def _open(library: str, quiet: bool) -> tuple[ctypes.CDLL, dict]:
+    """Load the prebuilt library, or build if needed and load; check it -> (library, its facts for
+    BUILD_INFO)."""
+    pre = _prebuilt(library)
+    if pre is not None:
+        (path, facts), secs, cached = pre, 0.0, True
+    else:
+        path, secs, cached, cxx = build(quiet=quiet, library=library)
+        facts = dict(prebuilt=None, march=march(), compiler=cxx)
+        try:
+            check_private_file(path)
+        except CacheDirError as e:
+            raise BuildError(str(e)) from e
     try:
         lib = ctypes.CDLL(path)
         _bind(lib, library)
     except (OSError, AttributeError) as e:
-        raise BuildError(f"loading {path} failed: {e}; rebuild it (clear the cache directory, {cache_dir()})") from e
+        how = "reinstall flashot" if pre is not None else f"clear the cache directory, {cache_dir()}"
+        raise BuildError(f"loading {path} failed: {e}; rebuild it ({how})") from e
     try:
         abi.check_version(lib, library, path)
         abi.check_layout(lib, library, path)
     except abi.AbiError as e:
         raise BuildError(str(e)) from e
-    info = dict(path=path, seconds=secs, cached=cached, compiler=cxx, march=march())
+    info = dict(path=path, seconds=secs, cached=cached, **facts)
     if not cached and library in _CPU_SECONDS:
         info["cpu_seconds"] = _CPU_SECONDS[library]
     return lib, info
