@@ -76,11 +76,16 @@ def _loss_args(L, args) -> tuple:
     raise ValueError(f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments")
 
 
-def _warn_masses(m: RaggedMeasures) -> None:
+def _unequal(m: RaggedMeasures) -> tuple[int | None, Tensor, Tensor]:
+    """(the first problem whose total masses differ by more than ``MASS_RTOL``, relative, or None; masses)."""
     ma, mb = m.masses()
-    gap = (ma - mb).abs() / torch.maximum(ma, mb)
-    k = int(gap.argmax())
-    if float(gap[k]) > MASS_RTOL:
+    bad = ((ma - mb).abs() > MASS_RTOL * torch.maximum(ma, mb)).nonzero()
+    return (int(bad[0, 0]) if bad.numel() else None), ma, mb
+
+
+def _warn_masses(m: RaggedMeasures) -> None:
+    k, ma, mb = _unequal(m)
+    if k is not None:
         warnings.warn(f"α and β: total masses of problem {k} differ ({float(ma[k]):.6g} vs {float(mb[k]):.6g}): "
                       "balanced OT assumes equal masses; normalise the weights, or use reach= (unbalanced OT)",
                       RuntimeWarning, stacklevel=4)
@@ -238,10 +243,8 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
 
 
 def _check_masses(m: RaggedMeasures) -> None:
-    ma, mb = m.masses()
-    gap = (ma - mb).abs() / torch.maximum(ma, mb)
-    k = int(gap.argmax())
-    if float(gap[k]) > MASS_RTOL:
+    k, ma, mb = _unequal(m)
+    if k is not None:
         raise ValueError(f"a and b: balanced OT needs equal total masses, got {float(ma[k]):.6g} and "
                          f"{float(mb[k]):.6g} in problem {k}; normalise the weights, or use unbalanced=")
 
