@@ -190,7 +190,7 @@ BAD = [
     (lambda L, xs, ys: L(xs, ys[:-1]), ValueError, "y: expected 5 clouds"),
     (lambda L, xs, ys: L(xs, [ys[0][:, :1]] + ys[1:]), ValueError, "y[0]: points of dimension 1"),
     (lambda L, xs, ys: L(xs[:2] + [xs[2][:0]] + xs[3:], ys), ValueError, "x[2]: the point cloud is empty"),
-    (lambda L, xs, ys: L([], []), ValueError, "x: the list of clouds is empty"),
+    (lambda L, xs, ys: L(xs, []), ValueError, "y: expected 5 clouds"),
     (lambda L, xs, ys: L(xs, torch.cat(ys)), TypeError, "y: a ragged batch takes lists"),
     (lambda L, xs, ys: L(xs, [y.float() for y in ys]), TypeError, "y[0]: dtype"),
     (lambda L, xs, ys: L(xs[:1] + [xs[1][0]] + xs[2:], ys), ValueError, "x[1]: expected one cloud of shape (N, D)"),

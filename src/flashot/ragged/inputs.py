@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -74,8 +75,11 @@ class RaggedInput:
 
 def is_ragged_call(args: tuple, x_batch=None, y_batch=None) -> bool:
     """Whether a front end's positional ``args`` (``(x, y)`` / ``(a, x, b, y)``) or batch vectors ask for a ragged
-    batch: a list / tuple of clouds, or ``x_batch`` / ``y_batch`` given."""
-    return x_batch is not None or y_batch is not None or any(isinstance(v, (list, tuple)) for v in args)
+    batch: a list / tuple whose first item is a tensor or an array (a list of clouds; a nested list of numbers is
+    not one), or ``x_batch`` / ``y_batch`` given."""
+    if x_batch is not None or y_batch is not None:
+        return True
+    return any(isinstance(v, (list, tuple)) and len(v) > 0 and isinstance(v[0], (Tensor, np.ndarray)) for v in args)
 
 
 def _offsets(sizes: list[int]) -> Tensor:
