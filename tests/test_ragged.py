@@ -152,6 +152,10 @@ def test_float32_and_numpy():
     L = flashot.SamplesLoss(blur=0.3, diameter=4.0)
     v = L(xs, ys)
     assert v.dtype == torch.float32 and close(v, torch.stack([L(x, y) for x, y in zip(xs, ys)]), 1e-5)
+    for blur, debias in ((100.0, True), (100.0, False)):  # high temperature: float64 softmins on copies
+        Lh = flashot.SamplesLoss(blur=blur, diameter=4.0, debias=debias)
+        assert close(Lh(xs, xs), torch.stack([Lh(x, x) for x in xs]), 1e-6)
+        assert close(Lh(xs, ys), torch.stack([Lh(x, y) for x, y in zip(xs, ys)]), 1e-6)
     res = flashot.solve_sample([x.numpy() for x in xs], [y.numpy() for y in ys], reg=0.5)
     ref = flashot.solve_sample(xs[1].numpy(), ys[1].numpy(), reg=0.5)
     assert res.value.shape == (5,) and abs(res.value[1] - ref.value) < 1e-4

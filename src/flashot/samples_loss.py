@@ -558,6 +558,9 @@ class SamplesLoss(torch.nn.Module):
         from .plan import plan_from_potentials
         from .ot_samples import solve_sample
 
+        if is_ragged_call(args):
+            raise NotImplementedError("plan: not on a ragged batch; flashot.solve_sample(xs, ys, reg=blur**p, "
+                                      "cost=...) gives each problem's plan (result.plan(k))")
         if self.loss != "sinkhorn":
             raise ValueError(f"plan: loss={self.loss!r} defines no transport plan; use loss='sinkhorn'")
         if self.cost is not None:

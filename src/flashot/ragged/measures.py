@@ -29,14 +29,14 @@ import torch
 from torch import Tensor
 
 from .._checks import compute_dtype
-from ..measures import Measures
+from ..measures import Measures, log_weights
 from ..ops.blocksparse import BlockSparseEngine
 from ..ops.blocksparse_cpu import cpu_lib
 from ..ops.run_pattern import RunPattern
 from ..ops.tiled import TILE_ELEMS
 from .inputs import RaggedInput, RaggedLayout
 
-__all__ = ["ROW_CHUNK", "BACKENDS", "RaggedMeasures", "ragged_measures", "ragged_engine", "row_chunks"]
+__all__ = ["ROW_CHUNK", "BACKENDS", "RaggedEngine", "RaggedMeasures", "ragged_measures", "ragged_engine", "row_chunks"]
 
 ROW_CHUNK = 256  # rows per chunk: the C++ kernels' tasks (threads balance over them) and the sym pattern's blocks
 # backend -> BlockSparseEngine's ``native``: the C++ kernels (cpu), PyTorch (tiled), the Triton kernels (triton);
@@ -46,19 +46,35 @@ BACKENDS = {"auto": True, "cpu": True, "tiled": False, "triton": "triton"}
 
 @dataclass
 class RaggedMeasures(Measures):
-    """:class:`~flashot.measures.Measures` of a ragged batch: the concatenated clouds, per-problem sums.
-
-    ``hot`` is always False: the float64 re-routing of float32 softmins at ``eps > HOT_RATIO * cmax`` builds new
-    copies of the clouds, which the engine's patterns (keyed by the clouds' storage) do not know; a ragged batch
-    runs such temperatures in its compute dtype."""
+    """:class:`~flashot.measures.Measures` of a ragged batch: the concatenated clouds, per-problem sums."""
 
     layout: RaggedLayout | None = None
 
     def per_problem_sum(self, t: Tensor, side: str) -> Tensor:
         return self.layout.sum(t, side)
 
-    def hot(self, eps: float) -> bool:
-        return False
+    def log64(self, side: str) -> Tensor:
+        """float64 log-weights of ``side`` (1, N), a problem's weights all equal to ``1 / N_k`` rounded to their
+        dtype taken as exactly ``1 / N_k`` (:func:`~flashot.measures.log64`, per problem).  Cached."""
+        cache = self.__dict__.setdefault("_log64", {})
+        if side not in cache:
+            lay, w = self.layout, (self.a if side == "x" else self.b).detach()[0]
+            ids = lay.ids(side, w.device)
+            n = lay.sizes(side).to(w.device, torch.float64)[ids]
+            same = (w == (1.0 / n).to(w.dtype)).double()
+            uniform = (lay.sum(same, side) == lay.sizes(side).to(w.device, torch.float64))[ids]
+            cache[side] = torch.where(uniform, -n.log(), log_weights(w.double()))[None]
+        return cache[side]
+
+    def h_a(self, f: Tensor | None, eps: float) -> Tensor:
+        if not self.hot(eps):
+            return super().h_a(f, eps)
+        return self.log64("x") if f is None else self.log64("x") + f.double() / eps
+
+    def h_b(self, g: Tensor | None, eps: float) -> Tensor:
+        if not self.hot(eps):
+            return super().h_b(g, eps)
+        return self.log64("y") if g is None else self.log64("y") + g.double() / eps
 
     @property
     def sums(self) -> tuple:
@@ -82,19 +98,48 @@ def row_chunks(offsets: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
     return out, p
 
 
-def _cross(lay: RaggedLayout, side: str) -> RunPattern:
-    """Chunks of ``side``'s rows, each keeping its problem's columns on the other side (one cluster a problem)."""
+def _cross(lay: RaggedLayout, side: str, dev: torch.device) -> RunPattern:
+    """Chunks of ``side``'s rows, each keeping its problem's columns on the other side (one cluster a problem);
+    the pattern's tensors on the clouds' device ``dev`` (the PyTorch path indexes the clouds with them)."""
     other = "y" if side == "x" else "x"
     ro, p = row_chunks(lay.offsets(side), lay.sizes(other))
-    return RunPattern(ro, lay.offsets(other), p, p + 1)
+    return RunPattern(ro.to(dev), lay.offsets(other).to(dev), p.to(dev), (p + 1).to(dev))
 
 
-def _self(lay: RaggedLayout, side: str) -> RunPattern:
+def _self(lay: RaggedLayout, side: str, dev: torch.device) -> RunPattern:
     """Chunks of ``side``'s rows against the same chunks as columns, each keeping the chunks of its problem."""
     ro, p = row_chunks(lay.offsets(side), lay.sizes(side))
     first = torch.zeros(lay.B + 1, dtype=torch.long)
     first[1:] = torch.cumsum(torch.bincount(p, minlength=lay.B), 0)
-    return RunPattern(ro, ro, first[p], first[p + 1], symmetric=True)
+    return RunPattern(ro.to(dev), ro.to(dev), first[p].to(dev), first[p + 1].to(dev), symmetric=True)
+
+
+class RaggedEngine(BlockSparseEngine):
+    """The block-sparse engine of a batch, which also knows copies of its clouds: the float64 ones of
+    float32 problems at a high temperature (:meth:`~flashot.measures.Measures.hot`) are new tensors, which
+    the patterns (keyed by the clouds' storage) do not hold; a cloud of another storage is matched to ``x`` or
+    ``y`` by its values (O(N) per call, never cached: a freed copy's storage can be reused by another)."""
+
+    def __init__(self, patterns, x: Tensor, y: Tensor, *, native):
+        super().__init__(patterns, native=native)
+        self.clouds = (x, y)
+
+    def _matches(self, t: Tensor) -> list[Tensor]:
+        """The clouds of the batch that ``t`` is (by storage) or equals (by values)."""
+        key = self.cloud_key(t)
+        if any(key == self.cloud_key(c) for c in self.clouds):
+            return [t]
+        return [c for c in self.clouds if t.shape == c.shape and torch.equal(t.to(c.dtype), c)]
+
+    def pattern(self, x: Tensor, y: Tensor):
+        for u in self._matches(x):
+            for v in self._matches(y):
+                try:
+                    return super().pattern(u, v)
+                except RuntimeError:  # equal clouds: the pair may be registered the other way
+                    continue
+        raise RuntimeError("ragged engine: called on a cloud of another problem (this is a flashot bug, please "
+                           "report it)")
 
 
 def ragged_engine(x: Tensor, y: Tensor, lay: RaggedLayout, backend: str, debias: bool) -> BlockSparseEngine:
@@ -105,10 +150,11 @@ def ragged_engine(x: Tensor, y: Tensor, lay: RaggedLayout, backend: str, debias:
     if backend == "cpu" and (x.device.type != "cpu" or cpu_lib() is None):
         why = f"the points are on {x.device}" if x.device.type != "cpu" else "its C++ kernels did not build"
         raise ValueError(f"backend: 'cpu' cannot run this ragged batch ({why}); use backend='auto' or 'tiled'")
-    pats = [(x, y, _cross(lay, "x")), (y, x, _cross(lay, "y"))]
+    dev = x.device
+    pats = [(x, y, _cross(lay, "x", dev)), (y, x, _cross(lay, "y", dev))]
     if debias:
-        pats += [(x, x, _self(lay, "x")), (y, y, _self(lay, "y"))]
-    eng = BlockSparseEngine(pats, native=BACKENDS[backend])
+        pats += [(x, x, _self(lay, "x", dev)), (y, y, _self(lay, "y", dev))]
+    eng = RaggedEngine(pats, x, y, native=BACKENDS[backend])
     eng.name = f"ragged({backend})"
     return eng
 
