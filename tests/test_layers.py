@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     "flashot.clusters": 2,
     "flashot.multiscale": 2,
     "flashot.distributed": 2,
+    "flashot.ragged": 2,  # ragged batches: one block-diagonal problem on the concatenated clouds
     # 3 front ends: the user-facing APIs (GeomLoss" SamplesLoss, POT"s solve*/sinkhorn*, GW,
     # barycenters, kernel losses) and the package namespace that re-exports them.
     "flashot": 3,

@@ -96,7 +96,7 @@ def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy:
         check_equal_masses(m)
     init = None if potentials_init is None else check_init(potentials_init, m)
     symmetric = METHODS[o.method]
-    head = _scaling_head(m, reg, o.eps_scaling, init, symmetric)
+    head = scaling_head(m, reg, o.eps_scaling, init, symmetric)
     st: SinkhornState = sinkhorn_loop(
         m, Schedule(reg, o.max_iter, head), symmetric=symmetric, tol=o.tol, init=init, callback=o.callback,
         rho_x=o.rho_a, rho_y=o.rho_b, inner_iterations=o.inner_iterations,
@@ -186,7 +186,7 @@ def _acceleration(m: Measures, reg: float, acceleration, symmetric: bool):
     return Anderson() if _small_eps(m, reg, symmetric) else None
 
 
-def _scaling_head(m: Measures, reg: float, ratio: float | None, init, symmetric: bool) -> list[float]:
+def scaling_head(m: Measures, reg: float, ratio: float | None, init, symmetric: bool) -> list[float]:
     """The temperatures run before the ones at ``reg`` (empty when eps-scaling is off)."""
     if ratio is None:  # auto
         ratio = EPS_SCALING_RATIO if init is None and _small_eps(m, reg, symmetric) else 0.0

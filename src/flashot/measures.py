@@ -119,6 +119,12 @@ class Measures:
         points (``op``: ``"sum"`` or ``"max"``); ``t`` itself on one process."""
         return t
 
+    def per_problem_sum(self, t: Tensor, side: str) -> Tensor:
+        """(B,) sums of the per-point values ``t`` ((B, N) on ``side`` ``"x"``, (B, M) on ``"y"``) over each
+        problem's points: ``t.sum(-1)`` here; a ragged batch (:mod:`flashot.ragged`, one concatenated problem)
+        sums each problem's segment, so that errors and masses stay per problem."""
+        return t.sum(-1)
+
     def full(self, sides: str, *ts: Tensor | None) -> tuple:
         """The whole (B, N) / (B, M) vectors of ``ts`` (``sides[k]`` = ``"x"`` or ``"y"``: the cloud of
         ``ts[k]``); ``ts`` itself on one process (differentiable all-gather in points-sharded mode)."""
@@ -255,7 +261,8 @@ class Measures:
 
     def masses(self) -> tuple[Tensor, Tensor]:
         """``(sum a, sum b)`` per problem, (B,) each, in float64 (detached)."""
-        return self.reduce(self.a.detach().double().sum(-1)), self.reduce(self.b.detach().double().sum(-1))
+        return (self.reduce(self.per_problem_sum(self.a.detach().double(), "x")),
+                self.reduce(self.per_problem_sum(self.b.detach().double(), "y")))
 
     def unequal_masses(self) -> tuple[float, float] | None:
         """``(sum a, sum b)`` of the first problem whose total masses differ by more than

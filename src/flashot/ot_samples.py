@@ -37,6 +37,7 @@ from .driver import (  # noqa: F401  (OTResult ... EPS_SCALING_AUTO: their forme
 )
 from .implicit import ImplicitDiff
 from .measures import Measures
+from .ragged import RaggedResult, is_ragged_call, ragged_solve_sample
 from .results import OTResult
 from .schedules import Schedule
 from .solver import IterationRecord, SinkhornState, sinkhorn_loop
@@ -73,7 +74,7 @@ def solve_sample(
     shard: str = "replicated",
     cluster_scale: float | None = None,
     truncate: float | None = 5.0,
-) -> OTResult:
+) -> OTResult | RaggedResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
     Solves ``min_P <C, P> + reg KL(P | a x b)`` over the couplings of ``a`` and ``b``, with
@@ -172,6 +173,10 @@ def solve_sample(
             the whole problem's; ``a=None`` means ``1 / N`` with ``N`` the points of all ranks;
             ``plan.to_dense()`` and ``plan.topk(k)`` give this rank's rows (see :mod:`flashot.distributed`).
 
+    Ragged batches: lists of clouds ``X_a[k]`` (N_k, D), ``X_b[k]`` (M_k, D) (weights None or lists) solve the B
+    problems together (:mod:`flashot.ragged`) and return a :class:`~flashot.ragged.RaggedResult`: ``value``
+    (B,), ``potentials[k] = (f_k, g_k)``, ``plan(k)``.
+
     Returns:
         :class:`OTResult` (numpy outputs when the points were numpy arrays).
 
@@ -190,6 +195,8 @@ def solve_sample(
         >>> bool(torch.allclose(res.value, (torch.cdist(x, y) ** 2 * P).sum() + 0.1 * kl))
         True
     """
+    if is_ragged_call((X_a, X_b)):  # lists of clouds: a ragged batch (flashot.ragged)
+        return ragged_solve_sample(**locals())
     with rank_checks(group):  # local checks only: with a group, a rank's rejection raises on every rank
         a, b = (None if pot_uniform(w) else w for w in (a, b))
         if metric is not None:

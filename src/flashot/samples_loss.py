@@ -24,6 +24,7 @@ from .matrix_cost import function_measures
 from .multiscale import MultiscaleConfig, MultiscaleRun, continue_fine, multiscale_loop, truncate_for, unsort
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .ot_samples import rank_checks
+from .ragged import is_ragged_call, ragged_samples_loss
 from .warmstart import check_warm_start, warm_loop
 from .schedules import Schedule, continued, epsilon_scaling, max_diameter
 from .solver import SinkhornState, final_step, final_values, sinkhorn_loop
@@ -353,8 +354,12 @@ class SamplesLoss(torch.nn.Module):
             f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments"
         )
 
-    def forward(self, *args: Tensor):
+    def forward(self, *args: Tensor, x_batch: Tensor | None = None, y_batch: Tensor | None = None):
         """The loss between ``(a, x)`` and ``(b, y)``: ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``.
+
+        Ragged batches (:mod:`flashot.ragged`): lists of clouds ``L(xs, ys)`` / ``L(a_list, xs, b_list, ys)``,
+        or concatenated (N, D), (M, D) points with PyTorch Geometric batch vectors ``x_batch``, ``y_batch``
+        (sorted problem indices): a (B,) value, one solve for all the problems.
 
         ``loss="sinkhorn"``: ``S(a, b) = OT_eps(a, b) - (OT_eps(a, a) + OT_eps(b, b)) / 2``
         (``debias=True``) or ``OT_eps(a, b)``, with ``eps = blur^p`` and ``C = |x - y|^2 / 2``
@@ -381,6 +386,8 @@ class SamplesLoss(torch.nn.Module):
             >>> g.shape
             torch.Size([20, 2])
         """
+        if is_ragged_call(args, x_batch, y_batch):  # lists of clouds or batch vectors: flashot.ragged
+            return ragged_samples_loss(self, args, x_batch, y_batch, implicit_given=self._implicit_given)
         replicated = self.group is not None and self.shard == "replicated"  # one problem over a group's ranks
         with rank_checks(self.group):  # local checks: with a group, one rank's rejection raises on every rank
             a_in, x, b_in, y = self._split_args(args)
@@ -551,6 +558,9 @@ class SamplesLoss(torch.nn.Module):
         from .plan import plan_from_potentials
         from .ot_samples import solve_sample
 
+        if is_ragged_call(args):
+            raise NotImplementedError("plan: not on a ragged batch; flashot.solve_sample(xs, ys, reg=blur**p, "
+                                      "cost=...) gives each problem's plan (result.plan(k))")
         if self.loss != "sinkhorn":
             raise ValueError(f"plan: loss={self.loss!r} defines no transport plan; use loss='sinkhorn'")
         if self.cost is not None:

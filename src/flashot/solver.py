@@ -96,7 +96,8 @@ def _marginal_error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side:
     For the plan ``P = a b exp((f_old + g - C)/eps)``, the row sums are
     ``a_i exp((f_old_i - f_new_i)/eps)`` where ``f_new = softmin_x(log b + g/eps)``:
     no extra pass over the data.  Points of zero weight contribute nothing; a NaN or
-    Inf anywhere else gives an infinite error (never a small one).  Returns a (B,) tensor.
+    Inf anywhere else gives an infinite error (never a small one).  Returns a (B,) tensor (one error per
+    problem of a ragged batch: :meth:`~flashot.measures.Measures.per_problem_sum`).
     """
     w = m.a if side == "x" else m.b
     w = w.detach()
@@ -104,7 +105,7 @@ def _marginal_error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side:
     finite = torch.isfinite(f_old) & torch.isfinite(f_new)
     per_point = torch.where(finite, (w * r1).abs(), torch.full_like(w, math.inf))
     per_point = torch.where(w > 0, per_point, torch.zeros_like(w))
-    return _nan_as_inf(m.reduce(per_point.sum(-1)))
+    return _nan_as_inf(m.reduce(m.per_problem_sum(per_point, side)))
 
 
 def _nan_as_inf(err: Tensor) -> Tensor:

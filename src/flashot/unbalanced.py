@@ -150,7 +150,16 @@ def _one_minus_exp(f: Tensor, rho: float) -> Tensor:
     return -torch.expm1(-f / rho)
 
 
-def _debias_side(w: Tensor, f_ab: Tensor, f_aa: Tensor, eps: float, rho: float | None) -> Tensor:
+def _sum_last(t: Tensor) -> Tensor:
+    return t.sum(-1)
+
+
+# per-side reducers of the value formulas: (sum over x's points, sum over y's points), each (B, N) -> (B,); a
+# ragged batch (flashot.ragged, one concatenated problem) passes per-problem segment sums
+DEFAULT_SUMS = (_sum_last, _sum_last)
+
+
+def _debias_side(w: Tensor, f_ab: Tensor, f_aa: Tensor, eps: float, rho: float | None, total=_sum_last) -> Tensor:
     r"""One side of :func:`debiased_dual_value`: ``<w, f_ab - f_aa>`` for a strict side, else
     :math:`(\rho + \varepsilon) D - \tfrac{\varepsilon}{2} D` with
     :math:`D = \langle w, e^{-f_{aa}/\rho} (1 - e^{-(f_{ab} - f_{aa})/\rho})\rangle` and the second
@@ -158,12 +167,12 @@ def _debias_side(w: Tensor, f_ab: Tensor, f_aa: Tensor, eps: float, rho: float |
     :math:`(\rho + \varepsilon) \partial D` (the derivative of :math:`\varphi - \varepsilon m` of the
     two problems).  The difference of the potentials is taken first (no cancellation of two ~1 terms)."""
     if rho is None:
-        return (w * (f_ab - f_aa)).sum(-1)
-    D = (w * torch.exp(-f_aa / rho) * _one_minus_exp(f_ab - f_aa, rho)).sum(-1)
+        return total(w * (f_ab - f_aa))
+    D = total(w * torch.exp(-f_aa / rho) * _one_minus_exp(f_ab - f_aa, rho))
     return (rho + eps) * D - 0.5 * eps * D.detach()
 
 
-def debiased_dual_value(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y) -> Tensor:
+def debiased_dual_value(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y, sums=DEFAULT_SUMS) -> Tensor:
     r"""Sinkhorn divergence :math:`S(a, b) = D(a, b) - \tfrac12 D(a, a) - \tfrac12 D(b, b)`, (B,), each
     :math:`D` the exact dual value of :func:`dual_value`, for ``rho_x == rho_y`` (symmetric self problems,
     one potential each; :func:`debiased_dual_value_two_sided` otherwise).
@@ -172,9 +181,11 @@ def debiased_dual_value(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y) -> Tens
     gradients, where GeomLoss' are :math:`(\rho + \varepsilon/2)/(\rho + \varepsilon)` of them on an
     unbalanced side (autograd through its value formula; its custom backward is never called).  The mass
     terms add up to :math:`-\tfrac{\varepsilon}{2}(m(a) - m(b))^2` (0 for equal masses; GeomLoss omits it).
+    ``sums``: the reducers over each side's points (:data:`DEFAULT_SUMS`).
     """
-    ma, mb = a.sum(-1), b.sum(-1)
-    return (_debias_side(a, f_ba, f_aa, eps, rho_x) + _debias_side(b, g_ab, g_bb, eps, rho_y)
+    sx, sy = sums
+    ma, mb = sx(a), sy(b)
+    return (_debias_side(a, f_ba, f_aa, eps, rho_x, sx) + _debias_side(b, g_ab, g_bb, eps, rho_y, sy)
             - 0.5 * eps * (ma - mb) ** 2)
 
 
@@ -194,29 +205,31 @@ def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
     return f_aa, g_aa, f_bb, g_bb
 
 
-def debiased_dual_value_two_sided(a, b, f, g, f_aa, g_aa, f_bb, g_bb, eps, rho_x, rho_y) -> Tensor:
+def debiased_dual_value_two_sided(a, b, f, g, f_aa, g_aa, f_bb, g_bb, eps, rho_x, rho_y, sums=DEFAULT_SUMS) -> Tensor:
     """``S = D(a, b) - D(a, a)/2 - D(b, b)/2`` with every term the exact dual value of an
     ``OT_{rho_x, rho_y}`` (:func:`dual_value`), so ``S(a, a) = 0``.  Equals :func:`debiased_dual_value`
     when ``rho_x == rho_y`` (then ``f_aa = g_aa`` and ``f_bb = g_bb``)."""
-    return (dual_value(a, b, f, g, eps, rho_x, rho_y)
-            - 0.5 * dual_value(a, a, f_aa, g_aa, eps, rho_x, rho_y)
-            - 0.5 * dual_value(b, b, f_bb, g_bb, eps, rho_x, rho_y))
+    sx, sy = sums
+    return (dual_value(a, b, f, g, eps, rho_x, rho_y, sums)
+            - 0.5 * dual_value(a, a, f_aa, g_aa, eps, rho_x, rho_y, (sx, sx))
+            - 0.5 * dual_value(b, b, f_bb, g_bb, eps, rho_x, rho_y, (sy, sy)))
 
 
 # -- the exact dual (solve_sample) ---------------------------------------------------------
-def _side_parts(w: Tensor, f: Tensor, eps: float, rho: float | None) -> tuple[Tensor, Tensor]:
+def _side_parts(w: Tensor, f: Tensor, eps: float, rho: float | None, total=_sum_last) -> tuple[Tensor, Tensor]:
     """(phi, s): ``phi = phi(f)`` and ``s = m_side - m(w)`` (the plan mass seen from this side minus
     the side's own mass; 0 for a strict side), both differentiable, computed with ``expm1``
     (``phi = rho <w, 1 - e^{-f/rho}>``, ``s = <w, e^{-f/rho} - 1>``) so that nothing cancels at a
     large ``rho``."""
     if rho is None:
-        return (w * f).sum(-1), torch.zeros_like(f[..., 0])
+        s = total(w * f)
+        return s, torch.zeros_like(s)
     om = _one_minus_exp(f, rho)
-    return rho * (w * om).sum(-1), -(w * om).sum(-1)
+    return rho * total(w * om), -total(w * om)
 
 
 def dual_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
-               rho_x: float | None, rho_y: float | None) -> Tensor:
+               rho_x: float | None, rho_y: float | None, sums=DEFAULT_SUMS) -> Tensor:
     r"""Dual value of (semi-)unbalanced entropic OT at the Sinkhorn fixed point, (B,).
 
     With :math:`m_x = \langle a, e^{-f/\rho_x}\rangle` (or :math:`m(a)`) and :math:`m_y`
@@ -237,25 +250,26 @@ def dual_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
     mass terms are grouped as :math:`\varepsilon [m(a) m(b) - m(a) - m(b) + (m(a) + m(b))/2]`
     (exactly 0 for probability measures) plus :math:`-\varepsilon (s_x + s_y) + \varepsilon (s_x + s_y)/2`
     (the second half detached), so no two terms of size ~1 cancel: float32 agrees with float64
-    to float32 accuracy at any reach.
+    to float32 accuracy at any reach.  ``sums``: the reducers over each side's points (:data:`DEFAULT_SUMS`).
     """
-    phi_x, s_x = _side_parts(a, f, eps, rho_x)
-    phi_y, s_y = _side_parts(b, g, eps, rho_y)
-    ma, mb = a.sum(-1), b.sum(-1)
+    sx, sy = sums
+    phi_x, s_x = _side_parts(a, f, eps, rho_x, sx)
+    phi_y, s_y = _side_parts(b, g, eps, rho_y, sy)
+    ma, mb = sx(a), sy(b)
     masses = ma * mb - ma - mb + 0.5 * (ma + mb).detach()
     gaps = -(s_x + s_y) + 0.5 * (s_x + s_y).detach()
     return phi_x + phi_y + eps * (masses + gaps)
 
 
-def _kl(p: Tensor, q: Tensor) -> Tensor:
+def _kl(p: Tensor, q: Tensor, total=_sum_last) -> Tensor:
     """Generalised KL, ``<p, log(p / q)> - m(p) + m(q)`` per problem (``0 log 0 = 0``)."""
     pos = p > 0  # zero weights: no mass of the plan there either
     t = torch.where(pos, p * (torch.log(torch.where(pos, p, 1)) - torch.log(torch.where(pos, q, 1))), 0)
-    return t.sum(-1) - p.sum(-1) + q.sum(-1)
+    return total(t) - total(p) + total(q)
 
 
 def primal_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, r: Tensor, c: Tensor, eps: float,
-                 rho_x: float | None, rho_y: float | None) -> Tensor:
+                 rho_x: float | None, rho_y: float | None, sums=DEFAULT_SUMS) -> Tensor:
     r"""The unbalanced objective at the plan :math:`P = a b e^{(f \oplus g - C)/\varepsilon}`, (B,):
 
     .. math::
@@ -270,14 +284,16 @@ def primal_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, r: Tensor, c: Tenso
 
     POT 0.9 (``ot.solve(..., unbalanced=rho)``) evaluates the KL terms without their mass parts, which
     makes its value 0 (up to rounding) whenever both sides are relaxed; this is the objective instead.
+    ``sums``: the reducers over each side's points (:data:`DEFAULT_SUMS`).
     """
-    d = dual_value(a, b, f, g, eps, rho_x, rho_y)
+    sx, sy = sums
+    d = dual_value(a, b, f, g, eps, rho_x, rho_y, sums)
     with torch.no_grad():
         fd, gd, r, c = f.detach(), g.detach(), r.detach(), c.detach()
-        mass = 0.5 * (r.sum(-1) + c.sum(-1))
-        v = (r * fd).sum(-1) + (c * gd).sum(-1) - eps * mass + eps * a.sum(-1) * b.sum(-1)
+        mass = 0.5 * (sx(r) + sy(c))
+        v = sx(r * fd) + sy(c * gd) - eps * mass + eps * sx(a) * sy(b)
         if rho_x is not None:
-            v = v + rho_x * _kl(r, a.detach())
+            v = v + rho_x * _kl(r, a.detach(), sx)
         if rho_y is not None:
-            v = v + rho_y * _kl(c, b.detach())
+            v = v + rho_y * _kl(c, b.detach(), sy)
     return d + (v - d.detach())
