@@ -80,7 +80,7 @@ class MatrixCost:
         return not isinstance(self.M, Tensor)
 
     def _block(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
-        if not self.lazy:
+        if isinstance(self.M, Tensor):  # not lazy
             return self.M[:, r0:r1, c0:c1]
         blk = read_block(self.M, r0, r1, c0, c1, np.float32 if self.dtype == torch.float32 else np.float64)
         return torch.from_numpy(blk).to(self.device).unsqueeze(0)
@@ -110,6 +110,7 @@ class MatrixCost:
 
     def softmin_graph(self, side: str, h: Tensor, eps: float) -> Tensor:
         """``-eps log sum_k exp(h_k - C_side / eps)`` through the blocks' autograd history (dense)."""
+        assert self.graph is not None  # Measures.softmin_grad calls this only with a graph
         C = self.graph.get(side)
         if C is None and side == "yx":
             C = self.graph["xy"].transpose(-1, -2)
@@ -186,7 +187,8 @@ def _lazy_shape(M) -> tuple[int, int]:
     if dims is None or any(s < 0 for s in dims):
         raise ValueError(f"M: the lazy matrix's shape must be two non-negative integers (rows, columns), got {shape}")
     _check_not_empty(dims)
-    return dims
+    rows, cols = dims  # two of them: is_lazy_matrix checked the length
+    return rows, cols
 
 
 def _check_not_empty(shape: tuple[int, ...]) -> None:
@@ -221,6 +223,7 @@ def matrix_measures(M, a, b, *, backend: str = "auto") -> Measures:
                          f"got {backend!r}; the 'cpu' and 'triton' engines compute costs from points "
                          "(use solve_sample)")
     lazy = is_lazy_matrix(M)
+    shape: tuple[int, ...]
     if lazy:
         shape = _lazy_shape(M)
         cdt = compute_dtype(_lazy_dtype(M))

@@ -147,9 +147,9 @@ def make_result(m: Measures, st: SinkhornState, o, numpy: bool) -> OTResult:
     plan = LazyPlan(m, f, g, reg, numpy=numpy)
     if o.unbalanced:  # m.full: the whole vectors when the points are split over ranks (else the same)
         r, c = plan.raw_marginals()
-        full = m.full("xyxyxy", m.a, m.b, f, g, r, c)
-        value = warn_on_second_order(primal_value(*full, reg, o.rho_a, o.rho_b))
-        value_dual = warn_on_second_order(dual_value(*full[:4], reg, o.rho_a, o.rho_b))
+        fa, fb, ff, fg, fr, fc = m.full("xyxyxy", m.a, m.b, f, g, r, c)
+        value = warn_on_second_order(primal_value(fa, fb, ff, fg, fr, fc, reg, o.rho_a, o.rho_b))
+        value_dual = warn_on_second_order(dual_value(fa, fb, ff, fg, reg, o.rho_a, o.rho_b))
     else:  # points-sharded too: summed over the ranks, each rank's gradients its slices
         value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
         if st.converged:  # else the value of the returned iterate, <a, f> + <b, g> as it is

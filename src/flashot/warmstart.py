@@ -112,6 +112,7 @@ def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
         st = sinkhorn_loop(m, extended(eps_list), symmetric=True, debias=module.debias, tol=tol)
         n_iter = st.n_iter
     else:
+        assert cache is not None  # _cold is False only with a cache
         moved = _moved(m, cache)  # how far did the points move since the cached call?
         start = max(module.warm_start * module.blur, 4.0 * moved) ** module.p
         tail = [e for e in eps_list if e <= start * (1 + 1e-12)]

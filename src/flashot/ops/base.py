@@ -61,7 +61,7 @@ from typing import Iterable, Literal
 import torch
 from torch import Tensor
 
-from ..costs import Cost
+from ..costs import CostLike
 
 Weight = Literal["plan", "cost", "dcost"]
 WEIGHTS = ("plan", "cost", "dcost")
@@ -179,16 +179,16 @@ class Engine(abc.ABC):
         """True when this engine implements the optional step or hint ``cap``."""
         return cap in self.capabilities
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
+    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: CostLike) -> str | None:
         """``None`` when the engine can run this case, else a one-line reason."""
         return None
 
     @abc.abstractmethod
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
         """``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)``: (B, N, D), (B, M, D), (B, M) -> (B, N)."""
 
     @abc.abstractmethod
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: Cost,
+    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: CostLike,
                      weight: Weight = "plan") -> Tensor:
         """``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``: V (B, M, K) -> (B, N, K).
 
@@ -198,29 +198,29 @@ class Engine(abc.ABC):
 
     # -- optional fused steps (Capability members; see the module docstring) -------------------
     def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
-                     cost: Cost) -> tuple[Tensor, Tensor]:
+                     cost: CostLike) -> tuple[Tensor, Tensor]:
         """``(softmin(x, y, hy), softmin(y, x, hx))`` in one pass (``Capability.SOFTMIN_PAIR``)."""
         raise _missing(self, Capability.SOFTMIN_PAIR)
 
-    def softmin_alt(self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: Cost,
+    def softmin_alt(self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike,
                     lam: float = 1.0) -> tuple[Tensor, Tensor]:
         """``(f, softmin(y, x, ha + lam f / eps))``, ``f = softmin(x, y, hy)`` (``Capability.SOFTMIN_ALT``)."""
         raise _missing(self, Capability.SOFTMIN_ALT)
 
-    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
         """``softmin(x, x, h)`` (``Capability.SOFTMIN_SYM``)."""
         raise _missing(self, Capability.SOFTMIN_SYM)
 
-    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
+    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike,
                           cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         """``softmin_pair`` and the barycentres, or None (``Capability.SOFTMIN_PAIR_BARY``)."""
         raise _missing(self, Capability.SOFTMIN_PAIR_BARY)
 
-    def softmin_sym_bary(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> tuple[Tensor, Tensor] | None:
+    def softmin_sym_bary(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> tuple[Tensor, Tensor] | None:
         """``softmin_sym`` and its barycentres, or None (``Capability.SOFTMIN_SYM_BARY``)."""
         raise _missing(self, Capability.SOFTMIN_SYM_BARY)
 
-    def expect_reuse(self, x: Tensor, y: Tensor, cost: Cost) -> None:
+    def expect_reuse(self, x: Tensor, y: Tensor, cost: CostLike) -> None:
         """Hint: the solver will call the engine on ``(x, y)`` many times (``Capability.EXPECT_REUSE``)."""
         raise _missing(self, Capability.EXPECT_REUSE)
 
@@ -280,13 +280,13 @@ class ForwardingEngine(Engine):
             raise _missing(self, cap)
         return self.inner
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
+    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: CostLike) -> str | None:
         return self.inner.unsupported(device, dtype, cost)
 
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, **kw) -> Tensor:
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, **kw) -> Tensor:
         return self.inner.softmin(x, y, h, eps, cost, **kw)  # kw: rows= (Capability.ROW_RANGES)
 
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: Cost,
+    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: CostLike,
                      weight: Weight = "plan", **kw) -> Tensor:
         return self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, **kw)
 
@@ -330,7 +330,7 @@ class ForeignEngine(ForwardingEngine):
         self.capabilities = frozenset()
         self._unsupported = getattr(inner, "unsupported", None)
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
+    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: CostLike) -> str | None:
         return None if self._unsupported is None else self._unsupported(device, dtype, cost)
 
 
@@ -339,7 +339,7 @@ def as_engine(obj) -> Engine:
     return obj if isinstance(obj, Engine) else ForeignEngine(obj)
 
 
-def self_softmin(engine: Engine, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+def self_softmin(engine: Engine, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
     """``softmin(x, x, h)`` through the engine's ``softmin_sym`` (half the pairs) when it declares one."""
     if engine.supports(Capability.SOFTMIN_SYM):
         return engine.softmin_sym(x, h, eps, cost)
