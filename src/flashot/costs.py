@@ -201,7 +201,7 @@ class FeatureBilinearCost:
     bilinear = True
 
     @staticmethod
-    def pair(u: Tensor, phi: Tensor, v: Tensor, psi: Tensor, M: Tensor) -> tuple["FeatureBilinearCost", Tensor, Tensor]:
+    def pair(u: Tensor, phi: Tensor, v: Tensor, psi: Tensor, M: Tensor) -> tuple[FeatureBilinearCost, Tensor, Tensor]:
         """``(cost, s, t)`` for biases ``u`` (B, N), ``v`` (B, M), features ``phi`` (B, N, p),
         ``psi`` (B, M, q) and ``M`` (B, p, q): the augmented points ``s`` (B, N, 1 + p + q) and ``t``."""
         B, N, p = phi.shape

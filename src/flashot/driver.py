@@ -9,8 +9,9 @@ distributed strategy, which is why it lives below them.  Options take POT's name
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

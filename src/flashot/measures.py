@@ -95,7 +95,7 @@ class Measures:
         backend: str,
         allow_dense: bool = True,
         names: tuple[str, str, str, str] = ("a", "x", "b", "y"),
-    ) -> "Measures":
+    ) -> Measures:
         an, xn, bn, yn = names
         p = prepare_pair(x, y, cost=cost, backend=backend, allow_dense=allow_dense, names=(xn, yn))
         a = check_weights(an, a, x, xn)

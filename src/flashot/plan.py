@@ -73,7 +73,7 @@ class LazyPlan:
         return nm if not self._m.batched else (B, *nm)
 
     @property
-    def T(self) -> "LazyPlan":
+    def T(self) -> LazyPlan:
         """The transposed plan ``P^T`` (M, N), lazy as well: ``(P^T)_ji = P_ij``.
 
         Example:

@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Iterable, Literal
+from collections.abc import Iterable
+from typing import Literal
 
 import torch
 from torch import Tensor

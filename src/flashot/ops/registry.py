@@ -32,7 +32,7 @@ work (the engine checks again before each matrix, e.g. the N x N debiasing terms
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
