@@ -21,7 +21,8 @@ Exception types (``tests/test_bad_input.py`` holds the table of cases):
 from __future__ import annotations
 
 import math
-from typing import Literal, overload
+from collections.abc import Collection
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from torch import Tensor
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def to_tensor(name: str, v, *, like: Tensor | None = None) -> Tensor:
+def to_tensor(name: str, v: Any, *, like: Tensor | None = None) -> Tensor:
     """Accept a torch tensor or a numpy array / sequence of numbers."""
     if isinstance(v, Tensor):
         return v
@@ -149,14 +150,14 @@ def check_positive(name: str, v: object, *, allow_none: bool = False) -> float |
     return out
 
 
-def check_bool(name: str, v) -> bool:
+def check_bool(name: str, v: object) -> bool:
     """A flag: ``bool`` (or numpy bool, or the integers 0 / 1); a string or None is an error, not truthy."""
     if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and v in (0, 1)):
         return bool(v)
     raise TypeError(f"{name}: expected True or False, got {v!r}")
 
 
-def check_choice(name: str, v, choices) -> str:
+def check_choice(name: str, v: object, choices: Collection[str]) -> str:
     """One of the option names ``choices``: TypeError for a non-string, ValueError for an unknown one."""
     if not isinstance(v, str):
         raise TypeError(f"{name}: expected a string, one of {sorted(choices)}, got {type(v).__name__}")

@@ -19,7 +19,9 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ SCAN_ROWS = 1024
 _ids = itertools.count()
 
 
-def is_lazy_matrix(M) -> bool:
+def is_lazy_matrix(M: object) -> bool:
     """An object with a 2-D ``shape`` that can be sliced (not a tensor or numpy array)."""
     shape = getattr(M, "shape", None)
     if isinstance(M, np.memmap):  # on disk: read one tile at a time, never loaded whole
@@ -135,7 +137,7 @@ def _span(u: Tensor) -> tuple[int, int]:
     return first, last + 1
 
 
-def read_block(M, r0: int, r1: int, c0: int, c1: int, dtype=np.float64) -> np.ndarray:
+def read_block(M: Any, r0: int, r1: int, c0: int, c1: int, dtype: Any = np.float64) -> np.ndarray:
     """``M[r0:r1, c0:c1]`` of a lazy matrix as a fresh, writable array of ``dtype`` (None: its own),
     checked: an array of real numbers (not ``None``, a string, objects) of shape ``(r1 - r0, c1 - c0)``,
     finite.
@@ -215,7 +217,7 @@ def _lazy_dtype(M) -> torch.dtype:
     return torch.float32 if kind == np.float32 or kind.itemsize <= 2 and kind.kind == "f" else torch.float64
 
 
-def matrix_measures(M, a, b, *, backend: str = "auto") -> Measures:
+def matrix_measures(M: Any, a: Any, b: Any, *, backend: str = "auto") -> Measures:
     """:class:`~flashot.measures.Measures` over the cost matrix ``M`` ((N, M) or (B, N, M); torch,
     numpy or lazy) with weights ``a`` (rows) and ``b`` (columns), uniform when None."""
     if backend not in ("auto", "tiled", "dense"):
@@ -310,7 +312,8 @@ def _cost_block(fn, u: Tensor, v: Tensor, what: str) -> Tensor:
     return C
 
 
-def function_measures(fn, x: Tensor, y: Tensor, a, b, *, sides: tuple[str, ...], detach_second: bool,
+def function_measures(fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, y: Tensor, a: Tensor | None,
+                      b: Tensor | None, *, sides: tuple[str, ...], detach_second: bool,
                       backend: str = "auto", names: tuple[str, str, str, str] = ("a", "x", "b", "y")) -> Measures:
     """:class:`~flashot.measures.Measures` over the blocks of a user's cost function (GeomLoss' tensorized
     ``cost``): ``fn(x, y)`` maps (B, N, D), (B, M, D) points to a (B, N, M) matrix.

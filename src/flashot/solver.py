@@ -384,7 +384,7 @@ def sinkhorn_loop(
     callback: Callable[[IterationRecord], bool | None] | None = None,
     warn: bool = True,
     inner_iterations: int = 10,
-    acceleration=None,
+    acceleration: Momentum | Anderson | None = None,
     verbose: bool = False,
 ) -> SinkhornState:
     """Run Sinkhorn iterations, one per entry of ``eps_list``.

@@ -56,8 +56,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -164,7 +164,7 @@ class Engine(abc.ABC):
     name: str = "engine"
     capabilities: frozenset[Capability] = frozenset()
 
-    def __init_subclass__(cls, **kw) -> None:
+    def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         caps = vars(cls).get("capabilities")
         if caps is None:
@@ -233,7 +233,7 @@ class Engine(abc.ABC):
         """(1,) int64 identifying the engine's state for the pair (``Capability.ROW_RANGES``)."""
         raise _missing(self, Capability.ROW_RANGES)
 
-    def ring_visit(self, op: str, parts: list[Tensor], fn, combine):
+    def ring_visit(self, op: str, parts: list[Tensor], fn: Callable[..., Any], combine: Callable[..., Any]) -> Any:
         """``combine`` of ``fn(src, *block)`` over every rank's block (``Capability.RING_VISIT``)."""
         raise _missing(self, Capability.RING_VISIT)
 
@@ -276,7 +276,7 @@ class ForwardingEngine(Engine):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 
-    def _forward(self, cap: Capability):
+    def _forward(self, cap: Capability) -> Engine:
         if cap not in self.capabilities:
             raise _missing(self, cap)
         return self.inner
@@ -284,38 +284,41 @@ class ForwardingEngine(Engine):
     def unsupported(self, device: torch.device, dtype: torch.dtype, cost: CostLike) -> str | None:
         return self.inner.unsupported(device, dtype, cost)
 
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, **kw) -> Tensor:
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, **kw: Any) -> Tensor:
         return self.inner.softmin(x, y, h, eps, cost, **kw)  # kw: rows= (Capability.ROW_RANGES)
 
     def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: CostLike,
-                     weight: Weight = "plan", **kw) -> Tensor:
+                     weight: Weight = "plan", **kw: Any) -> Tensor:
         return self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, **kw)
 
-    def softmin_pair(self, x, y, hx, hy, eps, cost):
+    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
+                     cost: CostLike) -> tuple[Tensor, Tensor]:
         return self._forward(Capability.SOFTMIN_PAIR).softmin_pair(x, y, hx, hy, eps, cost)
 
-    def softmin_alt(self, x, y, ha, hy, eps, cost, lam=1.0):
+    def softmin_alt(self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike,
+                    lam: float = 1.0) -> tuple[Tensor, Tensor]:
         return self._forward(Capability.SOFTMIN_ALT).softmin_alt(x, y, ha, hy, eps, cost, lam)
 
-    def softmin_sym(self, x, h, eps, cost):
+    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
         return self._forward(Capability.SOFTMIN_SYM).softmin_sym(x, h, eps, cost)
 
-    def softmin_pair_bary(self, x, y, hx, hy, eps, cost, cols):
+    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike,
+                          cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         return self._forward(Capability.SOFTMIN_PAIR_BARY).softmin_pair_bary(x, y, hx, hy, eps, cost, cols=cols)
 
-    def softmin_sym_bary(self, x, h, eps, cost):
+    def softmin_sym_bary(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> tuple[Tensor, Tensor] | None:
         return self._forward(Capability.SOFTMIN_SYM_BARY).softmin_sym_bary(x, h, eps, cost)
 
-    def expect_reuse(self, x, y, cost):
+    def expect_reuse(self, x: Tensor, y: Tensor, cost: CostLike) -> None:
         return self._forward(Capability.EXPECT_REUSE).expect_reuse(x, y, cost)
 
-    def row_bounds(self, x, y, parts):
+    def row_bounds(self, x: Tensor, y: Tensor, parts: int) -> list[tuple[int, int]]:
         return self._forward(Capability.ROW_RANGES).row_bounds(x, y, parts)
 
-    def digest(self, x, y):
+    def digest(self, x: Tensor, y: Tensor) -> Tensor:
         return self._forward(Capability.ROW_RANGES).digest(x, y)
 
-    def ring_visit(self, op, parts, fn, combine):
+    def ring_visit(self, op: str, parts: list[Tensor], fn: Callable[..., Any], combine: Callable[..., Any]) -> Any:
         return self._forward(Capability.RING_VISIT).ring_visit(op, parts, fn, combine)
 
 
@@ -325,7 +328,7 @@ class ForeignEngine(ForwardingEngine):
     primitives and its ``unsupported`` (when it has one; else every case is accepted), and no
     capability, so any fused method it has is not used (subclass :class:`Engine` and declare them)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: Any):
         self.inner = inner
         self.name = str(getattr(inner, "name", type(inner).__name__))
         self.capabilities = frozenset()
@@ -335,7 +338,7 @@ class ForeignEngine(ForwardingEngine):
         return None if self._unsupported is None else self._unsupported(device, dtype, cost)
 
 
-def as_engine(obj) -> Engine:
+def as_engine(obj: object) -> Engine:
     """``obj`` itself when it is an :class:`Engine`, else wrapped in a :class:`ForeignEngine`."""
     return obj if isinstance(obj, Engine) else ForeignEngine(obj)
 
