@@ -55,7 +55,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -428,7 +428,9 @@ def sinkhorn_value(m: Measures, st: SinkhornState, f: Tensor, g: Tensor, f_aa: T
     value (``m.reduce``), each process's gradients w.r.t. its own points and weights.
     """
     cfg = check_implicit(implicit)
-    m.implicit_diff = cfg  # OTResult.value_linear's gradient (linear_value) uses the same settings
+    # OTResult.value_linear's gradient (linear_value) uses the same settings; an attribute that Measures does
+    # not declare (a field would change dataclasses.fields(Measures), which distributed.py copies)
+    cast(Any, m).implicit_diff = cfg
     eps = st.eps
     d = lambda t: t.detach()  # noqa: E731
     x, y, a, b = m.x, m.y, m.a, m.b

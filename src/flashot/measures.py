@@ -22,9 +22,9 @@ and the epsilon-scaling's first temperature, ``diameter^p``, is below the thresh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -82,9 +82,6 @@ class Measures:
     out_dtype: torch.dtype
     center: Tensor  # (B, 1, D), subtracted from both clouds
     cmax: float = math.inf  # upper bound of the cost over all pairs (see ``ops.max_cost``)
-    # the flashot.implicit.ImplicitDiff settings of the solve, set by sinkhorn_value for value_linear's gradient
-    # (not an argument, not copied by dataclasses.replace: a derived problem starts without one)
-    implicit_diff: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
