@@ -54,7 +54,7 @@ def worker(rank: int, world: int, init: str, out: str, a: argparse.Namespace) ->
     kw = {"reg": a.reg, "tol": None, "eps_scaling": False, "method": a.method, "backend": a.backend,
           "grad": "detach", "group": dist.group.WORLD, "shard": a.shard}
     solve_sample(x, y, max_iter=1, **kw)  # warm-up: engine load, threads, first-call costs
-    for rep_k in range(a.repeats):
+    for _ in range(a.repeats):
         for k in (a.iters, a.iters + a.extra):
             dist.barrier()
             t0 = time.perf_counter()

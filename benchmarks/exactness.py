@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests" / "reference"))
 
+import reference_oracle as ref  # noqa: E402
 import torch  # noqa: E402
 
 import flashot  # noqa: E402
-import reference_oracle as ref  # noqa: E402
 
 
 def clouds(n: int, seed: int = 0):

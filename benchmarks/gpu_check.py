@@ -58,10 +58,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import flashot  # noqa: E402
-from flashot.costs import get_cost  # noqa: E402
-from flashot.ops.dense import DenseEngine  # noqa: E402
-from flashot.ops.registry import get_engine  # noqa: E402
+import flashot
+from flashot.costs import get_cost
+from flashot.ops.dense import DenseEngine
+from flashot.ops.registry import get_engine
 
 LINES: list[str] = []
 
@@ -361,7 +361,8 @@ def bench(device: torch.device, quick: bool, runs: int, budget: float, tf32: boo
                 try:
                     if peer in ("flashot", "flashot-pair"):
                         pair = peer == "flashot-pair"
-                        fn = (lambda k, pair=pair: loop_flashot(eng, cost, x, y, a_log, b_log, eps, k, pair))
+                        def fn(k, pair=pair):
+                            return loop_flashot(eng, cost, x, y, a_log, b_log, eps, k, pair)
                     elif peer == "keops":
                         fn = make_keops(x[0], y[0], eps)
                     else:

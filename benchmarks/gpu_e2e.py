@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import flashot  # noqa: E402
+import flashot
 
 LINES: list[str] = []
 
@@ -115,7 +115,6 @@ def loss_runners(args) -> dict:
     out: dict = {"flashot": lambda: flashot.SamplesLoss("sinkhorn", backend=args.backend, **kw)}
     try:
         import geomloss
-
         from gpu_check import keops_unusable
 
         reason = keops_unusable(torch.device(args.device))

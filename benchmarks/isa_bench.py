@@ -88,7 +88,7 @@ def main(argv=None) -> int:
              f"FTZ = the same solve with torch.set_flush_denormal(True).", "",
              "| -march | vectors | d | softmin G pairs/s | solve s/iter | blocked s/iter | blocked / cpu | "
              "as shipped / with FTZ |", "|---|---|---|---|---|---|---|---|"]
-    for i, march in enumerate(args.marches.split(",")):
+    for march in args.marches.split(","):
         env = {**os.environ, "FLASHOT_CPU_MARCH": march, "FLASHOT_CPU_MODE": "stream"}
         payload = json.dumps({"n": args.n, "dims": args.dims, "iters": args.iters, "repeats": args.repeats,
                               "threads": args.threads, "blocked": True})

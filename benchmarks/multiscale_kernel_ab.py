@@ -30,11 +30,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multiscale_bench import surfaces  # noqa: E402
+from multiscale_bench import surfaces
 
-import flashot  # noqa: E402
-from flashot.ops import blocksparse  # noqa: E402
-from flashot.ops.cpu import build  # noqa: E402
+import flashot
+from flashot.ops import blocksparse
+from flashot.ops.cpu import build
 
 
 def capture(n: int) -> dict:

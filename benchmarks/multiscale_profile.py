@@ -31,11 +31,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multiscale_bench import surfaces  # noqa: E402
+from multiscale_bench import surfaces
 
-import flashot  # noqa: E402
-import flashot.multiscale as MS  # noqa: E402
-from flashot.ops import blocksparse as BS  # noqa: E402
+import flashot
+import flashot.multiscale as MS
+from flashot.ops import blocksparse as BS
 
 
 def main() -> None:

@@ -25,12 +25,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multiscale_bench import surfaces  # noqa: E402
+from multiscale_bench import surfaces
 
-import flashot  # noqa: E402
-from flashot.costs import get_cost  # noqa: E402
-from flashot.ops import blocksparse as BS  # noqa: E402
-from flashot.ops import get_engine  # noqa: E402
+import flashot
+from flashot.costs import get_cost
+from flashot.ops import blocksparse as BS
+from flashot.ops import get_engine
 
 
 def dense(n: int = 20000) -> float:

@@ -28,10 +28,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise SystemExit(f'this example needs matplotlib: pip install "flashot[examples]" ({e})') from e
 
 matplotlib.use("Agg")  # no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-import flashot  # noqa: E402
+import flashot
 
 
 def make_clouds(n: int, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

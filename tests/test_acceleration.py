@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -99,7 +100,9 @@ def test_safeguard_momentum_falls_back_when_error_grows():
 
 def test_safeguard_anderson_restarts_when_error_grows():
     acc = Accelerator(Anderson(3), 1, "cpu", torch.float64)
-    T = lambda z: 0.5 * z + 1.0  # linear contraction, fixed point 2
+    def T(z):  # linear contraction, fixed point 2
+        return 0.5 * z + 1.0
+
     z = torch.zeros(1, 4, dtype=torch.float64)
     z1 = acc.extrapolate(z, T(z), torch.tensor([1.0]), 0.1)  # no history yet: plain step
     assert torch.allclose(z1, T(z))
@@ -155,7 +158,7 @@ def test_bad_acceleration_arguments():
         solve_sample(x, y, reg=0.1, acceleration="anderson")
     with pytest.raises(TypeError, match="acceleration"):
         solve_sample(x, y, reg=0.1, acceleration=5)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         Momentum(1.5).omega = 1.2  # frozen
 
 

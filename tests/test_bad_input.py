@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import pytest

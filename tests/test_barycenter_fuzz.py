@@ -34,9 +34,9 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import event, given, note  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_fuzz import fuzz_settings  # noqa: E402
 
 import flashot  # noqa: E402
+from test_fuzz import fuzz_settings  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

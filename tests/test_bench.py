@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("ot")
 pytest.importorskip("geomloss")
 
-from flashot.bench import main  # noqa: E402
-from flashot.bench import peers as peers_mod  # noqa: E402
-from flashot.bench.core import Config, run_bench  # noqa: E402
+from flashot.bench import main
+from flashot.bench import peers as peers_mod
+from flashot.bench.core import Config, run_bench
 
 TINY = ["--sizes", "300", "--dims", "3", "--iters", "2", "--repeats", "1", "--no-progress"]
 

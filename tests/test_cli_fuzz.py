@@ -38,10 +38,10 @@ import pytest
 pytest.importorskip("hypothesis")
 from hypothesis import given, note
 from hypothesis import strategies as st
-from test_fuzz import fuzz_settings
 
 import flashot.cli
 from flashot import io as fio
+from test_fuzz import fuzz_settings
 
 # ---------------------------------------------------------------------------------------------
 # shared

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_distributed import F64, RTOL, _data, _launch, _leaves, _part, _rel, _slices  # noqa: E402
+from test_distributed import F64, RTOL, _data, _launch, _leaves, _part, _rel, _slices
 
 HERE = os.path.abspath(__file__)
 
@@ -247,7 +247,7 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     os._exit(0)  # torch 2.13's gloo can abort a clean interpreter exit (pytorch/pytorch#190489)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name: str) -> dict:
     """``name``'s calls in one process (``group=None``), computed once for both worlds."""
     return CASES[name](None, None)
@@ -281,7 +281,7 @@ def test_points_mode_matches_single_process(world, tmp_path):
         for what, msg in rk["_refusals"].items():
             alt = "to_dense" if what == "asarray" else "balanced problems have them"
             assert msg is not None and "shard='points'" in msg and alt in msg, (what, msg)
-    for r, rk in enumerate(ranks):
+    for rk in ranks:
         bad = rk["_bad"]
         want = "MemoryError: rank 1 rejected its input: to_dense"  # the same error on every rank
         assert bad["to_dense_limit"] is not None and bad["to_dense_limit"].startswith(want), bad["to_dense_limit"]

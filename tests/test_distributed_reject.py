@@ -18,9 +18,8 @@ import sys
 import time
 from datetime import timedelta
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_distributed import _data, _launch, _slices  # noqa: E402
+from test_distributed import _data, _launch, _slices
 
 HERE = os.path.abspath(__file__)
 PG_TIMEOUT = 20  # seconds: a rank left waiting fails here, far later than FAST

@@ -106,10 +106,10 @@ def test_undeclared_method_raises_and_names_the_capability():
 
 def test_declaring_without_the_method_is_refused():
     with pytest.raises(TypeError, match="SOFTMIN_SYM"):
-        class Bad(TiledEngine):  # noqa: F841
+        class Bad(TiledEngine):
             capabilities = frozenset({C.SOFTMIN_SYM})
     with pytest.raises(TypeError, match="frozenset of Capability"):
-        class Bad2(TiledEngine):  # noqa: F841
+        class Bad2(TiledEngine):
             capabilities = {"softmin_pair"}
 
 

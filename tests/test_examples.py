@@ -1,7 +1,14 @@
 """The examples run (small sizes) and do what they claim."""
 
 import importlib.util
+import json
+import os
 import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -33,14 +40,6 @@ def test_gradient_flow_example(tmp_path):
 # Each runs at reduced size (FLASHOT_EXAMPLE_SMALL=1) in its own process with MPLBACKEND=Agg and
 # writes its figure and the numbers it prints to FLASHOT_EXAMPLE_OUT; the checks below hold the
 # example to the claim its text makes.
-
-import json
-import os
-import re
-import subprocess
-import sys
-
-import pytest
 
 
 def _check_colour_transfer(c):

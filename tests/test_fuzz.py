@@ -99,7 +99,7 @@ if PROFILE == "long":
     # the kernels are decorated (tests/test_triton.py does the same at import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -851,7 +851,7 @@ def test_samples_loss(p, engine, pp, log_blur, scaling, debias, weighted):
     amp = math.expm1(min(r, 50.0)) + K_GRAD * u * DF
     event(f"gradient bound: {'magnitude only (r >= 1)' if r >= 1 else 'relative (r < 1)'} {'float64' if dtype == torch.float64 else 'float32 compute'}")
     diam = math.sqrt(float(((pts.amax(0) - pts.amin(0)) ** 2).sum()))
-    for grad, ref, W, X, Y, lh, hs, Cs, lself, side in (
+    for grad, ref, W, X, Y, lh, hs, Cs, _lself, side in (
         (gx, gx_ref, a64, x64, y64, lb + g / eps, la + faa / eps, Cxx, la, "x"),
         (gy, gy_ref, b64, y64, x64, la + f / eps, lb + gbb / eps, Cyy, lb, "y"),
     ):

@@ -11,8 +11,8 @@ import torch
 
 geomloss = pytest.importorskip("geomloss")  # installed by the test extra
 
-import flashot
-from conftest import rel_err
+import flashot  # noqa: E402 - after the importorskip
+from conftest import rel_err  # noqa: E402 - after the importorskip
 
 TOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 

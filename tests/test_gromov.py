@@ -290,7 +290,7 @@ def test_fused_bad_inputs():
         fgw(X, Y, FX.float(), FY, reg=REG)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gw64(seed):
     """The float64 reference of :func:`test_float32_stops_at_its_rounding_floor` (``dense``; ``tiled`` agrees
     to ~1e-14), solved once for both engines' float32 runs: it takes 241 outer iterations, float32 121."""

@@ -33,11 +33,11 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import event, given, note
-from hypothesis import strategies as st
-from test_fuzz import fuzz_settings
+from hypothesis import event, given, note  # noqa: E402 - after the importorskip
+from hypothesis import strategies as st  # noqa: E402 - after the importorskip
 
-import flashot
+import flashot  # noqa: E402 - after the importorskip
+from test_fuzz import fuzz_settings  # noqa: E402 - after the importorskip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

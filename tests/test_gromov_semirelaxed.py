@@ -195,7 +195,7 @@ def test_numpy_verbose_and_result(capsys):
     err = capsys.readouterr().err
     assert err.count("semirelaxed_gromov_wasserstein: outer") == r.n_outer
     with pytest.raises(NotImplementedError, match="value_entropic"):
-        r.value_entropic
+        _ = r.value_entropic
     with torch.no_grad():
         Xg = X.clone().requires_grad_()
         assert not flashot.semirelaxed_gromov_wasserstein(Xg, Y, reg=REG, max_iter=3).value.requires_grad

@@ -21,8 +21,8 @@ import warnings
 import pytest
 import torch
 
-from flashot import solve_sample
 import flashot.solver as sk
+from flashot import solve_sample
 
 ot = pytest.importorskip("ot")
 

@@ -81,7 +81,7 @@ def _primal_generalised_kl(x, y, reg, rho_a, rho_b):
         P.sum(0), b)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _primal_of_clouds(seed, reg, rho):
     """:func:`_primal_generalised_kl` on ``_clouds(seed)``, computed once for the three engines."""
     return _primal_generalised_kl(*_clouds(seed), reg, rho, rho)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import flashot
+import flashot.multiscale as MS
 from flashot.clusters import MORTON_BITS, _spread, block_cost_bounds, cluster, coarsen, grid_labels
 from flashot.costs import get_cost
-import flashot.multiscale as MS
 from flashot.multiscale import BlockBounds, hierarchy, prune
 from flashot.ops import Capability
 from flashot.ops.blocksparse import BlockPattern, BlockSparseEngine

@@ -23,9 +23,9 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import assume, given, note  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_fuzz import fuzz_settings  # noqa: E402
 
 import flashot  # noqa: E402
+from test_fuzz import fuzz_settings  # noqa: E402
 
 F64 = torch.float64
 TOL = 1e-9

@@ -6,8 +6,8 @@ import torch
 
 ot = pytest.importorskip("ot")
 
-import flashot
-from conftest import rel_err
+import flashot  # noqa: E402 - after the importorskip
+from conftest import rel_err  # noqa: E402 - after the importorskip
 
 
 def _np_problem(N=80, M=60, D=2, seed=0):

@@ -11,7 +11,6 @@ import torch
 from flashot import SamplesLoss, solve_sample
 from flashot.progress import make_progress
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

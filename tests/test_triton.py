@@ -22,20 +22,20 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import math  # noqa: E402
+import math
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-import flashot  # noqa: E402
-from flashot import ops  # noqa: E402
-from flashot.costs import get_cost  # noqa: E402
-from flashot.ops.dense import DenseEngine  # noqa: E402
-from flashot.ops.registry import get_engine  # noqa: E402
-from flashot.ops.triton import TritonEngine, parse_config  # noqa: E402
-from flashot.ops.triton.configs import KernelConfig  # noqa: E402
+import flashot
+from flashot import ops
+from flashot.costs import get_cost
+from flashot.ops.dense import DenseEngine
+from flashot.ops.registry import get_engine
+from flashot.ops.triton import TritonEngine, parse_config
+from flashot.ops.triton.configs import KernelConfig
 
 DENSE = DenseEngine()
 CPU = torch.device("cpu")

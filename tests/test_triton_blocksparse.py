@@ -14,15 +14,15 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from flashot.costs import get_cost  # noqa: E402
-from flashot.ops.blocksparse import BlockPattern  # noqa: E402
-from flashot.ops.triton import TritonEngine  # noqa: E402
-from flashot.ops.triton.blocksparse import BlockLists  # noqa: E402
+from flashot.costs import get_cost
+from flashot.ops.blocksparse import BlockPattern
+from flashot.ops.triton import TritonEngine
+from flashot.ops.triton.blocksparse import BlockLists
 
 ROW_SIZES = [5, 70, 0, 17, 33, 1]
 COL_SIZES = [12, 3, 40, 9, 30]

@@ -167,7 +167,9 @@ def test_plan_matches_sinkhorn_unbalanced(pot_method):
     assert abs(res.value_linear - log["cost"]) < 1e-8 * log["cost"]
     # value_dual is POT's total cost with the *generalised* KL (mass terms included)
     Pr1, Pr2 = P_ref.sum(1), P_ref.sum(0)
-    gkl = lambda p, q: float(np.sum(p * np.log(p / q)) - p.sum() + q.sum())
+    def gkl(p, q):
+        return float(np.sum(p * np.log(p / q)) - p.sum() + q.sum())
+
     primal = float(np.sum(M * P_ref)) + reg * gkl(P_ref, a[:, None] * b[None]) + rho * gkl(Pr1, a) + rho * gkl(Pr2, b)
     assert abs(res.value_dual - primal) < 1e-8 * abs(primal)
 

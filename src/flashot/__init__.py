@@ -12,6 +12,7 @@ Public API:
 
 from .acceleration import Anderson, Momentum
 from .barycenter import BarycenterResult, free_support_barycenter
+from .costs import Cost, get_cost
 from .gromov import (
     GWResult,
     fused_gromov_wasserstein,
@@ -19,13 +20,12 @@ from .gromov import (
     semirelaxed_fused_gromov_wasserstein,
     semirelaxed_gromov_wasserstein,
 )
-from .costs import Cost, get_cost
 from .implicit import ImplicitDiff
+from .ot_matrix import sinkhorn, sinkhorn2, solve
+from .ot_samples import solve_sample
 from .plan import LazyPlan, plan_from_potentials
 from .results import OTResult
 from .samples_loss import SamplesLoss
-from .ot_samples import solve_sample
-from .ot_matrix import sinkhorn, sinkhorn2, solve
 
 __version__ = "0.1.0"
 

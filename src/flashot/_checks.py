@@ -21,6 +21,8 @@ Exception types (``tests/test_bad_input.py`` holds the table of cases):
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -29,7 +31,7 @@ from torch import Tensor
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def to_tensor(name: str, v, *, like: Tensor | None = None) -> Tensor:
+def to_tensor(name: str, v: Any, *, like: Tensor | None = None) -> Tensor:
     """Accept a torch tensor or a numpy array / sequence of numbers."""
     if isinstance(v, Tensor):
         return v
@@ -130,25 +132,32 @@ def check_pair(x: Tensor, y: Tensor, xname: str = "x", yname: str = "y") -> None
         raise TypeError(f"{xname} and {yname}: different dtypes ({x.dtype} vs {y.dtype})")
 
 
-def check_positive(name: str, v, *, allow_none: bool = False) -> float | None:
+@overload
+def check_positive(name: str, v: object, *, allow_none: Literal[False] = False) -> float: ...
+@overload
+def check_positive(name: str, v: object, *, allow_none: bool) -> float | None: ...
+
+
+def check_positive(name: str, v: object, *, allow_none: bool = False) -> float | None:
+    """``v`` as a positive finite ``float`` (a number, not a ``bool``); None passes where ``allow_none``."""
     if v is None and allow_none:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name}: expected a positive number, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name}: expected a positive finite number, got {v}")
-    return v
+    out = float(v)
+    if not math.isfinite(out) or out <= 0:
+        raise ValueError(f"{name}: expected a positive finite number, got {out}")
+    return out
 
 
-def check_bool(name: str, v) -> bool:
+def check_bool(name: str, v: object) -> bool:
     """A flag: ``bool`` (or numpy bool, or the integers 0 / 1); a string or None is an error, not truthy."""
     if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and v in (0, 1)):
         return bool(v)
     raise TypeError(f"{name}: expected True or False, got {v!r}")
 
 
-def check_choice(name: str, v, choices) -> str:
+def check_choice(name: str, v: object, choices: Collection[str]) -> str:
     """One of the option names ``choices``: TypeError for a non-string, ValueError for an unknown one."""
     if not isinstance(v, str):
         raise TypeError(f"{name}: expected a string, one of {sorted(choices)}, got {type(v).__name__}")
@@ -182,7 +191,15 @@ def check_eps_scale(name: str, eps: float, cmax: float, dtype: torch.dtype) -> N
         )
 
 
-def check_int(name: str, v, *, minimum: int = 1, allow_none: bool = False) -> int | None:
+@overload
+def check_int(name: str, v: object, *, minimum: int = 1, allow_none: Literal[False] = False) -> int: ...
+@overload
+def check_int(name: str, v: object, *, minimum: int = 1, allow_none: bool) -> int | None: ...
+
+
+def check_int(name: str, v: object, *, minimum: int = 1, allow_none: bool = False) -> int | None:
+    """``v`` as an ``int`` (a Python or NumPy integer, not a ``bool``) of at least ``minimum``; None passes
+    where ``allow_none`` (the overloads tell a type checker that it cannot come back otherwise)."""
     if v is None and allow_none:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):

@@ -48,6 +48,7 @@ Measured gains: ``benchmarks/ACCELERATION.md`` (``benchmarks/acceleration.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,7 @@ HORIZON = 3.0
 PEAK = 0.8
 
 
-def _check_safeguard(cls: str, v) -> None:
+def _check_safeguard(cls: str, v: object) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= float(v) < float("inf"):
         raise ValueError(f"{cls}.safeguard: expected a finite number >= 1, got {v!r}")
 
@@ -135,7 +136,7 @@ class Momentum:
     omega: float | None = None
     safeguard: float = 5.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_safeguard("Momentum", self.safeguard)
         w = self.omega
         if w is None:
@@ -180,7 +181,7 @@ class Anderson:
     reg: float = 1e-10
     safeguard: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_safeguard("Anderson", self.safeguard)
         if isinstance(self.m, bool) or not isinstance(self.m, int):
             raise TypeError(f"Anderson.m: expected an integer >= 1, got {type(self.m).__name__}")
@@ -191,7 +192,7 @@ class Anderson:
             raise ValueError(f"Anderson.reg: expected a finite number >= 0, got {r!r}")
 
 
-def check_acceleration(acc, allow_auto: bool = False):
+def check_acceleration(acc: object, allow_auto: bool = False) -> Momentum | Anderson | str | None:
     """Validate the ``acceleration`` argument (None, Momentum or Anderson; ``"auto"`` where the front end
     chooses, see :func:`flashot.solve_sample`)."""
     if acc is None or isinstance(acc, (Momentum, Anderson)) or (allow_auto and acc == "auto"):
@@ -232,7 +233,8 @@ class Accelerator:
     and a candidate is finite only if it is finite everywhere, so every process takes the same steps.
     """
 
-    def __init__(self, cfg, batch: int, device, dtype, reduce=_local):
+    def __init__(self, cfg: Momentum | Anderson, batch: int, device: torch.device | str, dtype: torch.dtype,
+                 reduce: Callable[..., Tensor] = _local):
         self.cfg = cfg
         self._reduce = reduce
         self.ref: Tensor | None = None  # smallest error seen since the last change of eps
@@ -252,7 +254,7 @@ class Accelerator:
         self.start: Tensor | None = None  # (B,) first global index of each problem's valid history
 
     # -- safeguard ----------------------------------------------------------------
-    def _accept(self, err: Tensor, eps: float, factor: Tensor | float | None = None):
+    def _accept(self, err: Tensor, eps: float, factor: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
         """(B,) masks ``(ok, worse)``: may this step be accelerated, and did the last
         accelerated step overshoot?  Updates the safeguard state (no host sync)."""
         if self.eps is not None and eps != self.eps:
@@ -277,6 +279,7 @@ class Accelerator:
 
     def omega(self, err: Tensor, eps: float, remaining: int | None = None) -> Tensor:
         """(B, 1) factors for this step; ``remaining``: steps left at this eps (None: unknown, unlimited)."""
+        assert isinstance(self.cfg, Momentum)
         if self.cfg.omega is None:
             fresh = self.ref is None or eps != self.eps  # first step at this eps
             w = self.w[:, 0]  # the overshoot test allows the linear model's transient peak
@@ -342,6 +345,7 @@ class Accelerator:
         return torch.where(self._finite(cand).unsqueeze(-1), cand, plain)
 
     def extrapolate(self, z: Tensor, tz: Tensor, err: Tensor, eps: float, weights: Tensor | None = None) -> Tensor:
+        assert isinstance(self.cfg, Anderson)
         ok, worse = self._accept(err, eps)
         if self.start is None or not self.X:
             self.start = torch.full_like(err, self.count, dtype=torch.long)

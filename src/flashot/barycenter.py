@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import (FLOATS, check_bool, check_dtype, check_finite, check_int, check_positive, check_storage,
-                      to_tensor)
+from ._checks import FLOATS, check_bool, check_dtype, check_finite, check_int, check_positive, check_storage, to_tensor
 from .measures import MASS_RTOL
 from .ot_samples import solve_sample
 

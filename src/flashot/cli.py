@@ -505,7 +505,9 @@ def _run_solve(args, x, y, a, b, dtype, cost: str, reg: float):
 
     import flashot
 
-    cast = (lambda v: None if v is None else v.astype(dtype))
+    def cast(v):
+        return None if v is None else v.astype(dtype)
+
     verbose = not args.quiet and x.shape[0] * y.shape[0] >= PROGRESS_MIN_PAIRS
     caught = []
     try:

@@ -16,11 +16,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 __all__ = ["Cost", "get_cost", "COSTS", "FeatureBilinearCost"]
+
+
+class CostLike(Protocol):
+    """What the engines and the core read of a cost (a type for the checker, nothing at run time).
+
+    :class:`Cost`, :class:`FeatureBilinearCost` and :class:`flashot.matrix_cost.MatrixCost` provide it.
+    Structural, not a common base class: ``isinstance(cost, Cost)`` (:func:`get_cost`) keeps accepting
+    only the translation-invariant costs.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def scale(self) -> float | None: ...
+    @property
+    def power(self) -> int: ...
+    @property
+    def min_sqdist(self) -> float: ...
+    @property
+    def is_dot(self) -> bool: ...
+    @property
+    def direct(self) -> bool: ...
+    def tile(self, x: Tensor, y: Tensor, /) -> Tensor: ...
+    def matrix(self, x: Tensor, y: Tensor, /) -> Tensor: ...
+    def from_sqdist(self, d2: Tensor, /) -> Tensor: ...
+    def dcost_weight(self, c: Tensor, /) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -174,7 +201,7 @@ class FeatureBilinearCost:
     bilinear = True
 
     @staticmethod
-    def pair(u: Tensor, phi: Tensor, v: Tensor, psi: Tensor, M: Tensor) -> tuple["FeatureBilinearCost", Tensor, Tensor]:
+    def pair(u: Tensor, phi: Tensor, v: Tensor, psi: Tensor, M: Tensor) -> tuple[FeatureBilinearCost, Tensor, Tensor]:
         """``(cost, s, t)`` for biases ``u`` (B, N), ``v`` (B, M), features ``phi`` (B, N, p),
         ``psi`` (B, M, q) and ``M`` (B, p, q): the augmented points ``s`` (B, N, 1 + p + q) and ``t``."""
         B, N, p = phi.shape

@@ -9,8 +9,9 @@ distributed strategy, which is why it lives below them.  Options take POT's name
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from ._checks import (
     check_storage,
     to_tensor,
 )
-from .acceleration import Anderson, check_acceleration
+from .acceleration import Anderson, Momentum, check_acceleration
 from .implicit import ImplicitDiff, check_implicit
 from .measures import Measures
 from .results import OTResult, make_result
@@ -60,10 +61,13 @@ class SolveOptions:
         return self.rho_a is not None or self.rho_b is not None
 
 
-def solve_options(reg, *, reg_type="KL", unbalanced=None, unbalanced_type="KL", lazy=None, batch_size=None,
-                  method="auto", n_threads=None, max_iter=None, tol=1e-6, grad="autodiff", callback=None,
-                  inner_iterations=10, acceleration="auto", verbose=False, implicit=None, eps_scaling=None,
-                  exact_hint: str = "POT") -> SolveOptions:
+def solve_options(reg: float | None, *, reg_type: str = "KL", unbalanced: Any = None, unbalanced_type: str = "KL",
+                  lazy: bool | None = None, batch_size: int | None = None, method: str | None = "auto",
+                  n_threads: int | None = None, max_iter: int | None = None, tol: float | None = 1e-6,
+                  grad: str = "autodiff", callback: Callable[[IterationRecord], bool | None] | None = None,
+                  inner_iterations: int = 10, acceleration: Momentum | Anderson | str | None = "auto",
+                  verbose: bool = False, implicit: ImplicitDiff | bool | None = None,
+                  eps_scaling: bool | float | None = None, exact_hint: str = "POT") -> SolveOptions:
     """Validate and map the options shared by :func:`solve_sample` and :func:`flashot.solve` (POT's
     names accepted), before any heavy work."""
     method, eps_scaling = _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad)
@@ -88,7 +92,7 @@ def solve_options(reg, *, reg_type="KL", unbalanced=None, unbalanced_type="KL", 
                         implicit, callback, verbose, grad)
 
 
-def solve_measures(m: Measures, o: SolveOptions, potentials_init=None, *, numpy: bool = False) -> OTResult:
+def solve_measures(m: Measures, o: SolveOptions, potentials_init: Any = None, *, numpy: bool = False) -> OTResult:
     """Run the solver on prepared measures with validated options; the :class:`OTResult` of both front ends."""
     reg = o.reg
     check_eps_scale("reg", reg, m.cmax, m.x.dtype)
@@ -136,7 +140,7 @@ def _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, gra
     return method, eps_scaling
 
 
-def pot_uniform(w) -> bool:
+def pot_uniform(w: object) -> bool:
     """POT's ``a=[]`` / ``b=[]`` (an empty list or array) means uniform weights."""
     return (isinstance(w, (list, tuple)) and len(w) == 0) or (isinstance(w, np.ndarray) and w.size == 0)
 
@@ -162,7 +166,7 @@ EPS_SCALING_STEPS = 3
 EPS_SCALING_AUTO = 3e-3
 
 
-def _check_eps_scaling(v) -> float | None:
+def _check_eps_scaling(v: object) -> float | None:
     """None (auto) stays None; False -> 0 (off); True -> the default ratio; a ratio in (0, 1)."""
     if v is None:
         return None
@@ -199,7 +203,7 @@ def scaling_head(m: Measures, reg: float, ratio: float | None, init, symmetric: 
     return head
 
 
-def check_init(init, m: Measures) -> tuple[Tensor, Tensor]:
+def check_init(init: object, m: Measures) -> tuple[Tensor, Tensor]:
     if not isinstance(init, (tuple, list)) or len(init) != 2:
         raise TypeError("potentials_init: expected a pair (f, g)")
     out = []

@@ -53,7 +53,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -63,6 +65,10 @@ from .costs import Cost
 from .ops.autograd import plan_grad_x
 from .ops.base import Engine
 from .solver import Barycentres
+
+if TYPE_CHECKING:  # annotations only
+    from .measures import Measures
+    from .solver import SinkhornState
 
 __all__ = ["ImplicitDiff", "PlanProductFn", "OTValueFn", "ImplicitGradFn", "LinearValueFn", "sinkhorn_value",
            "linear_value", "hot_value"]
@@ -107,7 +113,7 @@ class ImplicitDiff:
     max_iter: int = 100
     ridge: float = 1e-8
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("tol", "ridge"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v != v:
@@ -118,7 +124,7 @@ class ImplicitDiff:
             raise ValueError(f"ImplicitDiff.max_iter: expected an integer >= 1, got {self.max_iter!r}")
 
 
-def check_implicit(implicit) -> ImplicitDiff:
+def check_implicit(implicit: object) -> ImplicitDiff:
     if implicit is None:
         return ImplicitDiff()
     if not isinstance(implicit, ImplicitDiff):
@@ -200,7 +206,8 @@ def _local_sum(t: Tensor) -> Tensor:
     return t
 
 
-def conjugate_gradient(matvec, rhs: Tensor, tol: float, max_iter: int, reduce=_local_sum) -> tuple[Tensor, int, float]:
+def conjugate_gradient(matvec: Callable[[Tensor], Tensor], rhs: Tensor, tol: float, max_iter: int,
+                       reduce: Callable[[Tensor], Tensor] = _local_sum) -> tuple[Tensor, int, float]:
     """Batched conjugate gradients on (B, n) vectors; returns (solution, iterations, max rel. residual).
 
     ``reduce`` completes the inner products ``<u, v> = sum_k u_k v_k`` when the vectors are split over
@@ -410,8 +417,8 @@ class OTValueFn(torch.autograd.Function):
         return (*out, None, None, None, None, None, None, None, None, None, None, None)
 
 
-def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb: Tensor | None = None,
-                   implicit: ImplicitDiff | None = None, bary=None) -> Tensor:
+def sinkhorn_value(m: Measures, st: SinkhornState, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb: Tensor | None = None,
+                   implicit: ImplicitDiff | None = None, bary: Barycentres | None = None) -> Tensor:
     """``<a, f> + <b, g>`` (minus ``<a, f_aa> + <b, g_bb>`` when given), (B,), balanced problems.
 
     ``f, g, f_aa, g_bb`` come from :func:`~flashot.solver.final_step` (their values
@@ -421,7 +428,9 @@ def sinkhorn_value(m, st, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb
     value (``m.reduce``), each process's gradients w.r.t. its own points and weights.
     """
     cfg = check_implicit(implicit)
-    m.implicit_diff = cfg  # OTResult.value_linear's gradient (linear_value) uses the same settings
+    # OTResult.value_linear's gradient (linear_value) uses the same settings; an attribute that Measures does
+    # not declare (a field would change dataclasses.fields(Measures), which distributed.py copies)
+    cast(Any, m).implicit_diff = cfg
     eps = st.eps
     d = lambda t: t.detach()  # noqa: E731
     x, y, a, b = m.x, m.y, m.a, m.b
@@ -489,7 +498,7 @@ def _gauge(f: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     return f - t, g + t
 
 
-def hot_value(m, f: Tensor, g: Tensor, eps: float) -> Tensor | None:
+def hot_value(m: Measures, f: Tensor, g: Tensor, eps: float) -> Tensor | None:
     r"""The balanced value, (B,) float64, accurate at any ``eps > HOT_VALUE_RATIO * cmax``; None below (or
     for points-sharded measures, or when the passes leave non-finite numbers: keep ``<a, f> + <b, g>``).
 
@@ -539,7 +548,7 @@ class _ValueOf(torch.autograd.Function):
         return G, None
 
 
-def with_hot_value(value: Tensor, m, f: Tensor, g: Tensor, eps: float) -> Tensor:
+def with_hot_value(value: Tensor, m: Measures, f: Tensor, g: Tensor, eps: float) -> Tensor:
     """``value`` (a converged balanced ``<a, f> + <b, g>`` with its gradients), its digits replaced by
     :func:`hot_value` at a high temperature; ``value`` itself elsewhere.  The potentials are left as
     they are (their ``~ eps 2^-53`` rounding moves the plan by ``~ 2^-53`` relative only)."""
@@ -670,8 +679,8 @@ class _NoGradFn(torch.autograd.Function):
         raise NotImplementedError(ctx.reason)
 
 
-def linear_value(m, f: Tensor, g: Tensor, eps: float, *, unbalanced=None, differentiable: bool = True,
-                 implicit: ImplicitDiff | None = None) -> Tensor:
+def linear_value(m: Measures, f: Tensor, g: Tensor, eps: float, *, unbalanced: Sequence[float | None] | None = None,
+                 differentiable: bool = True, implicit: ImplicitDiff | None = None) -> Tensor:
     r"""``<C, P>`` per problem, (B,), for the plan of the potentials ``(f, g)`` (streamed).
 
     With ``differentiable=True`` and inputs (``m.x``, ``m.y``, ``m.a``, ``m.b``) that require grad,

@@ -19,7 +19,9 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ SCAN_ROWS = 1024
 _ids = itertools.count()
 
 
-def is_lazy_matrix(M) -> bool:
+def is_lazy_matrix(M: object) -> bool:
     """An object with a 2-D ``shape`` that can be sliced (not a tensor or numpy array)."""
     shape = getattr(M, "shape", None)
     if isinstance(M, np.memmap):  # on disk: read one tile at a time, never loaded whole
@@ -80,7 +82,7 @@ class MatrixCost:
         return not isinstance(self.M, Tensor)
 
     def _block(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
-        if not self.lazy:
+        if isinstance(self.M, Tensor):  # not lazy
             return self.M[:, r0:r1, c0:c1]
         blk = read_block(self.M, r0, r1, c0, c1, np.float32 if self.dtype == torch.float32 else np.float64)
         return torch.from_numpy(blk).to(self.device).unsqueeze(0)
@@ -110,6 +112,7 @@ class MatrixCost:
 
     def softmin_graph(self, side: str, h: Tensor, eps: float) -> Tensor:
         """``-eps log sum_k exp(h_k - C_side / eps)`` through the blocks' autograd history (dense)."""
+        assert self.graph is not None  # Measures.softmin_grad calls this only with a graph
         C = self.graph.get(side)
         if C is None and side == "yx":
             C = self.graph["xy"].transpose(-1, -2)
@@ -134,7 +137,7 @@ def _span(u: Tensor) -> tuple[int, int]:
     return first, last + 1
 
 
-def read_block(M, r0: int, r1: int, c0: int, c1: int, dtype=np.float64) -> np.ndarray:
+def read_block(M: Any, r0: int, r1: int, c0: int, c1: int, dtype: Any = np.float64) -> np.ndarray:
     """``M[r0:r1, c0:c1]`` of a lazy matrix as a fresh, writable array of ``dtype`` (None: its own),
     checked: an array of real numbers (not ``None``, a string, objects) of shape ``(r1 - r0, c1 - c0)``,
     finite.
@@ -186,7 +189,8 @@ def _lazy_shape(M) -> tuple[int, int]:
     if dims is None or any(s < 0 for s in dims):
         raise ValueError(f"M: the lazy matrix's shape must be two non-negative integers (rows, columns), got {shape}")
     _check_not_empty(dims)
-    return dims
+    rows, cols = dims  # two of them: is_lazy_matrix checked the length
+    return rows, cols
 
 
 def _check_not_empty(shape: tuple[int, ...]) -> None:
@@ -213,7 +217,7 @@ def _lazy_dtype(M) -> torch.dtype:
     return torch.float32 if kind == np.float32 or kind.itemsize <= 2 and kind.kind == "f" else torch.float64
 
 
-def matrix_measures(M, a, b, *, backend: str = "auto") -> Measures:
+def matrix_measures(M: Any, a: Any, b: Any, *, backend: str = "auto") -> Measures:
     """:class:`~flashot.measures.Measures` over the cost matrix ``M`` ((N, M) or (B, N, M); torch,
     numpy or lazy) with weights ``a`` (rows) and ``b`` (columns), uniform when None."""
     if backend not in ("auto", "tiled", "dense"):
@@ -221,6 +225,7 @@ def matrix_measures(M, a, b, *, backend: str = "auto") -> Measures:
                          f"got {backend!r}; the 'cpu' and 'triton' engines compute costs from points "
                          "(use solve_sample)")
     lazy = is_lazy_matrix(M)
+    shape: tuple[int, ...]
     if lazy:
         shape = _lazy_shape(M)
         cdt = compute_dtype(_lazy_dtype(M))
@@ -307,7 +312,8 @@ def _cost_block(fn, u: Tensor, v: Tensor, what: str) -> Tensor:
     return C
 
 
-def function_measures(fn, x: Tensor, y: Tensor, a, b, *, sides: tuple[str, ...], detach_second: bool,
+def function_measures(fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, y: Tensor, a: Tensor | None,
+                      b: Tensor | None, *, sides: tuple[str, ...], detach_second: bool,
                       backend: str = "auto", names: tuple[str, str, str, str] = ("a", "x", "b", "y")) -> Measures:
     """:class:`~flashot.measures.Measures` over the blocks of a user's cost function (GeomLoss' tensorized
     ``cost``): ``fn(x, y)`` maps (B, N, D), (B, M, D) points to a (B, N, M) matrix.

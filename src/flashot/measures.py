@@ -24,15 +24,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
 
 from ._checks import check_weights
-from .costs import Cost
+from .costs import Cost, CostLike
 from .ops import get_engine, prepare_pair
 from .ops.autograd import softmin_fn, softmin_pair_fn
 from .ops.base import Capability, Engine, self_softmin
+
+
+class _GraphCost(Protocol):
+    """A cost whose blocks keep their autograd history (``MatrixCost`` with ``graph``; a type for the checker)."""
+
+    def softmin_graph(self, side: str, h: Tensor, eps: float) -> Tensor: ...
 
 
 # float32 softmins at eps > HOT_RATIO * cmax run in float64 (see the module docstring)
@@ -69,7 +76,7 @@ class Measures:
     b: Tensor  # (B, M)
     a_log: Tensor  # (B, N), detached
     b_log: Tensor  # (B, M), detached
-    cost: Cost
+    cost: CostLike
     engine: Engine
     batched: bool
     out_dtype: torch.dtype
@@ -88,7 +95,7 @@ class Measures:
         backend: str,
         allow_dense: bool = True,
         names: tuple[str, str, str, str] = ("a", "x", "b", "y"),
-    ) -> "Measures":
+    ) -> Measures:
         an, xn, bn, yn = names
         p = prepare_pair(x, y, cost=cost, backend=backend, allow_dense=allow_dense, names=(xn, yn))
         a = check_weights(an, a, x, xn)
@@ -209,7 +216,8 @@ class Measures:
         """``(softmin_x(hy), softmin_y(hx))``: one fused pass where the engine has ``softmin_pair``."""
         eng, x, y = self._route(hx)
         if eng.supports(Capability.SOFTMIN_PAIR):
-            return tuple(self._back(t) for t in eng.softmin_pair(x, y, hx, hy, eps, self.cost))
+            sx, sy = eng.softmin_pair(x, y, hx, hy, eps, self.cost)
+            return self._back(sx), self._back(sy)
         return self._back(eng.softmin(x, y, hy, eps, self.cost)), self._back(eng.softmin(y, x, hx, eps, self.cost))
 
     def softmin_alt(self, ha: Tensor, hy: Tensor, eps: float, lam: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -217,7 +225,8 @@ class Measures:
         pass where the engine has ``softmin_alt``."""
         eng, x, y = self._route(hy)
         if eng.supports(Capability.SOFTMIN_ALT):
-            return tuple(self._back(t) for t in eng.softmin_alt(x, y, ha, hy, eps, self.cost, lam))
+            sx, sy = eng.softmin_alt(x, y, ha, hy, eps, self.cost, lam)
+            return self._back(sx), self._back(sy)
         fx = eng.softmin(x, y, hy, eps, self.cost)  # kept in h's dtype for the second half-step
         return self._back(fx), self._back(eng.softmin(y, x, ha + lam * fx / eps, eps, self.cost))
 
@@ -242,7 +251,7 @@ class Measures:
         ``side`` is ``"xy"`` (f on x from y), ``"yx"``, ``"xx"`` or ``"yy"``.
         """
         if getattr(self.cost, "graph", None) is not None:  # a user's cost function: through its matrices
-            return self.cost.softmin_graph(side, h.detach(), eps).to(self.x.dtype)
+            return cast(_GraphCost, self.cost).softmin_graph(side, h.detach(), eps).to(self.x.dtype)
         pts = {"x": self.x, "y": self.y}
         out, src = pts[side[0]], pts[side[1]].detach()
         if h.dtype == self.x.dtype:

@@ -8,6 +8,8 @@ constant (it acts on detached potentials): no gradient flows to the points or we
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -73,7 +75,7 @@ class LazyPlan:
         return nm if not self._m.batched else (B, *nm)
 
     @property
-    def T(self) -> "LazyPlan":
+    def T(self) -> LazyPlan:
         """The transposed plan ``P^T`` (M, N), lazy as well: ``(P^T)_ji = P_ij``.
 
         Example:
@@ -90,7 +92,7 @@ class LazyPlan:
         return f"LazyPlan(shape={self.shape}, eps={self.eps:g}, engine={self._m.engine.name!r})"
 
     # -- the one streamed operation ----------------------------------------------------
-    def _sides(self):
+    def _sides(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         m = self._m
         alpha = self._f / self.eps + m.a_log
         beta = self._g / self.eps + m.b_log
@@ -98,7 +100,7 @@ class LazyPlan:
             return m.y.detach(), m.x.detach(), beta, alpha
         return m.x.detach(), m.y.detach(), alpha, beta
 
-    def apply(self, V, weight: Weight = "plan"):
+    def apply(self, V: Tensor | np.ndarray, weight: Weight = "plan") -> Tensor | np.ndarray:
         """``(P ⊙ W) @ V`` (``weight`` as in :func:`flashot.ops.plan_product`); differentiable w.r.t. a
         torch ``V`` that requires grad, returned in ``V``'s dtype.
 
@@ -117,7 +119,7 @@ class LazyPlan:
         """
         check_choice("weight", weight, WEIGHTS)
         is_np = isinstance(V, np.ndarray)
-        if is_np and V.dtype.kind not in "fiub":
+        if isinstance(V, np.ndarray) and V.dtype.kind not in "fiub":
             raise TypeError(f"V: expected a real-valued array, got dtype {V.dtype}")
         Vt = torch.from_numpy(np.ascontiguousarray(V)) if is_np else V
         if not isinstance(Vt, Tensor):
@@ -148,15 +150,15 @@ class LazyPlan:
         out = out.to(out_dtype)
         return out.cpu().numpy() if is_np else out
 
-    def __matmul__(self, V):
+    def __matmul__(self, V: Tensor | np.ndarray) -> Tensor | np.ndarray:
         return self.apply(V)
 
     # -- derived quantities ------------------------------------------------------------------
-    def _ones(self):
+    def _ones(self) -> Tensor:
         x, y, _, _ = self._sides()
         return torch.ones(y.shape[0], y.shape[1], 1, dtype=x.dtype, device=x.device)
 
-    def row_sums(self):
+    def row_sums(self) -> Tensor | np.ndarray:
         """``P 1`` (streamed): ``r_i = sum_j P_ij``, (N,) (or (B, N)).
 
         Example:
@@ -175,16 +177,16 @@ class LazyPlan:
         collective in points-sharded mode), without the input's dtype or batch axis restored."""
         return self._apply_raw(self._ones())[..., 0], self.T._apply_raw(self.T._ones())[..., 0]
 
-    def _apply_raw(self, V3, weight: Weight = "plan"):
+    def _apply_raw(self, V3: Tensor, weight: Weight = "plan") -> Tensor:
         x, y, alpha, beta = self._sides()
         with torch.no_grad():
             return self._m.engine.plan_product(x, y, alpha, beta, self.eps, V3, self._m.cost, weight)
 
-    def _finish(self, t: Tensor):
+    def _finish(self, t: Tensor) -> Tensor | np.ndarray:
         t = self._m.restore(t)
         return t.cpu().numpy() if self._numpy else t
 
-    def sum(self, axis: int | None = None):
+    def sum(self, axis: int | None = None) -> Tensor | np.ndarray:
         """NumPy's ``P.sum(axis)``: the total mass (``None``), the column sums ``P^T 1`` (``axis=0``) or
         the row sums ``P 1`` (``axis=1``), per problem for batched plans (axes count from the last two).
 
@@ -205,7 +207,7 @@ class LazyPlan:
             raise ValueError(f"axis: expected None, 0 (column sums) or 1 (row sums), got {axis!r}")
         return self.row_sums() if int(axis) in (1, -1) else self.T.row_sums()
 
-    def __array__(self, dtype=None, copy=None):
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """``np.asarray(plan)``: the dense plan (:meth:`to_dense`; ``MemoryError`` above its limits)."""
         try:
             P = self.to_dense()
@@ -228,7 +230,7 @@ class LazyPlan:
         """
         return self._apply_raw(self._ones(), "cost")[..., 0].sum(-1)
 
-    def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT):
+    def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT) -> Tensor | np.ndarray:
         """Materialise ``P``; refuses above ``max_elems`` entries, or above the dense engine's byte
         budget ``FLASHOT_DENSE_MAX_BYTES`` (both ``MemoryError``).
 
@@ -265,7 +267,7 @@ class LazyPlan:
         return self._finish(P)
 
     # -- plan-derived maps -----------------------------------------------------------------
-    def barycentric_map(self):
+    def barycentric_map(self) -> Tensor | np.ndarray:
         r"""``T(x_i) = sum_j P_ij y_j / sum_j P_ij``: (N, D) (or (B, N, D)), streamed.
 
         One plan product with ``V = [y, 1]`` (memory O(N + M)).  For ``plan.T``
@@ -295,7 +297,7 @@ class LazyPlan:
             T = T + self._m.center  # the measures are stored centred on a common point
         return self._finish(T)
 
-    def topk(self, k: int):
+    def topk(self, k: int) -> tuple[Tensor | np.ndarray, Tensor | np.ndarray]:
         r"""The ``k`` largest entries of each row of ``P`` and their column indices.
 
         Returns ``(values, indices)`` of shape (N, k) (or (B, N, k)), values sorted
@@ -332,12 +334,12 @@ _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
 
 
 def plan_from_potentials(
-    x,
-    y,
-    f,
-    g,
-    a=None,
-    b=None,
+    x: Tensor | np.ndarray,
+    y: Tensor | np.ndarray,
+    f: Tensor | np.ndarray,
+    g: Tensor | np.ndarray,
+    a: Tensor | np.ndarray | None = None,
+    b: Tensor | np.ndarray | None = None,
     *,
     blur: float | None = None,
     p: int = 2,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TextIO
 
 __all__ = ["Progress", "make_progress"]
 
@@ -29,13 +30,13 @@ class Progress:
 class _TqdmProgress(Progress):
     active = True
 
-    def __init__(self, total: int, desc: str, file):
+    def __init__(self, total: int, desc: str, file: TextIO):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, desc=desc, file=file, leave=True, dynamic_ncols=True)
         self.n = 0
 
-    def update(self, it, eps, err):
+    def update(self, it: int, eps: float, err: float | None) -> None:
         self.bar.update(it - self.n)
         self.n = it
         post = {"eps": f"{eps:.3g}"}
@@ -43,7 +44,7 @@ class _TqdmProgress(Progress):
             post["err"] = f"{err:.3e}"
         self.bar.set_postfix(post, refresh=False)
 
-    def close(self, it, eps, err, status=""):
+    def close(self, it: int, eps: float, err: float | None, status: str = "") -> None:
         self.update(it, eps, err)
         if status:
             self.bar.set_description_str(f"{self.bar.desc} ({status})", refresh=False)
@@ -53,26 +54,26 @@ class _TqdmProgress(Progress):
 class _LineProgress(Progress):
     active = True
 
-    def __init__(self, total: int, desc: str, file, min_interval: float = 0.5):
+    def __init__(self, total: int, desc: str, file: TextIO, min_interval: float = 0.5):
         self.total, self.desc, self.file = total, desc, file
         self.min_interval, self.last = min_interval, -float("inf")
 
-    def _line(self, it, eps, err, status=""):
+    def _line(self, it: int, eps: float, err: float | None, status: str = "") -> None:
         e = "n/a" if err is None else f"{err:.3e}"
         tail = f" ({status})" if status else ""
         print(f"{self.desc}: iter {it}/{self.total}  eps={eps:.3g}  err={e}{tail}", file=self.file, flush=True)
 
-    def update(self, it, eps, err):
+    def update(self, it: int, eps: float, err: float | None) -> None:
         now = time.perf_counter()
         if now - self.last >= self.min_interval:
             self.last = now
             self._line(it, eps, err)
 
-    def close(self, it, eps, err, status=""):
+    def close(self, it: int, eps: float, err: float | None, status: str = "") -> None:
         self._line(it, eps, err, status)
 
 
-def make_progress(verbose: bool, total: int, desc: str = "sinkhorn", file=None) -> Progress:
+def make_progress(verbose: bool, total: int, desc: str = "sinkhorn", file: TextIO | None = None) -> Progress:
     """A progress display for ``total`` iterations; a no-op unless ``verbose``."""
     if not verbose:
         return Progress()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
@@ -14,6 +14,11 @@ from .measures import Measures
 from .plan import LazyPlan
 from .solver import SinkhornState, final_step
 from .unbalanced import dual_value, primal_value, warn_on_second_order
+
+if TYPE_CHECKING:  # annotations only
+    import numpy as np
+
+    from .implicit import ImplicitDiff
 
 __all__ = ["OTResult", "make_result"]
 
@@ -73,14 +78,14 @@ class OTResult:
         """Whether the values, potentials and plan products come back as numpy arrays (numpy inputs)."""
         return self._numpy
 
-    def _out(self, t: Tensor):
+    def _out(self, t: Tensor) -> Any:
         if not self._numpy:
             return t
         t = t.detach().cpu()
         return t.numpy()[()] if t.dim() == 0 else t.numpy()  # a numpy scalar of the input's dtype
 
     @cached_property
-    def value_linear(self):
+    def value_linear(self) -> Any:
         """``<C, P> = sum_ij C(x_i, y_j) P_ij``, streamed (plan products only): the transport cost
         of the entropic plan, without the ``reg KL(P | a x b)`` term of ``value`` (POT's
         ``sinkhorn2``).
@@ -109,7 +114,7 @@ class OTResult:
         return self._out(v if p.measures.batched else v[0])
 
     @cached_property
-    def marginals(self):
+    def marginals(self) -> tuple[Tensor | np.ndarray, Tensor | np.ndarray]:
         """``(P 1, P^T 1)``: the row sums (N,) and column sums (M,) of the plan, streamed.
 
         They equal ``(a, b)`` up to ``tol`` (L1) for a converged balanced solve.
@@ -125,11 +130,11 @@ class OTResult:
         return self.plan.row_sums(), self.plan.T.row_sums()
 
     @property
-    def marginal_a(self):
+    def marginal_a(self) -> Tensor | np.ndarray:
         return self.marginals[0]
 
     @property
-    def marginal_b(self):
+    def marginal_b(self) -> Tensor | np.ndarray:
         return self.marginals[1]
 
     @property
@@ -139,7 +144,25 @@ class OTResult:
         return "stopped by callback" if self.stopped else "max_iter reached"
 
 
-def make_result(m: Measures, st: SinkhornState, o, numpy: bool) -> OTResult:
+class ResultOptions(Protocol):
+    """What :func:`make_result` reads of the solve's options (:class:`flashot.driver.SolveOptions`, which imports
+    this module: a structural type keeps the import one-way)."""
+
+    @property
+    def reg(self) -> float: ...
+    @property
+    def rho_a(self) -> float | None: ...
+    @property
+    def rho_b(self) -> float | None: ...
+    @property
+    def unbalanced(self) -> bool: ...
+    @property
+    def implicit(self) -> ImplicitDiff | None: ...
+    @property
+    def grad(self) -> str: ...
+
+
+def make_result(m: Measures, st: SinkhornState, o: ResultOptions, numpy: bool) -> OTResult:
     """The :class:`OTResult` of a finished loop: the final step, values, potentials and the lazy plan (``o``: the
     solve's :class:`~flashot.driver.SolveOptions`)."""
     reg = o.reg
@@ -147,9 +170,9 @@ def make_result(m: Measures, st: SinkhornState, o, numpy: bool) -> OTResult:
     plan = LazyPlan(m, f, g, reg, numpy=numpy)
     if o.unbalanced:  # m.full: the whole vectors when the points are split over ranks (else the same)
         r, c = plan.raw_marginals()
-        full = m.full("xyxyxy", m.a, m.b, f, g, r, c)
-        value = warn_on_second_order(primal_value(*full, reg, o.rho_a, o.rho_b))
-        value_dual = warn_on_second_order(dual_value(*full[:4], reg, o.rho_a, o.rho_b))
+        fa, fb, ff, fg, fr, fc = m.full("xyxyxy", m.a, m.b, f, g, r, c)
+        value = warn_on_second_order(primal_value(fa, fb, ff, fg, fr, fc, reg, o.rho_a, o.rho_b))
+        value_dual = warn_on_second_order(dual_value(fa, fb, ff, fg, reg, o.rho_a, o.rho_b))
     else:  # points-sharded too: summed over the ranks, each rank's gradients its slices
         value = value_dual = sinkhorn_value(m, st, f, g, implicit=o.implicit)
         if st.converged:  # else the value of the returned iterate, <a, f> + <b, g> as it is

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ def epsilon_scaling(p: int, diameter: float, blur: float, scaling: float) -> lis
     return [diameter**p] + [float(np.exp(e)) for e in logs] + [blur**p]
 
 
-class Schedule(Sequence):
+class Schedule(Sequence[float]):
     """``head + [value] * (n - len(head))`` without the list (``n`` may be large): an epsilon-scaling
     ``head`` (possibly empty), then iterations at the final temperature ``value`` until ``n``
     entries (the loop stops earlier once a tolerance is met)."""
@@ -41,7 +42,12 @@ class Schedule(Sequence):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> float: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[float]: ...
+
+    def __getitem__(self, i: int | slice) -> float | list[float]:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(self.n))]
         if not -self.n <= i < self.n:

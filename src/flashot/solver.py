@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -176,8 +176,9 @@ def check_potentials(m: Measures, eps: float, where: str, *pots: Tensor | None) 
     ``cost / eps`` went beyond what the dtype's exp/log can represent (or an engine failed).
     One device sync.
     """
-    pots = [p for p in pots if p is not None]
-    if not pots or bool(m.reduce(torch.stack([~torch.isfinite(p).all() for p in pots]).any().double(), "max") == 0):
+    present = [p for p in pots if p is not None]
+    if not present or bool(m.reduce(torch.stack([~torch.isfinite(p).all() for p in present]).any().double(),
+                                    "max") == 0):
         return
     dtype = m.x.dtype
     f64 = "" if dtype == torch.float64 else ", float64"
@@ -265,19 +266,23 @@ def _self_step(s: _Setup, z: _Iterate, eps: float, err_t: Tensor | None, need_er
     m, balanced = s.m, s.balanced
     lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
     if s.two_sided:
+        assert z.f_aa is not None and z.g_aa is not None and z.f_bb is not None and z.g_bb is not None
         ft_aa = lx * m.softmin_xx(m.h_a(z.g_aa, eps), eps)
         gt_aa = ly * m.softmin_xx(m.h_a(z.f_aa, eps), eps)
         ft_bb = lx * m.softmin_yy(m.h_b(z.g_bb, eps), eps)
         gt_bb = ly * m.softmin_yy(m.h_b(z.f_bb, eps), eps)
         if need_err:  # the self problems must converge too: their errors count
+            assert err_t is not None  # the cross potentials' error, computed first
             err_t = _max_error(m, err_t, balanced, eps, (z.f_aa, ft_aa, "x"), (z.g_aa, gt_aa, "x"),
                                (z.f_bb, ft_bb, "y"), (z.g_bb, gt_bb, "y"))
         z.f_aa, z.g_aa = 0.5 * (z.f_aa + ft_aa), 0.5 * (z.g_aa + gt_aa)
         z.f_bb, z.g_bb = 0.5 * (z.f_bb + ft_bb), 0.5 * (z.g_bb + gt_bb)
     elif s.debias:
+        assert z.f_aa is not None and z.g_bb is not None
         ft_aa = lx * m.softmin_xx(m.h_a(z.f_aa, eps), eps)
         gt_bb = ly * m.softmin_yy(m.h_b(z.g_bb, eps), eps)
         if need_err:
+            assert err_t is not None
             err_t = _max_error(m, err_t, balanced, eps, (z.f_aa, ft_aa, "x"), (z.g_bb, gt_bb, "y"))
         z.f_aa, z.g_bb = 0.5 * (z.f_aa + ft_aa), 0.5 * (z.g_bb + gt_bb)
     return err_t
@@ -296,7 +301,9 @@ def _symmetric_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: bool)
     fp, gp = 0.5 * (z.f + ft), 0.5 * (z.g + gt)
     if acc is None:
         z.f, z.g = fp, gp
-    elif s.momentum:
+        return err_t
+    assert err_t is not None  # an accelerated loop reads the error at every step
+    if s.momentum:
         w = acc.omega(err_t, eps, _left_at(s.eps_list, it))
         z.f = acc.momentum_guard(z.f + w * (fp - z.f), fp)
         z.g = acc.momentum_guard(z.g + w * (gp - z.g), gp)
@@ -323,6 +330,7 @@ def _alternating_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: boo
     if need_err:
         err_x = _error(m, f, fs, eps, "x", balanced)
     if relaxed:
+        assert acc is not None and err_x is not None  # relaxed: Momentum, which reads the error at every step
         # the safeguard compares the row errors of (f, g) before each relaxed step
         # (at it == 1 the initial f is not a potential yet: plain step)
         w = acc.omega(err_x, eps, _left_at(s.eps_list, it))
@@ -335,10 +343,13 @@ def _alternating_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: boo
         # at it == 1 the initial f (zeros) is not a potential: use the g-side error only
         # Anderson: f = S_x(g) with the extrapolated g, so (f, g) has exact rows and err_y
         # is its whole error; err_x would compare the previous f with an extrapolated g
+        assert err_x is not None
         err_t = err_y if it == 1 or s.anderson else torch.maximum(err_x, err_y)
     if relaxed:
+        assert acc is not None
         gn = acc.momentum_guard(g + w * (gs - g), gs)
     elif s.anderson:
+        assert acc is not None
         gn = acc.extrapolate(g, gs, err_y, eps, s.wb)
         z.g_plain = gs  # returned instead of gn: (fs, gs) is a plain, consistent pair
     else:
@@ -374,7 +385,7 @@ def sinkhorn_loop(
     callback: Callable[[IterationRecord], bool | None] | None = None,
     warn: bool = True,
     inner_iterations: int = 10,
-    acceleration=None,
+    acceleration: Momentum | Anderson | None = None,
     verbose: bool = False,
 ) -> SinkhornState:
     """Run Sinkhorn iterations, one per entry of ``eps_list``.
@@ -422,11 +433,13 @@ def sinkhorn_loop(
                 err_t = step(s, z, eps, it, s.acc is not None or (want_err and check))
                 err = None
                 if check and want_err:
+                    assert err_t is not None  # a step computes its error where want_err and check
                     err, floor = _read_error(s, z, err_t, eps, it, tol)
                     progress.update(it, eps, err)
                 if callback is not None and callback(IterationRecord(it, eps, err, time.perf_counter() - t0)) is True:
                     stopped = True
                 if tol is not None and err is not None and eps == eps_final:  # not during eps-scaling
+                    assert floor is not None  # _read_error returns it where tol is given
                     stop_at = stop_tol(tol, floor)
                     if stop_at is not None and err < stop_at:
                         converged = True
@@ -436,6 +449,7 @@ def sinkhorn_loop(
         if err_t is not None and err is None:
             err = float(err_t.max())
         if s.anderson and not symmetric and n_total > 0:
+            assert z.g_plain is not None  # set by every alternating Anderson step
             z.g = z.g_plain  # an extrapolated g paired with f = S_x(previous g) can carry any mass
         check_potentials(m, eps, f"after {it} iterations", *z.all())
     finally:

@@ -41,10 +41,15 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # annotations only
+    from .measures import Measures
+    from .solver import SinkhornState
 
 __all__ = ["parse_unbalanced", "parse_reach", "dual_value", "debiased_dual_value",
            "debiased_dual_value_two_sided", "primal_value"]
@@ -95,7 +100,7 @@ def _rho(name: str, v) -> float | None:
     return None if math.isinf(v) else v
 
 
-def parse_unbalanced(unbalanced, unbalanced_type: str = "KL") -> tuple[float | None, float | None]:
+def parse_unbalanced(unbalanced: Any, unbalanced_type: str = "KL") -> tuple[float | None, float | None]:
     """POT's ``unbalanced=`` (``rho`` or ``(rho_a, rho_b)``; None / inf = strict) -> (rho_a, rho_b)."""
     if not isinstance(unbalanced_type, str):
         raise TypeError(f"unbalanced_type: expected a string, got {type(unbalanced_type).__name__}")
@@ -122,7 +127,7 @@ def parse_unbalanced(unbalanced, unbalanced_type: str = "KL") -> tuple[float | N
     return r, r
 
 
-def parse_reach(reach, reach_x, reach_y, p: int) -> tuple[float | None, float | None]:
+def parse_reach(reach: float | None, reach_x: float | None, reach_y: float | None, p: int) -> tuple[float | None, float | None]:
     """GeomLoss' ``reach`` (both sides) or per-side ``reach_x`` / ``reach_y`` -> (rho_x, rho_y) = reach^p."""
 
     def one(name, v):
@@ -172,7 +177,8 @@ def _debias_side(w: Tensor, f_ab: Tensor, f_aa: Tensor, eps: float, rho: float |
     return (rho + eps) * D - 0.5 * eps * D.detach()
 
 
-def debiased_dual_value(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y, sums=DEFAULT_SUMS) -> Tensor:
+def debiased_dual_value(a: Tensor, b: Tensor, f_ba: Tensor, g_ab: Tensor, f_aa: Tensor, g_bb: Tensor, eps: float,
+                        rho_x: float | None, rho_y: float | None, sums=DEFAULT_SUMS) -> Tensor:
     r"""Sinkhorn divergence :math:`S(a, b) = D(a, b) - \tfrac12 D(a, a) - \tfrac12 D(b, b)`, (B,), each
     :math:`D` the exact dual value of :func:`dual_value`, for ``rho_x == rho_y`` (symmetric self problems,
     one potential each; :func:`debiased_dual_value_two_sided` otherwise).
@@ -189,7 +195,8 @@ def debiased_dual_value(a, b, f_ba, g_ab, f_aa, g_bb, eps, rho_x, rho_y, sums=DE
             - 0.5 * eps * (ma - mb) ** 2)
 
 
-def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
+def self_terms_final(m: Measures, st: SinkhornState, rho_x: float | None,
+                     rho_y: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Final (differentiable) step of the two-sided self problems ``OT(a, a)``, ``OT(b, b)``
     used for debiasing when ``rho_x != rho_y``: returns ``(f_aa, g_aa, f_bb, g_bb)``, the
     potentials on the first copy (penalty ``rho_x``) and second copy (``rho_y``) of each cloud."""
@@ -205,7 +212,9 @@ def self_terms_final(m, st, rho_x: float | None, rho_y: float | None):
     return f_aa, g_aa, f_bb, g_bb
 
 
-def debiased_dual_value_two_sided(a, b, f, g, f_aa, g_aa, f_bb, g_bb, eps, rho_x, rho_y, sums=DEFAULT_SUMS) -> Tensor:
+def debiased_dual_value_two_sided(a: Tensor, b: Tensor, f: Tensor, g: Tensor, f_aa: Tensor, g_aa: Tensor, f_bb: Tensor,
+                                  g_bb: Tensor, eps: float, rho_x: float | None, rho_y: float | None,
+                                  sums=DEFAULT_SUMS) -> Tensor:
     """``S = D(a, b) - D(a, a)/2 - D(b, b)/2`` with every term the exact dual value of an
     ``OT_{rho_x, rho_y}`` (:func:`dual_value`), so ``S(a, a) = 0``.  Equals :func:`debiased_dual_value`
     when ``rho_x == rho_y`` (then ``f_aa = g_aa`` and ``f_bb = g_bb``)."""

@@ -44,16 +44,18 @@ the same tail and the result is the single process's up to float reassociation.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
+from .measures import Measures
 from .schedules import continued
 from .solver import SinkhornState, sinkhorn_loop
 
 DEFAULT_WARM_SCALE = 8.0
 
 
-def check_warm_start(v) -> float | None:
+def check_warm_start(v: object) -> float | None:
     """``False``/``None`` -> None (off); ``True`` -> default scale; a number >= 1 -> that scale."""
     if v is None or v is False:
         return None
@@ -100,7 +102,7 @@ def _self_measures(m, side: str):
     return dataclasses.replace(m, x=pts, y=pts, a=w, b=w, a_log=wl, b_log=wl, **extra)
 
 
-def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
+def warm_loop(module: Any, m: Measures, eps_list: list[float]) -> SinkhornState:
     """The Sinkhorn loop of ``module`` (a SamplesLoss), warm-started from its cache when valid."""
     cache = getattr(module, "_warm_cache", None)
     key = _key(module, m)
@@ -112,6 +114,7 @@ def warm_loop(module, m, eps_list: list[float]) -> SinkhornState:
         st = sinkhorn_loop(m, extended(eps_list), symmetric=True, debias=module.debias, tol=tol)
         n_iter = st.n_iter
     else:
+        assert cache is not None  # _cold is False only with a cache
         moved = _moved(m, cache)  # how far did the points move since the cached call?
         start = max(module.warm_start * module.blur, 4.0 * moved) ** module.p
         tail = [e for e in eps_list if e <= start * (1 + 1e-12)]

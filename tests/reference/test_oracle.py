@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-
 import reference_oracle as ref
+import torch
 
 
 def _problem(seed=0, n=9, m=11, masses=(1.0, 1.0)):

@@ -14,11 +14,11 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated (as tests/test_triton.py)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import reference_oracle as ref
+import torch
 
-import flashot  # noqa: E402
-import reference_oracle as ref  # noqa: E402
+import flashot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,10 +10,10 @@ plan, equal at convergence to the dual optimum ``value_dual`` (POT 0.9's value d
 from __future__ import annotations
 
 import pytest
+import reference_oracle as ref
 import torch
 
 import flashot
-import reference_oracle as ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

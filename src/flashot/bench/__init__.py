@@ -30,7 +30,8 @@ def _int_list(name: str):
             try:
                 v = int(float(tok)) if tok.lower().endswith(("e3", "e4", "e5", "e6")) else int(tok)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{name}: expected comma-separated positive integers, got {s!r}")
+                raise argparse.ArgumentTypeError(
+                    f"{name}: expected comma-separated positive integers, got {s!r}") from None
             if v < 1:
                 raise argparse.ArgumentTypeError(f"{name}: expected positive integers, got {v}")
             out.append(v)
@@ -44,7 +45,7 @@ def _pos_int(name: str):
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected a positive integer, got {s!r}")
+            raise argparse.ArgumentTypeError(f"{name}: expected a positive integer, got {s!r}") from None
         if v < 1:
             raise argparse.ArgumentTypeError(f"{name}: expected a positive integer, got {v}")
         return v
@@ -57,7 +58,7 @@ def _pos_float(name: str):
         try:
             v = float(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected a positive number, got {s!r}")
+            raise argparse.ArgumentTypeError(f"{name}: expected a positive number, got {s!r}") from None
         if not v > 0 or v == float("inf"):
             raise argparse.ArgumentTypeError(f"{name}: expected a positive finite number, got {s}")
         return v

@@ -65,8 +65,9 @@ import importlib.metadata
 import importlib.util
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..costs import Cost
+from ..costs import CostLike
 from .base import Capability, Engine, self_softmin
 
 
 class SoftminFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine,
+    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, engine: Engine,
                 value: Tensor | None = None, bary: Tensor | None = None):
         # value: computed by the caller (a fused step): only the backward is ours.  bary (dot-product costs):
         # the caller's soft-argmin barycentres sum_j w_ij y_j, so the x-gradient needs no plan product
@@ -122,7 +122,7 @@ def _bilinear_grads(x: Tensor, y: Tensor, h: Tensor, alpha: Tensor, G: Tensor, e
     return gx, gy, gh
 
 
-def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: Engine) -> Tensor:
+def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, engine: Engine) -> Tensor:
     """Softmin that is differentiable w.r.t. ``x``, ``y`` and ``h`` (batched tensors)."""
     if plain_autograd(x, y, h, cost, engine):
         return engine.softmin(x, y, h, eps, cost)
@@ -135,7 +135,7 @@ def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, engine: 
     return SoftminFn.apply(x, y, h, eps, cost, engine)
 
 
-def plain_autograd(x: Tensor, y: Tensor, h: Tensor, cost: Cost, engine: Engine) -> bool:
+def plain_autograd(x: Tensor, y: Tensor, h: Tensor, cost: CostLike, engine: Engine) -> bool:
     """Does :func:`softmin_fn` let autograd see the engine's own torch code?  The dense engine is plain
     torch, so double backward works through it; not for ``|x - y|``, whose autograd derivative at
     ``x = y`` is NaN."""
@@ -143,7 +143,7 @@ def plain_autograd(x: Tensor, y: Tensor, h: Tensor, cost: Cost, engine: Engine) 
         x.requires_grad or y.requires_grad or h.requires_grad)
 
 
-def softmin_pair_fn(x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
+def softmin_pair_fn(x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike,
                     engine: Engine) -> tuple[Tensor, Tensor]:
     """``(softmin_fn(x, y.detach(), hy), softmin_fn(y, x.detach(), hx))``: each potential differentiable w.r.t.
     its own points and its log-weights (the final step of a symmetric solve).  The values come from the
@@ -176,7 +176,7 @@ class PlanVFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, V: Tensor, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: Cost,
+    def forward(ctx, V: Tensor, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: CostLike,
                 engine: Engine, weight: str):
         ctx.save_for_backward(x, y, alpha, beta)
         ctx.args = (eps, cost, engine, weight)
@@ -189,7 +189,7 @@ class PlanVFn(torch.autograd.Function):
         return gV, None, None, None, None, None, None, None, None
 
 
-def plan_apply(V: Tensor, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: Cost,
+def plan_apply(V: Tensor, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: CostLike,
                engine: Engine, weight: str = "plan") -> Tensor:
     """``(K ⊙ W) V`` on batched tensors (``x``, ``y``, ``alpha``, ``beta`` detached): differentiable
     w.r.t. ``V`` when it requires grad (:class:`PlanVFn`), a plain no-grad engine call otherwise."""

@@ -56,12 +56,13 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Iterable, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from ..costs import Cost
+from ..costs import CostLike
 
 Weight = Literal["plan", "cost", "dcost"]
 WEIGHTS = ("plan", "cost", "dcost")
@@ -163,7 +164,7 @@ class Engine(abc.ABC):
     name: str = "engine"
     capabilities: frozenset[Capability] = frozenset()
 
-    def __init_subclass__(cls, **kw) -> None:
+    def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         caps = vars(cls).get("capabilities")
         if caps is None:
@@ -179,16 +180,16 @@ class Engine(abc.ABC):
         """True when this engine implements the optional step or hint ``cap``."""
         return cap in self.capabilities
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
+    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: CostLike) -> str | None:
         """``None`` when the engine can run this case, else a one-line reason."""
         return None
 
     @abc.abstractmethod
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
         """``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)``: (B, N, D), (B, M, D), (B, M) -> (B, N)."""
 
     @abc.abstractmethod
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: Cost,
+    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: CostLike,
                      weight: Weight = "plan") -> Tensor:
         """``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``: V (B, M, K) -> (B, N, K).
 
@@ -198,29 +199,29 @@ class Engine(abc.ABC):
 
     # -- optional fused steps (Capability members; see the module docstring) -------------------
     def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
-                     cost: Cost) -> tuple[Tensor, Tensor]:
+                     cost: CostLike) -> tuple[Tensor, Tensor]:
         """``(softmin(x, y, hy), softmin(y, x, hx))`` in one pass (``Capability.SOFTMIN_PAIR``)."""
         raise _missing(self, Capability.SOFTMIN_PAIR)
 
-    def softmin_alt(self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: Cost,
+    def softmin_alt(self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike,
                     lam: float = 1.0) -> tuple[Tensor, Tensor]:
         """``(f, softmin(y, x, ha + lam f / eps))``, ``f = softmin(x, y, hy)`` (``Capability.SOFTMIN_ALT``)."""
         raise _missing(self, Capability.SOFTMIN_ALT)
 
-    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
         """``softmin(x, x, h)`` (``Capability.SOFTMIN_SYM``)."""
         raise _missing(self, Capability.SOFTMIN_SYM)
 
-    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
+    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike,
                           cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         """``softmin_pair`` and the barycentres, or None (``Capability.SOFTMIN_PAIR_BARY``)."""
         raise _missing(self, Capability.SOFTMIN_PAIR_BARY)
 
-    def softmin_sym_bary(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> tuple[Tensor, Tensor] | None:
+    def softmin_sym_bary(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> tuple[Tensor, Tensor] | None:
         """``softmin_sym`` and its barycentres, or None (``Capability.SOFTMIN_SYM_BARY``)."""
         raise _missing(self, Capability.SOFTMIN_SYM_BARY)
 
-    def expect_reuse(self, x: Tensor, y: Tensor, cost: Cost) -> None:
+    def expect_reuse(self, x: Tensor, y: Tensor, cost: CostLike) -> None:
         """Hint: the solver will call the engine on ``(x, y)`` many times (``Capability.EXPECT_REUSE``)."""
         raise _missing(self, Capability.EXPECT_REUSE)
 
@@ -232,7 +233,7 @@ class Engine(abc.ABC):
         """(1,) int64 identifying the engine's state for the pair (``Capability.ROW_RANGES``)."""
         raise _missing(self, Capability.ROW_RANGES)
 
-    def ring_visit(self, op: str, parts: list[Tensor], fn, combine):
+    def ring_visit(self, op: str, parts: list[Tensor], fn: Callable[..., Any], combine: Callable[..., Any]) -> Any:
         """``combine`` of ``fn(src, *block)`` over every rank's block (``Capability.RING_VISIT``)."""
         raise _missing(self, Capability.RING_VISIT)
 
@@ -275,46 +276,49 @@ class ForwardingEngine(Engine):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 
-    def _forward(self, cap: Capability):
+    def _forward(self, cap: Capability) -> Engine:
         if cap not in self.capabilities:
             raise _missing(self, cap)
         return self.inner
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
+    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: CostLike) -> str | None:
         return self.inner.unsupported(device, dtype, cost)
 
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, **kw) -> Tensor:
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, **kw: Any) -> Tensor:
         return self.inner.softmin(x, y, h, eps, cost, **kw)  # kw: rows= (Capability.ROW_RANGES)
 
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: Cost,
-                     weight: Weight = "plan", **kw) -> Tensor:
+    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: CostLike,
+                     weight: Weight = "plan", **kw: Any) -> Tensor:
         return self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, **kw)
 
-    def softmin_pair(self, x, y, hx, hy, eps, cost):
+    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
+                     cost: CostLike) -> tuple[Tensor, Tensor]:
         return self._forward(Capability.SOFTMIN_PAIR).softmin_pair(x, y, hx, hy, eps, cost)
 
-    def softmin_alt(self, x, y, ha, hy, eps, cost, lam=1.0):
+    def softmin_alt(self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike,
+                    lam: float = 1.0) -> tuple[Tensor, Tensor]:
         return self._forward(Capability.SOFTMIN_ALT).softmin_alt(x, y, ha, hy, eps, cost, lam)
 
-    def softmin_sym(self, x, h, eps, cost):
+    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
         return self._forward(Capability.SOFTMIN_SYM).softmin_sym(x, h, eps, cost)
 
-    def softmin_pair_bary(self, x, y, hx, hy, eps, cost, cols):
+    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike,
+                          cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         return self._forward(Capability.SOFTMIN_PAIR_BARY).softmin_pair_bary(x, y, hx, hy, eps, cost, cols=cols)
 
-    def softmin_sym_bary(self, x, h, eps, cost):
+    def softmin_sym_bary(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> tuple[Tensor, Tensor] | None:
         return self._forward(Capability.SOFTMIN_SYM_BARY).softmin_sym_bary(x, h, eps, cost)
 
-    def expect_reuse(self, x, y, cost):
+    def expect_reuse(self, x: Tensor, y: Tensor, cost: CostLike) -> None:
         return self._forward(Capability.EXPECT_REUSE).expect_reuse(x, y, cost)
 
-    def row_bounds(self, x, y, parts):
+    def row_bounds(self, x: Tensor, y: Tensor, parts: int) -> list[tuple[int, int]]:
         return self._forward(Capability.ROW_RANGES).row_bounds(x, y, parts)
 
-    def digest(self, x, y):
+    def digest(self, x: Tensor, y: Tensor) -> Tensor:
         return self._forward(Capability.ROW_RANGES).digest(x, y)
 
-    def ring_visit(self, op, parts, fn, combine):
+    def ring_visit(self, op: str, parts: list[Tensor], fn: Callable[..., Any], combine: Callable[..., Any]) -> Any:
         return self._forward(Capability.RING_VISIT).ring_visit(op, parts, fn, combine)
 
 
@@ -324,22 +328,22 @@ class ForeignEngine(ForwardingEngine):
     primitives and its ``unsupported`` (when it has one; else every case is accepted), and no
     capability, so any fused method it has is not used (subclass :class:`Engine` and declare them)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: Any):
         self.inner = inner
         self.name = str(getattr(inner, "name", type(inner).__name__))
         self.capabilities = frozenset()
         self._unsupported = getattr(inner, "unsupported", None)
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
+    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: CostLike) -> str | None:
         return None if self._unsupported is None else self._unsupported(device, dtype, cost)
 
 
-def as_engine(obj) -> Engine:
+def as_engine(obj: object) -> Engine:
     """``obj`` itself when it is an :class:`Engine`, else wrapped in a :class:`ForeignEngine`."""
     return obj if isinstance(obj, Engine) else ForeignEngine(obj)
 
 
-def self_softmin(engine: Engine, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
+def self_softmin(engine: Engine, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
     """``softmin(x, x, h)`` through the engine's ``softmin_sym`` (half the pairs) when it declares one."""
     if engine.supports(Capability.SOFTMIN_SYM):
         return engine.softmin_sym(x, h, eps, cost)

@@ -66,7 +66,7 @@ class BlockPattern:
         return self._symmetric
 
     @property
-    def T(self) -> "BlockPattern":
+    def T(self) -> BlockPattern:
         return BlockPattern(self.col_offsets, self.row_offsets, self.keep.T.contiguous(), self.tile_elems)
 
     def split(self, parts: int) -> list[tuple[int, int]]:
@@ -91,7 +91,7 @@ class BlockPattern:
             cache[parts] = [(ro[cuts[r]], ro[cuts[r + 1]]) for r in range(parts)]
         return cache[parts]
 
-    def rows(self, lo: int, hi: int) -> "BlockPattern":
+    def rows(self, lo: int, hi: int) -> BlockPattern:
         """The pattern of the rows ``[lo, hi)``, a non-empty range of whole row clusters (row offsets from
         ``lo``; the same kept blocks).  ``ValueError`` if ``lo`` or ``hi`` is not a cluster boundary.
         Cached per range."""
@@ -106,7 +106,7 @@ class BlockPattern:
                                            self.tile_elems)
         return cache[(lo, hi)]
 
-    def clusters_of(self, rows: Tensor) -> tuple["BlockPattern", Tensor]:
+    def clusters_of(self, rows: Tensor) -> tuple[BlockPattern, Tensor]:
         """The pattern restricted to the row clusters that hold a ``True`` of ``rows`` (n_rows,) bool, and the
         (n_sub,) indices of their rows: the rows of the restricted pattern are ``x[:, index]``."""
         ro = self.row_offsets.cpu()
@@ -133,7 +133,7 @@ class BlockPattern:
             self._digest = int.from_bytes(h.digest(), "little") >> 2
         return self._digest
 
-    def padded(self, unit: int) -> "PaddedColumns":
+    def padded(self, unit: int) -> PaddedColumns:
         """The columns laid out cluster by cluster, each cluster padded to a multiple of ``unit`` (the C++
         kernels' column step), and each row cluster's kept column ranges in that layout (runs of
         consecutive kept clusters merged into one range).  Cached per ``unit``."""
@@ -182,7 +182,7 @@ class PaddedColumns:
         self.points = None  # (key, yT, yy, y): the column cloud in this layout (padded_y's cache)
 
     @classmethod
-    def build(cls, pat: BlockPattern, unit: int) -> "PaddedColumns":
+    def build(cls, pat: BlockPattern, unit: int) -> PaddedColumns:
         co, ro, keep = pat.col_offsets.cpu(), pat.row_offsets.cpu(), pat.keep.cpu()
         sizes = co[1:] - co[:-1]
         padded = (sizes + unit - 1) // unit * unit

@@ -107,7 +107,7 @@ class BlockSparseEngine(Engine):
                               Capability.SOFTMIN_SYM_BARY, Capability.FUSED_FINAL_STEP, Capability.ROW_RANGES})
 
     def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool | str = True,
-                 tiles: "TilePruning | None" = None):
+                 tiles: TilePruning | None = None):
         self._patterns = {(self.cloud_key(u), self.cloud_key(v)): p for u, v, p in patterns}
         self._tiles = tiles
         self.tile_pairs = [0]  # pairs the fused C++ steps evaluated with sub-tile pruning (padded columns included)

@@ -33,7 +33,6 @@ from torch import Tensor
 from ..costs import Cost
 from .base import Engine, Weight, exp_floor
 
-
 DENSE_MAX_BYTES_ENV = "FLASHOT_DENSE_MAX_BYTES"
 MIN_DEFAULT_DENSE_BYTES = 256 << 20
 
@@ -49,7 +48,7 @@ def default_dense_max_bytes(device: torch.device | str = "cpu") -> int:
     return _default_bytes(device.type, device.index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _default_bytes(kind: str, index) -> int:
     device = torch.device(kind, index) if index is not None else torch.device(kind)
     mem = None

@@ -32,11 +32,11 @@ work (the engine checks again before each matrix, e.g. the N x N debiasing terms
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..costs import Cost
+from ..costs import CostLike
 from .base import Engine, as_engine
 from .dense import check_dense_budget, dense_bytes, dense_max_bytes
 
@@ -166,7 +166,7 @@ def _load(name: str) -> Engine:
     return _CACHE[name]
 
 
-def _try(name: str, device: torch.device, dtype: torch.dtype, cost: Cost) -> tuple[Engine | None, str]:
+def _try(name: str, device: torch.device, dtype: torch.dtype, cost: CostLike) -> tuple[Engine | None, str]:
     if name not in _LOADERS:
         return None, f"engine {name!r} is not registered"
     try:
@@ -188,7 +188,7 @@ def get_engine(
     *,
     device: torch.device,
     dtype: torch.dtype,
-    cost: Cost,
+    cost: CostLike,
     size: tuple[int, int, int, int] = (1, 1, 1, 1),
     allow_dense: bool = True,
 ) -> Engine:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..costs import Cost
+from ..costs import CostLike
 from .tiled import TILE_ELEMS, cost_tile, tile_blocks
 
 
@@ -34,7 +34,7 @@ def row_topk(
     y: Tensor,
     beta: Tensor,
     scale: float,
-    cost: Cost,
+    cost: CostLike,
     k: int,
     *,
     dense: bool = False,

@@ -66,7 +66,7 @@ class RunPattern(BlockPattern):
         return self._symmetric
 
     @property
-    def T(self) -> "BlockPattern":  # type: ignore[override]
+    def T(self) -> BlockPattern:  # type: ignore[override]
         raise NotImplementedError("RunPattern.T: build the transposed runs explicitly")
 
     def padded(self, unit: int) -> PaddedColumns:
@@ -86,7 +86,7 @@ class RunPattern(BlockPattern):
             cache[unit] = PaddedColumns(pos, int(poff[-1]), tasks, torch.arange(K + 1), ranges, poff.contiguous())
         return cache[unit]
 
-    def clusters_of(self, rows: Tensor) -> tuple["RunPattern", Tensor]:
+    def clusters_of(self, rows: Tensor) -> tuple[RunPattern, Tensor]:
         """The pattern restricted to the row clusters holding a ``True`` of ``rows`` (n_rows,) bool, and the
         indices of their rows (see :meth:`BlockPattern.clusters_of`)."""
         ro = self.row_offsets.cpu()

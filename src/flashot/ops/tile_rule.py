@@ -38,6 +38,7 @@ inputs' rule alone applies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -90,7 +91,7 @@ class _Runs:
     tasks: Tensor
 
     @classmethod
-    def of(cls, row_offsets: Tensor, stride: int, every: int = 1) -> "_Runs":
+    def of(cls, row_offsets: Tensor, stride: int, every: int = 1) -> _Runs:
         ro = row_offsets.cpu()
         sel = torch.arange(0, ro.numel() - 1, every)
         sizes = ro[sel + 1] - ro[sel]

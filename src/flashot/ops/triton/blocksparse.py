@@ -28,7 +28,7 @@ class BlockLists:
         self._tiles: dict[int, Tensor] = {}
 
     @classmethod
-    def of(cls, pattern, device: torch.device) -> "BlockLists":
+    def of(cls, pattern, device: torch.device) -> BlockLists:
         """The lists of ``pattern`` (a :class:`~flashot.ops.blocksparse.BlockPattern`) on ``device``,
         cached on the pattern.  ``pattern.padded(1)`` is the unpadded layout: its ranges are column
         indices."""

@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
