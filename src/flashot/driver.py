@@ -190,7 +190,7 @@ def _acceleration(m: Measures, reg: float, acceleration, symmetric: bool):
     return Anderson() if _small_eps(m, reg, symmetric) else None
 
 
-def scaling_head(m: Measures, reg: float, ratio: float | None, init, symmetric: bool) -> list[float]:
+def scaling_head(m: Measures, reg: float, ratio: float | None, init: object, symmetric: bool) -> list[float]:
     """The temperatures run before the ones at ``reg`` (empty when eps-scaling is off)."""
     if ratio is None:  # auto
         ratio = EPS_SCALING_RATIO if init is None and _small_eps(m, reg, symmetric) else 0.0

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -161,7 +162,8 @@ def _sum_last(t: Tensor) -> Tensor:
 
 # per-side reducers of the value formulas: (sum over x's points, sum over y's points), each (B, N) -> (B,); a
 # ragged batch (flashot.ragged, one concatenated problem) passes per-problem segment sums
-DEFAULT_SUMS = (_sum_last, _sum_last)
+Sums = tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
+DEFAULT_SUMS: Sums = (_sum_last, _sum_last)
 
 
 def _debias_side(w: Tensor, f_ab: Tensor, f_aa: Tensor, eps: float, rho: float | None, total=_sum_last) -> Tensor:
@@ -178,7 +180,7 @@ def _debias_side(w: Tensor, f_ab: Tensor, f_aa: Tensor, eps: float, rho: float |
 
 
 def debiased_dual_value(a: Tensor, b: Tensor, f_ba: Tensor, g_ab: Tensor, f_aa: Tensor, g_bb: Tensor, eps: float,
-                        rho_x: float | None, rho_y: float | None, sums=DEFAULT_SUMS) -> Tensor:
+                        rho_x: float | None, rho_y: float | None, sums: Sums = DEFAULT_SUMS) -> Tensor:
     r"""Sinkhorn divergence :math:`S(a, b) = D(a, b) - \tfrac12 D(a, a) - \tfrac12 D(b, b)`, (B,), each
     :math:`D` the exact dual value of :func:`dual_value`, for ``rho_x == rho_y`` (symmetric self problems,
     one potential each; :func:`debiased_dual_value_two_sided` otherwise).
@@ -214,7 +216,7 @@ def self_terms_final(m: Measures, st: SinkhornState, rho_x: float | None,
 
 def debiased_dual_value_two_sided(a: Tensor, b: Tensor, f: Tensor, g: Tensor, f_aa: Tensor, g_aa: Tensor, f_bb: Tensor,
                                   g_bb: Tensor, eps: float, rho_x: float | None, rho_y: float | None,
-                                  sums=DEFAULT_SUMS) -> Tensor:
+                                  sums: Sums = DEFAULT_SUMS) -> Tensor:
     """``S = D(a, b) - D(a, a)/2 - D(b, b)/2`` with every term the exact dual value of an
     ``OT_{rho_x, rho_y}`` (:func:`dual_value`), so ``S(a, a) = 0``.  Equals :func:`debiased_dual_value`
     when ``rho_x == rho_y`` (then ``f_aa = g_aa`` and ``f_bb = g_bb``)."""
@@ -238,7 +240,7 @@ def _side_parts(w: Tensor, f: Tensor, eps: float, rho: float | None, total=_sum_
 
 
 def dual_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
-               rho_x: float | None, rho_y: float | None, sums=DEFAULT_SUMS) -> Tensor:
+               rho_x: float | None, rho_y: float | None, sums: Sums = DEFAULT_SUMS) -> Tensor:
     r"""Dual value of (semi-)unbalanced entropic OT at the Sinkhorn fixed point, (B,).
 
     With :math:`m_x = \langle a, e^{-f/\rho_x}\rangle` (or :math:`m(a)`) and :math:`m_y`
@@ -278,7 +280,7 @@ def _kl(p: Tensor, q: Tensor, total=_sum_last) -> Tensor:
 
 
 def primal_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, r: Tensor, c: Tensor, eps: float,
-                 rho_x: float | None, rho_y: float | None, sums=DEFAULT_SUMS) -> Tensor:
+                 rho_x: float | None, rho_y: float | None, sums: Sums = DEFAULT_SUMS) -> Tensor:
     r"""The unbalanced objective at the plan :math:`P = a b e^{(f \oplus g - C)/\varepsilon}`, (B,):
 
     .. math::
