@@ -7,6 +7,7 @@ Public API:
     free_support_barycenter  POT's entropic free-support barycenter, streamed
     gromov_wasserstein, fused_gromov_wasserstein  entropic (fused) Gromov-Wasserstein, POT's conventions, streamed
     semirelaxed_gromov_wasserstein, semirelaxed_fused_gromov_wasserstein  the same with a free second marginal
+    otdd, LabelCost  the OT dataset distance between labelled datasets; the label-augmented cost it streams
     ops           the two streamed primitives (softmin, plan product) and the engine registry
 """
 
@@ -19,13 +20,14 @@ from .gromov import (
     semirelaxed_fused_gromov_wasserstein,
     semirelaxed_gromov_wasserstein,
 )
-from .costs import Cost, get_cost
+from .costs import Cost, LabelCost, get_cost
 from .implicit import ImplicitDiff
 from .plan import LazyPlan, plan_from_potentials
 from .results import OTResult
 from .samples_loss import SamplesLoss
 from .ot_samples import solve_sample
 from .ot_matrix import sinkhorn, sinkhorn2, solve
+from .otdd import OTDDResult, otdd
 
 __version__ = "0.1.0"
 
@@ -38,6 +40,9 @@ __all__ = [
     "OTResult",
     "Cost",
     "get_cost",
+    "LabelCost",
+    "otdd",
+    "OTDDResult",
     "Momentum",
     "Anderson",
     "ImplicitDiff",

@@ -390,9 +390,10 @@ class LabelCost:
         raise NotImplementedError("a label-augmented cost is not a function of squared distances")
 
 
-def check_labels(name: str, lab, X: Tensor, n_classes: int, what: str) -> Tensor:
+def check_labels(name: str, lab, X: Tensor, n_classes: int | None, what: str = "") -> Tensor:
     """Integer class labels ``lab`` of the points ``X`` (one per point, shape ``X.shape[:-1]``), in
-    ``[0, n_classes)`` (the ``what`` of ``W``), on ``X``'s device; errors name ``name``."""
+    ``[0, n_classes)`` (the ``what`` of ``W``; any integers for None), on ``X``'s device, as int64; errors name
+    ``name``."""
     if isinstance(lab, np.ndarray):
         if lab.dtype.kind not in "iu":
             raise TypeError(f"{name}: expected integer class labels, got dtype {lab.dtype}")
@@ -405,7 +406,7 @@ def check_labels(name: str, lab, X: Tensor, n_classes: int, what: str) -> Tensor
         raise ValueError(f"{name}: expected shape {tuple(X.shape[:-1])} (one label per point), got {tuple(lab.shape)}")
     if lab.device != X.device:
         raise ValueError(f"{name}: is on {lab.device}, its points on {X.device}")
-    if lab.numel() and (int(lab.min()) < 0 or int(lab.max()) >= n_classes):
+    if n_classes is not None and lab.numel() and (int(lab.min()) < 0 or int(lab.max()) >= n_classes):
         raise ValueError(f"{name}: labels must lie in [0, {n_classes}) (the {what} of W), got the range "
                          f"[{int(lab.min())}, {int(lab.max())}]")
     return lab.long()
