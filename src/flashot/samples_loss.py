@@ -72,7 +72,7 @@ def auto_multiscale(m: Measures, p: int, blur: float, diameter: float) -> bool:
     """
     B, N, M, D = m.shape
     return (not m.batched and m.x.device.type == "cpu" and D <= 3 and p == 2 and N * M >= AUTO_MULTISCALE_PAIRS
-            and blur <= diameter / 20 and not m.points_sharded)
+            and blur <= diameter / 20 and not m.points_sharded and not getattr(m.cost, "labelled", False))
 
 
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto", "multiscale": "auto"}
@@ -111,6 +111,18 @@ def _check_labels(name: str, lab, x: Tensor) -> Tensor:
     if tuple(lab.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{name}: expected shape {tuple(x.shape[:-1])} (one label per point), got {tuple(lab.shape)}")
     return lab
+
+
+def _check_label_cost(loss: str, debias, backend, group, cost) -> None:
+    """A :class:`~flashot.LabelCost` as ``cost``: ``loss="sinkhorn"`` on one process, single-scale; debiasing needs
+    a square, symmetric ``W`` (the self problems' class costs)."""
+    if loss != "sinkhorn" or backend == "multiscale" or group is not None:
+        raise NotImplementedError("cost=LabelCost(...) runs loss='sinkhorn' on one process, single-scale (not "
+                                  "backend='multiscale' or group)")
+    if debias is True and not cost.symmetric:
+        raise ValueError(f"cost=LabelCost(W) with debias=True: the self problems need a square, symmetric W (one label "
+                         f"set), got W of shape {tuple(cost.W.shape)}{'' if cost.W.shape[0] != cost.W.shape[1] else ', not symmetric'}; "
+                         "use debias=False")
 
 
 def _warn_unequal_masses(m: Measures) -> None:
@@ -258,6 +270,9 @@ class SamplesLoss(torch.nn.Module):
         max_iter: int = 1000,
     ):
         super().__init__()
+        self.label_cost, cost = (cost, None) if getattr(cost, "labelled", False) else (None, cost)
+        if self.label_cost is not None:
+            _check_label_cost(loss, debias, backend, group, self.label_cost)
         if not isinstance(loss, str):
             raise TypeError(f"loss: expected a string ('sinkhorn'), got {type(loss).__name__}")
         if loss not in LOSSES:
@@ -335,6 +350,20 @@ class SamplesLoss(torch.nn.Module):
         """Forget the cached potentials (the next call runs the full schedule)."""
         self._warm_cache = None
 
+    def _with_labels(self, args, labels):
+        """``args`` with the points augmented by their labels (``[x, label]``) for a :class:`~flashot.LabelCost`."""
+        if labels is None and self.label_cost is None:
+            return args
+        if self.label_cost is None:
+            raise ValueError("labels: used with cost=flashot.LabelCost(W, ...) only (a class-to-class cost table)")
+        if labels is None:
+            raise ValueError("cost=LabelCost(...): give the points' class labels, L(x, y, labels=(labels_x, labels_y))")
+        if len(args) not in (2, 4):
+            raise ValueError(f"SamplesLoss with a LabelCost takes (x, y) or (a, x, b, y), got {len(args)} arguments")
+        x, y = args[-3] if len(args) == 4 else args[0], args[-1]
+        x, y = self.label_cost.augment(x, y, labels)
+        return (x, y) if len(args) == 2 else (args[0], x, args[2], y)
+
     def _split_args(self, args):
         """``(x, y)``, ``(a, x, b, y)`` or GeomLoss' multiscale ``(labels_x, a, x, labels_y, b, y)``: returns
         ``(a, x, b, y)`` and stores the labels (None without them)."""
@@ -353,7 +382,7 @@ class SamplesLoss(torch.nn.Module):
             f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments"
         )
 
-    def forward(self, *args: Tensor):
+    def forward(self, *args: Tensor, labels: tuple | None = None):
         """The loss between ``(a, x)`` and ``(b, y)``: ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``.
 
         ``loss="sinkhorn"``: ``S(a, b) = OT_eps(a, b) - (OT_eps(a, a) + OT_eps(b, b)) / 2``
@@ -363,6 +392,9 @@ class SamplesLoss(torch.nn.Module):
         Args:
             *args: ``(x, y)`` or ``(a, x, b, y)``: (N, D) / (M, D) points, or (B, N, D) /
                 (B, M, D); (N,) / (M,) (or (B, N) / (B, M)) weights.
+            labels: with ``cost=flashot.LabelCost(W, ...)``: ``(labels_x, labels_y)``, the points' integer
+                class labels (shape ``x.shape[:-1]``, ``y.shape[:-1]``); the cost is ``feature_weight |x - y|^2
+                + label_weight W[l, l']`` with ``eps = blur^p``.
         Returns:
             The value, () or (B,), differentiable w.r.t. the points and weights (envelope
             theorem); with ``potentials=True`` the dual potentials ``(F, G)``, (N,) / (M,)
@@ -381,6 +413,7 @@ class SamplesLoss(torch.nn.Module):
             >>> g.shape
             torch.Size([20, 2])
         """
+        args = self._with_labels(args, labels)
         replicated = self.group is not None and self.shard == "replicated"  # one problem over a group's ranks
         with rank_checks(self.group):  # local checks: with a group, one rank's rejection raises on every rank
             a_in, x, b_in, y = self._split_args(args)
@@ -476,6 +509,7 @@ class SamplesLoss(torch.nn.Module):
         """The validated, centred pair on the engine this loss's ``backend`` names (GeomLoss' names mapped);
         this rank's slices of one problem with ``shard="points"`` (:func:`flashot.distributed.points_measures`)."""
         backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
+        cost = cost if self.label_cost is None else self.label_cost  # a LabelCost: on the points [x, label]
 
         def build(x, y, a, b):
             return Measures.build(x, y, a, b, cost=cost, backend=backend, allow_dense=self.backend != "online",
@@ -553,6 +587,9 @@ class SamplesLoss(torch.nn.Module):
 
         if self.loss != "sinkhorn":
             raise ValueError(f"plan: loss={self.loss!r} defines no transport plan; use loss='sinkhorn'")
+        if self.label_cost is not None:
+            raise NotImplementedError("plan: not implemented with a LabelCost; use flashot.solve_sample(x, y, "
+                                      "reg=blur**p, cost=LabelCost(...), labels=(lx, ly)).plan")
         if self.cost is not None:
             raise NotImplementedError("plan: not implemented with a cost function; build the matrix and call "
                                       "flashot.solve(M, a, b, reg=blur**p) (its result has the plan)")
