@@ -27,7 +27,7 @@ from .results import OTResult
 from .samples_loss import SamplesLoss
 from .ot_samples import solve_sample
 from .ot_matrix import sinkhorn, sinkhorn2, solve
-from .otdd import OTDDResult, otdd
+from .dataset_distance import OTDDResult, otdd
 
 __version__ = "0.1.0"
 

@@ -249,6 +249,19 @@ class LabelCost:
     column bias (:mod:`flashot.ops.labels`).  Gradients: w.r.t. the points' features (``grad_x C = 2 w_f
     (x - y)``); ``W`` is a constant (``d value / d W[c, c'] = w_l`` times the plan's mass between the
     classes, which :func:`flashot.otdd` uses).
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(20, 2, dtype=torch.float64), torch.randn(30, 2, dtype=torch.float64)
+        >>> lx, ly = torch.randint(0, 2, (20,)), torch.randint(0, 3, (30,))
+        >>> W = torch.tensor([[0.0, 1.0, 4.0], [1.0, 0.0, 2.0]], dtype=torch.float64)
+        >>> cost = flashot.LabelCost(W, feature_weight=1.0, label_weight=0.5)
+        >>> res = flashot.solve_sample(x, y, reg=0.1, cost=cost, labels=(lx, ly))
+        >>> C = torch.cdist(x, y) ** 2 + 0.5 * W[lx][:, ly]  # the cost it streams, never built
+        >>> P = res.plan.to_dense()
+        >>> bool(torch.allclose(res.plan.cost_sum(), (C * P).sum()))
+        True
     """
 
     W: Tensor  # (C_a, C_b) float64, CPU, detached

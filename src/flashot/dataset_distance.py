@@ -1,4 +1,4 @@
-r"""``otdd``: the optimal transport dataset distance between two labelled datasets, streamed.
+r"""The optimal transport dataset distance (:func:`flashot.otdd`) between two labelled datasets, streamed.
 
 Following Alvarez-Melis and Fusi's OTDD, with entropic OT throughout (``eps = reg``, uniform weights):
 
@@ -46,6 +46,17 @@ class OTDDResult:
             class ``classes_a[k]`` / ``classes_b[k]``).
         result: the :class:`~flashot.OTResult` of the final solve (its ``plan``, ``potentials``, ``n_iter``).
         converged: every solve (the ``C_a C_b`` class pairs and the final one) met ``tol``.
+
+    Example:
+        >>> import torch, flashot
+        >>> _ = torch.manual_seed(0)
+        >>> Xa, la = torch.randn(30, 2, dtype=torch.float64), torch.tensor([3, 7] * 15)
+        >>> Xb, lb = torch.randn(20, 2, dtype=torch.float64), torch.arange(20) % 2
+        >>> res = flashot.otdd(Xa, la, Xb, lb, reg=0.5)
+        >>> res.classes_a.tolist(), res.classes_b.tolist(), res.label_cost.shape, res.converged
+        ([3, 7], [0, 1], torch.Size([2, 2]), True)
+        >>> bool(torch.isclose(res.plan.to_dense().sum(), torch.tensor(1.0, dtype=torch.float64)))
+        True
     """
 
     value: Any
