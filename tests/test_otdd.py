@@ -122,6 +122,25 @@ def test_value_gradient_matches_finite_differences(engine):
             assert abs(float(G[idx]) - float(vp - vm) / (2 * h)) <= 1e-7 * max(1.0, abs(float(G[idx])))
 
 
+@pytest.mark.parametrize("engine", ["dense", "cpu"])
+def test_value_linear_gradient_matches_finite_differences(engine):
+    """``<C, P>``: implicit differentiation through the fixed point, the label cost's ``C W = 2 w_f C``."""
+    X, Y, la, lb, W = _data(N=12, M=9, D=2)
+    kw = dict(reg=0.5, cost=LabelCost(W, 0.8, 1.5), labels=(la, lb), backend=engine, tol=1e-13, max_iter=50000)
+    Xr, Yr = X.clone().requires_grad_(), Y.clone().requires_grad_()
+    gx, gy = torch.autograd.grad(flashot.solve_sample(Xr, Yr, **kw).value_linear, (Xr, Yr))
+    h = 1e-5
+    for idx in ((0, 0), (5, 1)):
+        E = torch.zeros_like(X)
+        E[idx] = h
+        fx = flashot.solve_sample(X + E, Y, **kw).value_linear - flashot.solve_sample(X - E, Y, **kw).value_linear
+        E = torch.zeros_like(Y)
+        E[idx] = h
+        fy = flashot.solve_sample(X, Y + E, **kw).value_linear - flashot.solve_sample(X, Y - E, **kw).value_linear
+        assert abs(float(gx[idx]) - float(fx) / (2 * h)) <= 1e-6 * max(1.0, abs(float(gx[idx])))
+        assert abs(float(gy[idx]) - float(fy) / (2 * h)) <= 1e-6 * max(1.0, abs(float(gy[idx])))
+
+
 # -- SamplesLoss ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["tensorized", "online"])
 def test_samples_loss_label_cost(backend):
@@ -183,7 +202,8 @@ def test_otdd_gradient_matches_finite_differences():
     for idx in ((0, 0), (5, 1), (13, 0)):
         E = torch.zeros_like(Xa)
         E[idx] = h
-        fd = float(flashot.otdd(Xa + E, la, Xb, lb, **kw).value - flashot.otdd(Xa - E, la, Xb, lb, **kw).value) / (2 * h)
+        vp, vm = flashot.otdd(Xa + E, la, Xb, lb, **kw).value, flashot.otdd(Xa - E, la, Xb, lb, **kw).value
+        fd = float(vp - vm) / (2 * h)
         assert abs(float(G[idx]) - fd) <= 1e-7 * max(1.0, abs(fd)), (idx, float(G[idx]), fd)
 
 

@@ -120,9 +120,9 @@ def _check_label_cost(loss: str, debias, backend, group, cost) -> None:
         raise NotImplementedError("cost=LabelCost(...) runs loss='sinkhorn' on one process, single-scale (not "
                                   "backend='multiscale' or group)")
     if debias is True and not cost.symmetric:
-        raise ValueError(f"cost=LabelCost(W) with debias=True: the self problems need a square, symmetric W (one label "
-                         f"set), got W of shape {tuple(cost.W.shape)}{'' if cost.W.shape[0] != cost.W.shape[1] else ', not symmetric'}; "
-                         "use debias=False")
+        what = "not symmetric" if cost.W.shape[0] == cost.W.shape[1] else f"of shape {tuple(cost.W.shape)}"
+        raise ValueError(f"cost=LabelCost(W) with debias=True: the self problems need a square, symmetric W (one "
+                         f"label set), got W {what}; use debias=False")
 
 
 def _warn_unequal_masses(m: Measures) -> None:
