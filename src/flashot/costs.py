@@ -347,6 +347,9 @@ class LabelCost:
             raise TypeError("labels: expected a pair (labels_a, labels_b) of integer tensors, one label per point, "
                             f"got {type(labels).__name__}")
         out = []
+        for name, X in (("X_a", X_a), ("X_b", X_b)):
+            if not isinstance(X, Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(X).__name__}")
         for side, (X, lab, n, off) in enumerate(((X_a, labels[0], self.W.shape[0], 0),
                                                  (X_b, labels[1], self.W.shape[1], self.W.shape[0]))):
             name = f"labels[{side}]"

@@ -175,7 +175,8 @@ class SamplesLoss(torch.nn.Module):
             and the scaling).  Its matrices are materialised (memory guard of the ``dense`` engine)
             and the iterations stream them; gradients go through the function by autograd, with
             GeomLoss' convention (``cost(x, y.detach())``, envelope theorem).  KeOps formula strings
-            raise ``NotImplementedError``.
+            raise ``NotImplementedError``.  Or a :class:`~flashot.LabelCost` (``loss="sinkhorn"``): the
+            label-augmented cost, streamed, with the labels in the call, ``L(x, y, labels=(lx, ly))``.
         kernel: GeomLoss' kernel function for the kernel norms: ``kernel(x, y, blur=, use_keops=,
             ranges=)`` -> (B, N, M), materialised.
         cluster_scale: ``backend="multiscale"``: the side of its coarse clusters (default: GeomLoss' from
