@@ -17,6 +17,7 @@ from flashot import ops
 from flashot.costs import LabelCost
 
 ot = pytest.importorskip("ot")
+pytestmark = pytest.mark.usefixtures("one_thread")  # small problems
 
 ENGINES = ["dense", "tiled", "cpu", "triton"]
 F64 = torch.float64
@@ -90,6 +91,16 @@ def test_solve_sample_equals_pot_on_the_dense_cost(engine):
     _close(res.plan.cost_sum(), float(ref.value_linear), 1e-8)
     assert res.plan.barycentric_map().shape == X.shape  # the features, not the label column
     assert res.plan.T.barycentric_map().shape == Y.shape
+
+
+@pytest.mark.parametrize("engine", ["dense", "tiled", "cpu"])
+def test_float32_agrees_with_float64(engine):
+    X, Y, la, lb, W = _data(N=120, M=100)
+    cost = LabelCost(W, 1.0, 0.5)
+    ref = flashot.solve_sample(X, Y, reg=0.2, cost=cost, labels=(la, lb), backend="dense", tol=1e-9)
+    res = flashot.solve_sample(X.float(), Y.float(), reg=0.2, cost=cost, labels=(la, lb), backend=engine, tol=1e-5)
+    assert res.converged and res.value.dtype == torch.float32
+    _close(res.value, ref.value, 1e-5)
 
 
 def test_batched_and_numpy_inputs():
