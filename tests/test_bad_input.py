@@ -44,6 +44,7 @@ a = torch.full((10,), 0.1)
 b = torch.full((8,), 1 / 8)
 xb, yb = x.expand(2, 10, 3).contiguous(), y.expand(2, 8, 3).contiguous()
 h8, z10 = torch.zeros(8), torch.zeros(10)
+l10, l8 = torch.arange(10) % 2, torch.arange(8) % 3  # class labels
 meta = torch.device("meta")
 P = flashot.solve_sample(x, y, reg=0.5, backend="dense").plan  # built before the guard below
 
@@ -358,6 +359,25 @@ CASES = [
     Case("bary-lambda-zero", lambda: bary(weights=[0.0, 0.0]), ValueError, r"^weights: total mass must be positive"),
     Case("bary-lambda-inf", lambda: bary(weights=[INF, 1.0]), ValueError, r"^weights: contains NaN or Inf"),
     Case("bary-backend-unknown", lambda: bary(backend="gpu"), ValueError, r"^backend: expected 'auto'"),
+    # ---- label-augmented costs (LabelCost) and the dataset distance (otdd) -----------------------
+    Case("SS-labels-out-of-range", lambda: solve(x, y, cost=flashot.LabelCost(torch.ones(2, 3)),
+                                                 labels=(l10, l8 + 1)), ValueError, r"^labels\[1\]: .*\[0, 3\)"),
+    Case("SS-labels-length", lambda: solve(x, y, cost=flashot.LabelCost(torch.ones(2, 3)), labels=(l10[:9], l8)),
+         ValueError, r"^labels\[0\]: expected shape \(10,\)"),
+    Case("SS-labels-float", lambda: solve(x, y, cost=flashot.LabelCost(torch.ones(2, 3)), labels=(l10, l8.float())),
+         TypeError, r"^labels\[1\]: expected integer class labels"),
+    Case("SS-labels-without-LabelCost", lambda: solve(x, y, labels=(l10, l8)), ValueError, r"^labels: .*LabelCost"),
+    Case("SS-LabelCost-without-labels", lambda: solve(x, y, cost=flashot.LabelCost(torch.ones(2, 3))), ValueError,
+         r"labels=\(labels_a, labels_b\)"),
+    Case("SS-LabelCost-W-nan", lambda: flashot.LabelCost(torch.tensor([[0.0, NAN]])), ValueError, r"^W: .*NaN"),
+    Case("SS-LabelCost-W-shape", lambda: flashot.LabelCost(torch.ones(2, 3, 1)), ValueError, r"^W: expected a \(C_a, C_b\)"),
+    Case("SL-LabelCost-debias-W-not-square", lambda: flashot.SamplesLoss(cost=flashot.LabelCost(torch.ones(2, 3))),
+         ValueError, r"symmetric W"),
+    Case("otdd-labels-length", lambda: flashot.otdd(x, l10[:9], y, l8, reg=0.5), ValueError, r"^labels_a: expected shape"),
+    Case("otdd-labels-float", lambda: flashot.otdd(x, l10, y, l8.double(), reg=0.5), TypeError,
+         r"^labels_b: expected integer"),
+    Case("otdd-dims", lambda: flashot.otdd(x, l10, y[:, :2], l8, reg=0.5), ValueError, r"^X_a and X_b: point dimensions"),
+    Case("otdd-reg", lambda: flashot.otdd(x, l10, y, l8, reg=-1.0), ValueError, r"^reg: "),
     # ---- command line ------------------------------------------------------------------------
     Case("cli-unknown-command", lambda: cli("frobnicate"), SystemExit, r"unknown command 'frobnicate'"),
     Case("cli-demo-unknown-flag", lambda: cli("demo", "--bogus"), SystemExit, r"unrecognized arguments: --bogus"),

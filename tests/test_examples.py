@@ -90,6 +90,13 @@ def _check_gw_shape(c):
     assert c["linear_near"] < 0.2, c
 
 
+def _check_otdd(c):
+    # "plain OT cannot tell B from B'; OTDD can, and W recovers which class of B is which class of A"
+    assert c["converged"], c
+    assert c["match"] == c["relabel"], c
+    assert c["otdd_shuffled"] > 2 * c["otdd"] and c["otdd"] > c["plain"], c
+
+
 CHECKS = {
     "plot_colour_transfer": _check_colour_transfer,
     "plot_registration_flow": _check_registration_flow,
@@ -97,6 +104,7 @@ CHECKS = {
     "plot_unbalanced_outliers": _check_unbalanced_outliers,
     "plot_cpu_engine_vs_peers": _check_cpu_engine_vs_peers,
     "plot_gw_shape": _check_gw_shape,
+    "plot_otdd": _check_otdd,
 }
 GALLERY = sorted(p.stem for p in (ROOT / "examples").glob("plot_*.py"))
 

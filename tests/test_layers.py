@@ -57,6 +57,7 @@ LAYERS: dict[str, int] = {
     "flashot.kernel_losses": 3,
     "flashot.ot_samples": 3,
     "flashot.ot_matrix": 3,
+    "flashot.dataset_distance": 3,
     "flashot.gromov": 3,
     "flashot.barycenter": 3,
     # 4 CLI: the command line, its file formats, demo data and the benchmark harness.

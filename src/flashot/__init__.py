@@ -7,12 +7,14 @@ Public API:
     free_support_barycenter  POT's entropic free-support barycenter, streamed
     gromov_wasserstein, fused_gromov_wasserstein  entropic (fused) Gromov-Wasserstein, POT's conventions, streamed
     semirelaxed_gromov_wasserstein, semirelaxed_fused_gromov_wasserstein  the same with a free second marginal
+    otdd, LabelCost  the OT dataset distance between labelled datasets; the label-augmented cost it streams
     ops           the two streamed primitives (softmin, plan product) and the engine registry
 """
 
 from .acceleration import Anderson, Momentum
 from .barycenter import BarycenterResult, free_support_barycenter
-from .costs import Cost, get_cost
+from .costs import Cost, LabelCost, get_cost
+from .dataset_distance import OTDDResult, otdd
 from .gromov import (
     GWResult,
     fused_gromov_wasserstein,
@@ -38,6 +40,9 @@ __all__ = [
     "OTResult",
     "Cost",
     "get_cost",
+    "LabelCost",
+    "otdd",
+    "OTDDResult",
     "Momentum",
     "Anderson",
     "ImplicitDiff",

@@ -570,14 +570,16 @@ def _linear_grad_side(x, y, al0, be, a, r0, u0, w_own, w_other, eps, cost, engin
         grad_a_i = u0_i + w_own_i (1 - r0_i) - (K0 w_other)_i
 
     (the partial derivatives at fixed potentials minus those of ``<w, E>``).  ``C W = 2 s C`` for
-    the dot-product costs (``cost`` weight), ``1`` for ``euclidean`` (``plan`` weight, where
-    ``C > 0``; at ``x_i = y_j`` the factor ``x_i - y_j`` vanishes anyway).
+    the dot-product costs (``cost`` weight), and ``2 w_f C`` for a :class:`~flashot.LabelCost` (``W = 2 w_f``
+    on the features; the label column's entries are discarded by the caller), ``1`` for ``euclidean``
+    (``plan`` weight, where ``C > 0``; at ``x_i = y_j`` the factor ``x_i - y_j`` vanishes anyway).
     """
     D = x.shape[-1]
     wo = w_other.unsqueeze(-1)
     gx = None
-    if cost.is_dot:
-        two_s = 2.0 * cost.scale
+    labelled = getattr(cost, "labelled", False)
+    if cost.is_dot or labelled:
+        two_s = 2.0 * (cost.feature_weight if labelled else cost.scale)
         cols = [wo, y, wo * y] if need_pts else [wo]
         S = engine.plan_product(x, y, al0, be, eps, torch.cat(cols, -1).contiguous(), cost, "plan")
         Kw = S[..., 0]

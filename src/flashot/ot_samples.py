@@ -74,6 +74,7 @@ def solve_sample(
     shard: str = "replicated",
     cluster_scale: float | None = None,
     truncate: float | None = 5.0,
+    labels: tuple | None = None,
 ) -> OTResult | RaggedResult:
     """Entropic OT between weighted point clouds, streamed (no n x m matrix).
 
@@ -89,8 +90,12 @@ def solve_sample(
             (1e-3, relative) raise ``ValueError`` (no coupling exists; use ``unbalanced=``).
         b: (M,) weights of ``X_b`` (or (B, M)); uniform when None (or ``[]``).
         cost: ``"sqeuclidean"`` (|x-y|^2), ``"half_sqeuclidean"`` (|x-y|^2 / 2) or ``"euclidean"``
-            (|x-y|).  ``metric`` is POT's name for the same argument.  POT's positional order works:
-            ``solve_sample(X_a, X_b, a, b, metric, reg)``.
+            (|x-y|), or a :class:`~flashot.LabelCost` (with ``labels``).  ``metric`` is POT's name for the
+            same argument.  POT's positional order works: ``solve_sample(X_a, X_b, a, b, metric, reg)``.
+        labels: with ``cost=LabelCost(W, feature_weight, label_weight)``: ``(labels_a, labels_b)``, integer
+            class labels of the points (shape ``X.shape[:-1]``, in ``[0, C_a)`` and ``[0, C_b)``); the cost is
+            ``feature_weight |x - y|^2 + label_weight W[l, l']`` (:func:`flashot.otdd`).  Not with
+            ``backend="multiscale"`` or ``group``.
         reg_type: POT's option, accepted: the regulariser is ``KL(P | a x b)`` (POT's default
             ``"KL"``; ``"entropy"`` differs by a constant).
         lazy: POT's option, accepted: the plan is always lazy.
@@ -225,6 +230,8 @@ def solve_sample(
             a = to_tensor("a", a, like=X_a)
         if b is not None:
             b = to_tensor("b", b, like=X_b)
+        if labels is not None or getattr(cost, "labelled", False):
+            X_a, X_b = _label_points(X_a, X_b, cost, labels, backend, group)
         if shard == "points" and backend == "multiscale":
             raise NotImplementedError("backend='multiscale' with shard='points': the clustering needs the whole "
                                       "clouds on every rank; use shard='replicated' (the default: every rank passes "
@@ -319,6 +326,18 @@ def _solve_multiscale(m: Measures, o: SolveOptions, cluster_scale, truncate, gro
     res = make_result(mo, st, o, numpy)
     res.multiscale = run
     return res
+
+
+def _label_points(X_a, X_b, cost, labels, backend, group):
+    """The augmented points ``[X, label]`` of a :class:`~flashot.LabelCost` solve (checked)."""
+    if not getattr(cost, "labelled", False):
+        raise ValueError("labels: used with cost=flashot.LabelCost(W, ...) only (a class-to-class cost table)")
+    if labels is None:
+        raise ValueError("cost=LabelCost(...): give the points' class labels, labels=(labels_a, labels_b)")
+    if backend == "multiscale" or group is not None:
+        raise NotImplementedError("cost=LabelCost(...) runs on one process, single-scale (backend='auto', 'cpu', "
+                                  "'tiled', 'dense' or 'triton'), not with backend='multiscale' or group")
+    return cost.augment(X_a, X_b, labels)
 
 
 def _check_positional_scalars(a, b, reg) -> None:

@@ -295,6 +295,8 @@ class LazyPlan:
             mass = S[..., D:]
             T = torch.where(mass > 0, S[..., :D] / mass.clamp_min(torch.finfo(S.dtype).tiny), float("nan"))
             T = T + self._m.center  # the measures are stored centred on a common point
+            if getattr(self._m.cost, "labelled", False):  # a LabelCost: the features, not the label column
+                T = T[..., :-1]
         return self._finish(T)
 
     def topk(self, k: int) -> tuple[Tensor | np.ndarray, Tensor | np.ndarray]:

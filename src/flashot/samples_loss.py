@@ -73,7 +73,7 @@ def auto_multiscale(m: Measures, p: int, blur: float, diameter: float) -> bool:
     """
     B, N, M, D = m.shape
     return (not m.batched and m.x.device.type == "cpu" and D <= 3 and p == 2 and N * M >= AUTO_MULTISCALE_PAIRS
-            and blur <= diameter / 20 and not m.points_sharded)
+            and blur <= diameter / 20 and not m.points_sharded and not getattr(m.cost, "labelled", False))
 
 
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto", "multiscale": "auto"}
@@ -112,6 +112,18 @@ def _check_labels(name: str, lab, x: Tensor) -> Tensor:
     if tuple(lab.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{name}: expected shape {tuple(x.shape[:-1])} (one label per point), got {tuple(lab.shape)}")
     return lab
+
+
+def _check_label_cost(loss: str, debias, backend, group, cost) -> None:
+    """A :class:`~flashot.LabelCost` as ``cost``: ``loss="sinkhorn"`` on one process, single-scale; debiasing needs
+    a square, symmetric ``W`` (the self problems' class costs)."""
+    if loss != "sinkhorn" or backend == "multiscale" or group is not None:
+        raise NotImplementedError("cost=LabelCost(...) runs loss='sinkhorn' on one process, single-scale (not "
+                                  "backend='multiscale' or group)")
+    if debias is True and not cost.symmetric:
+        what = "not symmetric" if cost.W.shape[0] == cost.W.shape[1] else f"of shape {tuple(cost.W.shape)}"
+        raise ValueError(f"cost=LabelCost(W) with debias=True: the self problems need a square, symmetric W (one "
+                         f"label set), got W {what}; use debias=False")
 
 
 def _warn_unequal_masses(m: Measures) -> None:
@@ -164,7 +176,8 @@ class SamplesLoss(torch.nn.Module):
             and the scaling).  Its matrices are materialised (memory guard of the ``dense`` engine)
             and the iterations stream them; gradients go through the function by autograd, with
             GeomLoss' convention (``cost(x, y.detach())``, envelope theorem).  KeOps formula strings
-            raise ``NotImplementedError``.
+            raise ``NotImplementedError``.  Or a :class:`~flashot.LabelCost` (``loss="sinkhorn"``): the
+            label-augmented cost, streamed, with the labels in the call, ``L(x, y, labels=(lx, ly))``.
         kernel: GeomLoss' kernel function for the kernel norms: ``kernel(x, y, blur=, use_keops=,
             ranges=)`` -> (B, N, M), materialised.
         cluster_scale: ``backend="multiscale"``: the side of its coarse clusters (default: GeomLoss' from
@@ -259,6 +272,9 @@ class SamplesLoss(torch.nn.Module):
         max_iter: int = 1000,
     ):
         super().__init__()
+        self.label_cost, cost = (cost, None) if getattr(cost, "labelled", False) else (None, cost)
+        if self.label_cost is not None:
+            _check_label_cost(loss, debias, backend, group, self.label_cost)
         if not isinstance(loss, str):
             raise TypeError(f"loss: expected a string ('sinkhorn'), got {type(loss).__name__}")
         if loss not in LOSSES:
@@ -336,6 +352,20 @@ class SamplesLoss(torch.nn.Module):
         """Forget the cached potentials (the next call runs the full schedule)."""
         self._warm_cache = None
 
+    def _with_labels(self, args, labels):
+        """``args`` with the points augmented by their labels (``[x, label]``) for a :class:`~flashot.LabelCost`."""
+        if labels is None and self.label_cost is None:
+            return args
+        if self.label_cost is None:
+            raise ValueError("labels: used with cost=flashot.LabelCost(W, ...) only (a class-to-class cost table)")
+        if labels is None:
+            raise ValueError("cost=LabelCost(...): give the points' class labels, L(x, y, labels=(labels_x, labels_y))")
+        if len(args) not in (2, 4):
+            raise ValueError(f"SamplesLoss with a LabelCost takes (x, y) or (a, x, b, y), got {len(args)} arguments")
+        x, y = args[-3] if len(args) == 4 else args[0], args[-1]
+        x, y = self.label_cost.augment(x, y, labels)
+        return (x, y) if len(args) == 2 else (args[0], x, args[2], y)
+
     def _split_args(self, args):
         """``(x, y)``, ``(a, x, b, y)`` or GeomLoss' multiscale ``(labels_x, a, x, labels_y, b, y)``: returns
         ``(a, x, b, y)`` and stores the labels (None without them)."""
@@ -354,7 +384,8 @@ class SamplesLoss(torch.nn.Module):
             f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments"
         )
 
-    def forward(self, *args: Tensor, x_batch: Tensor | None = None, y_batch: Tensor | None = None):
+    def forward(self, *args: Tensor, x_batch: Tensor | None = None, y_batch: Tensor | None = None,
+                labels: tuple | None = None):
         """The loss between ``(a, x)`` and ``(b, y)``: ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``.
 
         Ragged batches (:mod:`flashot.ragged`): lists of clouds ``L(xs, ys)`` / ``L(a_list, xs, b_list, ys)``,
@@ -368,6 +399,9 @@ class SamplesLoss(torch.nn.Module):
         Args:
             *args: ``(x, y)`` or ``(a, x, b, y)``: (N, D) / (M, D) points, or (B, N, D) /
                 (B, M, D); (N,) / (M,) (or (B, N) / (B, M)) weights.
+            labels: with ``cost=flashot.LabelCost(W, ...)``: ``(labels_x, labels_y)``, the points' integer
+                class labels (shape ``x.shape[:-1]``, ``y.shape[:-1]``); the cost is ``feature_weight |x - y|^2
+                + label_weight W[l, l']`` with ``eps = blur^p``.
         Returns:
             The value, () or (B,), differentiable w.r.t. the points and weights (envelope
             theorem); with ``potentials=True`` the dual potentials ``(F, G)``, (N,) / (M,)
@@ -387,7 +421,10 @@ class SamplesLoss(torch.nn.Module):
             torch.Size([20, 2])
         """
         if is_ragged_call(args, x_batch, y_batch):  # lists of clouds or batch vectors: flashot.ragged
+            if labels is not None or self.label_cost is not None:
+                raise NotImplementedError("labels / LabelCost: not on a ragged batch; call the loss once per problem")
             return ragged_samples_loss(self, args, x_batch, y_batch, implicit_given=self._implicit_given)
+        args = self._with_labels(args, labels)
         replicated = self.group is not None and self.shard == "replicated"  # one problem over a group's ranks
         with rank_checks(self.group):  # local checks: with a group, one rank's rejection raises on every rank
             a_in, x, b_in, y = self._split_args(args)
@@ -483,6 +520,7 @@ class SamplesLoss(torch.nn.Module):
         """The validated, centred pair on the engine this loss's ``backend`` names (GeomLoss' names mapped);
         this rank's slices of one problem with ``shard="points"`` (:func:`flashot.distributed.points_measures`)."""
         backend = _GEOMLOSS_BACKENDS.get(self.backend, self.backend)
+        cost = cost if self.label_cost is None else self.label_cost  # a LabelCost: on the points [x, label]
 
         def build(x, y, a, b):
             return Measures.build(x, y, a, b, cost=cost, backend=backend, allow_dense=self.backend != "online",
@@ -563,6 +601,9 @@ class SamplesLoss(torch.nn.Module):
                                       "cost=...) gives each problem's plan (result.plan(k))")
         if self.loss != "sinkhorn":
             raise ValueError(f"plan: loss={self.loss!r} defines no transport plan; use loss='sinkhorn'")
+        if self.label_cost is not None:
+            raise NotImplementedError("plan: not implemented with a LabelCost; use flashot.solve_sample(x, y, "
+                                      "reg=blur**p, cost=LabelCost(...), labels=(lx, ly)).plan")
         if self.cost is not None:
             raise NotImplementedError("plan: not implemented with a cost function; build the matrix and call "
                                       "flashot.solve(M, a, b, reg=blur**p) (its result has the plan)")

@@ -130,19 +130,23 @@ def prepare_pair(
     check_points(yn, y)
     check_pair(x, y, xn, yn)
     bilinear = getattr(cost, "bilinear", False)  # FeatureBilinearCost: augmented points, no centring
-    if not isinstance(cost, (str, Cost)) and not bilinear:
+    labelled = getattr(cost, "labelled", False)  # LabelCost: features and a label column, features centred
+    if not isinstance(cost, (str, Cost)) and not (bilinear or labelled):
         hint = ("; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...) (POT's ot.solve)"
                 if hasattr(cost, "shape") else "")
         raise TypeError(f"cost: expected a cost name (string) or a flashot.Cost, got {type(cost).__name__}{hint}")
-    cost = cost if bilinear else get_cost(cost)
+    cost = cost if bilinear or labelled else get_cost(cost)
     batched = x.dim() == 3
     if not batched:
         x, y = x.unsqueeze(0), y.unsqueeze(0)
     out_dtype = x.dtype
     cdt = compute_dtype(x.dtype)
-    cmax = cost.bound(x, y) if bilinear else max_cost(x, y, cost, cdt, names)
+    cmax = cost.bound(x, y) if bilinear or labelled else max_cost(x, y, cost, cdt, names)
     x, y = x.to(cdt), y.to(cdt)
-    c = torch.zeros_like(x[:, :1]) if bilinear else common_center(x, y)
+    if labelled:  # translation invariant in the features only: the label column stays as it is
+        c = torch.cat([common_center(x[..., :-1], y[..., :-1]), torch.zeros_like(x[:, :1, :1])], -1)
+    else:
+        c = torch.zeros_like(x[:, :1]) if bilinear else common_center(x, y)
     x, y = (x - c).contiguous(), (y - c).contiguous()
     B, N, D = x.shape
     eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D),

@@ -173,6 +173,12 @@ def _try(name: str, device: torch.device, dtype: torch.dtype, cost: CostLike) ->
         eng = _load(name)
     except EngineUnavailable as e:
         return None, str(e)
+    if getattr(cost, "labelled", False) and name not in ("dense", "tiled"):
+        # dense and tiled compute a label-augmented cost's tiles; the others run one squared-Euclidean
+        # pass per row class with the label term as a column bias (ops/labels.py)
+        from .labels import adapt_labels
+
+        eng = adapt_labels(eng)
     why = eng.unsupported(device, dtype, cost)
     if why and getattr(cost, "bilinear", False):
         # no native kernels for a feature-bilinear cost: run it as sqeuclidean + offsets (ops/bilinear.py)

@@ -226,7 +226,8 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
                              ("truncate=", kw.get("truncate", 5.0) != 5.0),
                              ("potentials_init=", kw.get("potentials_init") is not None),
                              ("implicit=", kw.get("implicit") is not None),
-                             ("acceleration=", kw.get("acceleration", "auto") not in (None, "auto"))])
+                             ("acceleration=", kw.get("acceleration", "auto") not in (None, "auto")),
+                             ("labels= (a LabelCost)", kw.get("labels") is not None)])
     o = solve_options(reg, exact_hint="POT's ot.solve_sample", **_pot_kwargs(kw))
     a, b = (None if pot_uniform(w) else w for w in (a, b))  # POT's a=[]: uniform
     numpy = isinstance(X_a, (list, tuple)) and len(X_a) > 0 and isinstance(X_a[0], np.ndarray)
