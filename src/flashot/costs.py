@@ -15,8 +15,8 @@ FlashSinkhorn observation).  Engines use :attr:`Cost.is_dot` to take that path.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -294,6 +294,7 @@ class LabelCost:
     W: Tensor  # (C_a, C_b) float64, CPU, detached
     feature_weight: float
     label_weight: float
+    _tables: dict = field(init=False, repr=False, compare=False)  # the cached tables of :meth:`table`
     name = "label"
     scale = None  # not a dot-product cost in the sense of ``Cost.is_dot``
     power = 0
@@ -302,7 +303,7 @@ class LabelCost:
     direct = True  # the engines call tile() / matrix(), never the |x - y|^2 expansion
     labelled = True
 
-    def __init__(self, W, feature_weight: float = 1.0, label_weight: float = 1.0):
+    def __init__(self, W: Tensor | Any, feature_weight: float = 1.0, label_weight: float = 1.0) -> None:
         if isinstance(W, Tensor) and W.requires_grad and torch.is_grad_enabled():
             raise NotImplementedError("LabelCost: gradients w.r.t. W are not implemented; pass W.detach() "
                                       "(d value / d W[c, c'] = label_weight x the plan's mass between classes c, c')")
@@ -353,7 +354,7 @@ class LabelCost:
             return COSTS["sqeuclidean"]
         return Cost(f"sqeuclidean*{self.feature_weight!r}", self.feature_weight, 2)
 
-    def table(self, device=None, dtype=torch.float64) -> Tensor:
+    def table(self, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64) -> Tensor:
         """``T = [[W_aa, W], [W^T, W_bb]]``, (C_a + C_b, C_a + C_b), on ``device`` in ``dtype`` (cached)."""
         key = (str(device), dtype)
         T = self._tables.get(key)
@@ -366,7 +367,7 @@ class LabelCost:
             T = self._tables[key] = T.to(device=device, dtype=dtype)
         return T
 
-    def augment(self, X_a: Tensor, X_b: Tensor, labels) -> tuple[Tensor, Tensor]:
+    def augment(self, X_a: Tensor, X_b: Tensor, labels: tuple[Any, Any]) -> tuple[Tensor, Tensor]:
         """The augmented points ``[X_a, l_a]`` and ``[X_b, C_a + l_b]`` (points (N, D) or (B, N, D)) for
         ``labels = (l_a, l_b)``: integer tensors (or arrays) of shape ``X.shape[:-1]``, in ``[0, C_a)`` and
         ``[0, C_b)``; ``TypeError`` / ``ValueError`` naming the argument otherwise."""
@@ -438,7 +439,7 @@ class LabelCost:
         raise NotImplementedError("a label-augmented cost is not a function of squared distances")
 
 
-def check_labels(name: str, lab, X: Tensor, n_classes: int | None, what: str = "") -> Tensor:
+def check_labels(name: str, lab: Any, X: Tensor, n_classes: int | None, what: str = "") -> Tensor:
     """Integer class labels ``lab`` of the points ``X`` (one per point, shape ``X.shape[:-1]``), in
     ``[0, n_classes)`` (the ``what`` of ``W``; any integers for None), on ``X``'s device, as int64; errors name
     ``name``."""
