@@ -409,7 +409,7 @@ class SamplesLoss(torch.nn.Module):
         rx, ry = self.rho_x, self.rho_y
         if rx is None and ry is None and (a_in is not None or b_in is not None):  # uniform: mass 1, no sync
             _warn_unequal_masses(m)
-        run = None  # the coarse-to-fine strategy's run, or the core loop's iterations
+        run = None  # the multiscale strategy's run (None: the core loop ran)
         if self.backend == "multiscale" or (self.backend == "auto" and self._auto_multiscale(m, diameter)):
             run = self._multiscale(m, eps_list, diameter, rho=(rx, ry))
             m, st = run.m, run.state
