@@ -46,7 +46,8 @@ to the points is row-sharded too.  Clustering and pruning run on every rank, on 
 same all-gathered potentials, so every rank takes the same pruning decisions; the kept blocks enter the
 checksum of every collective.
 
-The package, by responsibility (imports point down this list): :mod:`.config` (the options and the run
+The package, by responsibility (each module imports only those before it here, but for :mod:`.config`'s
+type hints): :mod:`.config` (the options and the run
 left behind), :mod:`.scales` (schedule, cluster scales, jump), :mod:`.linear` and :mod:`.hierarchies` (the
 ingredients of the bounds), :mod:`.bounds` (block pruning), :mod:`.extrapolation` (the coarse stage's
 problem and its potentials on the points), :mod:`.fine` (the fine stage's sorted measures and block-sparse

@@ -30,8 +30,9 @@ def coarse_measures(m: Measures, cx: Clusters, cy: Clusters, group: Any = None) 
 
 
 def points_measures(fine: Measures, group: Any = None) -> Measures:
-    """``fine`` for the coarse temperatures run on the points (:func:`coarse_pays` false): its own engine,
-    sharded over the ranks of ``group`` when given (a copy: ``fine`` keeps its engine for the pruned stage)."""
+    """``fine`` for the coarse temperatures run on the points (:func:`~flashot.multiscale.scales.coarse_pays`
+    false): its own engine, sharded over the ranks of ``group`` when given (a copy: ``fine`` keeps its engine for
+    the pruned stage)."""
     if group is None:
         return fine
     from ..distributed import distribute_measures

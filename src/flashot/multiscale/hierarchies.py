@@ -13,8 +13,8 @@ from ..clusters import Clusters, coarsen
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """Coarser clusterings of both sides for :func:`prune`: ``cx`` / ``cy`` over the same sorted clouds,
-    ``px`` / ``py`` (K_coarse + 1,) the runs of fine clusters in each coarse one."""
+    """Coarser clusterings of both sides for :func:`~flashot.multiscale.bounds.prune`: ``cx`` / ``cy`` over the same
+    sorted clouds, ``px`` / ``py`` (K_coarse + 1,) the runs of fine clusters in each coarse one."""
 
     cx: Clusters
     cy: Clusters
