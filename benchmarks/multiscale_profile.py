@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--no-bary", action="store_true", help="without the barycentre variants (plan products)")
     ap.add_argument("--no-tiles", action="store_true", help="without the sub-tile pruning inside kept blocks")
     a = ap.parse_args()
-    MS.TILE_PRUNING = not a.no_tiles
+    MS.fine.TILE_PRUNING = not a.no_tiles
     engines = []
     init = BS.BlockSparseEngine.__init__
 

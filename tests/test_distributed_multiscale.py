@@ -243,12 +243,12 @@ def test_multiscale_matches_single_process(world, tmp_path):
     torch.set_num_threads(1)  # the ranks' thread count (the same reductions in the pruning bounds)
     # the sharded engines run the block-sparse softmins, not the fused steps, so not their sub-tile pruning
     # (which drops entries below e^-truncate a_i b_j inside kept blocks: ~2e-9 relative in these values)
-    tiles, MS.TILE_PRUNING = MS.TILE_PRUNING, False
+    tiles, MS.fine.TILE_PRUNING = MS.fine.TILE_PRUNING, False
     try:
         refs = {name: CASES[name](None) for name in RUN[world]}  # one process
     finally:
         torch.set_num_threads(threads)
-        MS.TILE_PRUNING = tiles
+        MS.fine.TILE_PRUNING = tiles
     worst: dict = {}
     for name in RUN[world]:
         ref, got = refs[name], ranks[0][name]

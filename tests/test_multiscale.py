@@ -311,7 +311,7 @@ def test_gradients_from_barycentres_match_plan_products(debias, reach, monkeypat
     x, y = _blobs(900, 3, 7), _blobs(700, 3, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)), spread=(0.2, 0.1))
     a, b = torch.full((900,), 1 / 900, dtype=F64), torch.full((700,), 1 / 700, dtype=F64)
     kw = dict(blur=0.05, debias=debias, backend="multiscale", cluster_scale=0.1, **reach)
-    monkeypatch.setattr(MS, "TILE_PRUNING", False)  # the plan products see every pair of the kept blocks
+    monkeypatch.setattr(MS.fine, "TILE_PRUNING", False)  # the plan products see every pair of the kept blocks
     v1, g1, L = _loss_and_grads(x, y, a, b, **kw)
     st = L.last_multiscale.m.engine.stats
     assert st["pair_bary"] + st["sym_bary"] >= 1 and L.last_multiscale.kept[-1] < 0.5
@@ -600,7 +600,7 @@ def test_native_and_hierarchical_pruning_keep_what_the_rule_keeps(cost_name, mon
     """The C++ pruning equals the PyTorch one (flat and hierarchical); the hierarchy keeps every block whose
     flat bound is within the margin; no dropped block has an entry within the margin (dense check)."""
     cx, cy, xs, ys, a, f, g, eps, cost = _pruning_case(cost_name)
-    monkeypatch.setattr(MS, "COARSE_BLOCKS", 64)  # force a hierarchy on this small problem
+    monkeypatch.setattr(MS.hierarchies, "COARSE_BLOCKS", 64)  # force a hierarchy on this small problem
     h = hierarchy(cx, cy, xs, ys, a, a)
     assert h is not None and h.cx.n_clusters < cx.n_clusters
     margin = 5 * eps
@@ -633,7 +633,7 @@ def test_a_pattern_that_misses_blocks_is_repaired(monkeypatch):
     a, b = torch.full((900,), 1 / 900, dtype=F64), torch.full((800,), 1 / 800, dtype=F64)
     kw = dict(blur=0.05, backend="multiscale", cluster_scale=0.1)
     v0, g0, _ = _loss_and_grads(x, y, a, b, truncate=None, **kw)
-    real_keeps, seen = MS._keeps, []
+    real_keeps, seen = MS.coarse_to_fine._keeps, []
 
     def first_too_small(bounds, eps, truncate):
         # the pattern a temperature starts from: the very first call, or bounds already used for a check
@@ -641,14 +641,14 @@ def test_a_pattern_that_misses_blocks_is_repaired(monkeypatch):
         seen.append(bounds)
         return real_keeps(bounds, eps, -1e300 if start else truncate)
 
-    real_loop, loops = MS.sinkhorn_loop, []
+    real_loop, loops = MS.coarse_to_fine.sinkhorn_loop, []
 
     def counted(m, eps_list, **kw_):
         loops.append(len(eps_list))
         return real_loop(m, eps_list, **kw_)
 
-    monkeypatch.setattr(MS, "_keeps", first_too_small)
-    monkeypatch.setattr(MS, "sinkhorn_loop", counted)
+    monkeypatch.setattr(MS.coarse_to_fine, "_keeps", first_too_small)
+    monkeypatch.setattr(MS.coarse_to_fine, "sinkhorn_loop", counted)
     v5, g5, L = _loss_and_grads(x, y, a, b, truncate=5, **kw)
     fine_levels = len(L.last_multiscale.kept)
     assert fine_levels >= 2 and len(loops) == 1 + 2 * fine_levels  # the coarse stage, then every level twice

@@ -195,7 +195,7 @@ def test_samples_loss_multiscale_on_triton_kernels(monkeypatch):
         return eng
 
     # the Triton engine has no fused steps, so no sub-tile pruning inside kept blocks: compare without it
-    monkeypatch.setattr(flashot.multiscale, "TILE_PRUNING", False)
+    monkeypatch.setattr(flashot.multiscale.fine, "TILE_PRUNING", False)
     v0, g0, kept0 = run()
     monkeypatch.setenv("FLASHOT_BLOCKSPARSE", "triton")
     monkeypatch.setattr(BS, "_triton_engine", counting)

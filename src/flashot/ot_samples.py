@@ -15,10 +15,11 @@ terms' masses there).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
+from . import multiscale
 from ._checks import check_eps_scale, check_positive, to_tensor
 from .driver import (  # noqa: F401  (OTResult ... EPS_SCALING_AUTO: their former home, kept importable)
     EPS_SCALING_AUTO,
@@ -39,8 +40,7 @@ from .implicit import ImplicitDiff
 from .measures import Measures
 from .ragged import RaggedResult, is_ragged_call, ragged_solve_sample
 from .results import OTResult
-from .schedules import Schedule
-from .solver import IterationRecord, SinkhornState, sinkhorn_loop
+from .solver import IterationRecord
 
 
 def solve_sample(
@@ -244,8 +244,9 @@ def solve_sample(
 
         return points_solve(X_a, X_b, a, b, cost=cost, backend=backend, opts=opts, group=group,
                             potentials_init=potentials_init, numpy=is_np)
-    if backend == "multiscale":
-        return _solve_multiscale(m, opts, cluster_scale, truncate, group, is_np)
+    if backend == "multiscale":  # the coarse-to-fine strategy (flashot.multiscale), replicated over a group's ranks
+        return multiscale.solve_measures(m, opts, multiscale.MultiscaleConfig(cluster_scale, truncate), group=group,
+                                         numpy=is_np)
     if group is not None:  # one problem over the ranks of a torch.distributed group
         from .distributed import distribute_solve
 
@@ -289,43 +290,11 @@ def _multiscale_measures(X_a, X_b, a, b, cost, o: SolveOptions, potentials_init)
     if refused:
         raise NotImplementedError(f"backend='multiscale' does not support {', '.join(refused)} yet; use backend='auto'")
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend="auto", names=("a", "X_a", "b", "X_b"))
-    if m.batched:
-        raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
-                                  "use backend='auto'")
+    multiscale.check_pair(m)
     check_eps_scale("reg", o.reg, m.cmax, m.x.dtype)
     if not o.unbalanced:
         check_equal_masses(m)
     return m
-
-
-def _solve_multiscale(m: Measures, o: SolveOptions, cluster_scale, truncate, group, numpy: bool) -> OTResult:
-    """``solve_sample(backend="multiscale")`` on measures checked by :func:`_multiscale_measures`: GeomLoss'
-    coarse-to-fine schedule down to ``reg``, then the ordinary loop to ``tol`` on the pruned points
-    (:func:`flashot.multiscale.continue_fine`)."""
-    from .multiscale import MultiscaleConfig, continue_fine, in_input_order, multiscale_loop, schedule, truncate_for
-
-    if group is not None:  # replicated mode: the problem and options checked across ranks, callback collective
-        from .distributed import distribute_solve
-
-        o = distribute_solve(m, o, group, options={"backend": "multiscale", "cluster_scale": cluster_scale,
-                                                   "truncate": truncate})
-    diameter = m.bbox_diameter()
-    run = multiscale_loop(m, schedule(m.cost, diameter, o.reg), 2 if m.cost.is_dot else 1,
-                          MultiscaleConfig(cluster_scale, truncate_for(truncate, o.tol)), debias=False, diameter=diameter,
-                          verbose=o.verbose,
-                          group=group, rho=(o.rho_a, o.rho_b))
-    symmetric = METHODS[o.method]
-
-    def loop(fine: Measures, st: SinkhornState) -> SinkhornState:
-        return sinkhorn_loop(fine, Schedule(o.reg, o.max_iter), symmetric=symmetric, tol=o.tol, init=(st.f, st.g),
-                             rho_x=o.rho_a, rho_y=o.rho_b, callback=o.callback, inner_iterations=o.inner_iterations,
-                             verbose=o.verbose)
-
-    run = continue_fine(run, loop)
-    mo, st = in_input_order(m, run)
-    res = make_result(mo, st, o, numpy)
-    res.multiscale = run
-    return res
 
 
 def _label_points(X_a, X_b, cost, labels, backend, group):

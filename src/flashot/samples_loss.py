@@ -17,16 +17,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import multiscale as ms
 from ._checks import check_bool, check_eps_scale, check_int, check_positive, check_power
 from .implicit import check_implicit, sinkhorn_value
 from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_loss
 from .matrix_cost import function_measures
-from .multiscale import MultiscaleConfig, MultiscaleRun, continue_fine, multiscale_loop, truncate_for, unsort
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .ot_samples import rank_checks
 from .ragged import is_ragged_call, ragged_samples_loss
-from .warmstart import check_warm_start, warm_loop
-from .schedules import Schedule, continued, epsilon_scaling, max_diameter
+from .schedules import continued, epsilon_scaling, max_diameter
 from .solver import SinkhornState, final_step, final_values, sinkhorn_loop
 from .unbalanced import (
     debiased_dual_value,
@@ -36,6 +35,7 @@ from .unbalanced import (
     self_terms_final,
     warn_on_second_order,
 )
+from .warmstart import check_warm_start, warm_loop
 
 LOSSES = ("sinkhorn", "hausdorff", *KERNELS)
 AUTO_MULTISCALE_PAIRS = 10_000**2  # GeomLoss' threshold; multiscale is faster from here (BENCHMARKS.md)
@@ -453,16 +453,16 @@ class SamplesLoss(torch.nn.Module):
         rx, ry = self.rho_x, self.rho_y
         if rx is None and ry is None and (a_in is not None or b_in is not None):  # uniform: mass 1, no sync
             _warn_unequal_masses(m)
-        multiscale = self.backend == "multiscale" or (self.backend == "auto" and self._auto_multiscale(m, diameter))
-        if rx is not None or ry is not None:
-            return self._unbalanced(m, eps_list, rx, ry, a_in, b_in, diameter if multiscale else None)
-        if multiscale:
-            run = self._multiscale(m, eps_list, diameter)
+        run = None  # the multiscale strategy's run (None: the core loop ran)
+        if self.backend == "multiscale" or (self.backend == "auto" and self._auto_multiscale(m, diameter)):
+            run = self._multiscale(m, eps_list, diameter, rho=(rx, ry))
             m, st = run.m, run.state
-        elif self.warm_start is not None:
+        elif self.warm_start is not None:  # (balanced only)
             st = warm_loop(self, m, eps_list)
         else:
-            st = self._loop(m, eps_list)
+            st = self._loop(m, eps_list, rx, ry)
+        if rx is not None or ry is not None:
+            return self._unbalanced(m, st, rx, ry, a_in, b_in, run)
         if not self.potentials and self.cost is None:  # barycentres: envelope gradients without plan products
             f, g, f_aa, g_bb, bary = final_values(m, st)
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit, bary=bary))
@@ -472,9 +472,7 @@ class SamplesLoss(torch.nn.Module):
             return m.restore(value - (m.a * f_aa).sum(-1) - (m.b * g_bb).sum(-1) if self.debias else value)
         if self.debias:
             f, g = f - f_aa, g - g_bb
-        if multiscale:  # back to the input order
-            f, g = unsort(f, run.cx.perm), unsort(g, run.cy.perm)
-        return self._potentials(m, f, g, a_in, b_in)
+        return self._potentials(m, f, g, a_in, b_in, run)
 
     def _auto_multiscale(self, m: Measures, diameter: float) -> bool:
         """Whether ``backend="auto"`` runs this call coarse-to-fine (see :func:`auto_multiscale`)."""
@@ -495,25 +493,17 @@ class SamplesLoss(torch.nn.Module):
         self.last_n_iter = st.n_iter
         return st
 
-    def _multiscale(self, m: Measures, eps_list, diameter: float, rho: tuple = (None, None)) -> MultiscaleRun:
-        """GeomLoss' coarse-to-fine schedule (:mod:`flashot.multiscale`, marginal penalties ``rho``), then with
-        ``tol`` the iterations at the last temperature on the pruned points (:func:`~flashot.multiscale.continue_fine`);
+    def _multiscale(self, m: Measures, eps_list, diameter: float, rho: tuple = (None, None)) -> ms.MultiscaleRun:
+        """GeomLoss' coarse-to-fine schedule (marginal penalties ``rho``), then with ``tol`` the iterations at the
+        last temperature on the pruned points: the multiscale strategy's one path (:func:`flashot.multiscale.solve`);
         ``L.last_multiscale`` keeps the run (clusters, kept fractions of the pairs)."""
-        if m.batched:
-            raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
-                                      "use backend='auto' for batches")
-        run = multiscale_loop(m, eps_list, self.p, MultiscaleConfig(self.cluster_scale, truncate_for(self.truncate, self.tol)),
-                              debias=self.debias, diameter=diameter, labels=self._labels, verbose=self.verbose,
-                              group=self.group, rho=rho)
-        n_iter = len(eps_list)
-        if self.tol is not None:
-            def loop(fine: Measures, st: SinkhornState) -> SinkhornState:
-                return sinkhorn_loop(fine, Schedule(st.eps, self.max_iter), symmetric=True, debias=self.debias,
-                                     rho_x=rho[0], rho_y=rho[1], tol=self.tol, init=(st.f, st.g),
-                                     init_self=None if st.f_aa is None else (st.f_aa, st.g_bb), verbose=self.verbose)
-            run = continue_fine(run, loop)
-            n_iter += run.state.n_iter
-        self.last_multiscale, self.last_n_iter = run, n_iter
+        ms.check_pair(m)
+        refine = None if self.tol is None else ms.Refinement(self.tol, self.max_iter)
+        run = ms.solve(m, eps_list, ms.MultiscaleConfig(self.cluster_scale, self.truncate), p=self.p, diameter=diameter,
+                       debias=self.debias, rho=rho, labels=self._labels, refine=refine, verbose=self.verbose,
+                       group=self.group)
+        self.last_multiscale = run
+        self.last_n_iter = len(eps_list) + (0 if refine is None else run.state.n_iter)
         return run
 
     def _measures(self, x, y, a_in, b_in, cost: str) -> Measures:
@@ -559,8 +549,11 @@ class SamplesLoss(torch.nn.Module):
         return self._potentials(m, *out, a_in, b_in) if self.potentials else m.restore(out)
 
     @staticmethod
-    def _potentials(m: Measures, f: Tensor, g: Tensor, a_in, b_in):
-        """(F, G) with the shapes of the given weights ((N,) / (N, 1) / batched)."""
+    def _potentials(m: Measures, f: Tensor, g: Tensor, a_in, b_in, run: ms.MultiscaleRun | None = None):
+        """(F, G) with the shapes of the given weights ((N,) / (N, 1) / batched); potentials of a multiscale
+        ``run``'s sorted points back in the inputs' order."""
+        if run is not None:
+            f, g = ms.unsort(f, run.cx.perm), ms.unsort(g, run.cy.perm)
         F, G = m.restore(f), m.restore(g)
         if a_in is not None and a_in.dim() > F.dim():
             F, G = F.view_as(a_in), G.view_as(b_in)
@@ -593,8 +586,8 @@ class SamplesLoss(torch.nn.Module):
             ((20, 30), True)
         """
         from ._checks import check_int
-        from .plan import plan_from_potentials
         from .ot_samples import solve_sample
+        from .plan import plan_from_potentials
 
         if is_ragged_call(args):
             raise NotImplementedError("plan: not on a ragged batch; flashot.solve_sample(xs, ys, reg=blur**p, "
@@ -625,15 +618,9 @@ class SamplesLoss(torch.nn.Module):
                            max_iter=max_iter, potentials_init=(F, G), backend=backend)
         return res.plan
 
-    def _unbalanced(self, m: Measures, eps_list, rx, ry, a_in, b_in, multiscale_diameter: float | None = None):
-        """KL-penalised marginals (GeomLoss' reach, or our semi-unbalanced reach_x / reach_y); coarse-to-fine
-        when ``multiscale_diameter`` is given."""
-        run = None
-        if multiscale_diameter is not None:
-            run = self._multiscale(m, eps_list, multiscale_diameter, rho=(rx, ry))
-            m, st = run.m, run.state
-        else:
-            st = self._loop(m, eps_list, rx, ry)
+    def _unbalanced(self, m: Measures, st: SinkhornState, rx, ry, a_in, b_in, run: ms.MultiscaleRun | None = None):
+        """The value or potentials of the state ``st`` with KL-penalised marginals (GeomLoss' reach, or our
+        semi-unbalanced reach_x / reach_y); ``run``: the multiscale run that left ``st`` (sorted points)."""
         if st.g_aa is not None:  # debiasing with rho_x != rho_y: two-sided self problems
             f, g, _, _ = final_step(m, replace(st, f_aa=None, g_bb=None), rho_x=rx, rho_y=ry)
             f_aa, g_aa, f_bb, g_bb = self_terms_final(m, st, rx, ry)
@@ -646,9 +633,7 @@ class SamplesLoss(torch.nn.Module):
         if self.potentials:
             if self.debias:
                 f, g = f - f_aa, g - g_bb
-            if run is not None:  # back to the input order
-                f, g = unsort(f, run.cx.perm), unsort(g, run.cy.perm)
-            return self._potentials(m, f, g, a_in, b_in)
+            return self._potentials(m, f, g, a_in, b_in, run)
         if self.debias:
             val = debiased_dual_value(*m.full("xyxyxy", m.a, m.b, f, g, f_aa, g_bb), st.eps, rx, ry)
         else:
