@@ -1,6 +1,6 @@
 """The console entry point, and the package as released: one version, metadata that twine accepts.
 
-``flashot solve`` is tested in tests/test_cli_files.py."""
+``flashot solve`` is tested in tests/cli/test_cli_files.py."""
 
 import os
 import re
@@ -17,7 +17,7 @@ import flashot
 import flashot.cli
 from flashot.data import two_moons_3d
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _has_matplotlib():
@@ -123,7 +123,7 @@ def test_build_command_reports_the_isa_and_the_library(shared_build_cache):
 
         pytest.skip("no C++ compiler on PATH")
     # native, in the run's shared cache: compiled at session start (tests/conftest.py), so found here;
-    # the compiling branch's messages are checked by tests/test_cpu_build.py's fresh build (slow)
+    # the compiling branch's messages are checked by tests/ops/test_cpu_build.py's fresh build (slow)
     cache = shared_build_cache
     env = {**os.environ, "FLASHOT_CACHE_DIR": str(cache)}
     args = [sys.executable, "-m", "flashot.cli", "build", "--march", "native"]

@@ -20,7 +20,7 @@ What "what the file says" means, per format:
   line says).  Damage that makes a different valid file (changed data bytes; a larger vertex
   count over a binary list element, whose records are not walked) is not generated.
 
-Profiles as in tests/test_fuzz.py (:func:`fuzz_settings`: few derandomized examples in CI,
+Profiles as in tests/fuzzing.py (:func:`fuzz_settings`: few derandomized examples in CI,
 ``FLASHOT_FUZZ=long`` for many fresh ones).
 """
 
@@ -38,7 +38,7 @@ import pytest
 pytest.importorskip("hypothesis")
 from hypothesis import given, note
 from hypothesis import strategies as st
-from test_fuzz import fuzz_settings
+from fuzzing import fuzz_settings
 
 import flashot.cli
 from flashot import io as fio

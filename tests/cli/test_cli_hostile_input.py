@@ -243,7 +243,7 @@ def test_binary_ply_with_bytes_after_the_last_element_is_an_error(tmp_path):
 
 def test_npy_header_that_numpy_cannot_tokenize_is_an_error(tmp_path):
     """numpy's header parser raises tokenize.TokenError (not ValueError) on some damaged headers
-    (found by tests/test_cli_fuzz.py): still the reader's one-line error."""
+    (found by tests/cli/test_cli_fuzz.py): still the reader's one-line error."""
     np.save(tmp_path / "x.npy", np.zeros((1, 1)))
     blob = (tmp_path / "x.npy").read_bytes()
     (tmp_path / "x.npy").write_bytes(blob.replace(b"'shape': (", b"'shape'\x00", 1))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_readme import python_blocks
+from test_docs_code_blocks import python_blocks
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "coming_from.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "coming_from.md"
 BLOCKS = python_blocks(DOC.read_text())
 
 

@@ -1,7 +1,7 @@
 """Every ``python`` code block of README.md and of the docs pages runs as written (issue 13).
 
 The blocks are read from README.md and ``docs/*.md`` themselves, so the pages and this test cannot
-drift apart (``docs/coming_from.md`` is left to ``tests/test_coming_from.py``, which also checks
+drift apart (``docs/coming_from.md`` is left to ``tests/docs/test_coming_from_page.py``, which also checks
 each of its blocks against the peer it maps from). Each block runs in a fresh namespace (blocks are
 self-contained: no variable comes from an earlier block), with warnings turned into errors: a
 solve that does not converge, a CG solve that misses its tolerance or a deprecated call fails the
@@ -10,7 +10,7 @@ have been stopped by its callback), and the acceleration block must show acceler
 its page says.  A fragment that cannot run alone (a rank's part of a ``torchrun`` script) is
 written as a ``{code-block} python`` directive, which this test does not collect.
 
-Blocks are kept small (a few seconds each on two cores); ``pytest tests/test_readme.py
+Blocks are kept small (a few seconds each on two cores); ``pytest tests/docs/test_docs_code_blocks.py
 --durations=0`` measures them.
 """
 
@@ -26,7 +26,7 @@ import torch
 import flashot
 from flashot.ot_samples import OTResult
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # pages whose blocks another test runs (with its own peers and warning filters)
 DOCS_TESTED_ELSEWHERE = {"coming_from.md"}

@@ -30,7 +30,7 @@ import urllib.request
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = ["index.html", "api.html", "auto_examples/plot_colour_transfer.html"]
 
 

@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import pytest
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "flashot"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "flashot"
 
 # Layer of each module, by longest matching dotted prefix.
 LAYERS: dict[str, int] = {
@@ -87,7 +87,7 @@ MODULES = {_modname(p): p for p in sorted(SRC.rglob("*.py"))}
 def layer(mod: str) -> int:
     keys = [k for k in LAYERS if mod == k or mod.startswith(k + ".")]
     if not keys:
-        raise KeyError(f"module {mod} has no layer: add it to LAYERS in tests/test_layers.py")
+        raise KeyError(f"module {mod} has no layer: add it to LAYERS in tests/docs/test_layers.py")
     return LAYERS[max(keys, key=len)]
 
 

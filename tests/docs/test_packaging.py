@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "pyproject.toml")),
                                 reason="needs the source tree (pyproject.toml)")
 
@@ -42,7 +42,7 @@ def test_wheel_in_a_fresh_venv_finds_its_kernels_and_runs(tmp_path, shared_build
     """The installed wheel's kernel sources hash exactly as the tree's: the cache key is a hash of
     the sources read from the installed package (a missing or changed file changes it), so the
     library compiled from the tree, placed in a fresh cache, is the one the wheel loads -- no
-    second compile (the first-use compile itself is tests/test_cpu_build.py's)."""
+    second compile (the first-use compile itself is tests/ops/test_cpu_build.py's)."""
     pytest.importorskip("setuptools")
     from flashot.ops.cpu import build
 
@@ -96,6 +96,6 @@ def test_sdist_carries_kernel_sources_examples_and_tests(tmp_path):
     from flashot.ops.cpu import build
 
     kernels = [f"src/flashot/ops/cpu/{name}" for name in build.SOURCES]  # every header and translation unit
-    for need in (*kernels, "README.md", "tests/test_cpu_engine.py", "tests/native/kernel_check.cpp",
+    for need in (*kernels, "README.md", "tests/ops/test_cpu_engine.py", "tests/native/kernel_check.cpp",
                  "examples/gradient_flow.py"):
         assert need in names, need

@@ -143,7 +143,7 @@ CASES = [
     Case("SL-cluster-scale-alone", lambda: flashot.SamplesLoss(cluster_scale=0.1), ValueError, r"^cluster_scale: "),
     Case("SL-cluster-scale-negative", lambda: flashot.SamplesLoss(backend="multiscale", cluster_scale=-1.0), ValueError,
          r"^cluster_scale: "),
-    # a string is a ValueError here (flashot.warmstart.check_warm_start; tests/test_warmstart.py relies on it)
+    # a string is a ValueError here (flashot.warmstart.check_warm_start; tests/core/test_warmstart.py relies on it)
     Case("SL-warm_start-str", lambda: flashot.SamplesLoss(warm_start="yes"), ValueError, r"^warm_start: "),
     Case("SL-warm_start-below-1", lambda: flashot.SamplesLoss(warm_start=0.5), ValueError, r"^warm_start: "),
     Case("SL-implicit-int", lambda: flashot.SamplesLoss(implicit=3), TypeError, r"^implicit: "),

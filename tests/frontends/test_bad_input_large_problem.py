@@ -1,7 +1,7 @@
 """Bad input raises a clear error naming the argument, before any heavy work.
 
 The table of bad inputs (every entry point, with the exception type and the argument named)
-is ``tests/test_bad_input.py``; this file keeps the check on a large problem.
+is ``tests/frontends/test_bad_input.py``; this file keeps the check on a large problem.
 """
 
 import pytest

@@ -6,7 +6,7 @@
   step made with capped inner solves reported ``converged=True``).
 * a zero in ``b``: the massless support point is kept where it is (its update is 0 / 0; it was NaN).
 * bad input is rejected up front, naming the barycenter's own arguments (the bad-input table in
-  tests/test_bad_input.py holds those cases, ``bary-*``).
+  tests/frontends/test_bad_input.py holds those cases, ``bary-*``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ invariants of the mathematics (each up to the solver tolerances, ``TOL_X s``):
   ``lambda / sum(lambda)`` enters) does not change ``X``;
 * translating the clouds and ``X_init`` by ``t`` translates ``X`` by ``t`` (``|x - y|^2`` is invariant).
 
-Profiles (``tests/test_fuzz.py``: ``fuzz_settings``): CI 10 examples, long 300.
+Profiles (``tests/fuzzing.py``: ``fuzz_settings``): CI 10 examples, long 300.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import event, given, note  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_fuzz import fuzz_settings  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
 
 import flashot  # noqa: E402
 

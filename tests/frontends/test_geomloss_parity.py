@@ -112,8 +112,8 @@ def test_unsupported_arguments_are_named():
     with pytest.raises(ValueError, match="loss: expected one of"):
         flashot.SamplesLoss("wasserstein")
     with pytest.raises(NotImplementedError, match="reach_x != reach_y"):
-        # balanced and unbalanced multiscale work (tests/test_multiscale.py); the two-sided
+        # balanced and unbalanced multiscale work (tests/strategies/test_multiscale.py); the two-sided
         # debiased semi-unbalanced problem does not
         flashot.SamplesLoss(backend="multiscale", reach_x=1.0)
     with pytest.raises(NotImplementedError, match="KeOps formula"):
-        flashot.SamplesLoss(cost="SqDist(X,Y)")  # cost functions work (tests/test_custom_cost.py)
+        flashot.SamplesLoss(cost="SqDist(X,Y)")  # cost functions work (tests/frontends/test_custom_cost.py)

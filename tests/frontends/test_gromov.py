@@ -152,7 +152,7 @@ def test_feature_bilinear_cost_against_dense_reference(engine):
 
 def test_feature_bilinear_cost_engine_choice():
     """``cpu`` and ``triton`` have no kernels of their own for the cost: the registry runs it on their
-    squared-Euclidean kernels (``flashot.ops.bilinear``; checked in tests/test_gromov_engines.py)."""
+    squared-Euclidean kernels (``flashot.ops.bilinear``; checked in tests/frontends/test_gromov_engines.py)."""
     (cost, s, _t), _ = _bilinear()
     big = (1, 50_000, 50_000, s.shape[-1])
     auto = get_engine("auto", device=s.device, dtype=s.dtype, cost=cost, size=big)

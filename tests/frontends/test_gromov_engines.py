@@ -295,6 +295,6 @@ def test_solve_sample_takes_a_feature_bilinear_cost(backend):
     assert r.converged and r.backend == backend
     assert _rel(r.plan.to_dense(), T) < 1e-9
     assert abs(float(r.value_linear) - float((C[0].numpy() * T).sum())) < 1e-9 * float(C.abs().max())
-    sg = s[0].clone().requires_grad_()  # gradients w.r.t. the augmented points (tests/test_bilinear_grad.py)
+    sg = s[0].clone().requires_grad_()  # gradients w.r.t. the augmented points (tests/core/test_bilinear_grad.py)
     flashot.solve_sample(sg, t[0], reg=1.0, cost=cost, backend=backend, tol=1e-12, max_iter=20000).value.backward()
     torch.testing.assert_close(sg.grad[:, 0], torch.full((40,), 1 / 40, dtype=torch.float64), rtol=1e-9, atol=0)

@@ -21,7 +21,7 @@ conditioning amplifies the exponents' rounding; the value is stationary in it). 
 (``FLASHOT_FUZZ_EXAMPLES=60``, the error / tolerance buckets are printed by ``--hypothesis-show-statistics``):
 the largest errors are below 0.1 of these tolerances (float32 and float64, value and plan).
 
-Profiles (``tests/test_fuzz.py``: ``fuzz_settings``): CI 6 examples (a few seconds), long 300.
+Profiles (``tests/fuzzing.py``: ``fuzz_settings``): CI 6 examples (a few seconds), long 300.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import event, given, note
 from hypothesis import strategies as st
-from test_fuzz import fuzz_settings
+from fuzzing import fuzz_settings
 
 import flashot
 

@@ -90,7 +90,7 @@ def test_unequal_masses_raise():
 
 def test_bfloat16_weights_of_equal_intended_mass_are_accepted():
     """bfloat16 weights of 1/3 sum to 1.00195 (above MASS_RTOL = 1e-3): the threshold is 8 rounding
-    units for half-precision inputs (found by tests/test_fuzz.py)."""
+    units for half-precision inputs (found by tests/ops/test_engines_fuzz.py)."""
     x, y = torch.randn(3, 2, dtype=torch.bfloat16), torch.randn(2, 2, dtype=torch.bfloat16)
     a, b = torch.full((3,), 1 / 3, dtype=torch.bfloat16), torch.full((2,), 0.5, dtype=torch.bfloat16)
     assert float(a.double().sum()) > 1.001

@@ -180,7 +180,7 @@ def test_geomloss_flow_example_runs_on_the_fast_engine_with_the_same_result():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "geomloss_flow.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "geomloss_flow.py"
     spec = importlib.util.spec_from_file_location("geomloss_flow", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -6,7 +6,7 @@ Each build runs in a fresh subprocess (the library is loaded once per process); 
 checked against the dense engine (float64, 1e-10).  One test compiles afresh (the compile
 itself under test: killed, concurrent, no OpenMP, planted headers); the others use the test
 run's shared cache (``shared_build_cache`` in conftest.py: one compile per instruction set per
-machine, shared with tests/test_cli.py, test_native_driver.py and test_isa_matrix.py)."""
+machine, shared with tests/cli/test_cli.py, test_native_driver.py and test_isa_matrix.py)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _cpu_has(*flags):
     return all(f in have for f in flags)
 
 
-@pytest.mark.slow  # compiles the x86-64-v2 and -v3 libraries (shared with tests/test_isa_matrix.py)
+@pytest.mark.slow  # compiles the x86-64-v2 and -v3 libraries (shared with tests/ops/test_isa_matrix.py)
 @pytest.mark.parametrize("march,has,lacks,vbytes", [
     ("x86-64-v2", ["sse4.2"], ["avx", "avx2", "avx512f"], 16),
     ("x86-64-v3", ["avx2", "fma"], ["avx512f"], 32),

@@ -3,7 +3,7 @@
 Row-wise kernels (softmin, plan products) compute each row in one task whatever thread runs
 it, so their results are bitwise identical across runs, thread counts and concurrent calls;
 these tests check that.  Column sums of the fused steps are reduced over fixed groups of rows in
-a fixed order (not per thread), so they are bitwise equal too (tests/test_determinism.py has more)."""
+a fixed order (not per thread), so they are bitwise equal too (tests/ops/test_determinism.py has more)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Regression (found by tests/test_fuzz.py): where an exact plan product overflows, the ``dense``
+"""Regression (found by tests/ops/test_engines_fuzz.py): where an exact plan product overflows, the ``dense``
 engine returned NaN (its row factor exp(alpha_i + max_j) was inf and multiplied terms that had
 underflowed to 0); the streaming engines and a float64 reference give +-inf there."""
 

@@ -32,7 +32,7 @@ F64 = torch.float64
 CPU = torch.device("cpu")
 SQ = flashot.get_cost("sqeuclidean")
 C = Capability
-SRC = Path(__file__).resolve().parents[1] / "src" / "flashot"
+SRC = Path(__file__).resolve().parents[2] / "src" / "flashot"
 
 
 def _defines(cls: type, name: str) -> bool:

@@ -35,7 +35,7 @@ tolerance overflows the output dtype (IEEE overflow of the requested type: float
 above 65504, marginals of an early Sinkhorn iterate above 1e308).  One region is excluded, with a
 comment at the check: plan products whose plan *entries* overflow the compute dtype.  (The
 ``dense`` engine's NaN instead of +-Inf where an exact plan product overflows, found here, is
-fixed: tests/test_dense_overflow.py.)
+fixed: tests/ops/test_dense_overflow.py.)
 
 Tolerances (one place: the constants below), as absolute bounds derived from the rounding unit
 ``u`` of the *compute* dtype (2^-53 float64, 2^-24 float32, also for float16 / bfloat16
@@ -76,7 +76,7 @@ examples limited to B N M <= 400; expect an hour or more).  The profiles are
 registered here and applied per test, not loaded globally, so other test files keep their own
 hypothesis settings.  Run the long one with::
 
-    FLASHOT_FUZZ=long .venv/bin/python -m pytest tests/test_fuzz.py -x -q --hypothesis-show-statistics
+    FLASHOT_FUZZ=long .venv/bin/python -m pytest tests/ops/test_engines_fuzz.py -x -q --hypothesis-show-statistics
 
 ``FLASHOT_FUZZ_EXAMPLES=N`` overrides the number of examples per target and
 ``FLASHOT_FUZZ_ENGINES=triton,cpu`` restricts the engines.  A failure prints the example
@@ -91,43 +91,24 @@ import warnings
 
 import pytest
 
-PROFILE = os.environ.get("FLASHOT_FUZZ", "ci").strip().lower() or "ci"
-if PROFILE not in ("ci", "long"):
-    raise RuntimeError(f"FLASHOT_FUZZ: expected 'ci' or 'long', got {PROFILE!r}")
+hypothesis = pytest.importorskip("hypothesis")
+from fuzzing import PROFILE, fuzz_settings  # noqa: E402  (the profiles: tests/fuzzing.py)
+
 if PROFILE == "long":
     # the triton engine runs on the CPU only through its interpreter, which must be on before
-    # the kernels are decorated (tests/test_triton.py does the same at import)
+    # the kernels are decorated (tests/ops/test_triton.py does the same at import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import torch  # noqa: E402
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, assume, event, given, note, settings, target  # noqa: E402
+from hypothesis import assume, event, given, note, target  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flashot  # noqa: E402
 from flashot import ops  # noqa: E402
 from flashot.costs import get_cost  # noqa: E402
 from flashot.schedules import epsilon_scaling  # noqa: E402
-
-# --------------------------------------------------------------------------------------------
-# profiles (registered here, applied per test: other modules' hypothesis settings are untouched)
-
-_HC = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
-settings.register_profile("flashot-fuzz-ci", max_examples=40, derandomize=True, database=None,
-                          deadline=None, suppress_health_check=_HC, print_blob=True)
-settings.register_profile("flashot-fuzz-long", max_examples=2500, derandomize=False, database=None,
-                          deadline=None, suppress_health_check=_HC, print_blob=True)
-BASE = settings.get_profile(f"flashot-fuzz-{PROFILE}")
-_OVERRIDE = os.environ.get("FLASHOT_FUZZ_EXAMPLES")
-
-
-def fuzz_settings(ci_examples: int, long_examples: int):
-    n = long_examples if PROFILE == "long" else ci_examples
-    if _OVERRIDE:
-        n = int(_OVERRIDE)
-    return settings(BASE, max_examples=n)
 
 
 # --------------------------------------------------------------------------------------------
@@ -629,7 +610,7 @@ def test_plan_product(p, engine, cost, log_blur, weight, k, noise):
     # by alpha rounded to bfloat16 at eps ~ 1e-7 cbox).  There the intermediate overflows and every
     # engine may return +-inf (or NaN from inf - inf) even where the sum with V is representable.
     # (The dense engine returned NaN instead of +-inf where the exact product overflows; fixed,
-    # regression test in tests/test_dense_overflow.py.)
+    # regression test in tests/ops/test_dense_overflow.py.)
     log_big = math.log(torch.finfo(cdt).max) - 1.0
     expo = alpha64.unsqueeze(-1) + beta64.unsqueeze(-2) - C / eps
     keep = (expo.amax(-1) <= log_big).unsqueeze(-1).expand_as(ref)
@@ -756,7 +737,7 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
         drop = DROP[cdt] * (lp.shape[-1] + 1) * lp.amax(-1).exp()
         ftz = (lp.shape[-1] + 2) * torch.finfo(cdt).tiny  # results below the smallest normal: flushed (cpu)
         tol = (lref + log_amp).exp() + drop + ftz + 2 * uo * refm
-        keep = torch.ones_like(refm, dtype=torch.bool)  # (dense's NaN here was fixed: tests/test_dense_overflow.py)
+        keep = torch.ones_like(refm, dtype=torch.bool)  # (dense's NaN here was fixed: tests/ops/test_dense_overflow.py)
         check_close(got[keep], refm[keep], tol[keep], f"solve_sample[{engine}] marginal {side}")
 
 

@@ -8,7 +8,7 @@ built here three ways:
   ``FLASHOT_CPU_MARCH`` or native; compiled at the start of the test run);
 * ``x86-64-v2`` (SSE4.2: the 16-byte vector code paths, as on NEON): linked against the library
   build.py makes for that target in the test run's shared cache (``shared_build_cache`` in
-  conftest.py; the same library tests/test_cpu_build.py and test_isa_matrix.py load), so the
+  conftest.py; the same library tests/ops/test_cpu_build.py and test_isa_matrix.py load), so the
   SSE4.2 kernels are compiled once per machine, as they ship;
 * ``aarch64``: the same with ``aarch64-linux-gnu-g++`` when it is on PATH, linked statically and
   run under ``qemu-aarch64`` when that is on PATH too (the full ARM64 check, which installs
@@ -30,7 +30,7 @@ import pytest
 
 from flashot.ops.cpu import build
 
-DRIVER = Path(__file__).resolve().parent / "native" / "kernel_check.cpp"
+DRIVER = Path(__file__).resolve().parents[1] / "native" / "kernel_check.cpp"
 KERNELS_DIR = Path(build.__file__).resolve().parent  # the sources that build.py compiles
 CROSS_CXX = "aarch64-linux-gnu-g++"
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$")

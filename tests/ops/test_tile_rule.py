@@ -21,7 +21,7 @@ from flashot.costs import get_cost
 from flashot.ops import tile_rule
 from flashot.ops.blocksparse import BlockPattern, BlockSparseEngine, _cpu_lib
 from flashot.ops.tile_rule import TilePruning, output_bounds, tile_args
-from test_multiscale import _masked_softmin, _torus
+from references import masked_softmin, torus
 
 F64 = torch.float64
 pytestmark = pytest.mark.skipif(_cpu_lib() is None, reason="the C++ kernels cannot be built here")
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(_cpu_lib() is None, reason="the C++ kernels cann
 def _clustered_case(cell=0.5, seed=3):
     """Two tori sorted by cells of side ``cell`` (Morton sub-cells inside), a pattern keeping each row cluster's
     blocks within reach (centroid distance < 1.2) and its nearest one: ``(xs, ys, pat, mask)``."""
-    x, y = _torus(1500, seed), _torus(1200, seed + 1, shift=(0.1, 0.0, 0.05))
+    x, y = torus(1500, seed), torus(1200, seed + 1, shift=(0.1, 0.0, 0.05))
     cx = cluster(x, torch.ones(len(x), dtype=F64), cell, sub_levels=3)
     cy = cluster(y, torch.ones(len(y), dtype=F64), cell, sub_levels=3)
     d = torch.cdist(cx.centroids, cy.centroids)
@@ -57,7 +57,7 @@ def test_output_bounds_bound_the_softmin(cost_name, dtype, stride):
     xs_, ys_, hy_ = xs.to(dtype), ys.to(dtype), hy.to(dtype)
     hx = torch.full((1, xs.shape[1]), -math.log(xs.shape[1]), dtype=dtype)
     u = output_bounds(_cpu_lib(), pat, xs_, ys_, hx, hy_, eps, cost, stride=stride)
-    exact = _masked_softmin(xs_, ys_, hy_, mask, eps, cost) / eps
+    exact = masked_softmin(xs_, ys_, hy_, mask, eps, cost) / eps
     gap = u - exact
     assert bool(torch.isfinite(u).all())
     assert float(gap.min()) >= 0.0
@@ -67,7 +67,7 @@ def test_output_bounds_bound_the_softmin(cost_name, dtype, stride):
 
 
 def _one_block(sym):
-    x, y = _torus(3000, 1), _torus(2500, 2, shift=(0.1, 0.0, 0.05))
+    x, y = torus(3000, 1), torus(2500, 2, shift=(0.1, 0.0, 0.05))
     if sym:
         y = x
     cx = cluster(x, torch.ones(len(x), dtype=F64), 10.0, sub_levels=5)
@@ -83,8 +83,8 @@ def _near_fixed_point(xs, ys, eps, cost, sym):
     mask = torch.ones(N, M, dtype=torch.bool)
     g = torch.zeros(1, M, dtype=F64)
     for _ in range(8):
-        f = _masked_softmin(xs, ys, lb[None] + g / eps, mask, eps, cost)[None]
-        g = _masked_softmin(ys, xs, la[None] + f / eps, mask.T, eps, cost)[None]
+        f = masked_softmin(xs, ys, lb[None] + g / eps, mask, eps, cost)[None]
+        g = masked_softmin(ys, xs, la[None] + f / eps, mask.T, eps, cost)[None]
     if sym:
         f = g = 0.5 * (f + g)
     return la, lb, f, g
@@ -111,7 +111,7 @@ def test_outputs_rule_after_a_jump(sym, monkeypatch):
     droppable = (E < ab * math.exp(-trunc)) | ((E < lb[None].exp() * math.exp(-trunc) * R[:, None])
                                                & (E < la[:, None].exp() * math.exp(-trunc) * Cs[None]))
     B = (E * droppable).sum(1)
-    ref = _masked_softmin(xs, ys, hy, torch.ones_like(E, dtype=torch.bool), eps, cost)
+    ref = masked_softmin(xs, ys, hy, torch.ones_like(E, dtype=torch.bool), eps, cost)
     key = BlockSparseEngine.cloud_key
     pats = [(xs, xs, pat)] if sym else [(xs, ys, pat), (ys, xs, pat.T)]
     monkeypatch.setattr(tile_rule, "OUTPUT_SAMPLE_STRIDE", 1)

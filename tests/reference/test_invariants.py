@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashot
-import reference_oracle as ref
+import references as ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

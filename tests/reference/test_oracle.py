@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import reference_oracle as ref
+import references as ref
 
 
 def _problem(seed=0, n=9, m=11, masses=(1.0, 1.0)):

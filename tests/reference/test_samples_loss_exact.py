@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated (as tests/test_triton.py)
+os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated (as tests/ops/test_triton.py)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import flashot  # noqa: E402
-import reference_oracle as ref  # noqa: E402
+import references as ref  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,6 +1,6 @@
 """Distributed Sinkhorn (flashot.distributed, replicated and points-sharded modes) on 2 and 3 gloo processes.
 
-Each test starts its ranks as subprocesses running this file (``python tests/test_distributed.py
+Each test starts its ranks as subprocesses running this file (``python tests/strategies/test_distributed.py
 <mode> <rank> <world> <init> <dir>``, file:// rendezvous: no port to pick), which write their
 results to ``<dir>``; the parent compares them with the same calls made in one process
 (``group=None``): values, potentials, marginals and gradients w.r.t. points and weights to 1e-10
@@ -24,6 +24,7 @@ import pytest
 import torch
 
 HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository
 RTOL = 1e-10
 STUCK_TIMEOUT = 5  # seconds: the process-group timeout of the failure tests
 F64 = torch.float64
@@ -286,7 +287,7 @@ def _launch(mode: str, world: int, tmp, timeout: float = 120.0, wait_for=None, s
     """Run the ranks (``script``'s ``_worker``); wait for those in ``wait_for`` (all by default), then kill
     the others."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.join(os.path.dirname(os.path.dirname(HERE)), "src"), os.environ.get("PYTHONPATH", "")]))
+        [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     init = f"file://{tmp}/rendezvous"
     procs = [subprocess.Popen([sys.executable, script, mode, str(r), str(world), init, str(tmp)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
@@ -406,7 +407,7 @@ def test_torchrun_example_matches_one_process():
 
     from flashot import SamplesLoss, solve_sample
 
-    root = os.path.dirname(os.path.dirname(HERE))
+    root = ROOT
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         os.path.join(root, "examples", "distributed_solve.py")], env=env, capture_output=True,

@@ -1,10 +1,10 @@
 """The multiscale solver in a distributed solve (replicated mode) on 2 and 3 gloo processes.
 
-Each test starts its ranks as subprocesses running this file (``python tests/test_distributed_multiscale.py
-<mode> <rank> <world> <init> <dir>``, file:// rendezvous), which write their results to ``<dir>``; the
-parent makes the same calls in one process (``group=None``) and compares: ``SamplesLoss(backend=
-"multiscale")`` values, potentials and gradients w.r.t. points and weights, ``solve_sample(backend=
-"multiscale")`` values, potentials, marginals, ``plan @ V`` and gradients, the six-argument call with
+Each test starts its ranks as subprocesses running this file (``python
+tests/strategies/test_distributed_multiscale.py <mode> <rank> <world> <init> <dir>``, file:// rendezvous),
+which write their results to ``<dir>``; the parent makes the same calls in one process (``group=None``) and
+compares: ``SamplesLoss(backend="multiscale")`` values, potentials and gradients w.r.t. points and weights,
+``solve_sample(backend="multiscale")`` values, potentials, marginals, ``plan @ V`` and gradients, the six-argument call with
 cluster labels and one DistributedDataParallel SGD step (gradients and parameters), to 1e-10 relative
 in float64, the kept fractions of every pruning exactly (the pruning really drops blocks: under 25% of
 the pairs are kept at the end), and every rank's results bit for bit.  Also: ``backend="auto"`` picks the
@@ -29,6 +29,7 @@ import torch
 import flashot.multiscale as MS
 
 HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository
 RTOL = 1e-10
 F64 = torch.float64
 
@@ -205,12 +206,12 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo may abort a clean interpreter exit (see tests/test_distributed.py)
+    os._exit(0)  # torch 2.13's gloo may abort a clean interpreter exit (see test_distributed.py)
 
 
 def _launch(mode: str, world: int, tmp, timeout: float = 300.0):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.join(os.path.dirname(os.path.dirname(HERE)), "src"), os.environ.get("PYTHONPATH", "")]))
+        [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     init = f"file://{tmp}/rendezvous"
     procs = [subprocess.Popen([sys.executable, HERE, mode, str(r), str(world), init, str(tmp)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]

@@ -1,10 +1,10 @@
 """Distributed solves against the mathematics, not only against one process (flashot.distributed).
 
-Two gloo ranks run this file (``python tests/test_distributed_oracle.py oracle <rank> 2 <init> <dir>``,
+Two gloo ranks run this file (``python tests/strategies/test_distributed_oracle.py oracle <rank> 2 <init> <dir>``,
 test_distributed's launcher) and compute, in replicated mode and in points-sharded mode (uneven slices),
 ``solve_sample``'s value (cost ``|x - y|^2``, ``eps = reg``) and ``SamplesLoss``' Sinkhorn divergence (cost
 ``|x - y|^2 / 2``, ``eps = blur^2``), balanced and unbalanced, with their gradients w.r.t. the points.  The
-parent checks them against the dense float64 oracle (tests/reference/reference_oracle.py, run to 1e-13):
+parent checks them against the dense float64 oracle (tests/references.py, run to 1e-13):
 
 * the value against the oracle's (1e-9 relative);
 * the whole point gradients against the envelope theorem on the oracle's plans: ``grad_x OT = sum_j P_ij
@@ -26,8 +26,8 @@ import torch
 
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
-import reference_oracle as ref  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/: the shared references
+import references as ref  # noqa: E402
 from test_distributed import _launch, _part  # noqa: E402
 
 F64 = torch.float64

@@ -3,7 +3,7 @@ SamplesLoss warm starts over a sequence of calls (one case in replicated mode to
 the gradient of ``value_linear`` (implicit differentiation: ring plan products, all-reduced inner products),
 ``acceleration`` and the plan's rows (``to_dense``, ``topk``), on 2 and 3 gloo processes.
 
-The ranks run this file (``python tests/test_distributed_points.py compare <rank> <world> <init> <dir>``,
+The ranks run this file (``python tests/strategies/test_distributed_points.py compare <rank> <world> <init> <dir>``,
 test_distributed's launcher) with uneven slices of the points (test_distributed._cuts), write their
 results, and the parent compares them with the same calls in one process (``group=None``): every
 per-point quantity put back together in rank order, every whole-problem quantity on every rank,

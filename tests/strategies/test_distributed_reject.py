@@ -1,6 +1,6 @@
 """A rank that rejects its input makes every rank raise the same clear error at once (flashot.distributed).
 
-Two gloo ranks run this file (``python tests/test_distributed_reject.py reject <rank> 2 <init> <dir>``,
+Two gloo ranks run this file (``python tests/strategies/test_distributed_reject.py reject <rank> 2 <init> <dir>``,
 test_distributed's launcher) with a process-group timeout of ``PG_TIMEOUT`` seconds.  In each case rank 1
 passes a bad argument (an invalid ``reg`` or ``blur``, NaN / Inf in points or weights, a dimension or a dtype
 that its own other argument does not match, a wrong number of arguments) and rank 0 a valid one, in

@@ -25,6 +25,7 @@ import flashot.multiscale as MS
 from flashot.multiscale import BlockBounds, hierarchy, prune
 from flashot.ops import Capability
 from flashot.ops.blocksparse import BlockPattern, BlockSparseEngine
+from references import masked_bary, masked_softmin, torus
 
 F64 = torch.float64
 
@@ -39,14 +40,6 @@ def _blobs(n, d, seed, centers=((0.0,) * 3, (3.0, 0.5, 0.0)), spread=(0.3, 0.05)
         centre[: min(d, 3)] = torch.tensor(c[: min(d, 3)], dtype=F64)
         parts.append(torch.randn(m, d, generator=g, dtype=F64) * s + centre)
     return torch.cat(parts)
-
-
-def _torus(n, seed, shift=(0.0, 0.0, 0.0)):
-    g = torch.Generator().manual_seed(seed)
-    t, u = torch.rand(n, generator=g, dtype=F64) * 2 * math.pi, torch.rand(n, generator=g, dtype=F64) * 2 * math.pi
-    x = torch.stack([(1 + 0.35 * torch.cos(u)) * torch.cos(t), (1 + 0.35 * torch.cos(u)) * torch.sin(t),
-                     0.35 * torch.sin(u)], -1)
-    return x + torch.tensor(shift, dtype=F64)
 
 
 # --- clusters -----------------------------------------------------------------------------------
@@ -157,12 +150,6 @@ def test_native_plan_product_one_pass_and_fallback(shift, passes, monkeypatch):
     assert float((out - ref).abs().max() / ref.abs().max()) < 2e-5
 
 
-def _masked_softmin(x, y, h, mask, eps, cost):
-    C = cost.matrix(x.double(), y.double())[0]
-    S = torch.where(mask, h[0].double()[None] - C / eps, torch.tensor(-math.inf, dtype=F64))
-    return -eps * torch.logsumexp(S, -1)
-
-
 def _fused_case(dtype):
     """:func:`_pattern_case` in ``dtype`` plus a symmetric self pattern of x (random blocks, the diagonal, and
     their transposes): ``(xs, ys, pat, mask, cx, kx, mxx, generator)``."""
@@ -192,19 +179,19 @@ def test_fused_pair_and_sym_steps_match_masked_dense(cost_name, dtype, tol):
     cost, eps = get_cost(cost_name), 0.05
     # potentials near a Sinkhorn fixed point (the solver's regime): h_x = log a + f / eps with f = softmin(y, g)
     hy = (torch.randn(1, 180, generator=g, dtype=F64) * 0.3 - math.log(180)).to(dtype)
-    hx = (math.log(1 / 240) + _masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).to(dtype)
+    hx = (math.log(1 / 240) + masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).to(dtype)
     hx[0, 7] -= 200.0
     f, gy = eng.softmin_pair(xs, ys, hx, hy, eps, cost)
     assert eng.stats["pair"] == 1 and eng.stats["fixup"] >= 1
     scale = float(cost.matrix(xs.double(), ys.double()).max())
-    for out, ref in ((f, _masked_softmin(xs, ys, hy, mask, eps, cost)),
-                     (gy, _masked_softmin(ys, xs, hx, mask.T, eps, cost))):
+    for out, ref in ((f, masked_softmin(xs, ys, hy, mask, eps, cost)),
+                     (gy, masked_softmin(ys, xs, hx, mask.T, eps, cost))):
         assert out.dtype == dtype and out.shape == (1, ref.shape[0])
         assert float((out[0].double() - ref).abs().max()) <= tol * scale
     h = hx.clone()
     out = eng.softmin_sym(xs, h, eps, cost)
     assert eng.stats["sym"] == 1
-    assert float((out[0].double() - _masked_softmin(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * scale
+    assert float((out[0].double() - masked_softmin(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * scale
     # a non-symmetric self pattern: the plain block-sparse softmin
     e2 = BlockSparseEngine([(xs, xs, BlockPattern(cx.offsets, cx.offsets, kx & ~torch.eye(len(kx), dtype=torch.bool)
                                                   | torch.triu(torch.ones_like(kx))))])
@@ -212,14 +199,7 @@ def test_fused_pair_and_sym_steps_match_masked_dense(cost_name, dtype, tol):
     assert e2.stats["sym"] == 0
     m2 = e2.pattern(xs, xs).keep
     m2 = torch.repeat_interleave(torch.repeat_interleave(m2, cx.sizes, 0), cx.sizes, 1)
-    assert float((out2[0].double() - _masked_softmin(xs, xs, h, m2, eps, cost)).abs().max()) <= tol * scale
-
-
-def _masked_bary(x, y, h, mask, eps, cost):
-    """Float64 soft-argmin barycentres ``sum_j w_ij y_j`` of the masked softmin (rows sum to 1)."""
-    C = cost.matrix(x.double(), y.double())[0]
-    S = torch.where(mask, h[0].double()[None] - C / eps, torch.tensor(-math.inf, dtype=F64))
-    return torch.softmax(S, -1) @ y[0].double()
+    assert float((out2[0].double() - masked_softmin(xs, xs, h, m2, eps, cost)).abs().max()) <= tol * scale
 
 
 @pytest.mark.parametrize("sym", [False, True])
@@ -238,10 +218,10 @@ def test_pair_kernel_float32_far_from_the_origin(sym):
     xs, ys = (xs + 100.0).float(), (ys + 100.0).float()
     cost, eps, tol = get_cost("sqeuclidean"), 0.05, 2e-5
     hy = (torch.randn(1, 180, generator=g, dtype=F64) * 0.3 - math.log(180)).float()
-    hx = (math.log(1 / 240) + _masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).float()
+    hx = (math.log(1 / 240) + masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).float()
     if sym:  # the symmetric step's potentials: a half step from uniform ones
         la = torch.full((1, 240), -math.log(240), dtype=F64)
-        hx = (la + _masked_softmin(xs, xs, la, mxx, eps, cost)[None] / eps).float()
+        hx = (la + masked_softmin(xs, xs, la, mxx, eps, cost)[None] / eps).float()
         ys, hy, mask, pat = xs, hx, mxx, BlockPattern(cx.offsets, cx.offsets, kx)
     rows, cols, rb, cb = _pair_cpu(_cpu_lib(), pat, xs, ys, hx, hy, eps, cost, sym=sym, bary=2 if sym else 1)
     C = cost.matrix(xs.double(), ys.double())[0]
@@ -270,26 +250,26 @@ def test_fused_steps_with_barycentres_match_masked_dense(dtype, tol):
     eng = BlockSparseEngine([(xs, ys, pat), (ys, xs, pat.T), (xs, xs, BlockPattern(cx.offsets, cx.offsets, kx))])
     cost, eps = get_cost("sqeuclidean"), 0.05
     hy = (torch.randn(1, 180, generator=g, dtype=F64) * 0.3 - math.log(180)).to(dtype)
-    hx = (math.log(1 / 240) + _masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).to(dtype)
+    hx = (math.log(1 / 240) + masked_softmin(xs, ys, hy, mask, eps, cost)[None] / eps).to(dtype)
     hx[0, 7] -= 200.0
     scale = float(cost.matrix(xs.double(), ys.double()).max())
     ext = float(torch.cat([xs, ys], 1).abs().max())
     for cols in (False, True):
         f, gy, bx, by = eng.softmin_pair_bary(xs, ys, hx, hy, eps, cost, cols=cols)
-        assert float((f[0].double() - _masked_softmin(xs, ys, hy, mask, eps, cost)).abs().max()) <= tol * scale
-        assert float((gy[0].double() - _masked_softmin(ys, xs, hx, mask.T, eps, cost)).abs().max()) <= tol * scale
+        assert float((f[0].double() - masked_softmin(xs, ys, hy, mask, eps, cost)).abs().max()) <= tol * scale
+        assert float((gy[0].double() - masked_softmin(ys, xs, hx, mask.T, eps, cost)).abs().max()) <= tol * scale
         assert bx.shape == (1, 240, 3) and bx.dtype == dtype
-        assert float((bx[0].double() - _masked_bary(xs, ys, hy, mask, eps, cost)).abs().max()) <= tol * ext
+        assert float((bx[0].double() - masked_bary(xs, ys, hy, mask, eps, cost)).abs().max()) <= tol * ext
         if cols:
-            assert float((by[0].double() - _masked_bary(ys, xs, hx, mask.T, eps, cost)).abs().max()) <= tol * ext
+            assert float((by[0].double() - masked_bary(ys, xs, hx, mask.T, eps, cost)).abs().max()) <= tol * ext
         else:
             assert by is None
     assert eng.stats["pair_bary"] == 2 and eng.stats["bary_fixup"] >= 2  # row 7, twice
     h = hx.clone()
     out, b = eng.softmin_sym_bary(xs, h, eps, cost)
     assert eng.stats["sym_bary"] == 1
-    assert float((out[0].double() - _masked_softmin(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * scale
-    assert float((b[0].double() - _masked_bary(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * ext
+    assert float((out[0].double() - masked_softmin(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * scale
+    assert float((b[0].double() - masked_bary(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * ext
     assert eng.softmin_pair_bary(xs, ys, hx, hy, eps, get_cost("euclidean"), cols=True) is None
     x4 = torch.cat([xs, xs[..., :1]], -1)
     e4 = BlockSparseEngine([(x4, x4, BlockPattern(cx.offsets, cx.offsets, kx))])
@@ -344,7 +324,7 @@ def test_float32_gradients_from_barycentres_are_closer_to_float64(monkeypatch):
 def test_cluster_sub_levels_sort_points_inside_their_cells():
     """``cluster(..., sub_levels=L)``: the same cells (the finer grid's codes shifted) with the points of each
     cell in the Morton order of its 2^L finer sub-cells."""
-    x = _torus(5000, 3)
+    x = torus(5000, 3)
     a = torch.rand(5000, dtype=F64)
     c0, c3 = cluster(x, a, 0.3), cluster(x, a, 0.3, sub_levels=3)
     assert torch.equal(c0.codes, c3.codes) and torch.equal(c0.offsets, c3.offsets)
@@ -366,7 +346,7 @@ def test_tile_pruning_inside_kept_blocks(sym):
     pairs evaluated are at least those above the rule."""
     from flashot.ops.blocksparse import TilePruning
 
-    x, y = _torus(3000, 1), _torus(2500, 2, shift=(0.1, 0.0, 0.05))
+    x, y = torus(3000, 1), torus(2500, 2, shift=(0.1, 0.0, 0.05))
     if sym:
         y = x
     cx, cy = cluster(x, torch.ones(len(x), dtype=F64), 10.0, sub_levels=5), cluster(y, torch.ones(len(y), dtype=F64),
@@ -381,8 +361,8 @@ def test_tile_pruning_inside_kept_blocks(sym):
     mask = torch.ones(N, M, dtype=torch.bool)
     g = torch.zeros(1, M, dtype=F64)
     for _ in range(8):  # a few Sinkhorn iterations: realistic potentials
-        f = _masked_softmin(xs, ys, lb[None] + g / eps, mask, eps, cost)[None]
-        g = _masked_softmin(ys, xs, la[None] + f / eps, mask.T, eps, cost)[None]
+        f = masked_softmin(xs, ys, lb[None] + g / eps, mask, eps, cost)[None]
+        g = masked_softmin(ys, xs, la[None] + f / eps, mask.T, eps, cost)[None]
     if sym:
         g = f = 0.5 * (f + g)
     hx, hy = la[None] + f / eps, lb[None] + g / eps
@@ -391,7 +371,7 @@ def test_tile_pruning_inside_kept_blocks(sym):
     R = E.sum(1)  # exact row sums
     below = E < (la[:, None] + lb[None] - 5.0).exp()  # the entries the rule may drop at truncate 5
     B = (E * below).sum(1)  # their sum: no valid bound drops more from a row
-    ref = _masked_softmin(xs, ys, hy, mask, eps, cost)
+    ref = masked_softmin(xs, ys, hy, mask, eps, cost)
     pats = [(xs, xs, pat)] if sym else [(xs, ys, pat), (ys, xs, pat.T)]
     for trunc, exact in ((1e6, True), (5.0, False)):
         key = BlockSparseEngine.cloud_key
@@ -508,7 +488,7 @@ def test_unbalanced_multiscale_follows_the_single_scale_trajectory(reach):
 def test_kept_fraction_and_trajectory_report(capsys):
     """Reports the kept fraction per pruning, and how far the coarse-to-fine schedule lands from the
     single-scale one (GeomLoss' multiscale has the same property) and from a much finer schedule."""
-    x, y = _torus(3000, 0), _torus(3000, 1, (0.3, 0.1, 0.0))
+    x, y = torus(3000, 0), torus(3000, 1, (0.3, 0.1, 0.0))
     ones = torch.full((3000,), 1 / 3000, dtype=F64)
     vm, gm, L = _loss_and_grads(x, y, ones, ones, blur=0.02, backend="multiscale")
     vc, gc, _ = _loss_and_grads(x, y, ones, ones, blur=0.02, backend="cpu")
@@ -583,7 +563,7 @@ def test_coarsen_nests_the_grid(d):
 
 
 def _pruning_case(cost_name, n=6000, scale=0.08):
-    x, y = _torus(n, 0), _torus(n, 1, (0.3, 0.1, 0.0))
+    x, y = torus(n, 0), torus(n, 1, (0.3, 0.1, 0.0))
     a = torch.full((n,), 1 / n, dtype=F64)
     cost = get_cost(cost_name)
     cx, cy = cluster(x, a, scale), cluster(y, a, scale)

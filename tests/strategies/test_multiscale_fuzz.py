@@ -12,7 +12,7 @@ the dropped plan entries are below ``1e-9 a_i b_j``), so the three answers are t
   within ``1e-5`` relative to the reference's norm (plus a floor of ``1e-9``).
 * ``solve_sample``: the value, and the marginals of the returned plan (balanced problems).
 
-Profiles (``tests/test_fuzz.py``: ``fuzz_settings``): CI 8 examples per target, long 1,000.
+Profiles (``tests/fuzzing.py``: ``fuzz_settings``): CI 8 examples per target, long 1,000.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import assume, given, note  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_fuzz import fuzz_settings  # noqa: E402
+from fuzzing import fuzz_settings  # noqa: E402
 
 import flashot  # noqa: E402
 

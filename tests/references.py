@@ -1,6 +1,9 @@
-r"""The reference suite's oracle: dense float64 entropic OT run to convergence, and finite differences.
+r"""The tests' shared references: the reference suite's oracle (dense float64 entropic OT run to
+convergence, and finite differences), and the dense float64 helpers that several test modules use
+(masked softmins, reference point clouds).  Test modules in every folder import it as ``references``
+(``tests/`` is on ``sys.path``: pytest puts ``conftest.py``'s folder there).
 
-Nothing here imports flashot or a peer: the cost matrix is materialised, the potentials iterate in
+Nothing here imports flashot or a peer (the masked helpers take the cost object they are given): the cost matrix is materialised, the potentials iterate in
 the log domain until the first-order conditions hold to ``tol`` (1e-13 by default), and values come
 from the dual, checked against the primal of the plan (their gap is ~0 at the optimum).
 
@@ -118,3 +121,32 @@ def finite_difference(fn, t: Tensor, direction: Tensor, h: float = 1e-5) -> floa
     """Central difference of the scalar ``fn`` at ``t`` along ``direction`` (O(h^2), float64)."""
     t, direction = t.double(), direction.double()
     return (fn(t + h * direction) - fn(t - h * direction)) / (2 * h)
+
+
+# --- dense float64 helpers shared by the test modules ---------------------------------------------
+
+
+def masked_softmin(x: Tensor, y: Tensor, h: Tensor, mask: Tensor, eps: float, cost) -> Tensor:
+    """Float64 softmin ``-eps log sum_{j: mask_ij} exp(h_j - C_ij / eps)`` of one batch entry (``x``, ``y``
+    and ``h`` carry a batch axis of size 1; ``cost.matrix`` builds ``C``): the reference of the
+    block-sparse engines and of the tile pruning rule."""
+    C = cost.matrix(x.double(), y.double())[0]
+    S = torch.where(mask, h[0].double()[None] - C / eps, torch.tensor(-math.inf, dtype=F64))
+    return -eps * torch.logsumexp(S, -1)
+
+
+def masked_bary(x: Tensor, y: Tensor, h: Tensor, mask: Tensor, eps: float, cost) -> Tensor:
+    """Float64 soft-argmin barycentres ``sum_j w_ij y_j`` of :func:`masked_softmin` (rows sum to 1)."""
+    C = cost.matrix(x.double(), y.double())[0]
+    S = torch.where(mask, h[0].double()[None] - C / eps, torch.tensor(-math.inf, dtype=F64))
+    return torch.softmax(S, -1) @ y[0].double()
+
+
+def torus(n: int, seed: int, shift=(0.0, 0.0, 0.0)) -> Tensor:
+    """``n`` points drawn on a torus in R^3 (radii 1 and 0.35), float64, moved by ``shift``: a clustered
+    cloud with empty space between its clusters, the multiscale tests' problem."""
+    g = torch.Generator().manual_seed(seed)
+    t, u = torch.rand(n, generator=g, dtype=F64) * 2 * math.pi, torch.rand(n, generator=g, dtype=F64) * 2 * math.pi
+    x = torch.stack([(1 + 0.35 * torch.cos(u)) * torch.cos(t), (1 + 0.35 * torch.cos(u)) * torch.sin(t),
+                     0.35 * torch.sin(u)], -1)
+    return x + torch.tensor(shift, dtype=F64)
