@@ -1,11 +1,13 @@
 r"""The tests' shared references: the reference suite's oracle (dense float64 entropic OT run to
 convergence, and finite differences), and the dense float64 helpers that several test modules use
-(masked softmins, reference point clouds).  Test modules in every folder import it as ``references``
-(``tests/`` is on ``sys.path``: pytest puts ``conftest.py``'s folder there).
+(softmin, plan, fixed-step and warm-started Sinkhorn, masked softmins, a reference point cloud).
+Test modules in every folder import it as ``references`` (``tests/`` is on ``sys.path``: pytest
+puts the folder of ``conftest.py`` there).
 
-Nothing here imports flashot or a peer (the masked helpers take the cost object they are given): the cost matrix is materialised, the potentials iterate in
-the log domain until the first-order conditions hold to ``tol`` (1e-13 by default), and values come
-from the dual, checked against the primal of the plan (their gap is ~0 at the optimum).
+Nothing here imports flashot or a peer (the masked helpers use the cost object they are given): the
+cost matrix is materialised, the oracle's potentials iterate in the log domain until the
+first-order conditions hold to ``tol`` (1e-13 by default), and values come from the dual, checked
+against the primal of the plan (their gap is ~0 at the optimum).
 
 Problem (generalised KL, :math:`\mathrm{KL}(p|q) = \langle p, \log(p/q)\rangle - m(p) + m(q)`)::
 
@@ -65,11 +67,16 @@ def _kl(p: Tensor, q: Tensor) -> Tensor:
         - p.sum() + q.sum()
 
 
+def plan(C: Tensor, a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
+    """The plan of potentials ``(f, g)``: ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)`` (batched or not)."""
+    return a.unsqueeze(-1) * b.unsqueeze(-2) * torch.exp((f.unsqueeze(-1) + g.unsqueeze(-2) - C) / eps)
+
+
 def dual_value(C, a, b, f, g, eps, rho_x=None, rho_y=None) -> float:
     def phi(w, h, rho):
         return (w * h).sum() if rho is None else rho * (w * -torch.expm1(-h / rho)).sum()
 
-    K = a[:, None] * b[None, :] * torch.exp((f[:, None] + g[None, :] - C) / eps)
+    K = plan(C, a, b, f, g, eps)
     return float(phi(a, f, rho_x) + phi(b, g, rho_y) - eps * K.sum() + eps * a.sum() * b.sum())
 
 
@@ -96,12 +103,12 @@ def solve(C: Tensor, a: Tensor, b: Tensor, eps: float, rho_x: float | None = Non
         f = -lx * eps * torch.logsumexp(lb[None, :] + (g[None, :] - C) / eps, 1)
         g = -ly * eps * torch.logsumexp(la[:, None] + (f[:, None] - C) / eps, 0)
         if it % 10 == 0:
-            P = a[:, None] * b[None, :] * torch.exp((f[:, None] + g[None, :] - C) / eps)
+            P = plan(C, a, b, f, g, eps)
             tr = a if rho_x is None else a * torch.exp(-f / rho_x)  # after the g-update the columns hold exactly
             err = float((P.sum(1) - tr).abs().sum())
             if err < tol:
                 break
-    P = a[:, None] * b[None, :] * torch.exp((f[:, None] + g[None, :] - C) / eps)
+    P = plan(C, a, b, f, g, eps)
     return Solution(f, g, P, dual_value(C, a, b, f, g, eps, rho_x, rho_y),
                     primal_value(C, P, a, b, eps, rho_x, rho_y), it, err)
 
@@ -124,6 +131,42 @@ def finite_difference(fn, t: Tensor, direction: Tensor, h: float = 1e-5) -> floa
 
 
 # --- dense float64 helpers shared by the test modules ---------------------------------------------
+
+
+def softmin(C: Tensor, h: Tensor, eps: float) -> Tensor:
+    """``-eps log sum_j exp(h_j - C_ij / eps)`` over the last axis of ``C`` (``h``: ``(..., M)``): the
+    engines' softmin primitive, written densely."""
+    return -eps * torch.logsumexp(h.unsqueeze(-2) - C / eps, dim=-1)
+
+
+def sinkhorn_unrolled(C: Tensor, la: Tensor, lb: Tensor, eps: float, iters: int) -> tuple[Tensor, Tensor]:
+    """``iters`` alternating log-domain Sinkhorn steps from ``g = 0`` (``f`` from ``g``, then ``g`` from ``f``;
+    ``la``, ``lb``: log-weights), batched or not: ``(f, g)`` of the last step.  A fixed number of steps and no
+    stopping rule, so autograd differentiates through the iterations (at convergence that derivative is the
+    implicit one)."""
+    f, g = torch.zeros_like(la), torch.zeros_like(lb)
+    for _ in range(iters):
+        f = -eps * torch.logsumexp(lb.unsqueeze(-2) + (g.unsqueeze(-2) - C) / eps, -1)
+        g = -eps * torch.logsumexp(la.unsqueeze(-1) + (f.unsqueeze(-1) - C) / eps, -2)
+    return f, g
+
+
+def log_sinkhorn(C: Tensor, a: Tensor, b: Tensor, eps: float, tol: float, max_iter: int = 200_000,
+                 g: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Balanced alternating log-domain Sinkhorn on an ``(N, M)`` matrix from ``g`` (default 0) until the plan's
+    row sums are within ``tol`` of ``a`` (L1, checked every 10 steps): ``(P, g)``.  Zero weights give zero rows
+    or columns (``log 0 = -inf``).  Unlike :func:`solve`, it starts from a given ``g`` (the warm start of an
+    outer loop) and returns the plan of the last step as is."""
+    la, lb = a.log(), b.log()
+    g = torch.zeros_like(b) if g is None else g
+    for it in range(max_iter):
+        f = -eps * torch.logsumexp((g - C) / eps + lb, 1)
+        g = -eps * torch.logsumexp((f[:, None] - C) / eps + la[:, None], 0)
+        if it % 10 == 0:
+            P = torch.exp((f[:, None] + g - C) / eps + la[:, None] + lb)
+            if float((P.sum(1) - a).abs().sum()) < tol:
+                return P, g
+    raise AssertionError("reference Sinkhorn did not converge")
 
 
 def masked_softmin(x: Tensor, y: Tensor, h: Tensor, mask: Tensor, eps: float, cost) -> Tensor:

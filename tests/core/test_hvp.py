@@ -3,7 +3,7 @@
 References, all independent of the CG code:
 * central finite differences of the first-order gradient of a tightly converged
   solve (tol 1e-13, float64): error O(h^2) + O(solve error / h) ~ 1e-8;
-* double backward through many *unrolled* dense Sinkhorn iterations written here
+* double backward through many *unrolled* dense Sinkhorn iterations (tests/references.py)
   in plain torch (at convergence the unrolled derivative equals the implicit one).
 """
 
@@ -17,6 +17,7 @@ from conftest import rel_err
 from flashot import implicit as imp
 from flashot.ops import register_engine, unregister_engine
 from flashot.ops.tiled import TiledEngine
+from references import sinkhorn_unrolled
 
 DT = torch.float64
 
@@ -105,10 +106,7 @@ def _unrolled_ot(x, y, a, b, eps, n_iter, scale):
     """Plain-torch log-domain Sinkhorn (alternating), differentiable by unrolling."""
     C = scale * ((x.unsqueeze(-2) - y.unsqueeze(-3)) ** 2).sum(-1)
     la, lb = a.log(), b.log()
-    g = torch.zeros_like(b)
-    for _ in range(n_iter):
-        f = -eps * torch.logsumexp(lb.unsqueeze(-2) + (g.unsqueeze(-2) - C) / eps, -1)
-        g = -eps * torch.logsumexp(la.unsqueeze(-1) + (f.unsqueeze(-1) - C) / eps, -2)
+    _, g = sinkhorn_unrolled(C, la, lb, eps, n_iter)
     f = -eps * torch.logsumexp(lb.unsqueeze(-2) + (g.unsqueeze(-2) - C) / eps, -1)
     return (a * f).sum(-1) + (b * g).sum(-1)
 

@@ -14,6 +14,7 @@ from flashot.costs import get_cost
 from flashot.ops import register_engine, unregister_engine
 from flashot.ops.rowtopk import row_topk
 from flashot.ops.tiled import TiledEngine
+from references import plan
 
 DT = torch.float64
 
@@ -35,8 +36,7 @@ def _register():
 
 
 def _dense_plan(x, y, a, b, f, g, eps, cost):
-    C = get_cost(cost).matrix(x, y)
-    return a.unsqueeze(-1) * b.unsqueeze(-2) * torch.exp((f.unsqueeze(-1) + g.unsqueeze(-2) - C) / eps)
+    return plan(get_cost(cost).matrix(x, y), a, b, f, g, eps)
 
 
 _SOLVED = {}

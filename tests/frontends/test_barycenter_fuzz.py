@@ -11,7 +11,7 @@ Checked for every valid input: a finite ``X`` (no NaN), massless support points 
 invariants of the mathematics (each up to the solver tolerances, ``TOL_X s``):
 
 * ``converged=True`` is a promise: the exact barycentric map at the returned support, with plans from
-  a dense float64 log-domain Sinkhorn written here (L1 marginal error < 1e-12), moves ``X`` by
+  a dense float64 log-domain Sinkhorn (tests/references.py; L1 marginal error < 1e-12), moves ``X`` by
   ``|T(X) - X|_F^2 <= RESID stopThr`` (RESID: the map's step at the returned X is one more fixed-point
   step, of the size of the last one, ``<= stopThr``, plus the inner solves' error; measured ratios are
   printed by ``--hypothesis-show-statistics``);
@@ -37,28 +37,13 @@ from hypothesis import strategies as st  # noqa: E402
 from fuzzing import fuzz_settings  # noqa: E402
 
 import flashot  # noqa: E402
+from references import log_sinkhorn, sq_dist  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 RESID = 100.0  # |T(X) - X|^2 <= RESID stopThr at a converged result
 TOL_X = 1e-6  # invariants: max |X - X'| <= TOL_X s (runs of as many steps; else 10 sqrt(stopThr))
 STOP, INNER = 1e-8, 1e-8  # stopThr / s^2 and inner_tol of the runs
-
-
-def _sinkhorn_plan(X: torch.Tensor, Y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, reg: float) -> torch.Tensor:
-    """Dense float64 log-domain Sinkhorn between (X, a) and (Y, b), cost |x - y|^2: the plan, marginals
-    within 1e-12 (L1)."""
-    C = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
-    la, lb = a.log(), b.log()  # -inf at zero weights: those rows / columns of the plan are 0
-    f, g = torch.zeros_like(a), torch.zeros_like(b)
-    for it in range(200000):
-        f = -reg * torch.logsumexp((g - C) / reg + lb, 1)
-        g = -reg * torch.logsumexp((f[:, None] - C) / reg + la[:, None], 0)
-        if it % 10 == 0:
-            P = torch.exp((f[:, None] + g - C) / reg + la[:, None] + lb)
-            if float((P.sum(1) - a).abs().sum()) < 1e-12:
-                return P
-    raise AssertionError("reference Sinkhorn did not converge")
 
 
 def exact_residual(X, Ys, As, b, lam, reg) -> float:
@@ -73,7 +58,8 @@ def exact_residual(X, Ys, As, b, lam, reg) -> float:
     for k, Y in enumerate(Ys):
         Y = torch.as_tensor(Y, dtype=torch.float64)
         a = torch.full((len(Y),), 1 / len(Y), dtype=torch.float64) if As is None else torch.as_tensor(As[k])
-        T += lam[k] * (_sinkhorn_plan(X, Y, b, a, reg) @ Y)
+        # dense float64 Sinkhorn plan between (X, b) and (Y, a), cost |x - y|^2, marginals within 1e-12 (L1)
+        T += lam[k] * (log_sinkhorn(sq_dist(X, Y), b, a, reg, 1e-12)[0] @ Y)
     keep = b > 0
     T[keep] /= b[keep, None]
     T[~keep] = X[~keep]

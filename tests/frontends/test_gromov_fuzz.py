@@ -6,7 +6,7 @@ float32 or float64, engine ``dense`` or ``cpu``.  ``reg = rho max(D^x) max(D^y)`
 linearised cost is at most ~4 max(D^x) max(D^y)): one stationary point reached from ``a b^T`` in tens of outer
 steps (smaller ``rho`` takes hundreds: too slow for a fuzz test).
 
-The reference is written here, independently of the library: POT's projected gradient in dense float64 torch
+The reference is written here (its Sinkhorn in tests/references.py), independently of the library: POT's projected gradient in dense float64 torch
 (``C(T) = 2 (D^x)^2 a 1^T + 2 1 b^T (D^y)^2 - 4 D^x T D^y``, each step a log-domain Sinkhorn solve to 1e-13),
 from ``T = a b^T``, on the points *as rounded to the dtype under test*, divided by ``s`` (the unit scale; the
 mathematics says ``value(s) = s^4 value(1)`` and the coupling does not depend on ``s``), run until the coupling
@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from fuzzing import fuzz_settings
 
 import flashot
+from references import log_sinkhorn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,26 +62,13 @@ def _cpu_available() -> bool:
 ENGINES = ["dense"] + (["cpu"] if _cpu_available() else [])
 
 
-def _sinkhorn(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, reg: float, g: torch.Tensor):
-    """Dense log-domain Sinkhorn (alternating) to an L1 marginal error of 1e-13; ``(T, g)``."""
-    la, lb = a.log(), b.log()
-    for it in range(100000):
-        f = -reg * torch.logsumexp((g - C) / reg + lb, 1)
-        g = -reg * torch.logsumexp((f.unsqueeze(1) - C) / reg + la.unsqueeze(1), 0)
-        if it % 10 == 0:
-            T = torch.exp((f.unsqueeze(1) + g - C) / reg + la.unsqueeze(1) + lb)
-            if float((T.sum(1) - a).abs().sum()) < 1e-13:
-                return T, g
-    raise AssertionError("reference Sinkhorn did not converge")
-
-
 def gw_reference(X: torch.Tensor, Y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, reg: float):
     """POT's entropic GW (square loss, projected gradient from ``a b^T``) in dense float64: ``(value, T)``."""
     DX, DY = torch.cdist(X, X) ** 2, torch.cdist(Y, Y) ** 2
     const = 2.0 * ((DX**2) @ a).unsqueeze(1) + 2.0 * ((DY**2) @ b).unsqueeze(0)
     T, g = torch.outer(a, b), torch.zeros_like(b)
     for _ in range(5000):
-        T_new, g = _sinkhorn(const - 4.0 * DX @ T @ DY, a, b, reg, g)
+        T_new, g = log_sinkhorn(const - 4.0 * DX @ T @ DY, a, b, reg, 1e-13, 100000, g)  # L1 marginal error 1e-13
         done = float((T_new - T).norm()) < 1e-12
         T = T_new
         if done:

@@ -17,6 +17,7 @@ import torch
 import flashot
 from flashot.ops.kernel_sum import kernel_spec, kernel_sum
 from flashot.ops.registry import get_engine
+from references import softmin
 
 geomloss = pytest.importorskip("geomloss")
 
@@ -150,16 +151,12 @@ def test_kernel_norm_is_zero_between_equal_measures_and_positive_otherwise():
 # -- Hausdorff --------------------------------------------------------------------------------
 
 
-def _softmin(eps, C, logw):
-    return -eps * torch.logsumexp(logw.unsqueeze(-2) - C / eps, -1)
-
-
 def _dense_hausdorff(a, x, b, y, blur, p):
     eps = blur**p
     C = lambda u, v: torch.cdist(u, v, compute_mode="donot_use_mm_for_euclid_dist") ** p / p  # noqa: E731
     la, lb = a.log(), b.log()
-    s_bx, s_ax = _softmin(eps, C(x, y), lb), _softmin(eps, C(x, x), la)
-    s_ay, s_by = _softmin(eps, C(y, x), la), _softmin(eps, C(y, y), lb)
+    s_bx, s_ax = softmin(C(x, y), lb, eps), softmin(C(x, x), la, eps)
+    s_ay, s_by = softmin(C(y, x), la, eps), softmin(C(y, y), lb, eps)
     return 0.5 * (a * (s_bx - s_ax)).sum(-1) + 0.5 * (b * (s_ay - s_by)).sum(-1)
 
 

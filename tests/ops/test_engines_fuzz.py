@@ -16,7 +16,7 @@ diameter (temperature ``eps = blur^p``: 1e-8..1e6 x the squared diameter for squ
 weights spread over up to 30 decades, zero weights, duplicated points (within a cloud and
 across the clouds).
 
-The reference is written here, independently of the library: the explicit float64 cost
+The reference is written here and in tests/references.py, independently of the library: the explicit float64 cost
 matrix of the points *as rounded to the dtype under test* and ``torch.logsumexp``.  The
 solvers are compared iterate for iterate: the reference replays the documented iteration
 (``solver.py``: alternating updates from zero potentials, or GeomLoss' averaged symmetric
@@ -109,6 +109,7 @@ import flashot  # noqa: E402
 from flashot import ops  # noqa: E402
 from flashot.costs import get_cost  # noqa: E402
 from flashot.schedules import epsilon_scaling  # noqa: E402
+from references import softmin as ref_softmin  # noqa: E402  (-eps log sum_j exp(h_j - C_ij / eps))
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,11 +247,6 @@ def ref_dcost_weight(C: torch.Tensor, cost: str) -> torch.Tensor:
     if cost == "euclidean":
         return torch.where(C > 0, 1.0 / torch.where(C > 0, C, torch.ones_like(C)), torch.zeros_like(C))
     raise AssertionError(cost)
-
-
-def ref_softmin(C: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
-    """-eps log sum_j exp(h_j - C_ij / eps) over the last axis of C, h: (B, M)."""
-    return -eps * torch.logsumexp(h.unsqueeze(-2) - C / eps, dim=-1)
 
 
 def bbox_cost(x: torch.Tensor, y: torch.Tensor, cost: str) -> float:
