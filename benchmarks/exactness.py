@@ -11,7 +11,7 @@ Tables (markdown):
 (3) ``solve_sample`` at small epsilon: iterations to ``tol=1e-6`` with the defaults (eps-scaling and
     Anderson below 3e-3 of the largest cost) and with plain iterations (``acceleration=None``).
 Points: uniform in the unit square (d = 2), n = m, seed 0.  The oracle is
-``tests/reference/reference_oracle.py`` (no flashot code in it).
+``tests/references.py`` (no flashot code in it).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests" / "reference"))
+sys.path.insert(0, str(ROOT / "tests"))
 
-import reference_oracle as ref  # noqa: E402
 import torch  # noqa: E402
 
 import flashot  # noqa: E402
+import references as ref  # noqa: E402
 
 
 def clouds(n: int, seed: int = 0):

@@ -2,7 +2,7 @@
 # The whole test suite, as CI runs it (README: "set up and run the test suite").
 #   1. set up .venv (CPU build of torch, the package editable, the test extras, the docs
 #      requirements) and Debian's chromium for the docs site's browser test (as root; where it
-#      cannot be installed, tests/test_docs_site.py skips its browser checks with a message)
+#      cannot be installed, tests/docs/test_docs_site.py skips its browser checks with a message)
 #   2. the default run: everything but the slow tests (two pytest-xdist workers, one torch thread
 #      each: most tests are small, so two workers keep both cores busy where one test would not)
 #   3. AArch64: the kernels cross-compiled and checked under qemu-user (skipped, with a message,
@@ -14,7 +14,7 @@ python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 -e ".[test]" -r docs/requirements.txt
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "== installing chromium (apt-get) for tests/test_docs_site.py"
+    echo "== installing chromium (apt-get) for tests/docs/test_docs_site.py"
     t0=$(date +%s)
     { DEBIAN_FRONTEND=noninteractive apt-get update -q && \
       DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } \
@@ -33,4 +33,4 @@ bash tests/native/run_arm64.sh
 echo "== slow tests: pytest -q -m slow (after $(( $(date +%s) - start )) s)"
 # (the pytest cross-build of the AArch64 driver is left out: the step above ran the full ARM64 check)
 .venv/bin/python -m pytest -q -n 2 -m slow --durations=10 \
-  --deselect tests/test_native_driver.py::test_kernel_driver_aarch64_cross
+  --deselect tests/ops/test_native_driver.py::test_kernel_driver_aarch64_cross

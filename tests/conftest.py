@@ -78,8 +78,8 @@ def lib(cpu_lib):
 
 @pytest.fixture(scope="session")
 def shared_build_cache():
-    """The kernel cache every test that builds the library in a subprocess uses (tests/test_cli.py,
-    tests/test_cpu_build.py, tests/test_native_driver.py, tests/test_isa_matrix.py): the user's own
+    """The kernel cache every test that builds the library in a subprocess uses (tests/cli/test_cli.py,
+    tests/ops/test_cpu_build.py, tests/ops/test_native_driver.py, tests/ops/test_isa_matrix.py): the user's own
     flashot cache (``FLASHOT_CACHE_DIR`` or ``~/.cache/flashot``), so each instruction set is
     compiled once per machine -- by the first test that needs it, in the default run or the slow
     one -- and never again.  Tests of the compile itself use fresh directories instead."""

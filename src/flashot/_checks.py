@@ -3,7 +3,7 @@
 Errors name the argument and what was expected.  Points become (B, N, D)
 tensors and weights (B, N) tensors of one floating dtype on one device.
 
-Exception types (``tests/test_bad_input.py`` holds the table of cases):
+Exception types (``tests/frontends/test_bad_input.py`` holds the table of cases):
 
 * ``TypeError``: an argument of the wrong kind: not a tensor / array, a tensor of a
   non-floating dtype (int, bool, complex) where real numbers are computed with, a string or

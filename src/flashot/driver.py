@@ -158,7 +158,7 @@ def check_equal_masses(m: Measures) -> None:
 # eps-scaling: the first eps is the largest cost (an upper bound, Measures.cmax), each next one
 # EPS_SCALING_RATIO times the previous, EPS_SCALING_STEPS iterations each, until reg; with
 # eps_scaling=None it is used when reg < EPS_SCALING_AUTO * cmax and no potentials_init is given.
-# Measured (tests/test_eps_scaling.py, the solve_sample docstring): ratio 0.5 x 3 steps left no
+# Measured (tests/core/test_eps_scaling.py, the solve_sample docstring): ratio 0.5 x 3 steps left no
 # GeomLoss convex-gradient plan wrong (1 step per level: 2 of 24; plain: 21 of 24) and needs no
 # more iterations than plain Sinkhorn from reg = 3e-3 cmax down (more above it: off there).
 EPS_SCALING_RATIO = 0.5

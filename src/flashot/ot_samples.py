@@ -159,7 +159,7 @@ def solve_sample(
             and ``tol`` is only checked at ``reg`` (also after the first two steps, which run at
             ``reg``: a problem they solve stops there).  ``None`` (default): on when ``reg < 3e-3
             cmax`` with alternating updates and no ``potentials_init``: there iterations started
-            from zero potentials are slow and can stop at a wrong plan (``tests/test_eps_scaling.py``),
+            from zero potentials are slow and can stop at a wrong plan (``tests/core/test_eps_scaling.py``),
             while above it the schedule only costs iterations; ``True``/``False``: on/off; a number
             in (0, 1): on, with that ratio.
         implicit: :class:`~flashot.ImplicitDiff` settings (CG tolerance, iterations, ridge) of the

@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 
 import pytest
-import reference_oracle as ref
 import torch
 
 import flashot
+import references as ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import reference_oracle as ref
 import torch
+
+import references as ref
 
 
 def _problem(seed=0, n=9, m=11, masses=(1.0, 1.0)):

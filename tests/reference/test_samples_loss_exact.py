@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated (as tests/test_triton.py)
+os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated (as tests/ops/test_triton.py)
 
 import pytest
-import reference_oracle as ref
 import torch
 
 import flashot
+import references as ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,16 +4,16 @@ gradients (points, weights, the cost matrix) and second derivatives against fini
 POT-style problems: cost ``|x - y|^2``, ``eps = reg``.  For unbalanced problems ``value`` is the objective
 ``<C, P> + reg KL(P | a x b) + rho_a KL(P 1 | a) + rho_b KL(P^T 1 | b)`` (generalised KL) at the returned
 plan, equal at convergence to the dual optimum ``value_dual`` (POT 0.9's value differs: see
-``tests/test_unbalanced.py``).
+``tests/core/test_unbalanced.py``).
 """
 
 from __future__ import annotations
 
 import pytest
-import reference_oracle as ref
 import torch
 
 import flashot
+import references as ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

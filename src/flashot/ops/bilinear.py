@@ -26,7 +26,7 @@ carries ``sqrt(sigma)`` on both sides (the smallest ``|x^|^2 + |y^|^2`` for the 
 ``k`` equalises the largest norms, and directions with ``sigma <= RANK_RTOL sigma_1`` (rounding
 of the constant feature, rank deficiency) are dropped.  The engine's ``|x^|^2 + |y^|^2 - 2<x^, y^>``
 then rounds like the dense engine's ``u + v + <a, S b>``: the float64 results agree with the
-``dense`` engine to ~1e-13 relative (``tests/test_gromov_engines.py``).  The split is computed
+``dense`` engine to ~1e-13 relative (``tests/frontends/test_gromov_engines.py``).  The split is computed
 in float64 and cached per (points, cost), both orders: the transposed calls reuse it.
 """
 

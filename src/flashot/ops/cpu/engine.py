@@ -32,7 +32,7 @@ Options (constructor or environment): ``mode`` = ``"auto"`` | ``"stream"`` |
 ``"cache"`` (``FLASHOT_CPU_MODE``); ``cache_bytes``; ``threads`` (default
 ``torch.get_num_threads()``).
 
-Determinism (``tests/test_determinism.py``, ``benchmarks/CPU_ENGINE.md``): every kernel returns
+Determinism (``tests/ops/test_determinism.py``, ``benchmarks/CPU_ENGINE.md``): every kernel returns
 the same bits on every call, for any thread count and schedule: a row is computed whole by one
 task, and the column sums of the fused steps (pair, sym, alt, cached alt) are reduced per fixed
 group of row blocks and combined in group order (``col_groups`` in kernels.cpp), never per
