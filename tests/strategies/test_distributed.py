@@ -432,7 +432,7 @@ def test_torchrun_example_matches_one_process():
 
 def test_control_tensors_follow_the_backend(monkeypatch):
     """The collective stop decision's tensor: CUDA for NCCL (which refuses CPU tensors), CPU for gloo."""
-    import flashot.distributed as D
+    import flashot.distributed.solve as D
 
     monkeypatch.setattr(D.dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(D.torch.cuda, "current_device", lambda: 1)
