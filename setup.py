@@ -38,8 +38,9 @@ def _wheel_module():
     ``flashot/__init__.py`` imports (``flashot.ops.cpu`` itself imports nothing but the standard library)."""
     name = "_flashot_cpu_build"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(CPU, "__init__.py"),
-                                                      submodule_search_locations=[CPU])
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(CPU, "__init__.py"), submodule_search_locations=[CPU]
+        )
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)

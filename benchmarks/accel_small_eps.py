@@ -40,16 +40,24 @@ def problem(name: str):
     if name == "b":
         return torch.randn(1000, 3, generator=g), torch.randn(800, 3, generator=g) + 1, 1e-3, None
     if name in "cd":
-        return torch.rand(300, 1, generator=g, dtype=f64), torch.rand(200, 1, generator=g, dtype=f64), None, \
-            1e-3 if name == "c" else 1e-4
+        return (
+            torch.rand(300, 1, generator=g, dtype=f64),
+            torch.rand(200, 1, generator=g, dtype=f64),
+            None,
+            1e-3 if name == "c" else 1e-4,
+        )
     if name == "e":
         return torch.rand(200, 2, generator=g, dtype=f64), torch.rand(250, 2, generator=g, dtype=f64), None, 1e-4
     raise ValueError(f"--problems: unknown problem {name!r}")
 
 
 # "auto" picks Anderson(m=5) on all these problems (alternating updates, reg < 3e-3 cmax): not repeated.
-CONFIGS = [("plain", None), ("Momentum(1.5)", flashot.Momentum(1.5)), ("Momentum()", flashot.Momentum()),
-           ("Anderson(5)", flashot.Anderson(m=5))]
+CONFIGS = [
+    ("plain", None),
+    ("Momentum(1.5)", flashot.Momentum(1.5)),
+    ("Momentum()", flashot.Momentum()),
+    ("Anderson(5)", flashot.Anderson(m=5)),
+]
 
 
 def run(x, y, reg, acc, budgets):
@@ -60,8 +68,9 @@ def run(x, y, reg, acc, budgets):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for b in budgets:
-            r = flashot.solve_sample(x, y, reg=reg, max_iter=b, tol=None, acceleration=acc,
-                                     callback=lambda r: None)  # a callback: the error is read at the end
+            r = flashot.solve_sample(
+                x, y, reg=reg, max_iter=b, tol=None, acceleration=acc, callback=lambda r: None
+            )  # a callback: the error is read at the end
             at.append(r.error)
         r = flashot.solve_sample(x, y, reg=reg, max_iter=max(budgets), tol=1e-6, acceleration=acc)
     return at, (r.n_iter if r.converged else None), time.perf_counter() - t0

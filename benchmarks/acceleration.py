@@ -52,8 +52,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     names = [c[0] for c in CONFIGS]
-    print(f"n={args.n}, tol={args.tol:g}, max_iter={args.max_iter}, unbalanced={args.unbalanced}, "
-          f"torch threads={torch.get_num_threads()}\n")
+    print(
+        f"n={args.n}, tol={args.tol:g}, max_iter={args.max_iter}, unbalanced={args.unbalanced}, "
+        f"torch threads={torch.get_num_threads()}\n"
+    )
     print("| d | eps | " + " | ".join(names) + " | best speed-up (iters) |")
     print("|---|---|" + "---|" * len(names) + "---|")
     for d in args.dims:
@@ -65,8 +67,15 @@ def main(argv=None) -> int:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     r = flashot.solve_sample(
-                        x, y, reg=eps, tol=args.tol, max_iter=args.max_iter, method="sinkhorn",
-                        inner_iterations=1, acceleration=acc, unbalanced=args.unbalanced,
+                        x,
+                        y,
+                        reg=eps,
+                        tol=args.tol,
+                        max_iter=args.max_iter,
+                        method="sinkhorn",
+                        inner_iterations=1,
+                        acceleration=acc,
+                        unbalanced=args.unbalanced,
                         backend=args.backend,
                     )
                 dt = time.perf_counter() - t0

@@ -56,8 +56,13 @@ def cpu_model() -> str:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
         return out.stdout.strip() if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -152,8 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["float32", "float64"], choices=["float32", "float64"])
     p.add_argument("--engines", nargs="+", default=ENGINES)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--budget", type=float, default=2.0,
-                   help="seconds: calls slower than this are timed fewer times")
+    p.add_argument("--budget", type=float, default=2.0, help="seconds: calls slower than this are timed fewer times")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--markdown", default=None, help="also write the tables to this file")
     args = p.parse_args(argv)
@@ -180,9 +184,11 @@ def main(argv=None) -> int:
 
     args_text = " ".join(argv if argv is not None else sys.argv[1:])
     emit(f"command: python benchmarks/auto_crossover.py {args_text}".rstrip())
-    emit(f"date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, CPU: {cpu_model()}, "
-         f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, flashot {flashot.__version__} "
-         f"(git {git_commit()}, uncommitted changes not shown)")
+    emit(
+        f"date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, CPU: {cpu_model()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, flashot {flashot.__version__} "
+        f"(git {git_commit()}, uncommitted changes not shown)"
+    )
     for section in args.sections:
         for dt in args.dtypes:
             dtype = getattr(torch, dt)

@@ -35,10 +35,15 @@ def main(argv=None) -> int:
     p.add_argument("--reg", type=float, default=0.05)
     p.add_argument("--pot-max", type=int, default=10000, help="largest n for POT (dense M x n float64)")
     a = p.parse_args(argv)
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?") \
-        if os.path.exists("/proc/cpuinfo") else "?"
-    print(f"CPU: {cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"K = 3 clouds, support M = {a.support}, reg = {a.reg}, {a.steps} fixed-point steps (stopThr = 0)\n")
+    cpu = (
+        next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+        if os.path.exists("/proc/cpuinfo")
+        else "?"
+    )
+    print(
+        f"CPU: {cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"K = 3 clouds, support M = {a.support}, reg = {a.reg}, {a.steps} fixed-point steps (stopThr = 0)\n"
+    )
     print("| n per cloud | solver | seconds | inner Sinkhorn iterations | max |X - X_POT| |")
     print("|---|---|---|---|---|")
     try:
@@ -51,14 +56,16 @@ def main(argv=None) -> int:
         ref = None
         if ot is not None and n <= a.pot_max:
             t = time.perf_counter()
-            ref = ot.bregman.free_support_sinkhorn_barycenter(Ys, [np.full(n, 1 / n)] * 3, X0, a.reg,
-                                                              numItermax=a.steps, stopThr=0.0)
+            ref = ot.bregman.free_support_sinkhorn_barycenter(
+                Ys, [np.full(n, 1 / n)] * 3, X0, a.reg, numItermax=a.steps, stopThr=0.0
+            )
             print(f"| {n:,} | POT {ot.__version__} (float64, dense) | {time.perf_counter() - t:.2f} | | |")
         for dt in (torch.float32, torch.float64):
             Yt = [torch.tensor(Y, dtype=dt) for Y in Ys]
             t = time.perf_counter()
-            X, log = flashot.free_support_barycenter(Yt, None, torch.tensor(X0, dtype=dt), a.reg,
-                                                     numItermax=a.steps, stopThr=1e-300, log=True)
+            X, log = flashot.free_support_barycenter(
+                Yt, None, torch.tensor(X0, dtype=dt), a.reg, numItermax=a.steps, stopThr=1e-300, log=True
+            )
             dt_s = time.perf_counter() - t
             diff = "" if ref is None else f"{np.abs(X.double().numpy() - ref).max():.1e}"
             print(f"| {n:,} | flashot ({str(dt)[6:]}) | {dt_s:.2f} | {sum(log.inner_iterations)} | {diff} |")

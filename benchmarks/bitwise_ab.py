@@ -156,13 +156,19 @@ def main() -> None:
     bad = sorted(set(ta) ^ set(tb))
     for k in sorted(set(ta) & set(tb)):
         u, v = ta[k], tb[k]
-        same = u.dtype == v.dtype and u.shape == v.shape and (
-            u.numel() == 0 or bool((u.contiguous().view(-1).view(torch.uint8)
-                                    == v.contiguous().view(-1).view(torch.uint8)).all()))
+        same = (
+            u.dtype == v.dtype
+            and u.shape == v.shape
+            and (
+                u.numel() == 0
+                or bool((u.contiguous().view(-1).view(torch.uint8) == v.contiguous().view(-1).view(torch.uint8)).all())
+            )
+        )
         if not same:
             bad.append(k)
-    print(f"{len(set(ta) & set(tb))} tensors compared ({sum(t.numel() for t in ta.values()):,} values), "
-          f"{len(bad)} differ")
+    print(
+        f"{len(set(ta) & set(tb))} tensors compared ({sum(t.numel() for t in ta.values()):,} values), {len(bad)} differ"
+    )
     for k in bad[:50]:
         print("  DIFFERS:", k)
     sys.exit(1 if bad else 0)

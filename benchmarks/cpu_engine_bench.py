@@ -105,10 +105,12 @@ def accuracy(lib):
     from flashot.ops.dense import DenseEngine
 
     print("## Accuracy, float32 against float64\n")
-    print("SamplesLoss('sinkhorn', p=2, blur=0.05, scaling=0.9) value + gradient in x; n = m = 500, "
-          "x uniform in the unit cube, y = another uniform cloud + 0.2; max |grad32 - grad64| / max |grad64| "
-          "(reference: the `dense` engine in float64), seeds 1, 2, 3.  `cpu stream` / `cpu cache`: the cpu "
-          "engine in mode `stream` / `cache` (budget 1 GiB: every matrix cached).\n")
+    print(
+        "SamplesLoss('sinkhorn', p=2, blur=0.05, scaling=0.9) value + gradient in x; n = m = 500, "
+        "x uniform in the unit cube, y = another uniform cloud + 0.2; max |grad32 - grad64| / max |grad64| "
+        "(reference: the `dense` engine in float64), seeds 1, 2, 3.  `cpu stream` / `cpu cache`: the cpu "
+        "engine in mode `stream` / `cache` (budget 1 GiB: every matrix cached).\n"
+    )
     print("| d | tiled | cpu stream | cpu cache |\n|---|---|---|---|")
     modes = {"tiled": None, "cpu stream": "stream", "cpu cache": "cache"}
     for d in (3, 64):
@@ -122,7 +124,9 @@ def accuracy(lib):
 
                 def grad(dt, backend):
                     xr = x.to(dt).clone().requires_grad_(True)
-                    flashot.SamplesLoss("sinkhorn", p=2, blur=0.05, scaling=0.9, backend=backend)(xr, y.to(dt)).backward()
+                    flashot.SamplesLoss("sinkhorn", p=2, blur=0.05, scaling=0.9, backend=backend)(
+                        xr, y.to(dt)
+                    ).backward()
                     return xr.grad.double()
 
                 g64 = grad(torch.float64, "dense")
@@ -146,8 +150,10 @@ def accuracy(lib):
     dense = DenseEngine()
     h = (-dense.softmin(y.double(), x.double(), torch.zeros(1, 400, dtype=torch.float64), eps, c) / eps).float()
     ref = dense.softmin(x.double(), y.double(), h.double(), eps, c)
-    print("\nOne softmin, d = 64, n = m = 400 Gaussian points, eps = 0.0025 (C / eps up to ~1e5), max abs error "
-          "against float64 on the same rounded inputs:\n")
+    print(
+        "\nOne softmin, d = 64, n = m = 400 Gaussian points, eps = 0.0025 (C / eps up to ~1e5), max abs error "
+        "against float64 on the same rounded inputs:\n"
+    )
     print("| tiled | cpu stream | cpu cache |\n|---|---|---|")
     engs = [TiledEngine()] + [CpuEngine(lib, mode=mode, cache_bytes=1 << 30) for mode in ("stream", "cache")]
     errs = [(e.softmin(x, y, h, eps, c).double() - ref).abs().max().item() for e in engs]
@@ -174,8 +180,10 @@ def solve_loop(lib, n, d=64, solves=4, iters=3):
 
     eng = CpuEngine(lib, mode="auto")
     register_engine("bench-cpu-loop", lambda: eng)
-    print(f"## A loop of {solves} solves on fresh tensors, n = m = {n}, d = {d}, {iters} alternating iterations each "
-          f"(auto mode, default cache budget {eng.cache_bytes / 2**30:.1f} GiB)\n")
+    print(
+        f"## A loop of {solves} solves on fresh tensors, n = m = {n}, d = {d}, {iters} alternating iterations each "
+        f"(auto mode, default cache budget {eng.cache_bytes / 2**30:.1f} GiB)\n"
+    )
     print("| solve | s / iter | streamed calls | matrices built |\n|---|---|---|---|")
     x, y = problem(n, n, d)
     for k in range(solves):
@@ -184,7 +192,9 @@ def solve_loop(lib, n, d=64, solves=4, iters=3):
         m = Measures.build(x[0] + 1e-3 * k, y[0], None, None, cost="sqeuclidean", backend="bench-cpu-loop")
         sinkhorn_loop(m, [0.05 * d] * iters, symmetric=False, tol=None, warn=False)
         t = (CLOCK() - t0) / iters
-        print(f"| {k + 1} | {t:.3f} | {eng.stats['stream'] - s0['stream']} | {eng.stats['cache_build'] - s0['cache_build']} |")
+        print(
+            f"| {k + 1} | {t:.3f} | {eng.stats['stream'] - s0['stream']} | {eng.stats['cache_build'] - s0['cache_build']} |"
+        )
     print()
 
 
@@ -196,17 +206,26 @@ def main():
     ap.add_argument("--million", type=int, default=0, help="iterations at n = m = 1e6 (0: skip)")
     ap.add_argument("--skip-tiled", action="store_true")
     ap.add_argument("--skip-compile", action="store_true")
-    ap.add_argument("--cache-budget", type=float, default=2 * 2**30,
-                    help="bytes for the cached-cost row at d = 64 (0: skip)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch and engine threads (default: torch's); 1 measures thread CPU time")
-    ap.add_argument("--clock", choices=["wall", "thread", "cpu"], default=None,
-                    help="wall: perf_counter (default for >1 thread); thread: thread_time (default for "
-                         "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
-                         "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)")
+    ap.add_argument(
+        "--cache-budget", type=float, default=2 * 2**30, help="bytes for the cached-cost row at d = 64 (0: skip)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch and engine threads (default: torch's); 1 measures thread CPU time"
+    )
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "thread", "cpu"],
+        default=None,
+        help="wall: perf_counter (default for >1 thread); thread: thread_time (default for "
+        "--threads 1); cpu: process_time / threads, i.e. the wall time on idle cores "
+        "if the work is balanced (run with OMP_WAIT_POLICY=passive so spinning is not counted)",
+    )
     ap.add_argument("--cache-n", default="5000,20000", help="sizes n = m for the cached-vs-streaming crossover")
-    ap.add_argument("--sections", default="hw,iter,alt,plan,accuracy,loop,cache,scaling",
-                    help="comma-separated subset of hw,iter,alt,plan,accuracy,loop,cache,scaling")
+    ap.add_argument(
+        "--sections",
+        default="hw,iter,alt,plan,accuracy,loop,cache,scaling",
+        help="comma-separated subset of hw,iter,alt,plan,accuracy,loop,cache,scaling",
+    )
     args = ap.parse_args()
     global CLOCK
     if args.threads:
@@ -229,9 +248,11 @@ def main():
     n = 4000 if args.quick else args.n
     lib = load()
     nth = torch.get_num_threads()
-    print(f"# flashot cpu engine benchmark\n\ntorch {torch.__version__}, {nth} threads, clock {CLOCK.__name__}, "
-          f"load average {os.getloadavg()[0]:.2f} at start, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-          f"build {BUILD_INFO}\n")
+    print(
+        f"# flashot cpu engine benchmark\n\ntorch {torch.__version__}, {nth} threads, clock {CLOCK.__name__}, "
+        f"load average {os.getloadavg()[0]:.2f} at start, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+        f"build {BUILD_INFO}\n"
+    )
 
     hw = hw_throughput(lib, runs) if sections & {"hw", "iter"} else None
     if "hw" in sections:
@@ -257,7 +278,9 @@ def main():
             # limit: GEMM (2 d flops per pair, at the measured GEMM rate) + one exp per pair
             gflops = hw["gemm"][64] if d >= 64 else hw["gemm"][3]
             lim = pairs * (2 * d / gflops + 1 / hw["vexp"]) if d >= 64 else pairs / hw["vexp"]
-            print(f"| {d} | {tc:.3f} | {tt:.3f} | {tt / tc:.1f}x | {pairs / tc / 1e9:.2f} | {lim:.3f} | {100 * lim / tc:.0f}% |")
+            print(
+                f"| {d} | {tc:.3f} | {tt:.3f} | {tt / tc:.1f}x | {pairs / tc / 1e9:.2f} | {lim:.3f} | {100 * lim / tc:.0f}% |"
+            )
             tt64 = tt
         # the cached-cost pass at the same size (needs B*N*M*4 bytes of budget)
         need = n * n * 4
@@ -269,16 +292,22 @@ def main():
             tb = CLOCK() - t0
             cached.clear_cache()
             tcache = time_iter(cached, n, 64, runs)
-            print(f"| 64, cached cost (budget {args.cache_budget / 2**30:.1f} GiB, build {tb:.2f} s once) | "
-                  f"{tcache:.3f} | {tt64:.3f} | {tt64 / tcache:.1f}x | {2 * n * n / tcache / 1e9:.2f} | | |")
-        print("\nlimit: d = 3: one exp per pair at the measured vector-exp rate; "
-              "d = 64: GEMM at the measured torch.mm rate + one exp per pair.\n")
+            print(
+                f"| 64, cached cost (budget {args.cache_budget / 2**30:.1f} GiB, build {tb:.2f} s once) | "
+                f"{tcache:.3f} | {tt64:.3f} | {tt64 / tcache:.1f}x | {2 * n * n / tcache / 1e9:.2f} | | |"
+            )
+        print(
+            "\nlimit: d = 3: one exp per pair at the measured vector-exp rate; "
+            "d = 64: GEMM at the measured torch.mm rate + one exp per pair.\n"
+        )
 
     if "plan" in sections:
         # single plan products as the softmin backward issues them: weight "dcost", V = [y, 1]
         npl = 4000 if args.quick else n
-        print(f"## Plan products (K = d + 1: weight dcost, V = [y, 1], as in the gradient; K = 1: the marginal), "
-              f"n = m = {npl}, float32\n")
+        print(
+            f"## Plan products (K = d + 1: weight dcost, V = [y, 1], as in the gradient; K = 1: the marginal), "
+            f"n = m = {npl}, float32\n"
+        )
         print("| d, K | cpu s | tiled s | speed-up | cpu softmin s | plan / softmin | cpu, cached cost s | speed-up |")
         print("|---|---|---|---|---|---|---|---|")
         for d, K in ((3, 4), (64, 65), (64, 1)):
@@ -309,7 +338,9 @@ def main():
 
     if "alt" in sections:
         # the fused alternating step against its two softmins (streaming)
-        sizes = [(2000, 24), (2000, 64)] if args.quick else [(n, 16), (n, 20), (n, 32), (n, 64), (4 * n, 24), (4 * n, 64)]
+        sizes = (
+            [(2000, 24), (2000, 64)] if args.quick else [(n, 16), (n, 20), (n, 32), (n, 64), (4 * n, 24), (4 * n, 64)]
+        )
         print("## Fused alternating step (softmin_alt) against two softmins, streaming, float32\n")
         print("| n = m | d | two softmins s | softmin_alt s | speed-up | fused? |\n|---|---|---|---|---|---|")
         for na, d in sizes:
@@ -334,7 +365,7 @@ def main():
 
     if "cache" in sections:
         # cached cost vs streaming, crossover in d, at each n of --cache-n
-        for nc in ([2000] if args.quick else [int(v) for v in args.cache_n.split(",")]):
+        for nc in [2000] if args.quick else [int(v) for v in args.cache_n.split(",")]:
             print(f"## Cached cost matrix vs streaming, n = m = {nc}, float32 (s/iter; build = one-off)\n")
             print("| d | stream s/iter | cached s/iter | build s | faster |\n|---|---|---|---|---|")
             for d in (3, 8, 16, 32, 64, 128):
@@ -374,9 +405,11 @@ def main():
         c1 = r.stdout.split()
         c2 = r2.stdout.split()
         print("## First-call compile\n")
-        print(f"| | seconds |\n|---|---|\n| compile (fresh cache), wall | {float(c1[0]):.1f} |\n"
-              f"| compile, compiler CPU time | {float(c1[2]):.1f} |\n"
-              f"| load, fresh cache (incl. compile) | {float(c1[1]):.1f} |\n| load, cached | {float(c2[1]):.2f} |\n")
+        print(
+            f"| | seconds |\n|---|---|\n| compile (fresh cache), wall | {float(c1[0]):.1f} |\n"
+            f"| compile, compiler CPU time | {float(c1[2]):.1f} |\n"
+            f"| load, fresh cache (incl. compile) | {float(c1[1]):.1f} |\n| load, cached | {float(c2[1]):.2f} |\n"
+        )
 
     if args.million:
         code = textwrap.dedent(f"""

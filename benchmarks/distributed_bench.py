@@ -49,10 +49,18 @@ def worker(rank: int, world: int, init: str, out: str, a: argparse.Namespace) ->
     x = torch.randn(a.n, a.d, generator=g).to(dt)
     y = (torch.randn(a.n, a.d, generator=g) + 0.5).to(dt)
     if a.shard == "points":  # this rank's slices only
-        x, y = (t[rank * a.n // world:(rank + 1) * a.n // world].clone() for t in (x, y))
+        x, y = (t[rank * a.n // world : (rank + 1) * a.n // world].clone() for t in (x, y))
     rep = {}
-    kw = {"reg": a.reg, "tol": None, "eps_scaling": False, "method": a.method, "backend": a.backend,
-          "grad": "detach", "group": dist.group.WORLD, "shard": a.shard}
+    kw = {
+        "reg": a.reg,
+        "tol": None,
+        "eps_scaling": False,
+        "method": a.method,
+        "backend": a.backend,
+        "grad": "detach",
+        "group": dist.group.WORLD,
+        "shard": a.shard,
+    }
     solve_sample(x, y, max_iter=1, **kw)  # warm-up: engine load, threads, first-call costs
     for _ in range(a.repeats):
         for k in (a.iters, a.iters + a.extra):
@@ -61,8 +69,16 @@ def worker(rank: int, world: int, init: str, out: str, a: argparse.Namespace) ->
             res = solve_sample(x, y, max_iter=k, **kw)
             dt_ = time.perf_counter() - t0
             eng = res.plan._m.engine
-            rep.setdefault(k, {"time": [], "bytes": eng.stats["bytes"], "calls": eng.stats["calls"],
-                               "engine": eng.name, "value": float(res.value)})["time"].append(dt_)
+            rep.setdefault(
+                k,
+                {
+                    "time": [],
+                    "bytes": eng.stats["bytes"],
+                    "calls": eng.stats["calls"],
+                    "engine": eng.name,
+                    "value": float(res.value),
+                },
+            )["time"].append(dt_)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(rep, fh)
     dist.barrier()  # no rank tears the group down while another still uses it
@@ -75,8 +91,10 @@ def run_world(world: int, a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), FLASHOT_CPU_MODE=a.mode)
         args = [f"--{k}={v}" for k, v in vars(a).items() if k not in ("worlds", "worker", "shards")]
-        procs = [subprocess.Popen([sys.executable, HERE, "--worker", f"{r},{world},file://{tmp}/rdv,{tmp}", *args],
-                                  env=env) for r in range(world)]
+        procs = [
+            subprocess.Popen([sys.executable, HERE, "--worker", f"{r},{world},file://{tmp}/rdv,{tmp}", *args], env=env)
+            for r in range(world)
+        ]
         for p in procs:
             if p.wait() != 0:
                 raise SystemExit(f"world {world}: a rank failed (exit {p.returncode})")
@@ -86,9 +104,14 @@ def run_world(world: int, a: argparse.Namespace) -> dict:
     per_rep = [max((r[k2]["time"][i] - r[k1]["time"][i]) / a.extra for r in reps) for i in range(a.repeats)]
     per_it = statistics.median(per_rep)
     r0 = reps[0]
-    return {"world": world, "s_per_iter": per_it, "engine": r0[k2]["engine"], "value": r0[k2]["value"],
-            "bytes_per_iter": (r0[k2]["bytes"] - r0[k1]["bytes"]) / a.extra,
-            "calls_per_iter": (r0[k2]["calls"] - r0[k1]["calls"]) / a.extra}
+    return {
+        "world": world,
+        "s_per_iter": per_it,
+        "engine": r0[k2]["engine"],
+        "value": r0[k2]["value"],
+        "bytes_per_iter": (r0[k2]["bytes"] - r0[k1]["bytes"]) / a.extra,
+        "calls_per_iter": (r0[k2]["calls"] - r0[k1]["calls"]) / a.extra,
+    }
 
 
 def main() -> None:
@@ -113,19 +136,25 @@ def main() -> None:
         r, w, init, out = a.worker.split(",")
         worker(int(r), int(w), init, out, a)
         return
-    print(f"n = m = {a.n}, d = {a.d}, {a.dtype}, reg = {a.reg}, backend {a.backend} (mode {a.mode}), "
-          f"method {a.method}, {a.threads} thread(s) per process; per iteration over {a.extra} iterations")
-    print(f"{'shard':>10} {'world':>5} {'s/iter':>10} {'speed-up':>9} {'bytes received/iter/rank':>25} "
-          f"{'calls/iter':>11}  value")
+    print(
+        f"n = m = {a.n}, d = {a.d}, {a.dtype}, reg = {a.reg}, backend {a.backend} (mode {a.mode}), "
+        f"method {a.method}, {a.threads} thread(s) per process; per iteration over {a.extra} iterations"
+    )
+    print(
+        f"{'shard':>10} {'world':>5} {'s/iter':>10} {'speed-up':>9} {'bytes received/iter/rank':>25} "
+        f"{'calls/iter':>11}  value"
+    )
     base = None  # the first run (world 1 of the first mode): every ratio is against it
     for shard in a.shards:
         a.shard = shard
         for w in a.worlds:
             r = run_world(w, a)
             base = r["s_per_iter"] if base is None else base
-            print(f"{shard:>10} {w:>5} {r['s_per_iter']:>10.4f} {base / r['s_per_iter']:>8.2f}x "
-                  f"{r['bytes_per_iter']:>25.0f} {r['calls_per_iter']:>11.1f}  {r['value']:.8g} ({r['engine']})",
-                  flush=True)
+            print(
+                f"{shard:>10} {w:>5} {r['s_per_iter']:>10.4f} {base / r['s_per_iter']:>8.2f}x "
+                f"{r['bytes_per_iter']:>25.0f} {r['calls_per_iter']:>11.1f}  {r['value']:.8g} ({r['engine']})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

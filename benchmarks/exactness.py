@@ -65,8 +65,7 @@ def exact_ot(x, y, a, b, eps, rho):
 def table_engines(n: int) -> list[str]:
     x, y, a, b = clouds(n)
     blur, reg = 0.2, 0.04
-    rows = ["| front end | rho | engine | dtype | value rel. error | grad x rel. error |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| front end | rho | engine | dtype | value rel. error | grad x rel. error |", "|---|---|---|---|---|---|"]
     for rho in (None, 0.25):
         S, gS = exact_divergence(x, y, a, b, blur**2, rho)
         O, gO = exact_ot(x, y, a, b, reg, rho)
@@ -77,31 +76,51 @@ def table_engines(n: int) -> list[str]:
                 xx = x.to(dt).requires_grad_()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    L = flashot.SamplesLoss("sinkhorn", blur=blur, reach=None if rho is None else rho**0.5,
-                                            tol=1e-9 if dt == torch.float64 else 1e-6, max_iter=20_000,
-                                            backend="tensorized" if engine == "dense" else engine)
+                    L = flashot.SamplesLoss(
+                        "sinkhorn",
+                        blur=blur,
+                        reach=None if rho is None else rho**0.5,
+                        tol=1e-9 if dt == torch.float64 else 1e-6,
+                        max_iter=20_000,
+                        backend="tensorized" if engine == "dense" else engine,
+                    )
                     v = L(a.to(dt), xx, b.to(dt), y.to(dt))
                     (g,) = torch.autograd.grad(v, xx)
-                rows.append(f"| SamplesLoss | {rho} | {engine} | {str(dt)[6:]} | {abs(float(v.detach()) - S) / abs(S):.1e} | "
-                            f"{rel(g, gS):.1e} |")
+                rows.append(
+                    f"| SamplesLoss | {rho} | {engine} | {str(dt)[6:]} | {abs(float(v.detach()) - S) / abs(S):.1e} | "
+                    f"{rel(g, gS):.1e} |"
+                )
                 if engine == "multiscale":
                     continue
                 xx = x.to(dt).requires_grad_()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    r = flashot.solve_sample(xx, y.to(dt), a.to(dt), b.to(dt), reg=reg, unbalanced=rho,
-                                             tol=1e-9 if dt == torch.float64 else 1e-6, max_iter=20_000, backend=engine)
+                    r = flashot.solve_sample(
+                        xx,
+                        y.to(dt),
+                        a.to(dt),
+                        b.to(dt),
+                        reg=reg,
+                        unbalanced=rho,
+                        tol=1e-9 if dt == torch.float64 else 1e-6,
+                        max_iter=20_000,
+                        backend=engine,
+                    )
                     (g,) = torch.autograd.grad(r.value, xx)
-                rows.append(f"| solve_sample | {rho} | {engine} | {str(dt)[6:]} | {abs(float(r.value.detach()) - O) / abs(O):.1e} | "
-                            f"{rel(g, gO):.1e} |")
+                rows.append(
+                    f"| solve_sample | {rho} | {engine} | {str(dt)[6:]} | {abs(float(r.value.detach()) - O) / abs(O):.1e} | "
+                    f"{rel(g, gO):.1e} |"
+                )
     return rows
 
 
 def table_schedule(n: int) -> list[str]:
     x, y, a, b = clouds(n)
     diameter = float((torch.cat([x, y]).amax(0) - torch.cat([x, y]).amin(0)).norm())
-    rows = ["| blur / diameter | scaling | iterations (schedule) | value rel. error | grad x rel. error |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| blur / diameter | scaling | iterations (schedule) | value rel. error | grad x rel. error |",
+        "|---|---|---|---|---|",
+    ]
     for frac in (0.3, 0.1, 0.05):  # smaller blurs: the dense oracle needs ~1e5 iterations
         blur = frac * diameter
         S, gS = exact_divergence(x, y, a, b, blur**2, None)
@@ -110,15 +129,19 @@ def table_schedule(n: int) -> list[str]:
             L = flashot.SamplesLoss("sinkhorn", blur=blur, scaling=scaling)
             v = L(a, xx, b, y)
             (g,) = torch.autograd.grad(v, xx)
-            rows.append(f"| {frac} | {scaling} | {L.last_n_iter} | {abs(float(v.detach()) - S) / abs(S):.1e} | {rel(g, gS):.1e} |")
+            rows.append(
+                f"| {frac} | {scaling} | {L.last_n_iter} | {abs(float(v.detach()) - S) / abs(S):.1e} | {rel(g, gS):.1e} |"
+            )
     return rows
 
 
 def table_small_eps(n: int) -> list[str]:
     x, y, a, b = clouds(n)
     cmax = float(ref.cost_matrix(torch.cat([x, y]), torch.cat([x, y]), half=False).max())
-    rows = ["| reg / largest cost | dtype | unbalanced | defaults: iterations, converged, error | plain: iterations, converged, error |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| reg / largest cost | dtype | unbalanced | defaults: iterations, converged, error | plain: iterations, converged, error |",
+        "|---|---|---|---|---|",
+    ]
     for frac in (3e-3, 1e-3, 3e-4, 1e-4):
         for dt in (torch.float64, torch.float32):
             for ub in (None, 1.0):
@@ -129,13 +152,19 @@ def table_small_eps(n: int) -> list[str]:
                         r = flashot.solve_sample(x.to(dt), y.to(dt), reg=frac * cmax, unbalanced=ub, **kw)
                     cells.append(f"{r.n_iter}, {'yes' if r.converged else 'no'}, {r.error:.1e}")
                 rows.append(f"| {frac:g} | {str(dt)[6:]} | {ub} | {cells[0]} | {cells[1]} |")
-    rows += ["", "At 1e-4 of the largest cost, float64, `acceleration=flashot.Anderson(m=10), max_iter=5000`:", "",
-             "| unbalanced | iterations, converged, error |", "|---|---|"]
+    rows += [
+        "",
+        "At 1e-4 of the largest cost, float64, `acceleration=flashot.Anderson(m=10), max_iter=5000`:",
+        "",
+        "| unbalanced | iterations, converged, error |",
+        "|---|---|",
+    ]
     for ub in (None, 1.0):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            r = flashot.solve_sample(x, y, reg=1e-4 * cmax, unbalanced=ub, max_iter=5000,
-                                     acceleration=flashot.Anderson(m=10))
+            r = flashot.solve_sample(
+                x, y, reg=1e-4 * cmax, unbalanced=ub, max_iter=5000, acceleration=flashot.Anderson(m=10)
+            )
         rows.append(f"| {ub} | {r.n_iter}, {'yes' if r.converged else 'no'}, {r.error:.1e} |")
     return rows
 
@@ -149,9 +178,11 @@ def main() -> int:
     wanted = set(args.tables.split(","))
     cpu = platform.processor() or platform.machine()
     lines = [f"flashot {flashot.__version__}, torch {torch.__version__}, {cpu}, n = m = {args.n}", ""]
-    for title, fn in (("(1) converged solves against the oracle (blur 0.2 / reg 0.04)", table_engines),
-                      ("(2) GeomLoss' schedule (tol=None) against the converged divergence", table_schedule),
-                      ("(3) small epsilon: solve_sample(tol=1e-6, max_iter=1000)", table_small_eps)):
+    for title, fn in (
+        ("(1) converged solves against the oracle (blur 0.2 / reg 0.04)", table_engines),
+        ("(2) GeomLoss' schedule (tol=None) against the converged divergence", table_schedule),
+        ("(3) small epsilon: solve_sample(tol=1e-6, max_iter=1000)", table_small_eps),
+    ):
         if title[1] not in wanted:
             continue
         lines += [f"### {title}", ""] + fn(args.n) + [""]

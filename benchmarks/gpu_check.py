@@ -122,20 +122,44 @@ def check_correctness(device: torch.device, quick: bool) -> bool:
             alpha = ref / eps
             V = torch.randn(B, M, d + 1, generator=g, dtype=torch.float64).to(device)
             for w in ("plan", "cost", "dcost"):
-                row(f"plan[{w}] f64", d, cname, rel(eng.plan_product(x, y, alpha, h, eps, V, c, w),
-                                                 dense.plan_product(x, y, alpha, h, eps, V, c, w)), 1e-10)
+                row(
+                    f"plan[{w}] f64",
+                    d,
+                    cname,
+                    rel(
+                        eng.plan_product(x, y, alpha, h, eps, V, c, w), dense.plan_product(x, y, alpha, h, eps, V, c, w)
+                    ),
+                    1e-10,
+                )
             if cname == "sqeuclidean" and d in (3, 64):  # precision variants: few compiles
                 hx = torch.randn(B, N, generator=g, dtype=torch.float64).to(device)
                 f, gg = eng.softmin_pair(x, y, hx, h, eps, c)
                 row("softmin_pair f64", d, cname, max(rel(f, ref), rel(gg, dense.softmin(y, x, hx, eps, c))), 1e-10)
                 r32 = rel(eng.softmin(x.float(), y.float(), h.float(), eps, c), ref)
                 row("softmin f32", d, cname, r32, 2e-5)
-                row("softmin f32 fold", d, cname, rel(TritonEngine(fold=True).softmin(x.float(), y.float(), h.float(), eps, c), ref), 2e-5)
-                row("softmin f32 tf32", d, cname, rel(TritonEngine(allow_tf32=True).softmin(x.float(), y.float(), h.float(), eps, c), ref), 2e-2)
+                row(
+                    "softmin f32 fold",
+                    d,
+                    cname,
+                    rel(TritonEngine(fold=True).softmin(x.float(), y.float(), h.float(), eps, c), ref),
+                    2e-5,
+                )
+                row(
+                    "softmin f32 tf32",
+                    d,
+                    cname,
+                    rel(TritonEngine(allow_tf32=True).softmin(x.float(), y.float(), h.float(), eps, c), ref),
+                    2e-2,
+                )
                 for hd in (torch.float16, torch.bfloat16):
                     xh, yh = x.to(hd), y.to(hd)
-                    row(f"softmin {str(hd)[6:]}", d, cname, rel(eng.softmin(xh, yh, h.float(), eps, c),
-                                                              dense.softmin(xh.double(), yh.double(), h, eps, c)), 2e-5)
+                    row(
+                        f"softmin {str(hd)[6:]}",
+                        d,
+                        cname,
+                        rel(eng.softmin(xh, yh, h.float(), eps, c), dense.softmin(xh.double(), yh.double(), h, eps, c)),
+                        2e-5,
+                    )
         # gradients through flashot.ops.softmin (autograd -> plan products)
         for cname in costs[::2]:
             grads = {}
@@ -164,13 +188,21 @@ def check_correctness(device: torch.device, quick: bool) -> bool:
             return out, xx.grad, yy.grad, hh.grad
 
         ref = grads(dense, torch.float64)
-        for name, e in (("explicit", TritonEngine(direct_max_d=0)), ("fold", TritonEngine(fold=True)),
-                        ("direct", TritonEngine())):
+        for name, e in (
+            ("explicit", TritonEngine(direct_max_d=0)),
+            ("fold", TritonEngine(fold=True)),
+            ("direct", TritonEngine()),
+        ):
             if name == "direct" and d > 8:
                 continue
             got = grads(e, torch.float32)
-            row(f"grad f32 {name} eps={eps} (value, gx, gy, gh max)", d, "sqeuclidean",
-                max(rel(a, b) for a, b in zip(got, ref)), 1e-2)
+            row(
+                f"grad f32 {name} eps={eps} (value, gx, gy, gh max)",
+                d,
+                "sqeuclidean",
+                max(rel(a, b) for a, b in zip(got, ref)),
+                1e-2,
+            )
 
     # SamplesLoss end to end
     for p in (1, 2):
@@ -184,10 +216,17 @@ def check_correctness(device: torch.device, quick: bool) -> bool:
                 val = flashot.SamplesLoss(p=p, blur=0.05, backend=be)(xx, y)
                 (gx,) = torch.autograd.grad(val, xx)
                 res[be] = (val.detach(), gx)
-            err = max(rel(res["triton"][0].reshape(1), res["dense"][0].reshape(1)),
-                      rel(res["triton"][1], res["dense"][1]) if p == 2 else 0.0)
-            row(f"SamplesLoss p={p} {str(dt)[6:]}{' (value only)' if p == 1 else ''}", 3,
-                "half_sqeuclidean" if p == 2 else "euclidean", err, tol)
+            err = max(
+                rel(res["triton"][0].reshape(1), res["dense"][0].reshape(1)),
+                rel(res["triton"][1], res["dense"][1]) if p == 2 else 0.0,
+            )
+            row(
+                f"SamplesLoss p={p} {str(dt)[6:]}{' (value only)' if p == 1 else ''}",
+                3,
+                "half_sqeuclidean" if p == 2 else "euclidean",
+                err,
+                tol,
+            )
     log(f"\ncorrectness: {'PASS' if ok else 'FAIL'}\n")
     return ok
 
@@ -275,8 +314,9 @@ def keops_unusable(device: torch.device) -> str | None:
     import subprocess
 
     try:
-        r = subprocess.run([sys.executable, "-c", _KEOPS_PROBE, device.type], capture_output=True,
-                           text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-c", _KEOPS_PROBE, device.type], capture_output=True, text=True, timeout=600
+        )
     except subprocess.TimeoutExpired:
         return "probe timed out"
     if r.returncode != 0:
@@ -316,9 +356,18 @@ def make_flash_sinkhorn(x, y, eps, tf32):
 
     def run(iters: int):
         if iters not in losses:
-            losses[iters] = fs.SamplesLoss(loss="sinkhorn", p=2, blur=math.sqrt(eps), debias=False,
-                                           potentials=True, backend="alternating", use_epsilon_scaling=False,
-                                           eps=eps, n_iters=iters, allow_tf32=tf32)
+            losses[iters] = fs.SamplesLoss(
+                loss="sinkhorn",
+                p=2,
+                blur=math.sqrt(eps),
+                debias=False,
+                potentials=True,
+                backend="alternating",
+                use_epsilon_scaling=False,
+                eps=eps,
+                n_iters=iters,
+                allow_tf32=tf32,
+            )
         return losses[iters](x, y)
 
     return run
@@ -361,6 +410,7 @@ def bench(device: torch.device, quick: bool, runs: int, budget: float, tf32: boo
                 try:
                     if peer in ("flashot", "flashot-pair"):
                         pair = peer == "flashot-pair"
+
                         def fn(k, pair=pair):
                             return loop_flashot(eng, cost, x, y, a_log, b_log, eps, k, pair)
                     elif peer == "keops":
@@ -408,8 +458,9 @@ def sweep(device: torch.device, quick: bool, budget: float, hw: dict[str, float]
     n = 64 if quick else 50_000
     cost, eps = get_cost("sqeuclidean"), 0.1
     t_start = time.perf_counter()
-    grid = [KernelConfig(bn, bm, w, st) for bn in (32, 64, 128) for bm in (32, 64, 128)
-            for w in (4, 8) for st in (2, 3)]
+    grid = [
+        KernelConfig(bn, bm, w, st) for bn in (32, 64, 128) for bm in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+    ]
     if quick:
         grid = grid[:2]
     log(f"## (c) config sweep: one float32 softmin, n = m = {n}, median of 5 launches\n")
@@ -434,8 +485,10 @@ def sweep(device: torch.device, quick: bool, budget: float, hw: dict[str, float]
                     continue
                 t_exp = n * n / hw["exp/s"]
                 t_fma = n * n * 2 * d / hw["fp32 FLOP/s"]
-                log(f"| {d} | {'fold' if fold else 'explicit'} | {cfg} | {t * 1e3:.2f} | {t_exp / t:.0%} | "
-                    f"{t_fma / t:.0%} |")
+                log(
+                    f"| {d} | {'fold' if fold else 'explicit'} | {cfg} | {t * 1e3:.2f} | {t_exp / t:.0%} | "
+                    f"{t_fma / t:.0%} |"
+                )
     log("")
 
 
@@ -445,8 +498,10 @@ def _fmt(v) -> str:
 
 def table(rows: list[dict], hw: dict[str, float], tf32: bool, iters: int) -> str:
     gemm = hw["tf32 FLOP/s" if tf32 else "fp32 FLOP/s"]
-    head = ("| n = m | d | flashot (ms) | flashot-pair (ms) | flash-sinkhorn (ms) | ratio fs/ours | "
-            "keops (ms) | ratio keops/ours | exp-bound share | dot-FLOP-bound share |")
+    head = (
+        "| n = m | d | flashot (ms) | flashot-pair (ms) | flash-sinkhorn (ms) | ratio fs/ours | "
+        "keops (ms) | ratio keops/ours | exp-bound share | dot-FLOP-bound share |"
+    )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         n, d = r["n"], r["d"]
@@ -463,8 +518,10 @@ def table(rows: list[dict], hw: dict[str, float], tf32: bool, iters: int) -> str
             share_exp, share_dot = f"{t_exp / best:.0%}", f"{t_dot / best:.0%}"
         else:
             share_exp = share_dot = "-"
-        lines.append(f"| {n} | {d} | {_ms(ours)} | {_ms(r.get('flashot-pair'))} | {_ms(r.get('flash-sinkhorn'))} | "
-                     f"{ratio('flash-sinkhorn')} | {_ms(r.get('keops'))} | {ratio('keops')} | {share_exp} | {share_dot} |")
+        lines.append(
+            f"| {n} | {d} | {_ms(ours)} | {_ms(r.get('flashot-pair'))} | {_ms(r.get('flash-sinkhorn'))} | "
+            f"{ratio('flash-sinkhorn')} | {_ms(r.get('keops'))} | {ratio('keops')} | {share_exp} | {share_dot} |"
+        )
     return "\n".join(lines)
 
 
@@ -481,8 +538,13 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=300.0, help="seconds allowed for part (b)")
     ap.add_argument("--tf32", action="store_true", help="time with TF32 dot products (ours and flash-sinkhorn)")
     ap.add_argument("--skip-correctness", action="store_true")
-    ap.add_argument("--sweep", type=float, default=0.0, metavar="SECONDS",
-                    help="after (b), time a grid of pinned configs for at most SECONDS (0: no sweep)")
+    ap.add_argument(
+        "--sweep",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after (b), time a grid of pinned configs for at most SECONDS (0: no sweep)",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -516,8 +578,10 @@ def main() -> int:
     log(f"(a) took {time.perf_counter() - t0:.0f} s\n")
     hw = hardware_limits(device, args.quick)
     log("## hardware (measured)\n")
-    log(f"exp2: {hw['exp/s'] / 1e12:.3g} Texp/s; GEMM fp32 (no TF32): {hw['fp32 FLOP/s'] / 1e12:.3g} TFLOP/s; "
-        f"TF32: {hw['tf32 FLOP/s'] / 1e12:.3g} TFLOP/s\n")
+    log(
+        f"exp2: {hw['exp/s'] / 1e12:.3g} Texp/s; GEMM fp32 (no TF32): {hw['fp32 FLOP/s'] / 1e12:.3g} TFLOP/s; "
+        f"TF32: {hw['tf32 FLOP/s'] / 1e12:.3g} TFLOP/s\n"
+    )
     log("## (b) timing\n")
     rows = bench(device, args.quick, args.runs, args.budget, args.tf32)
     if args.sweep:
@@ -525,10 +589,12 @@ def main() -> int:
     iters = 3 if args.quick else 100
     md = table(rows, hw, args.tf32, iters)
     prec = "TF32" if args.tf32 else "strict fp32"
-    caption = (f"{iters} fixed-eps Sinkhorn iterations (eps = 0.1, sqeuclidean, float32, {prec}), median of "
-               f"{args.runs} runs after warm-up; ratio = peer / best of ours (> 1: flashot faster); share = "
-               f"ideal time at the measured exp2 or GEMM rate / our time. Total {time.perf_counter() - t0:.0f} s; "
-               f"correctness {'skipped' if ok is None else 'PASS' if ok else 'FAIL'}.")
+    caption = (
+        f"{iters} fixed-eps Sinkhorn iterations (eps = 0.1, sqeuclidean, float32, {prec}), median of "
+        f"{args.runs} runs after warm-up; ratio = peer / best of ours (> 1: flashot faster); share = "
+        f"ideal time at the measured exp2 or GEMM rate / our time. Total {time.perf_counter() - t0:.0f} s; "
+        f"correctness {'skipped' if ok is None else 'PASS' if ok else 'FAIL'}."
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(LINES) + "\n\n" + caption + "\n\n" + md + "\n")
     print()

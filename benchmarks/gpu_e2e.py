@@ -128,8 +128,11 @@ def loss_runners(args) -> dict:
     try:
         import flash_sinkhorn as fs
 
-        out["flash-sinkhorn"] = (lambda: fs.SamplesLoss("sinkhorn", half_cost=True, allow_tf32=False, **kw)) \
-            if args.device == "cuda" else "needs CUDA"
+        out["flash-sinkhorn"] = (
+            (lambda: fs.SamplesLoss("sinkhorn", half_cost=True, allow_tf32=False, **kw))
+            if args.device == "cuda"
+            else "needs CUDA"
+        )
     except Exception as e:
         out["flash-sinkhorn"] = f"missing ({type(e).__name__})"
     return out
@@ -145,9 +148,17 @@ def value_grad(L, x, y):
 def part_losses(args, device, clock: Clock) -> None:
     sizes = (300, 600) if args.quick else (10_000, 100_000, 1_000_000)
     runners = loss_runners(args)
-    table_head("(1) SamplesLoss('sinkhorn', p=2, blur=0.05) value + gradient, 3-D float32",
-               "n = m", "peer", "time (s)", "peak GPU mem (GiB)", "value", "rel. value diff", "rel. grad diff",
-               "against")
+    table_head(
+        "(1) SamplesLoss('sinkhorn', p=2, blur=0.05) value + gradient, 3-D float32",
+        "n = m",
+        "peer",
+        "time (s)",
+        "peak GPU mem (GiB)",
+        "value",
+        "rel. value diff",
+        "rel. grad diff",
+        "against",
+    )
     last: dict[str, float] = {}
     for i, n in enumerate(sizes):
         x, y = clouds(n, device)
@@ -177,7 +188,9 @@ def part_losses(args, device, clock: Clock) -> None:
                     ref, ref_name = (v, gx), name
                 dv = abs(v - ref[0]).item() / max(abs(ref[0].item()), 1e-30)
                 dg = ((gx - ref[1]).abs().max() / ref[1].abs().max()).item()
-                log(f"| {n} | {name} | {t:.3f}{star} | {gib(peak)} | {v.item():.6g} | {dv:.1e} | {dg:.1e} | {ref_name} |")
+                log(
+                    f"| {n} | {name} | {t:.3f}{star} | {gib(peak)} | {v.item():.6g} | {dv:.1e} | {dg:.1e} | {ref_name} |"
+                )
             except Exception as e:
                 log_error(f"{n} | {name}", e, blanks=5)
             release(device)
@@ -187,8 +200,15 @@ def part_losses(args, device, clock: Clock) -> None:
 # --------------------------------------------------------------------------- (2) multiscale
 def part_multiscale(args, device, clock: Clock) -> None:
     sizes = (2_000, 5_000) if args.quick else (1_000_000, 10_000_000)
-    table_head("(2) multiscale, 3-D float32, blur = 0.01 x diameter",
-               "n = m", "solver", "time (s)", "peak GPU mem (GiB)", "value", "kept pairs (last pruning)")
+    table_head(
+        "(2) multiscale, 3-D float32, blur = 0.01 x diameter",
+        "n = m",
+        "solver",
+        "time (s)",
+        "peak GPU mem (GiB)",
+        "value",
+        "kept pairs (last pruning)",
+    )
     try:
         import flash_sinkhorn as fs
     except Exception:
@@ -210,8 +230,7 @@ def part_multiscale(args, device, clock: Clock) -> None:
                 if name == "flashot":
                     L = flashot.SamplesLoss("sinkhorn", p=2, blur=blur, diameter=diam, backend="multiscale")
                 else:  # its multiscale takes no diameter and always rounds coordinates to TF32
-                    L = fs.SamplesLoss("sinkhorn", p=2, blur=blur, half_cost=True, debias=True,
-                                       backend="multiscale")
+                    L = fs.SamplesLoss("sinkhorn", p=2, blur=blur, half_cost=True, debias=True, backend="multiscale")
                 if i == 0:
                     xs, ys = clouds(20_000 if not args.quick else 500, device, seed=2)
                     L(xs, ys)  # warm-up: compiles
@@ -230,8 +249,17 @@ def part_multiscale(args, device, clock: Clock) -> None:
 # --------------------------------------------------------------------------- (3) GW
 def part_gw(args, device, clock: Clock) -> None:
     sizes = (200, 400) if args.quick else (10_000, 100_000)
-    table_head("(3) gromov_wasserstein, float32, X uniform in the unit cube (3-D), Y = X rotated (+ noise)",
-               "n = m", "time (s)", "peak GPU mem (GiB)", "outer", "inner", "converged", "last change", "value")
+    table_head(
+        "(3) gromov_wasserstein, float32, X uniform in the unit cube (3-D), Y = X rotated (+ noise)",
+        "n = m",
+        "time (s)",
+        "peak GPU mem (GiB)",
+        "outer",
+        "inner",
+        "converged",
+        "last change",
+        "value",
+    )
     prev = 0.0
     for i, n in enumerate(sizes):
         g = torch.Generator().manual_seed(3)
@@ -246,8 +274,10 @@ def part_gw(args, device, clock: Clock) -> None:
         try:
             r, t, peak = timed(lambda: flashot.gromov_wasserstein(X, Y, reg=1.0, backend=args.backend), device)
             prev = t
-            log(f"| {n} | {t:.2f} | {gib(peak)} | {r.n_outer} | {r.n_inner} | {r.converged} | {float(r.error):.2e} | "
-                f"{float(r.value):.6g} |")
+            log(
+                f"| {n} | {t:.2f} | {gib(peak)} | {r.n_outer} | {r.n_inner} | {r.converged} | {float(r.error):.2e} | "
+                f"{float(r.value):.6g} |"
+            )
         except Exception as e:
             log_error(str(n), e, blanks=6)
     log("")

@@ -54,7 +54,7 @@ def main() -> None:
     def inductor():
         out = torch.empty(n)
         for i0 in range(0, n, bn):  # one compiled shape when bn divides n (400 | 20,000), else two
-            out[i0:i0 + bn] = compiled(x[i0:i0 + bn], y, h, 1.0 / eps)
+            out[i0 : i0 + bn] = compiled(x[i0 : i0 + bn], y, h, 1.0 / eps)
         return -eps * out
 
     cost = get_cost("sqeuclidean")
@@ -76,8 +76,10 @@ def main() -> None:
             ts.append(time.perf_counter() - t0)
         rows.append((name, statistics.median(ts), first, float((out.double() - ref).abs().max())))
     base = rows[-1][1]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, n = m = {n}, d = 3, float32, eps = {eps}, "
-          f"median of {args.runs}, load average {os.getloadavg()[0]:.2f}\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, n = m = {n}, d = 3, float32, eps = {eps}, "
+        f"median of {args.runs}, load average {os.getloadavg()[0]:.2f}\n"
+    )
     print("| implementation | s / softmin | vs flashot cpu | first call s | max abs error |\n|---|---|---|---|---|")
     for name, t, first, err in rows:
         print(f"| {name} | {t:.4f} | {t / base:.1f}x | {first:.1f} | {err:.1e} |")

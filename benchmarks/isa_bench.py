@@ -82,16 +82,28 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     from flashot.cli import cpu_model
 
-    lines = [f"CPU: {cpu_model()}; {args.threads} thread(s); float32, eps = 0.1, n = m = {args.n}; softmin: one "
-             f"streamed call (G pairs/s); solve: {args.iters} alternating iterations of solve_sample(backend='cpu', "
-             f"streaming), s/iter, median of {args.repeats}; blocked = plain blocked PyTorch in the same process; "
-             f"FTZ = the same solve with torch.set_flush_denormal(True).", "",
-             "| -march | vectors | d | softmin G pairs/s | solve s/iter | blocked s/iter | blocked / cpu | "
-             "as shipped / with FTZ |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"CPU: {cpu_model()}; {args.threads} thread(s); float32, eps = 0.1, n = m = {args.n}; softmin: one "
+        f"streamed call (G pairs/s); solve: {args.iters} alternating iterations of solve_sample(backend='cpu', "
+        f"streaming), s/iter, median of {args.repeats}; blocked = plain blocked PyTorch in the same process; "
+        f"FTZ = the same solve with torch.set_flush_denormal(True).",
+        "",
+        "| -march | vectors | d | softmin G pairs/s | solve s/iter | blocked s/iter | blocked / cpu | "
+        "as shipped / with FTZ |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for march in args.marches.split(","):
         env = {**os.environ, "FLASHOT_CPU_MARCH": march, "FLASHOT_CPU_MODE": "stream"}
-        payload = json.dumps({"n": args.n, "dims": args.dims, "iters": args.iters, "repeats": args.repeats,
-                              "threads": args.threads, "blocked": True})
+        payload = json.dumps(
+            {
+                "n": args.n,
+                "dims": args.dims,
+                "iters": args.iters,
+                "repeats": args.repeats,
+                "threads": args.threads,
+                "blocked": True,
+            }
+        )
         r = subprocess.run([sys.executable, "-c", WORKER, payload], capture_output=True, text=True, env=env)
         if r.returncode != 0:
             lines.append(f"| {march} | build or run failed: {r.stderr.strip().splitlines()[-1][:200]} |")
@@ -99,9 +111,11 @@ def main(argv=None) -> int:
             continue
         res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
         for d, row in res["rows"].items():
-            lines.append(f"| {march} | {res['vbits']}-bit | {d} | {row['gpairs']:.2f} | {row['iter']:.4f} | "
-                         f"{row['blocked']:.3f} | {row['blocked'] / row['iter']:.1f}x | "
-                         f"{row['iter'] / row['iter_ftz']:.2f} |")
+            lines.append(
+                f"| {march} | {res['vbits']}-bit | {d} | {row['gpairs']:.2f} | {row['iter']:.4f} | "
+                f"{row['blocked']:.3f} | {row['blocked'] / row['iter']:.1f}x | "
+                f"{row['iter'] / row['iter_ftz']:.2f} |"
+            )
             print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)

@@ -55,8 +55,9 @@ print(json.dumps(n * n / statistics.median(ts) / 1e9))
 
 
 def rate(lib: str, a) -> float:
-    arg = json.dumps({"lib": lib, "n": a.n, "d": a.d, "threads": a.threads, "repeats": a.repeats,
-                      "dtype": a.dtype, "call": a.call})
+    arg = json.dumps(
+        {"lib": lib, "n": a.n, "d": a.d, "threads": a.threads, "repeats": a.repeats, "dtype": a.dtype, "call": a.call}
+    )
     r = subprocess.run([sys.executable, "-c", WORKER, arg], capture_output=True, text=True, check=True)
     return float(r.stdout.strip().splitlines()[-1])
 
@@ -71,12 +72,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    ap.add_argument("--call", choices=("softmin", "plan_product", "pair", "sym"), default="softmin",
-                    help="the engine call timed: softmin, plan_product (plan times 4 columns), the fused "
-                         "pair step softmin_pair, or softmin_sym (default softmin)")
+    ap.add_argument(
+        "--call",
+        choices=("softmin", "plan_product", "pair", "sym"),
+        default="softmin",
+        help="the engine call timed: softmin, plan_product (plan times 4 columns), the fused "
+        "pair step softmin_pair, or softmin_sym (default softmin)",
+    )
     a = ap.parse_args()
-    print(f"{a.call}, {a.dtype}, n = m = {a.n:,}, d = {a.d}, {a.threads} thread(s); G pairs / s, median of "
-          f"{a.repeats} calls\n")
+    print(
+        f"{a.call}, {a.dtype}, n = m = {a.n:,}, d = {a.d}, {a.threads} thread(s); G pairs / s, median of "
+        f"{a.repeats} calls\n"
+    )
     print("| round | A | B | B / A |")
     print("|---|---|---|---|")
     ratios = []

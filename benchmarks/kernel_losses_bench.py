@@ -35,6 +35,7 @@ def step(L, x, y):
     def run():
         xr = x.clone().requires_grad_()
         L(xr, y).backward()
+
     return run
 
 
@@ -49,10 +50,15 @@ def main(argv=None) -> int:
         import geomloss
     except ImportError:
         geomloss = None
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?") \
-        if os.path.exists("/proc/cpuinfo") else "?"
-    print(f"CPU: {cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"float32, d = 3, blur = 0.5, value + gradient, median of {a.runs}\n")
+    cpu = (
+        next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+        if os.path.exists("/proc/cpuinfo")
+        else "?"
+    )
+    print(
+        f"CPU: {cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"float32, d = 3, blur = 0.5, value + gradient, median of {a.runs}\n"
+    )
     peers = ["tensorized"] + (["online"] if a.keops else [])
     print("| loss | n = m | flashot s | " + " | ".join(f"GeomLoss {p} s (ratio)" for p in peers) + " |")
     print("|---|---|---|" + "---|" * len(peers))

@@ -77,8 +77,9 @@ def _measure(env_extra: dict, load: int, args, **kw) -> dict:
     try:
         time.sleep(0.5)
         payload = json.dumps({"n": args.n, "dims": args.dims, "iters": args.iters, "repeats": args.repeats, **kw})
-        r = subprocess.run([sys.executable, "-c", WORKER, payload], capture_output=True, text=True, env=env,
-                           timeout=3600)
+        r = subprocess.run(
+            [sys.executable, "-c", WORKER, payload], capture_output=True, text=True, env=env, timeout=3600
+        )
     finally:
         for p in spin:
             p.kill()
@@ -96,8 +97,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--loads", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 2])
     ap.add_argument("--policies", default="default,passive,active")
-    ap.add_argument("--cycles", type=int, default=1, help="run the loads in turn this many times and report "
-                                                          "medians per load (evens out a noisy machine)")
+    ap.add_argument(
+        "--cycles",
+        type=int,
+        default=1,
+        help="run the loads in turn this many times and report medians per load (evens out a noisy machine)",
+    )
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     args = ap.parse_args(argv)
     if args.n < 1 or args.iters < 1 or args.repeats < 1 or any(d < 1 for d in args.dims):
@@ -110,12 +115,15 @@ def main(argv=None) -> int:
 
     from flashot.cli import cpu_model
 
-    lines = [f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads; n = m = {args.n}, float32, eps = 0.1, {args.iters} alternating "
-             f"iterations per run, median of {args.repeats} runs (and of {args.cycles} cycles over the loads); s/iter "
-             f"(slowdown vs unloaded, same policy).", "",
-             "| policy | load | " + " | ".join(f"cpu d={d} | blocked d={d}" for d in args.dims) + " |",
-             "|---|---|" + "---|---|" * len(args.dims)]
+    lines = [
+        f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; n = m = {args.n}, float32, eps = 0.1, {args.iters} alternating "
+        f"iterations per run, median of {args.repeats} runs (and of {args.cycles} cycles over the loads); s/iter "
+        f"(slowdown vs unloaded, same policy).",
+        "",
+        "| policy | load | " + " | ".join(f"cpu d={d} | blocked d={d}" for d in args.dims) + " |",
+        "|---|---|" + "---|---|" * len(args.dims),
+    ]
     for pol in pols:
         runs: dict[int, list[dict]] = {ld: [] for ld in args.loads}
         for _ in range(max(1, args.cycles)):
@@ -137,8 +145,11 @@ def main(argv=None) -> int:
     one = _measure({}, 0, args, threads=1)
     lines.append("| torch.set_num_threads(1) | " + " | ".join(f"{one[f'cpu_d{d}']:.3f}" for d in args.dims) + " |")
     thr = _measure({}, 0, args, py_threads=2)
-    lines.append("| 2 Python threads at once (per solve) | "
-                 + " | ".join(f"{thr[f'cpu_threads_d{d}'] / 2:.3f}" for d in args.dims) + " |")
+    lines.append(
+        "| 2 Python threads at once (per solve) | "
+        + " | ".join(f"{thr[f'cpu_threads_d{d}'] / 2:.3f}" for d in args.dims)
+        + " |"
+    )
     lines.append("| one solve alone (same run) | " + " | ".join(f"{thr[f'cpu_d{d}']:.3f}" for d in args.dims) + " |")
     text = "\n".join(lines)
     print(text)

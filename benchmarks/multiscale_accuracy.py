@@ -6,6 +6,7 @@ final epsilon until the marginal error is below ``tol`` and must agree.
 
     python benchmarks/multiscale_accuracy.py [--n 2000] [--blur 0.02]
 """
+
 from __future__ import annotations
 
 import argparse

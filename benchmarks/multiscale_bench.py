@@ -37,8 +37,9 @@ def surfaces(n: int, seed: int = 0):
 
     def torus(R, r, shift, angle):
         t, u = torch.rand(n, generator=g) * 2 * math.pi, torch.rand(n, generator=g) * 2 * math.pi
-        p = torch.stack([(R + r * torch.cos(u)) * torch.cos(t), (R + r * torch.cos(u)) * torch.sin(t),
-                         r * torch.sin(u)], -1)
+        p = torch.stack(
+            [(R + r * torch.cos(u)) * torch.cos(t), (R + r * torch.cos(u)) * torch.sin(t), r * torch.sin(u)], -1
+        )
         c, s = math.cos(angle), math.sin(angle)
         rot = torch.tensor([[c, 0.0, s], [0.0, 1.0, 0.0], [-s, 0.0, c]])
         return p @ rot.T + torch.tensor(shift)
@@ -64,8 +65,15 @@ def geomloss_case(n: int) -> dict:
     v = L(xg, y)
     (gx,) = torch.autograd.grad(v, xg)
     secs = time.perf_counter() - t0
-    return {"n": n, "backend": "geomloss", "seconds": secs, "compile_s": compile_s, "value": float(v.detach()),
-            "grad_norm": float(gx.norm()), "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {
+        "n": n,
+        "backend": "geomloss",
+        "seconds": secs,
+        "compile_s": compile_s,
+        "value": float(v.detach()),
+        "grad_norm": float(gx.norm()),
+        "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
 
 
 def one_case(n: int, backend: str, cluster_scale: str) -> dict:
@@ -93,8 +101,15 @@ def one_case(n: int, backend: str, cluster_scale: str) -> dict:
     v = L(xg, y)
     (gx,) = torch.autograd.grad(v, xg)
     secs = time.perf_counter() - t0
-    out = {"n": n, "backend": backend, "cluster_scale": cluster_scale, "seconds": secs, "value": float(v),
-           "grad_norm": float(gx.norm()), "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    out = {
+        "n": n,
+        "backend": backend,
+        "cluster_scale": cluster_scale,
+        "seconds": secs,
+        "value": float(v),
+        "grad_norm": float(gx.norm()),
+        "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
     if backend == "multiscale":
         run = L.last_multiscale
         out.update(kept=run.kept[-1], clusters=run.cx.n_clusters)
@@ -102,8 +117,12 @@ def one_case(n: int, backend: str, cluster_scale: str) -> dict:
 
 
 def run_sub(n: int, backend: str, cluster_scale: str) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--one", f"{n},{backend},{cluster_scale}"], capture_output=True,
-                       text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, __file__, "--one", f"{n},{backend},{cluster_scale}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -112,8 +131,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="20000,100000")
     ap.add_argument("--cluster-scales", default="default", help="comma list: 'default' or fractions of the diameter")
     ap.add_argument("--cpu-max", type=int, default=100000, help="largest n run on the cpu engine (extrapolated above)")
-    ap.add_argument("--geomloss", type=int, default=0,
-                    help="largest n run on GeomLoss' multiscale backend (KeOps; 0: none)")
+    ap.add_argument(
+        "--geomloss", type=int, default=0, help="largest n run on GeomLoss' multiscale backend (KeOps; 0: none)"
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -121,7 +141,9 @@ def main() -> None:
         print(json.dumps(one_case(int(n), backend, cs)))
         return
     print(f"# {platform.processor() or platform.machine()}, python {platform.python_version()}")
-    print("| n = m | engine | cluster_scale | clusters | kept | seconds | peak RSS GiB | vs cpu (time) | value rel. diff |")
+    print(
+        "| n = m | engine | cluster_scale | clusters | kept | seconds | peak RSS GiB | vs cpu (time) | value rel. diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     mine: dict[int, float] = {}
     ref = None
@@ -140,17 +162,23 @@ def main() -> None:
             same = ref is not None and ref["n"] == n
             diff = f"{abs(r['value'] - ref['value']) / abs(ref['value']):.1e}" if same else "-"
             speed = f"{ref_secs / r['seconds']:.1f}x{note}" if math.isfinite(ref_secs) else "- (no cpu run)"
-            print(f"| {n:,} | multiscale | {cs} | {r['clusters']:,} | {r['kept']:.4f} | {r['seconds']:.1f} | "
-                  f"{r['rss_gib']:.2f} | {speed} | {diff} |", flush=True)
+            print(
+                f"| {n:,} | multiscale | {cs} | {r['clusters']:,} | {r['kept']:.4f} | {r['seconds']:.1f} | "
+                f"{r['rss_gib']:.2f} | {speed} | {diff} |",
+                flush=True,
+            )
             mine.setdefault(n, r["seconds"])
         if n <= a.geomloss:
             r = run_sub(n, "geomloss", "-")
             same = ref is not None and ref["n"] == n
             diff = f"{abs(r['value'] - ref['value']) / abs(ref['value']):.1e}" if same else "-"
             speed = f"{ref_secs / r['seconds']:.1f}x{note}" if math.isfinite(ref_secs) else "- (no cpu run)"
-            print(f"| {n:,} | geomloss multiscale (compile {r['compile_s']:.0f} s, untimed) | default | - | - | "
-                  f"{r['seconds']:.1f} ({r['seconds'] / mine[n]:.1f}x flashot's) | {r['rss_gib']:.2f} | {speed} | "
-                  f"{diff} |", flush=True)
+            print(
+                f"| {n:,} | geomloss multiscale (compile {r['compile_s']:.0f} s, untimed) | default | - | - | "
+                f"{r['seconds']:.1f} ({r['seconds'] / mine[n]:.1f}x flashot's) | {r['rss_gib']:.2f} | {speed} | "
+                f"{diff} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

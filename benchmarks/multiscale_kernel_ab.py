@@ -72,11 +72,18 @@ def run_ab(libs: list, args: tuple, rounds: int) -> dict:
             outs[k] = blocksparse._pair_cpu(libs[k], *args[:-1], args[-1]._replace(counter=counter))
             times[k].append(time.perf_counter() - t0)
             pairs[k] = counter[0]
-    diff = max(float(((p - q).abs() / q.abs().clamp_min(1e-30)).max())
-               for p, q in zip(outs[0], outs[1]) if p is not None)
+    diff = max(
+        float(((p - q).abs() / q.abs().clamp_min(1e-30)).max()) for p, q in zip(outs[0], outs[1]) if p is not None
+    )
     ratios = [b / a for a, b in zip(times[0], times[1])]
-    return {"pairs": pairs, "a": statistics.median(times[0]), "b": statistics.median(times[1]),
-            "ratio": statistics.median(ratios), "ratios": ratios, "diff": diff}
+    return {
+        "pairs": pairs,
+        "a": statistics.median(times[0]),
+        "b": statistics.median(times[1]),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "diff": diff,
+    }
 
 
 def main() -> None:
@@ -102,8 +109,11 @@ def main() -> None:
             continue
         r = run_ab(libs, args, a.rounds)
         per = ", ".join(f"{v:.3f}" for v in r["ratios"])
-        print(f"| {key} | {r['pairs'][0]:.3e} | {r['a']:.3f} | {r['b']:.3f} | {r['ratio']:.3f} | {per} | "
-              f"{r['diff']:.1e} |", flush=True)
+        print(
+            f"| {key} | {r['pairs'][0]:.3e} | {r['a']:.3f} | {r['b']:.3f} | {r['ratio']:.3f} | {per} | "
+            f"{r['diff']:.1e} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

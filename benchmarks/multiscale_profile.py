@@ -87,6 +87,7 @@ def main() -> None:
             v = args[0] if name.startswith("softmin_pair") else u
             pairs["softmin"] += self.pattern(u, v).pairs * share
             return fn(self, u, *args, **kw)
+
         return wrapped
 
     BS.BlockSparseEngine.softmin, BS.BlockSparseEngine.plan_product = counted_softmin, counted_plan
@@ -109,11 +110,13 @@ def main() -> None:
     run = L.last_multiscale
     n2 = float(a.n) ** 2
     tiles = sum(e.tile_pairs[0] for e in engines) / n2
-    print(f"n = {a.n:,}: {run.cx.n_clusters:,} clusters, kept {[round(k, 4) for k in run.kept]}; pairs per n^2: "
-          f"softmins {pairs['softmin'] / n2:.3f}, plan products {pairs['plan'] / n2:.3f}"
-          f"{'' if a.no_tiles else f', fused steps after tiles {tiles:.3f}'}; CPU seconds: block "
-          f"bounds {prune[0]:.2f}, forward {t1 - t0:.2f}, backward {t2 - t1:.2f}; wall {wall:.1f} s; peak RSS "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    print(
+        f"n = {a.n:,}: {run.cx.n_clusters:,} clusters, kept {[round(k, 4) for k in run.kept]}; pairs per n^2: "
+        f"softmins {pairs['softmin'] / n2:.3f}, plan products {pairs['plan'] / n2:.3f}"
+        f"{'' if a.no_tiles else f', fused steps after tiles {tiles:.3f}'}; CPU seconds: block "
+        f"bounds {prune[0]:.2f}, forward {t1 - t0:.2f}, backward {t2 - t1:.2f}; wall {wall:.1f} s; peak RSS "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":

@@ -136,14 +136,17 @@ def main() -> None:
         t0 = time.perf_counter()
         o = fn()
         ts.append(time.perf_counter() - t0)
-    rows.append(("flashot cpu engine (stream)", statistics.median(ts), 0.0,
-                 float((o[0].double() - ref).abs().max()), 0))
+    rows.append(
+        ("flashot cpu engine (stream)", statistics.median(ts), 0.0, float((o[0].double() - ref).abs().max()), 0)
+    )
 
     base = rows[-1][1]
     svml = "yes" if numba.config.USING_SVML else "no"
-    print(f"numba {numba.__version__} (SVML: {svml}), torch {torch.__version__}, {numba.get_num_threads()} threads, "
-          f"n = m = {n}, d = 3, float32, eps = {eps}, median of {args.runs}, load average "
-          f"{os.getloadavg()[0]:.2f}\n")
+    print(
+        f"numba {numba.__version__} (SVML: {svml}), torch {torch.__version__}, {numba.get_num_threads()} threads, "
+        f"n = m = {n}, d = 3, float32, eps = {eps}, median of {args.runs}, load average "
+        f"{os.getloadavg()[0]:.2f}\n"
+    )
     print("| implementation | s / softmin | vs flashot cpu | first call (JIT) s | max abs error | rows not finite |")
     print("|---|---|---|---|---|---|")
     for name, t, jit, err, bad in rows:

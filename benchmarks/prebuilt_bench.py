@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     for dt in args.dtypes.split(","):
         for d in args.dims:
             g = torch.Generator().manual_seed(d)
-            x = (torch.randn(1, n, d, generator=g) / d ** 0.5).to(getattr(torch, dt))
-            y = (torch.randn(1, n, d, generator=g) / d ** 0.5 + 0.1).to(getattr(torch, dt))
+            x = (torch.randn(1, n, d, generator=g) / d**0.5).to(getattr(torch, dt))
+            y = (torch.randn(1, n, d, generator=g) / d**0.5 + 0.1).to(getattr(torch, dt))
             h = torch.randn(1, n, generator=g).to(getattr(torch, dt))
             engines = {k: CpuEngine(lib, mode="stream", threads=args.threads) for k, lib in libs.items()}
             times: dict[str, list[float]] = {k: [] for k in engines}
@@ -81,8 +81,11 @@ def main(argv=None) -> int:
                     e.softmin(x, y, h, 0.1, c)
                     times[k].append(time.perf_counter() - t0)
             rate = {k: n * n / statistics.median(ts) / 1e9 for k, ts in times.items()}
-            print(f"| {dt} | {d} | {rate[args.variant]:.2f} | {rate['native']:.2f} | "
-                  f"{rate[args.variant] / rate['native']:.2f} |", flush=True)
+            print(
+                f"| {dt} | {d} | {rate[args.variant]:.2f} | {rate['native']:.2f} | "
+                f"{rate[args.variant] / rate['native']:.2f} |",
+                flush=True,
+            )
     return 0
 
 

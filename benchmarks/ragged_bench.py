@@ -73,8 +73,10 @@ def main() -> None:
                 rel = float(((v - ref).abs() / ref.abs().clamp_min(1e-12)).max())
     med = {k: statistics.median(v) for k, v in times.items()}
     pts = sum(x.shape[0] for x in xs) + sum(y.shape[0] for y in ys)
-    print(f"{args.problems} problems of {args.min}-{args.max} points (total {pts}), D={args.dim}, float32, "
-          f"backend={args.backend}, torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}")
+    print(
+        f"{args.problems} problems of {args.min}-{args.max} points (total {pts}), D={args.dim}, float32, "
+        f"backend={args.backend}, torch threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}"
+    )
     print(f"loop   median {med['loop']:.3f} s  ({', '.join(f'{t:.2f}' for t in times['loop'])})")
     print(f"ragged median {med['ragged']:.3f} s  ({', '.join(f'{t:.2f}' for t in times['ragged'])})")
     print(f"ratio loop / ragged = {med['loop'] / med['ragged']:.2f}; largest relative value difference {rel:.2e}")

@@ -60,9 +60,11 @@ def make(solver: str, blur: float):
         backend = {"flashot:cpu": "cpu", "flashot:cpu-unfused": "cpu", "flashot:tiled": "tiled"}[solver]
         loss = flashot.SamplesLoss("sinkhorn", p=2, blur=blur, scaling=0.5, backend=backend)
         if solver.endswith("unfused"):
+
             def run(x, y):
                 with _Unfused():
                     return loss(x, y)
+
             return run
         return loss
     import geomloss
@@ -92,8 +94,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="3")
     ap.add_argument("--blur", type=float, default=0.05)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--solvers", default="flashot:cpu,flashot:cpu-unfused,flashot:tiled,geomloss:online,"
-                                         "geomloss:tensorized")
+    ap.add_argument(
+        "--solvers", default="flashot:cpu,flashot:cpu-unfused,flashot:tiled,geomloss:online,geomloss:tensorized"
+    )
     args = ap.parse_args(argv)
     solvers = args.solvers.split(",")
     known = {"flashot:cpu", "flashot:cpu-unfused", "flashot:tiled", "geomloss:online", "geomloss:tensorized"}
@@ -109,9 +112,11 @@ def main(argv=None) -> int:
         ap.error(f"--dims: expected positive integers, got {args.dims!r}")
     have_geomloss = importlib.util.find_spec("geomloss") is not None
     have_keops = importlib.util.find_spec("pykeops") is not None
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
-          f"{os.getloadavg()[0]:.2f} at start; n = m = {args.n}, blur {args.blur}, p = 2, scaling 0.5, "
-          f"debias, float32, median of {args.runs} runs of forward + backward\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+        f"{os.getloadavg()[0]:.2f} at start; n = m = {args.n}, blur {args.blur}, p = 2, scaling 0.5, "
+        f"debias, float32, median of {args.runs} runs of forward + backward\n"
+    )
     print("| d | solver | s (fwd + bwd) | vs flashot:cpu | loss | rel. diff |")
     print("|---|---|---|---|---|---|")
     for d in dims:
@@ -127,8 +132,9 @@ def main(argv=None) -> int:
             t, v = time_call(make(s, args.blur), x, y, args.runs)
             if ref_t is None:
                 ref_t, ref_v = t, v
-            print(f"| {d} | {s} | {t:.3f} | {t / ref_t:.2f} | {v:.6g} | {abs(v - ref_v) / abs(ref_v):.1e} |",
-                  flush=True)
+            print(
+                f"| {d} | {s} | {t:.3f} | {t / ref_t:.2f} | {v:.6g} | {abs(v - ref_v) / abs(ref_v):.1e} |", flush=True
+            )
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
     return 0
 

@@ -33,19 +33,23 @@ loss = flashot.SamplesLoss(blur=0.05, group=pg)(x, y)  # GeomLoss-style Sinkhorn
 
 # points-sharded mode: this rank's slices only (uneven slices are fine; none may be empty)
 world = dist.get_world_size()
-xs = x.detach()[rank * len(x) // world:(rank + 1) * len(x) // world].clone().requires_grad_()
-ys = y[rank * len(y) // world:(rank + 1) * len(y) // world]
+xs = x.detach()[rank * len(x) // world : (rank + 1) * len(x) // world].clone().requires_grad_()
+ys = y[rank * len(y) // world : (rank + 1) * len(y) // world]
 res_p = flashot.solve_sample(xs, ys, reg=0.1, group=pg, shard="points")  # a=None: 1/N over all ranks' points
 res_p.value.backward()  # xs.grad: this rank's rows of the gradient
 grad_sq = torch.tensor([float(xs.grad.norm()) ** 2])
 dist.all_reduce(grad_sq, group=pg)  # |grad x|^2 summed over the ranks' slices
 
 if rank == 0:
-    print(f"{world} ranks, engine {res.backend}: OT = {res.value.item():.6f} "
-          f"({res.n_iter} iterations, converged {res.converged}), |grad x| = {float(x.grad.norm()):.6f}, "
-          f"S_eps = {loss.item():.6f}")
-    print(f"points-sharded, engine {res_p.backend}: OT = {res_p.value.item():.6f} ({res_p.n_iter} iterations), "
-          f"|grad x| = {float(grad_sq.sqrt()):.6f}")
+    print(
+        f"{world} ranks, engine {res.backend}: OT = {res.value.item():.6f} "
+        f"({res.n_iter} iterations, converged {res.converged}), |grad x| = {float(x.grad.norm()):.6f}, "
+        f"S_eps = {loss.item():.6f}"
+    )
+    print(
+        f"points-sharded, engine {res_p.backend}: OT = {res_p.value.item():.6f} ({res_p.n_iter} iterations), "
+        f"|grad x| = {float(grad_sq.sqrt()):.6f}"
+    )
 dist.barrier()  # no rank tears the group down while another still uses it
 dist.destroy_process_group()
 # torch's gloo can abort at interpreter exit ("terminate called without an active exception",

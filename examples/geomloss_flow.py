@@ -92,8 +92,9 @@ def plot(h: dict, out: str, title: str) -> None:
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise SystemExit(f"the figure needs matplotlib: pip install \"flashot[examples]\" "
-                         f"(or --out '' to skip it) ({e})") from e
+        raise SystemExit(
+            f"the figure needs matplotlib: pip install \"flashot[examples]\" (or --out '' to skip it) ({e})"
+        ) from e
     snaps = h["snapshots"]
     fig, axes = plt.subplots(2, 3, figsize=(12, 8))
     for ax, (t, xs) in zip(axes.flat, snaps.items()):
@@ -105,7 +106,7 @@ def plot(h: dict, out: str, title: str) -> None:
         ax.set_aspect("equal")
         ax.set_xticks([])
         ax.set_yticks([])
-    for ax in list(axes.flat)[len(snaps):]:
+    for ax in list(axes.flat)[len(snaps) :]:
         ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout()
@@ -133,18 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     for impl in impls:
         h = run(args.n, args.lr, args.blur, impl, args.backend, args.geomloss_backend)
         results[impl] = h
-        name = f"flashot (backend={args.backend!r})" if impl == "flashot" else \
-            f"geomloss (backend={args.geomloss_backend!r})"
-        print(f"{name}: {h['steps']} steps, {h['seconds']:.1f} s ({1e3 * h['seconds'] / h['steps']:.0f} ms/step); "
-              f"S_eps: {h['losses'][0]:.4g} -> {h['losses'][-1]:.4g}", flush=True)
+        name = (
+            f"flashot (backend={args.backend!r})"
+            if impl == "flashot"
+            else f"geomloss (backend={args.geomloss_backend!r})"
+        )
+        print(
+            f"{name}: {h['steps']} steps, {h['seconds']:.1f} s ({1e3 * h['seconds'] / h['steps']:.0f} ms/step); "
+            f"S_eps: {h['losses'][0]:.4g} -> {h['losses'][-1]:.4g}",
+            flush=True,
+        )
         if args.out:
             out = args.out if len(impls) == 1 else args.out.replace(".png", f"_{impl}.png")
             plot(h, out, f"{name}, n = {args.n}, blur = {args.blur}: {h['seconds']:.1f} s")
     if len(impls) == 2:
         d = (results["flashot"]["x"] - results["geomloss"]["x"]).norm(dim=-1).max()
         dl = max(abs(a - b) for a, b in zip(results["flashot"]["losses"], results["geomloss"]["losses"]))
-        print(f"max |x_flashot - x_geomloss| at the end: {float(d):.2e}; max loss difference over the steps: {dl:.2e}; "
-              f"time ratio geomloss / flashot: {results['geomloss']['seconds'] / results['flashot']['seconds']:.1f}x")
+        print(
+            f"max |x_flashot - x_geomloss| at the end: {float(d):.2e}; max loss difference over the steps: {dl:.2e}; "
+            f"time ratio geomloss / flashot: {results['geomloss']['seconds'] / results['flashot']['seconds']:.1f}x"
+        )
     return 0
 
 

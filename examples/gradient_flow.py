@@ -63,8 +63,9 @@ def run(
     T0 = None
     for step in range(steps + 1):
         xr = x.clone().requires_grad_()
-        res = flashot.solve_sample(xr, y, cost="half_sqeuclidean", reg=reg, tol=tol, max_iter=5000,
-                                   potentials_init=pots, backend=backend)
+        res = flashot.solve_sample(
+            xr, y, cost="half_sqeuclidean", reg=reg, tol=tol, max_iter=5000, potentials_init=pots, backend=backend
+        )
         losses.append(float(res.value.detach()))
         iters.append(res.n_iter)
         pots = tuple(p.detach() for p in res.potentials)
@@ -81,16 +82,27 @@ def run(
     T = res.plan.barycentric_map()
     residual = float((T - x).norm(dim=-1).mean())
     initial = float((T0 - x0).norm(dim=-1).mean())
-    cold_last = flashot.solve_sample(x, y, cost="half_sqeuclidean", reg=reg, tol=tol, max_iter=5000,
-                                     backend=backend).n_iter
+    cold_last = flashot.solve_sample(
+        x, y, cost="half_sqeuclidean", reg=reg, tol=tol, max_iter=5000, backend=backend
+    ).n_iter
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     ax = axes[0]
     ax.scatter(y[:, 0], y[:, 1], s=3, c="tab:red", alpha=0.4, label="target y")
     ax.scatter(x0[:, 0], x0[:, 1], s=3, c="tab:blue", alpha=0.6, label="x at t=0")
     sub = torch.arange(0, n, max(1, n // 60))
-    ax.quiver(x0[sub, 0], x0[sub, 1], (T0 - x0)[sub, 0], (T0 - x0)[sub, 1], angles="xy", scale_units="xy",
-              scale=1, width=0.003, alpha=0.7, label="barycentric map T(x) - x")
+    ax.quiver(
+        x0[sub, 0],
+        x0[sub, 1],
+        (T0 - x0)[sub, 0],
+        (T0 - x0)[sub, 1],
+        angles="xy",
+        scale_units="xy",
+        scale=1,
+        width=0.003,
+        alpha=0.7,
+        label="barycentric map T(x) - x",
+    )
     ax.set_title("t = 0: the barycentric map of the plan")
     ax.legend(loc="lower left", fontsize=8)
     ax = axes[1]
@@ -137,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="gradient_flow.png")
     args = p.parse_args(argv)
     h = run(args.n, args.steps, args.lr, args.blur, out=args.out, backend=args.backend)
-    print(f"S: {h['losses'][0]:.4g} -> {h['losses'][-1]:.4g}; iterations per step: "
-          f"{h['iterations'][0]} cold, then {h['iterations'][1:]} warm "
-          f"(a cold start at the last step: {h['cold_iterations_last']}); "
-          f"mean |T(x) - x|: {h['mean_displacement_initial']:.3f} -> {h['mean_displacement_final']:.3f}; "
-          f"{h['seconds']:.1f} s; wrote {h['out']}")
+    print(
+        f"S: {h['losses'][0]:.4g} -> {h['losses'][-1]:.4g}; iterations per step: "
+        f"{h['iterations'][0]} cold, then {h['iterations'][1:]} warm "
+        f"(a cold start at the last step: {h['cold_iterations_last']}); "
+        f"mean |T(x) - x|: {h['mean_displacement_initial']:.3f} -> {h['mean_displacement_final']:.3f}; "
+        f"{h['seconds']:.1f} s; wrote {h['out']}"
+    )
     return 0
 
 

@@ -44,7 +44,7 @@ H = W = 40 if SMALL else 128
 
 
 def sunset(h, w):
-    v, u = np.mgrid[0:1:h * 1j, 0:1:w * 1j]
+    v, u = np.mgrid[0 : 1 : h * 1j, 0 : 1 : w * 1j]
     sky = np.stack([0.95 - 0.35 * v, 0.45 - 0.25 * v + 0.2 * (1 - v) ** 3, 0.25 + 0.35 * v], -1)
     sun = ((u - 0.65) ** 2 + (v - 0.45) ** 2) < 0.012
     sky[sun] = [1.0, 0.9, 0.35]
@@ -54,7 +54,7 @@ def sunset(h, w):
 
 
 def seascape(h, w):
-    v, u = np.mgrid[0:1:h * 1j, 0:1:w * 1j]
+    v, u = np.mgrid[0 : 1 : h * 1j, 0 : 1 : w * 1j]
     img = np.stack([0.65 + 0.2 * v, 0.8 + 0.1 * v, 0.95 + 0 * v], -1)  # pale sky
     sea = v > 0.5
     img[sea] = np.stack([0.05 + 0.1 * u, 0.35 + 0.2 * (1 - v), 0.45 + 0.2 * (1 - v)], -1)[sea]
@@ -84,8 +84,7 @@ result = mapped.clamp(0, 1).reshape(H, W, 3).numpy()
 mean_src, mean_tgt, mean_res = (c.reshape(-1, 3).mean(0) for c in (source, target, result))
 gap_before = float(np.linalg.norm(mean_src - mean_tgt))
 gap_after = float(np.linalg.norm(mean_res - mean_tgt))
-print("mean colour (RGB): source", mean_src.round(3), "target", mean_tgt.round(3),
-      "transferred", mean_res.round(3))
+print("mean colour (RGB): source", mean_src.round(3), "target", mean_tgt.round(3), "transferred", mean_res.round(3))
 print(f"distance of the mean colour to the target's: {gap_before:.3f} before, {gap_after:.4f} after")
 
 # %%
@@ -112,12 +111,15 @@ for ax, img, name in zip(axes[1], (source, target, result), names):
     ax.set_ylabel("blue")
     ax.set_title(f"pixel colours: {name}")
     ax.legend(loc="upper left")
-fig.suptitle(f"Colour transfer by entropic OT ({x.shape[0]} x {y.shape[0]} pixels, reg = 0.01): "
-             f"mean-colour gap to the target {gap_before:.3f} -> {gap_after:.4f}")
+fig.suptitle(
+    f"Colour transfer by entropic OT ({x.shape[0]} x {y.shape[0]} pixels, reg = 0.01): "
+    f"mean-colour gap to the target {gap_before:.3f} -> {gap_after:.4f}"
+)
 fig.tight_layout()
 
 if OUT:
     fig.savefig(os.path.join(OUT, "plot_colour_transfer.png"), dpi=80)
     with open(os.path.join(OUT, "plot_colour_transfer.json"), "w") as f:
-        json.dump({"gap_before": gap_before, "gap_after": gap_after, "seconds": elapsed,
-                   "converged": bool(res.converged)}, f)
+        json.dump(
+            {"gap_before": gap_before, "gap_after": gap_after, "seconds": elapsed, "converged": bool(res.converged)}, f
+        )

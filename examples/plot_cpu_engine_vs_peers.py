@@ -37,7 +37,7 @@ text = (ROOT / "BENCHMARKS.md").read_text()
 def read_section(d):
     """Rows of the section for n = m = 20,000 and dimension ``d``: (solver, s/iter, ratio, notes)."""
     head = re.search(rf"^## n = m = 20,000, d = {d}, float32, eps = 0\.1.*$", text, re.M)
-    body = text[head.end():].split("\n## ", 1)[0]
+    body = text[head.end() :].split("\n## ", 1)[0]
     rows = []
     for line in body.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -72,17 +72,30 @@ for ax, (d, rows) in zip(axes, tables.items()):
     for bar, (_, s, ratio, notes) in zip(bars, rows):
         if "reduced" in notes:
             bar.set_hatch("//")
-        ax.text(s * 1.08, bar.get_y() + bar.get_height() / 2,
-                f"{s:.3g} s ({'reference' if ratio == 1 else f'{ratio:g}x'})", va="center", fontsize=9)
+        ax.text(
+            s * 1.08,
+            bar.get_y() + bar.get_height() / 2,
+            f"{s:.3g} s ({'reference' if ratio == 1 else f'{ratio:g}x'})",
+            va="center",
+            fontsize=9,
+        )
     ax.set_xscale("log")
     ax.set_xlim(min(secs) / 2, max(secs) * 12)
     ax.set_xlabel("seconds per iteration (log scale; shorter is faster)")
     ax.set_title(f"n = m = 20,000, d = {d}")
-    ax.legend(handles=[Patch(color="tab:blue", label="flashot"), Patch(color="0.6", label="peer"),
-                       Patch(facecolor="0.6", hatch="//", label="fewer iterations (time budget)")],
-              loc="upper right", fontsize=8)
-fig.suptitle(f"Alternating Sinkhorn iterations, float32, eps = 0.1: flashot vs peers\n"
-             f"measured on {cpu_name} (BENCHMARKS.md, {date} UTC); other CPUs may differ")
+    ax.legend(
+        handles=[
+            Patch(color="tab:blue", label="flashot"),
+            Patch(color="0.6", label="peer"),
+            Patch(facecolor="0.6", hatch="//", label="fewer iterations (time budget)"),
+        ],
+        loc="upper right",
+        fontsize=8,
+    )
+fig.suptitle(
+    f"Alternating Sinkhorn iterations, float32, eps = 0.1: flashot vs peers\n"
+    f"measured on {cpu_name} (BENCHMARKS.md, {date} UTC); other CPUs may differ"
+)
 fig.tight_layout()
 
 if OUT:

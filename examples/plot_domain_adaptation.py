@@ -49,8 +49,8 @@ def two_moons(n, noise=0.08):
 
 angle = math.radians(20)
 rot = torch.tensor([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
-xs, ys = two_moons(N)                     # source: labelled
-xt, yt = two_moons(N)                     # target: labels used only to score
+xs, ys = two_moons(N)  # source: labelled
+xt, yt = two_moons(N)  # target: labels used only to score
 xt = (xt - 0.5) @ rot.T + torch.tensor([0.8, 0.5])
 
 
@@ -71,8 +71,7 @@ print(f"solve: {res.n_iter} iterations, converged={res.converged}")
 
 acc_raw = (knn_predict(xs, ys, xt) == yt).float().mean().item()
 acc_ot = (knn_predict(xs_moved, ys, xt) == yt).float().mean().item()
-print(f"target accuracy: {acc_raw:.1%} trained on the source, {acc_ot:.1%} trained on the "
-      f"transported source")
+print(f"target accuracy: {acc_raw:.1%} trained on the source, {acc_ot:.1%} trained on the transported source")
 
 # %%
 # Source, transported source, and the predictions on the target
@@ -90,16 +89,19 @@ ax.scatter(*xs_moved[ys == 0].T, s=8, c=[colors[0].tolist()], label="transported
 ax.scatter(*xs_moved[ys == 1].T, s=8, c=[colors[1].tolist()], label="transported, class 1")
 sel = torch.arange(0, N, max(1, N // 60))
 for i in sel.tolist():
-    ax.annotate("", xy=xs_moved[i].tolist(), xytext=xs[i].tolist(),
-                arrowprops=dict(arrowstyle="->", color="0.3", lw=0.6, alpha=0.6))
+    ax.annotate(
+        "",
+        xy=xs_moved[i].tolist(),
+        xytext=xs[i].tolist(),
+        arrowprops=dict(arrowstyle="->", color="0.3", lw=0.6, alpha=0.6),
+    )
 ax.set_title("the barycentric map T moves the source\n(arrows: some samples)")
 pred_ot = knn_predict(xs_moved, ys, xt)
 wrong = pred_ot != yt
 ax = axes[2]
 ax.scatter(*xt.T, s=8, c=colors[pred_ot].numpy(), label="target, colour = predicted class")
 ax.scatter(*xt[wrong].T, s=40, facecolors="none", edgecolors="r", label="misclassified")
-ax.set_title(f"target accuracy of a 5-NN vote: {acc_ot:.0%}\n"
-             f"(trained on the raw source: {acc_raw:.0%})")
+ax.set_title(f"target accuracy of a 5-NN vote: {acc_ot:.0%}\n(trained on the raw source: {acc_raw:.0%})")
 for ax in axes:
     ax.set_aspect("equal")
     ax.set_xlabel("x1")

@@ -39,25 +39,25 @@ import flashot
 
 SMALL = os.environ.get("FLASHOT_EXAMPLE_SMALL") == "1"
 OUT = os.environ.get("FLASHOT_EXAMPLE_OUT")
-n = 60 if SMALL else 200                                     # points per class
+n = 60 if SMALL else 200  # points per class
 gen = torch.Generator().manual_seed(0)
 centres = torch.tensor([[0.0, 0.0], [3.0, 0.0], [1.5, 2.5]])
 XA = torch.cat([c + 0.5 * torch.randn(n, 2, generator=gen) for c in centres])
 lA = torch.arange(3).repeat_interleave(n)
 XB = torch.cat([c + torch.tensor([0.4, 0.3]) + 0.5 * torch.randn(n, 2, generator=gen) for c in centres])
-relabel = torch.tensor([2, 0, 1])                            # A's class k is B's class relabel[k]
+relabel = torch.tensor([2, 0, 1])  # A's class k is B's class relabel[k]
 lB = relabel[lA]
-lB2 = torch.randint(0, 3, (3 * n,), generator=gen)           # B': B's points, labels at random
+lB2 = torch.randint(0, 3, (3 * n,), generator=gen)  # B': B's points, labels at random
 
 # %%
 # Plain OT and OTDD
 # -----------------
 reg = 0.1
-plain = flashot.solve_sample(XA, XB, reg=reg).value          # the points only: B and B' alike
+plain = flashot.solve_sample(XA, XB, reg=reg).value  # the points only: B and B' alike
 res = flashot.otdd(XA, lA, XB, lB, reg=reg)
 res2 = flashot.otdd(XA, lA, XB, lB2, reg=reg)
 W = res.label_cost
-match = W.argmin(1)                                          # the closest class of B for each class of A
+match = W.argmin(1)  # the closest class of B for each class of A
 print(f"plain OT(A, B) = OT(A, B') = {float(plain):.3f}")
 print(f"OTDD(A, B)  = {float(res.value):.3f}")
 print(f"OTDD(A, B') = {float(res2.value):.3f}")
@@ -78,14 +78,22 @@ for ax, (X, lab, title) in zip(axes[:2], ((XA, lA, "A"), (XB, lB2, "B and B' (la
     ax.legend(loc="upper right", fontsize=8)
 for k in range(3):
     axes[1].scatter(*XB[lB == k].T, s=30, facecolors="none", edgecolors=colors[k], lw=0.4)
-for ax, (Wk, title) in zip(axes[2:], ((W, f"W(A, B): OTDD {float(res.value):.2f}"),
-                                      (res2.label_cost, f"W(A, B'): OTDD {float(res2.value):.2f}"))):
+for ax, (Wk, title) in zip(
+    axes[2:],
+    ((W, f"W(A, B): OTDD {float(res.value):.2f}"), (res2.label_cost, f"W(A, B'): OTDD {float(res2.value):.2f}")),
+):
     Wk = Wk.detach()
     im = ax.imshow(Wk, cmap="viridis", vmin=0, vmax=float(W.max()))
     for i in range(3):
         for j in range(3):
-            ax.text(j, i, f"{float(Wk[i, j]):.2f}", ha="center", va="center",
-                    color="w" if float(Wk[i, j]) < 0.6 * float(W.max()) else "k")
+            ax.text(
+                j,
+                i,
+                f"{float(Wk[i, j]):.2f}",
+                ha="center",
+                va="center",
+                color="w" if float(Wk[i, j]) < 0.6 * float(W.max()) else "k",
+            )
     ax.set_xticks(range(3))
     ax.set_yticks(range(3))
     ax.set_xlabel("class of the second dataset")
@@ -98,6 +106,14 @@ fig.tight_layout()
 if OUT:
     fig.savefig(os.path.join(OUT, "plot_otdd.png"), dpi=80)
     with open(os.path.join(OUT, "plot_otdd.json"), "w") as f:
-        json.dump({"plain": float(plain), "otdd": float(res.value), "otdd_shuffled": float(res2.value),
-                   "match": match.tolist(), "relabel": relabel.tolist(),
-                   "converged": bool(res.converged and res2.converged)}, f)
+        json.dump(
+            {
+                "plain": float(plain),
+                "otdd": float(res.value),
+                "otdd_shuffled": float(res2.value),
+                "match": match.tolist(),
+                "relabel": relabel.tolist(),
+                "converged": bool(res.converged and res2.converged),
+            },
+            f,
+        )

@@ -49,8 +49,9 @@ gen = torch.Generator().manual_seed(0)
 
 def torus(n, R=1.0, r=0.35):
     u, v = 2 * math.pi * torch.rand(n, generator=gen), 2 * math.pi * torch.rand(n, generator=gen)
-    return torch.stack([(R + r * torch.cos(v)) * torch.cos(u),
-                        (R + r * torch.cos(v)) * torch.sin(u), r * torch.sin(v)], -1)
+    return torch.stack(
+        [(R + r * torch.cos(v)) * torch.cos(u), (R + r * torch.cos(v)) * torch.sin(u), r * torch.sin(v)], -1
+    )
 
 
 def rotation(ax, ay):
@@ -85,8 +86,10 @@ for step in range(STEPS + 1):
 elapsed = time.perf_counter() - t0
 snapshots[STEPS] = x.detach().clone()
 factor = losses[0] / losses[-1]
-print(f"{STEPS} steps of {N} points in {elapsed:.1f} s: loss {losses[0]:.3g} -> {losses[-1]:.3g} "
-      f"(divided by {factor:.0f})")
+print(
+    f"{STEPS} steps of {N} points in {elapsed:.1f} s: loss {losses[0]:.3g} -> {losses[-1]:.3g} "
+    f"(divided by {factor:.0f})"
+)
 
 # %%
 # Snapshots and the loss
@@ -114,8 +117,7 @@ ax.set_xlabel("gradient step")
 ax.set_ylabel("Sinkhorn divergence S (log scale)")
 ax.set_title(f"loss divided by {factor:.0f}")
 ax.grid(True, which="both", alpha=0.3)
-fig.suptitle(f"Registration of a torus by a Sinkhorn gradient flow "
-             f"(n = m = {N}, blur = 0.02, lr = {LR})")
+fig.suptitle(f"Registration of a torus by a Sinkhorn gradient flow (n = m = {N}, blur = 0.02, lr = {LR})")
 fig.tight_layout()
 
 if OUT:

@@ -38,8 +38,10 @@ def pytest_sessionstart(session):
         print(f"\nflashot tests: the cpu engine's kernels could not be built: {str(e)[:200]}")
         return
     if not all(cached for _, _, cached, _ in built):
-        print(f"\nflashot tests: compiled the cpu engine's kernels in {time.perf_counter() - t0:.1f} s "
-              f"({', '.join(path for path, *_ in built)})")
+        print(
+            f"\nflashot tests: compiled the cpu engine's kernels in {time.perf_counter() - t0:.1f} s "
+            f"({', '.join(path for path, *_ in built)})"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +111,8 @@ def pytest_runtest_makereport(item, call):
         return
     if call.duration > limit:
         rep.outcome = "failed"
-        rep.longrepr = (f"{item.nodeid}: the {rep.when} took {call.duration:.1f} s, over the default run's "
-                        f"limit of {limit:g} s (tests/conftest.py): make it smaller or mark it "
-                        f"@pytest.mark.slow (FLASHOT_TEST_TIME_LIMIT=0 turns the guard off)")
+        rep.longrepr = (
+            f"{item.nodeid}: the {rep.when} took {call.duration:.1f} s, over the default run's "
+            f"limit of {limit:g} s (tests/conftest.py): make it smaller or mark it "
+            f"@pytest.mark.slow (FLASHOT_TEST_TIME_LIMIT=0 turns the guard off)"
+        )

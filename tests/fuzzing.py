@@ -19,10 +19,24 @@ if PROFILE not in ("ci", "long"):
     raise RuntimeError(f"FLASHOT_FUZZ: expected 'ci' or 'long', got {PROFILE!r}")
 
 _HC = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
-settings.register_profile("flashot-fuzz-ci", max_examples=40, derandomize=True, database=None,
-                          deadline=None, suppress_health_check=_HC, print_blob=True)
-settings.register_profile("flashot-fuzz-long", max_examples=2500, derandomize=False, database=None,
-                          deadline=None, suppress_health_check=_HC, print_blob=True)
+settings.register_profile(
+    "flashot-fuzz-ci",
+    max_examples=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=_HC,
+    print_blob=True,
+)
+settings.register_profile(
+    "flashot-fuzz-long",
+    max_examples=2500,
+    derandomize=False,
+    database=None,
+    deadline=None,
+    suppress_health_check=_HC,
+    print_blob=True,
+)
 BASE = settings.get_profile(f"flashot-fuzz-{PROFILE}")
 _OVERRIDE = os.environ.get("FLASHOT_FUZZ_EXAMPLES")
 

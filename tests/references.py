@@ -63,8 +63,11 @@ def _lam(eps: float, rho: float | None) -> float:
 
 def _kl(p: Tensor, q: Tensor) -> Tensor:
     pos = p > 0
-    return torch.where(pos, p * (torch.log(torch.where(pos, p, 1)) - torch.log(torch.where(pos, q, 1))), 0).sum() \
-        - p.sum() + q.sum()
+    return (
+        torch.where(pos, p * (torch.log(torch.where(pos, p, 1)) - torch.log(torch.where(pos, q, 1))), 0).sum()
+        - p.sum()
+        + q.sum()
+    )
 
 
 def plan(C: Tensor, a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
@@ -89,8 +92,16 @@ def primal_value(C, P, a, b, eps, rho_x=None, rho_y=None) -> float:
     return float(v)
 
 
-def solve(C: Tensor, a: Tensor, b: Tensor, eps: float, rho_x: float | None = None, rho_y: float | None = None,
-          tol: float = 1e-13, max_iter: int = 200_000) -> Solution:
+def solve(
+    C: Tensor,
+    a: Tensor,
+    b: Tensor,
+    eps: float,
+    rho_x: float | None = None,
+    rho_y: float | None = None,
+    tol: float = 1e-13,
+    max_iter: int = 200_000,
+) -> Solution:
     """Alternating log-domain Sinkhorn in float64 until both marginal conditions hold to ``tol`` (L1):
     ``P 1 = a`` (strict) or ``a exp(-f / rho_x)``, and the same for ``P^T 1``."""
     C, a, b = C.double(), a.double(), b.double()
@@ -109,8 +120,9 @@ def solve(C: Tensor, a: Tensor, b: Tensor, eps: float, rho_x: float | None = Non
             if err < tol:
                 break
     P = plan(C, a, b, f, g, eps)
-    return Solution(f, g, P, dual_value(C, a, b, f, g, eps, rho_x, rho_y),
-                    primal_value(C, P, a, b, eps, rho_x, rho_y), it, err)
+    return Solution(
+        f, g, P, dual_value(C, a, b, f, g, eps, rho_x, rho_y), primal_value(C, P, a, b, eps, rho_x, rho_y), it, err
+    )
 
 
 def ot_value(x, y, a, b, eps, p=2, rho_x=None, rho_y=None, half=True) -> float:
@@ -120,8 +132,11 @@ def ot_value(x, y, a, b, eps, p=2, rho_x=None, rho_y=None, half=True) -> float:
 
 def divergence(x, y, a, b, eps, p=2, rho_x=None, rho_y=None) -> float:
     """Sinkhorn divergence ``S = OT(a, b) - OT(a, a)/2 - OT(b, b)/2``, every term with ``(rho_x, rho_y)``."""
-    return (ot_value(x, y, a, b, eps, p, rho_x, rho_y) - 0.5 * ot_value(x, x, a, a, eps, p, rho_x, rho_y)
-            - 0.5 * ot_value(y, y, b, b, eps, p, rho_x, rho_y))
+    return (
+        ot_value(x, y, a, b, eps, p, rho_x, rho_y)
+        - 0.5 * ot_value(x, x, a, a, eps, p, rho_x, rho_y)
+        - 0.5 * ot_value(y, y, b, b, eps, p, rho_x, rho_y)
+    )
 
 
 def finite_difference(fn, t: Tensor, direction: Tensor, h: float = 1e-5) -> float:
@@ -151,8 +166,9 @@ def sinkhorn_unrolled(C: Tensor, la: Tensor, lb: Tensor, eps: float, iters: int)
     return f, g
 
 
-def log_sinkhorn(C: Tensor, a: Tensor, b: Tensor, eps: float, tol: float, max_iter: int = 200_000,
-                 g: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def log_sinkhorn(
+    C: Tensor, a: Tensor, b: Tensor, eps: float, tol: float, max_iter: int = 200_000, g: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Balanced alternating log-domain Sinkhorn on an ``(N, M)`` matrix from ``g`` (default 0) until the plan's
     row sums are within ``tol`` of ``a`` (L1, checked every 10 steps): ``(P, g)``.  Zero weights give zero rows
     or columns (``log 0 = -inf``).  Unlike :func:`solve`, it starts from a given ``g`` (the warm start of an
@@ -190,6 +206,7 @@ def torus(n: int, seed: int, shift=(0.0, 0.0, 0.0)) -> Tensor:
     cloud with empty space between its clusters, the multiscale tests' problem."""
     g = torch.Generator().manual_seed(seed)
     t, u = torch.rand(n, generator=g, dtype=F64) * 2 * math.pi, torch.rand(n, generator=g, dtype=F64) * 2 * math.pi
-    x = torch.stack([(1 + 0.35 * torch.cos(u)) * torch.cos(t), (1 + 0.35 * torch.cos(u)) * torch.sin(t),
-                     0.35 * torch.sin(u)], -1)
+    x = torch.stack(
+        [(1 + 0.35 * torch.cos(u)) * torch.cos(t), (1 + 0.35 * torch.cos(u)) * torch.sin(t), 0.35 * torch.sin(u)], -1
+    )
     return x + torch.tensor(shift, dtype=F64)

@@ -121,7 +121,9 @@ def check_weights(name: str, a: Tensor | None, x: Tensor, points_name: str) -> T
 
 def check_pair(x: Tensor, y: Tensor, xname: str = "x", yname: str = "y") -> None:
     if x.dim() != y.dim():
-        raise ValueError(f"{xname} and {yname}: expected both (N, D) or both (B, N, D), got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise ValueError(
+            f"{xname} and {yname}: expected both (N, D) or both (B, N, D), got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
     if x.shape[-1] != y.shape[-1]:
         raise ValueError(f"{xname} and {yname}: point dimensions differ ({x.shape[-1]} vs {y.shape[-1]})")
     if x.dim() == 3 and x.shape[0] != y.shape[0]:
@@ -173,8 +175,10 @@ def check_power(name: str, v: float, p: int) -> float:
     except OverflowError:
         out = math.inf
     if not (0 < out < math.inf):
-        raise ValueError(f"{name}: {name}**{p} = {out:g} is not a positive finite float64 (got {name}={v!r}); "
-                         "rescale the points and this parameter together")
+        raise ValueError(
+            f"{name}: {name}**{p} = {out:g} is not a positive finite float64 (got {name}={v!r}); "
+            "rescale the points and this parameter together"
+        )
     return out
 
 

@@ -204,8 +204,7 @@ def check_acceleration(acc: object, allow_auto: bool = False) -> Momentum | Ande
             f"got the string {acc!r}"
         )
     raise TypeError(
-        "acceleration: expected None, flashot.Momentum(omega=...) or flashot.Anderson(m=...), "
-        f"got {type(acc).__name__}"
+        f"acceleration: expected None, flashot.Momentum(omega=...) or flashot.Anderson(m=...), got {type(acc).__name__}"
     )
 
 
@@ -233,8 +232,14 @@ class Accelerator:
     and a candidate is finite only if it is finite everywhere, so every process takes the same steps.
     """
 
-    def __init__(self, cfg: Momentum | Anderson, batch: int, device: torch.device | str, dtype: torch.dtype,
-                 reduce: Callable[..., Tensor] = _local):
+    def __init__(
+        self,
+        cfg: Momentum | Anderson,
+        batch: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        reduce: Callable[..., Tensor] = _local,
+    ):
         self.cfg = cfg
         self._reduce = reduce
         self.ref: Tensor | None = None  # smallest error seen since the last change of eps
@@ -322,14 +327,14 @@ class Accelerator:
             # and raise omega only with enough steps left for the new transient to pay off
             steady = steady & ((new_w <= w) | (HORIZON * new_w / (2.0 - new_w) <= remaining))
             w = torch.where(measured & decreased & (mu > w - 1.0) & steady, new_w, w)
-            self.prev_mu = torch.where(measured, torch.where(w_old == 1.0, mu, torch.full_like(mu, float("nan"))),
-                                       self.prev_mu)
+            self.prev_mu = torch.where(
+                measured, torch.where(w_old == 1.0, mu, torch.full_like(mu, float("nan"))), self.prev_mu
+            )
             back = worse | ~finite | (measured & ~decreased)  # overshoot, or no decrease over a window
             w = torch.where(back, torch.ones_like(w), w)
             restart = back | full
             self.settle = torch.where(restart, w != w_old, self.settle)
-        self.win_err = torch.where(restart, torch.where(finite, err, torch.full_like(err, float("inf"))),
-                                   self.win_err)
+        self.win_err = torch.where(restart, torch.where(finite, err, torch.full_like(err, float("inf"))), self.win_err)
         self.win_n = torch.where(restart, torch.zeros_like(self.win_n), self.win_n)
         self.w = w.unsqueeze(-1)
         self.prev_acc = ok & (w != 1.0)

@@ -115,17 +115,28 @@ def _check_inputs(measures_locations, measures_weights, X_init, b, weights):
     Ys = [_points(f"measures_locations[{k}]", Y, X) for k, Y in enumerate(measures_locations)]
     K, M = len(Ys), X.shape[0]
     if measures_weights is not None and (not isinstance(measures_weights, (list, tuple)) or len(measures_weights) != K):
-        got = f"{len(measures_weights)} items" if isinstance(measures_weights, (list, tuple)) else type(measures_weights).__name__
+        got = (
+            f"{len(measures_weights)} items"
+            if isinstance(measures_weights, (list, tuple))
+            else type(measures_weights).__name__
+        )
         raise ValueError(f"measures_weights: expected a list of {K} weight vectors (or None), got {got}")
-    As = [None] * K if measures_weights is None else [
-        _weights(f"measures_weights[{k}]", a, Y.shape[0], X) for k, (a, Y) in enumerate(zip(measures_weights, Ys))]
+    As = (
+        [None] * K
+        if measures_weights is None
+        else [
+            _weights(f"measures_weights[{k}]", a, Y.shape[0], X) for k, (a, Y) in enumerate(zip(measures_weights, Ys))
+        ]
+    )
     b = None if b is None else _weights("b", b, M, X)
     mass_b = 1.0 if b is None else float(b.double().sum())
     for k, a in enumerate(As):
         mass_a = 1.0 if a is None else float(a.double().sum())
         if abs(mass_a - mass_b) > MASS_RTOL * max(mass_a, mass_b):
-            raise ValueError(f"measures_weights[{k}] and b: balanced OT needs equal total masses, got "
-                             f"{mass_a:.6g} and {mass_b:.6g} (None means mass 1); normalise the weights")
+            raise ValueError(
+                f"measures_weights[{k}] and b: balanced OT needs equal total masses, got "
+                f"{mass_a:.6g} and {mass_b:.6g} (None means mass 1); normalise the weights"
+            )
     if weights is None:
         lam = torch.full((K,), 1.0 / K, dtype=torch.float64)
     else:
@@ -194,24 +205,31 @@ def free_support_barycenter(
     X, Ys, As, b, lam = _check_inputs(measures_locations, measures_weights, X_init, b, weights)
     res = _iterate(X, Ys, As, b, lam, reg, numItermax, numInnerItermax, stopThr, inner_tol, backend, verbose)
     if not res.inner_converged:
-        warnings.warn(f"free_support_barycenter: the inner Sinkhorn solves of the last step stopped at "
-                      f"numInnerItermax={numInnerItermax} before inner_tol={inner_tol:g} (largest L1 marginal "
-                      f"error {res.inner_error:.3g}), so X is not a barycenter to these tolerances; raise "
-                      f"numInnerItermax or reg", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"free_support_barycenter: the inner Sinkhorn solves of the last step stopped at "
+            f"numInnerItermax={numInnerItermax} before inner_tol={inner_tol:g} (largest L1 marginal "
+            f"error {res.inner_error:.3g}), so X is not a barycenter to these tolerances; raise "
+            f"numInnerItermax or reg",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     res.X = res.X.numpy() if is_np else res.X
     return (res.X, res) if log else res.X
 
 
-def _iterate(X: Tensor, Ys, As, b, lam, reg, numItermax, numInnerItermax, stopThr, inner_tol, backend,
-             verbose) -> BarycenterResult:
+def _iterate(
+    X: Tensor, Ys, As, b, lam, reg, numItermax, numInnerItermax, stopThr, inner_tol, backend, verbose
+) -> BarycenterResult:
     """The fixed-point loop ``X <- sum_k lambda_k (P_k Y_k) / b`` (rows with ``b_i = 0`` kept)."""
     groups = _groups(Ys, As)
     M = X.shape[0]
     b_col = (torch.full((M,), 1.0 / M, dtype=X.dtype, device=X.device) if b is None else b).view(1, -1, 1)
     # each group's lambda_k / b_i, (B, M, 1): T = sum_k lambda_k (P_k Y_k) / b; 0 where b_i = 0
     inv_b = torch.where(b_col > 0, 1.0 / b_col, torch.zeros_like(b_col))
-    scales = [torch.tensor([lam[k] for k in idx], dtype=X.dtype, device=X.device).view(-1, 1, 1) * inv_b
-              for idx, _, _ in groups]
+    scales = [
+        torch.tensor([lam[k] for k in idx], dtype=X.dtype, device=X.device).view(-1, 1, 1) * inv_b
+        for idx, _, _ in groups
+    ]
     massless = (b_col.view(-1) == 0).view(-1, 1)  # rows kept where they are
     inits: dict[int, tuple | None] = {i: None for i in range(len(groups))}
     res = BarycenterResult(X, 0, False)
@@ -223,8 +241,17 @@ def _iterate(X: Tensor, Ys, As, b, lam, reg, numItermax, numInnerItermax, stopTh
             for gi, (idx, Yg, Ag) in enumerate(groups):
                 B = len(idx)
                 bb = None if b is None else b.expand(B, *b.shape)
-                r = solve_sample(X.expand(B, *X.shape), Yg, bb, Ag, reg=reg, tol=inner_tol, max_iter=numInnerItermax,
-                                 potentials_init=inits[gi], backend=backend)
+                r = solve_sample(
+                    X.expand(B, *X.shape),
+                    Yg,
+                    bb,
+                    Ag,
+                    reg=reg,
+                    tol=inner_tol,
+                    max_iter=numInnerItermax,
+                    potentials_init=inits[gi],
+                    backend=backend,
+                )
                 inits[gi] = r.potentials
                 inner += r.n_iter
                 res.inner_converged &= bool(r.converged)
@@ -236,8 +263,10 @@ def _iterate(X: Tensor, Ys, As, b, lam, reg, numItermax, numInnerItermax, stopTh
             res.displacement_square_norms.append(disp)
             res.inner_iterations.append(inner)
             if verbose:
-                print(f"barycenter step {it}: displacement^2 {disp:.3e}, {inner} Sinkhorn iterations, "
-                      f"inner marginal error {res.inner_error:.3e}")
+                print(
+                    f"barycenter step {it}: displacement^2 {disp:.3e}, {inner} Sinkhorn iterations, "
+                    f"inner marginal error {res.inner_error:.3e}"
+                )
             if disp <= stopThr and res.inner_converged:
                 res.converged = True
                 break

@@ -26,6 +26,7 @@ DEMO_MAX_N = 10_000_000  # the default --max-points of flashot solve
 
 def _int_type(lo: int = 1, hi: int = MAX_COUNT):
     """An argparse type: an integer in [lo, hi] (lo = 1: "a positive integer")."""
+
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -51,8 +52,9 @@ def _positive_float(s: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid float value: {s[:40]!r}") from None
     if not FLOAT_MIN <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number of at least {FLOAT_MIN:.2g} "
-                                         f"(the smallest normal float64), got {s[:40]}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive finite number of at least {FLOAT_MIN:.2g} (the smallest normal float64), got {s[:40]}"
+        )
     return v
 
 
@@ -65,24 +67,36 @@ def _blur(s: str) -> float:
 
     sq = f"{Decimal(s.strip()) ** 2:.3g}"
     lo, hi = math.sqrt(FLOAT_MIN), math.sqrt(sys.float_info.max)
-    how = (f"overflows float64 (largest {sys.float_info.max:.2g})" if v > 1 else
-           f"underflows the smallest normal float64 ({FLOAT_MIN:.2g})")
-    raise argparse.ArgumentTypeError(f"blur^2 = {sq} {how}: expected {lo:.2g} <= blur <= {hi:.2g} "
-                                     f"(rescale the points and the blur together)")
+    how = (
+        f"overflows float64 (largest {sys.float_info.max:.2g})"
+        if v > 1
+        else f"underflows the smallest normal float64 ({FLOAT_MIN:.2g})"
+    )
+    raise argparse.ArgumentTypeError(
+        f"blur^2 = {sq} {how}: expected {lo:.2g} <= blur <= {hi:.2g} (rescale the points and the blur together)"
+    )
 
 
 def demo(argv: list[str] | None = None) -> int:
     """Bad options exit with status 2 and an argparse message naming the option, before any work."""
     p = argparse.ArgumentParser(prog="flashot demo", description="Solve a built-in entropic OT problem.")
-    p.add_argument("--n", type=_int_type(1, DEMO_MAX_N), default=20_000,
-                   help=f"points per cloud (default 20000, at most {DEMO_MAX_N:,})")
+    p.add_argument(
+        "--n",
+        type=_int_type(1, DEMO_MAX_N),
+        default=20_000,
+        help=f"points per cloud (default 20000, at most {DEMO_MAX_N:,})",
+    )
     p.add_argument("--reg", type=_positive_float, default=1e-2, help="epsilon for solve_sample (cost |x-y|^2)")
     p.add_argument("--blur", type=_blur, default=0.05, help="blur for the Sinkhorn divergence")
     p.add_argument("--backend", default="auto", help="'auto' or an engine name (dense, tiled, cpu, triton)")
     p.add_argument("--seed", type=_int_type(*SEEDS), default=0)
-    p.add_argument("--png", default=DEMO_PNG, metavar="PATH",
-                   help=f"write a picture of a 2-D transport (points and barycentric-map arrows) here "
-                        f"(default {DEMO_PNG}; needs matplotlib)")
+    p.add_argument(
+        "--png",
+        default=DEMO_PNG,
+        metavar="PATH",
+        help=f"write a picture of a 2-D transport (points and barycentric-map arrows) here "
+        f"(default {DEMO_PNG}; needs matplotlib)",
+    )
     p.add_argument("--no-png", action="store_true", help="do not write the picture")
     args = p.parse_args(argv)
     from flashot.ops import engine_names
@@ -110,21 +124,30 @@ def _demo_run(args, p) -> int:
     # resolve the engine first, so that a first-use compile is reported on its own line
     tp = time.perf_counter()
     try:
-        eng = get_engine(args.backend, device=x.device, dtype=x.dtype, cost=get_cost("sqeuclidean"),
-                         size=(1, args.n, args.n, x.shape[-1]))
+        eng = get_engine(
+            args.backend,
+            device=x.device,
+            dtype=x.dtype,
+            cost=get_cost("sqeuclidean"),
+            size=(1, args.n, args.n, x.shape[-1]),
+        )
     except ValueError as e:  # an engine that cannot run here (e.g. triton without a GPU)
         p.error(f"argument --backend: {e}")
     if eng.name == "cpu":
         from flashot.ops.cpu.build import BUILD_INFO, cache_dir
 
         if BUILD_INFO.get("prebuilt"):
-            print(f"engine cpu: prebuilt {BUILD_INFO['prebuilt']} kernels loaded ({time.perf_counter() - tp:.2f} s; "
-                  f"the best level of the wheel this CPU runs)")
+            print(
+                f"engine cpu: prebuilt {BUILD_INFO['prebuilt']} kernels loaded ({time.perf_counter() - tp:.2f} s; "
+                f"the best level of the wheel this CPU runs)"
+            )
         elif BUILD_INFO.get("cached", True):
             print(f"engine cpu: compiled kernels loaded from the cache ({time.perf_counter() - tp:.2f} s)")
         else:
-            print(f"engine cpu: kernels compiled on first use in {BUILD_INFO.get('seconds', 0.0):.1f} s "
-                  f"(cached in {cache_dir()} for later runs; not included in the times below)")
+            print(
+                f"engine cpu: kernels compiled on first use in {BUILD_INFO.get('seconds', 0.0):.1f} s "
+                f"(cached in {cache_dir()} for later runs; not included in the times below)"
+            )
 
     t0 = time.perf_counter()
     res = flashot.solve_sample(x, y, reg=args.reg, tol=1e-3, max_iter=500, backend=args.backend)
@@ -141,10 +164,14 @@ def _demo_run(args, p) -> int:
     (grad,) = torch.autograd.grad(S, [xg])
     t3 = time.perf_counter()
     print(f"SamplesLoss(p=2, blur={args.blur:g}) debiased Sinkhorn divergence")
-    print(f"  S(x, y) = {S.item():.6f}   |grad_x S| = {float(grad.norm()):.3e}   time (value + gradient) = {t3 - t2:.2f} s")
+    print(
+        f"  S(x, y) = {S.item():.6f}   |grad_x S| = {float(grad.norm()):.3e}   time (value + gradient) = {t3 - t2:.2f} s"
+    )
     peak = _peak_rss_mib()
     dense_gib = args.n * args.n * 4 / 2**30
-    print(f"peak RSS = {peak:.0f} MiB (+{peak - rss0:.0f} MiB during the solves; a dense float32 cost matrix would be {dense_gib:.1f} GiB)")
+    print(
+        f"peak RSS = {peak:.0f} MiB (+{peak - rss0:.0f} MiB during the solves; a dense float32 cost matrix would be {dense_gib:.1f} GiB)"
+    )
     if not args.no_png:
         return _demo_png(args.png, args.backend, args.seed)
     return 0
@@ -162,8 +189,9 @@ def _demo_png(path: str, backend: str, seed: int) -> int:
     try:
         import matplotlib
     except ImportError:
-        print("picture: skipped (matplotlib is not installed: pip install matplotlib, "
-              "or pip install 'flashot[examples]')")
+        print(
+            "picture: skipped (matplotlib is not installed: pip install matplotlib, or pip install 'flashot[examples]')"
+        )
         return 0
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -175,7 +203,9 @@ def _demo_png(path: str, backend: str, seed: int) -> int:
     n = 300
     x = torch.randn(n, 2, generator=gen, dtype=torch.float64) * 0.35 + torch.tensor([-1.5, 0.0], dtype=torch.float64)
     t = torch.rand(n, generator=gen, dtype=torch.float64) * math.pi  # a half-ring (crescent) on the right
-    y = torch.stack([1.0 + torch.sin(t), torch.cos(t)], -1) + 0.06 * torch.randn(n, 2, generator=gen, dtype=torch.float64)
+    y = torch.stack([1.0 + torch.sin(t), torch.cos(t)], -1) + 0.06 * torch.randn(
+        n, 2, generator=gen, dtype=torch.float64
+    )
     regs = (0.01, 1.0)
     cmax = float(((x[:, None] - y[None]) ** 2).sum(-1).max())
     shown = torch.randperm(n, generator=gen)[:70]  # arrows for some points (all would hide the picture)
@@ -187,21 +217,51 @@ def _demo_png(path: str, backend: str, seed: int) -> int:
         ax.scatter(y[:, 0], y[:, 1], s=14, c="0.72", label="target points y_j", zorder=1)
         ax.scatter(x[:, 0], x[:, 1], s=14, c=color, cmap="viridis", label="source points x_i", zorder=3)
         d = T - x
-        ax.quiver(x[shown, 0], x[shown, 1], d[shown, 0], d[shown, 1], color[shown], cmap="viridis",
-                  angles="xy", scale_units="xy", scale=1, width=0.003, headwidth=4, alpha=0.75, zorder=2)
-        ax.scatter(T[:, 0], T[:, 1], s=16, c=color, cmap="viridis", marker="x", linewidths=1.0,
-                   label="images T(x_i) = sum_j P_ij y_j / sum_j P_ij", zorder=4)
-        what = ("small reg: the plan is close to a matching; each x_i\nlands on the crescent, "
-                "and the order (colour) is kept" if k == 0 else
-                "large reg: each row of the plan spreads over many y_j,\nso every T(x_i) is pulled "
-                "towards the target's mean")
-        ax.set_title(f"reg = {reg:g} (largest cost {cmax:.0f}): value {float(res.value):.3f}, "
-                     f"{res.n_iter} iterations\n{what}", fontsize=10)
+        ax.quiver(
+            x[shown, 0],
+            x[shown, 1],
+            d[shown, 0],
+            d[shown, 1],
+            color[shown],
+            cmap="viridis",
+            angles="xy",
+            scale_units="xy",
+            scale=1,
+            width=0.003,
+            headwidth=4,
+            alpha=0.75,
+            zorder=2,
+        )
+        ax.scatter(
+            T[:, 0],
+            T[:, 1],
+            s=16,
+            c=color,
+            cmap="viridis",
+            marker="x",
+            linewidths=1.0,
+            label="images T(x_i) = sum_j P_ij y_j / sum_j P_ij",
+            zorder=4,
+        )
+        what = (
+            "small reg: the plan is close to a matching; each x_i\nlands on the crescent, "
+            "and the order (colour) is kept"
+            if k == 0
+            else "large reg: each row of the plan spreads over many y_j,\nso every T(x_i) is pulled "
+            "towards the target's mean"
+        )
+        ax.set_title(
+            f"reg = {reg:g} (largest cost {cmax:.0f}): value {float(res.value):.3f}, {res.n_iter} iterations\n{what}",
+            fontsize=10,
+        )
         ax.set_aspect("equal")
         ax.grid(alpha=0.25)
     axes[0].legend(loc="lower left", fontsize=8, framealpha=0.9)
-    fig.suptitle(f"res = flashot.solve_sample(x, y, reg) on 2-D clouds ({n} + {n} points, cost |x - y|^2); "
-                 f"arrows: res.plan.barycentric_map() for {len(shown)} of the points", fontsize=11)
+    fig.suptitle(
+        f"res = flashot.solve_sample(x, y, reg) on 2-D clouds ({n} + {n} points, cost |x - y|^2); "
+        f"arrows: res.plan.barycentric_map() for {len(shown)} of the points",
+        fontsize=11,
+    )
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -238,12 +298,20 @@ def build_cmd(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="flashot build",
         description="Load the CPU kernels now (for images and CI) instead of at first use -- the wheel's prebuilt "
-                    "ones, or compiled here -- and say which. The instruction set follows FLASHOT_CPU_MARCH "
-                    "(default: the best prebuilt level this CPU runs, else native).")
-    p.add_argument("--march", default=None, help="build for this -march instead (e.g. x86-64-v3, or native to "
-                                                  "compile for this CPU); sets FLASHOT_CPU_MARCH for this command")
-    p.add_argument("--info", action="store_true", help="say which kernels would be used (prebuilt variant, "
-                                                        "compiler, cache) without compiling anything")
+        "ones, or compiled here -- and say which. The instruction set follows FLASHOT_CPU_MARCH "
+        "(default: the best prebuilt level this CPU runs, else native).",
+    )
+    p.add_argument(
+        "--march",
+        default=None,
+        help="build for this -march instead (e.g. x86-64-v3, or native to "
+        "compile for this CPU); sets FLASHOT_CPU_MARCH for this command",
+    )
+    p.add_argument(
+        "--info",
+        action="store_true",
+        help="say which kernels would be used (prebuilt variant, compiler, cache) without compiling anything",
+    )
     args = p.parse_args(argv)
     import os
 
@@ -261,14 +329,19 @@ def build_cmd(argv: list[str] | None = None) -> int:
         return 1
     info = build.BUILD_INFO
     how = f"prebuilt {info['prebuilt']}" if info.get("prebuilt") else f"-march={info['march']}"
-    print(f"CPU kernels for {cpu_model()}: {how}, {', '.join(info['isa'])}, "
-          f"{lib.flashot_vector_bytes() * 8}-bit vectors, up to {torch_threads()} threads (torch.get_num_threads())")
+    print(
+        f"CPU kernels for {cpu_model()}: {how}, {', '.join(info['isa'])}, "
+        f"{lib.flashot_vector_bytes() * 8}-bit vectors, up to {torch_threads()} threads (torch.get_num_threads())"
+    )
     for name, facts in (("core", info), ("blocksparse", info["blocksparse"])):
         if facts.get("prebuilt"):
             how = f"prebuilt {facts['prebuilt']} (compiled by {facts['compiler']}), from the installed package"
         else:
-            how = "found in the cache" if facts["cached"] else (f"compiled in {facts['seconds']:.1f} s wall, "
-                                                                f"{facts.get('cpu_seconds', 0.0):.1f} s CPU")
+            how = (
+                "found in the cache"
+                if facts["cached"]
+                else (f"compiled in {facts['seconds']:.1f} s wall, {facts.get('cpu_seconds', 0.0):.1f} s CPU")
+            )
         print(f"  {name}: {how}: {facts['path']}")
     return 0
 
@@ -282,15 +355,21 @@ def _build_info(build) -> int:
     except build.BuildError as e:
         print(f"flashot build: {e}", file=sys.stderr)
         return 1
-    print(f"CPU: {cpu_model()} ({platform.machine()}); prebuilt variants in this install: "
-          f"{', '.join(st['shipped']) or 'none'}; this CPU runs: {', '.join(st['runs']) or 'none'}")
+    print(
+        f"CPU: {cpu_model()} ({platform.machine()}); prebuilt variants in this install: "
+        f"{', '.join(st['shipped']) or 'none'}; this CPU runs: {', '.join(st['runs']) or 'none'}"
+    )
     if st["selected"]:
-        print(f"kernels: prebuilt {st['selected']} (compiled by {st['compiler']}) from {st['dir']}; no compiler needed "
-              f"(FLASHOT_CPU_MARCH=native compiles for this exact CPU instead)")
+        print(
+            f"kernels: prebuilt {st['selected']} (compiled by {st['compiler']}) from {st['dir']}; no compiler needed "
+            f"(FLASHOT_CPU_MARCH=native compiles for this exact CPU instead)"
+        )
         return 0
     cxx = build.find_compiler()
-    print(f"kernels: compiled on first use with -march={build.march()}: {st['reason']}; compiler: "
-          f"{cxx or 'none found (set CXX or install g++)'}; cache: {build.cache_dir()}")
+    print(
+        f"kernels: compiled on first use with -march={build.march()}: {st['reason']}; compiler: "
+        f"{cxx or 'none found (set CXX or install g++)'}; cache: {build.cache_dir()}"
+    )
     return 0
 
 
@@ -348,10 +427,14 @@ def _unbalanced_arg(s: str):
         try:
             v = float(t)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {t!r} (a positive number, or inf for a strict side)") from None
+            raise argparse.ArgumentTypeError(
+                f"invalid value {t!r} (a positive number, or inf for a strict side)"
+            ) from None
         if not FLOAT_MIN <= v < float("inf"):
-            raise argparse.ArgumentTypeError(f"expected a positive number of at least {FLOAT_MIN:.2g} "
-                                             f"(the smallest normal float64), or inf, got {t[:40]}")
+            raise argparse.ArgumentTypeError(
+                f"expected a positive number of at least {FLOAT_MIN:.2g} "
+                f"(the smallest normal float64), or inf, got {t[:40]}"
+            )
         out.append(v)
     if all(v is None for v in out):
         raise argparse.ArgumentTypeError("both sides strict is balanced OT: leave out --unbalanced")
@@ -361,44 +444,81 @@ def _unbalanced_arg(s: str):
 def _solve_parser() -> argparse.ArgumentParser:
     from .io import DEFAULT_MAX_BYTES, DEFAULT_MAX_POINTS
 
-    p = argparse.ArgumentParser(prog="flashot solve", description=_SOLVE_DESC, epilog=_SOLVE_EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="flashot solve",
+        description=_SOLVE_DESC,
+        epilog=_SOLVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("source", help="source points x (.npy, .npz, .csv, .txt or .ply)")
     p.add_argument("target", help="target points y (same formats; same dimension d)")
     t = p.add_mutually_exclusive_group(required=True)
     t.add_argument("--reg", type=_positive_float, help="epsilon, with the cost --cost (default |x - y|^2)")
-    t.add_argument("--blur", type=_blur,
-                   help="GeomLoss' blur: cost |x - y|^2 / 2 and epsilon = blur^2")
-    p.add_argument("--cost", choices=("sqeuclidean", "half_sqeuclidean", "euclidean"), default=None,
-                   help="with --reg: sqeuclidean |x-y|^2 (default), half_sqeuclidean |x-y|^2/2 or euclidean |x-y|")
-    p.add_argument("--unbalanced", type=_unbalanced_arg, metavar="RHO[,RHO_B]",
-                   help="KL marginal penalties (POT's reg_m): one value for both sides, or two; "
-                        "'inf' keeps that side strict (semi-unbalanced)")
-    p.add_argument("--tol", type=_positive_float, default=1e-6,
-                   help="stop when the marginal error is below this (default 1e-6)")
-    p.add_argument("--max-iter", type=_int_type(1, MAX_ITER), default=1000,
-                   help=f"iteration limit (default 1000, at most {MAX_ITER:,})")
-    p.add_argument("--backend", default="auto",
-                   help="'auto', an engine name (dense, tiled, cpu; triton needs CUDA tensors, and this "
-                        "command computes on the CPU) or 'multiscale' (GeomLoss' coarse-to-fine solver)")
-    p.add_argument("--float32", action="store_true",
-                   help="compute in float32 (faster; default float64)")
-    p.add_argument("--weights-column", metavar="COL",
-                   help="take the weights from this column of both files (index, negative from the end, "
-                        "or header name / .ply property)")
+    t.add_argument("--blur", type=_blur, help="GeomLoss' blur: cost |x - y|^2 / 2 and epsilon = blur^2")
+    p.add_argument(
+        "--cost",
+        choices=("sqeuclidean", "half_sqeuclidean", "euclidean"),
+        default=None,
+        help="with --reg: sqeuclidean |x-y|^2 (default), half_sqeuclidean |x-y|^2/2 or euclidean |x-y|",
+    )
+    p.add_argument(
+        "--unbalanced",
+        type=_unbalanced_arg,
+        metavar="RHO[,RHO_B]",
+        help="KL marginal penalties (POT's reg_m): one value for both sides, or two; "
+        "'inf' keeps that side strict (semi-unbalanced)",
+    )
+    p.add_argument(
+        "--tol", type=_positive_float, default=1e-6, help="stop when the marginal error is below this (default 1e-6)"
+    )
+    p.add_argument(
+        "--max-iter",
+        type=_int_type(1, MAX_ITER),
+        default=1000,
+        help=f"iteration limit (default 1000, at most {MAX_ITER:,})",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="'auto', an engine name (dense, tiled, cpu; triton needs CUDA tensors, and this "
+        "command computes on the CPU) or 'multiscale' (GeomLoss' coarse-to-fine solver)",
+    )
+    p.add_argument("--float32", action="store_true", help="compute in float32 (faster; default float64)")
+    p.add_argument(
+        "--weights-column",
+        metavar="COL",
+        help="take the weights from this column of both files (index, negative from the end, "
+        "or header name / .ply property)",
+    )
     p.add_argument("--source-weights", metavar="FILE", help="weights of the source points (one per point)")
     p.add_argument("--target-weights", metavar="FILE", help="weights of the target points (one per point)")
     p.add_argument("--out", metavar="FILE.npz", help="write the results to this .npz (see below)")
     p.add_argument("--map", action="store_true", help="with --out: also the barycentric map T(x_i)")
-    p.add_argument("--topk", type=_positive_int, metavar="K",
-                   help="with --out: also the K largest plan entries of each row and their columns")
+    p.add_argument(
+        "--topk",
+        type=_positive_int,
+        metavar="K",
+        help="with --out: also the K largest plan entries of each row and their columns",
+    )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
-    p.add_argument("--quiet", "-q", action="store_true",
-                   help=f"no progress bar (shown on stderr when n * m >= {PROGRESS_MIN_PAIRS:,})")
-    p.add_argument("--max-points", type=_positive_int, default=DEFAULT_MAX_POINTS,
-                   help=f"refuse files with more points (default {DEFAULT_MAX_POINTS:,})")
-    p.add_argument("--max-bytes", type=_positive_int, default=DEFAULT_MAX_BYTES,
-                   help=f"refuse arrays (or text files) larger than this many bytes (default {DEFAULT_MAX_BYTES:,})")
+    p.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help=f"no progress bar (shown on stderr when n * m >= {PROGRESS_MIN_PAIRS:,})",
+    )
+    p.add_argument(
+        "--max-points",
+        type=_positive_int,
+        default=DEFAULT_MAX_POINTS,
+        help=f"refuse files with more points (default {DEFAULT_MAX_POINTS:,})",
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BYTES,
+        help=f"refuse arrays (or text files) larger than this many bytes (default {DEFAULT_MAX_BYTES:,})",
+    )
     return p
 
 
@@ -440,8 +560,9 @@ def _check_backend(p, args) -> None:
     from .ops import engine_names, get_engine
 
     if args.backend not in engine_names():
-        p.error(f"argument --backend: expected 'auto' or one of {[*engine_names(), 'multiscale']}, "
-                f"got {args.backend!r}")
+        p.error(
+            f"argument --backend: expected 'auto' or one of {[*engine_names(), 'multiscale']}, got {args.backend!r}"
+        )
     cost = "half_sqeuclidean" if args.blur is not None else (args.cost or "sqeuclidean")
     dtype = torch.float32 if args.float32 else torch.float64
     with warnings.catch_warnings(record=True) as caught:  # e.g. the cpu engine's build falling back
@@ -450,8 +571,7 @@ def _check_backend(p, args) -> None:
             get_engine(args.backend, device=torch.device("cpu"), dtype=dtype, cost=get_cost(cost))
         except ValueError as e:
             why = _one_line(e).removeprefix(f"backend={args.backend!r} cannot run this problem: ")
-            p.error(f"argument --backend: {args.backend!r} cannot run here (flashot solve computes on the "
-                    f"CPU): {why}")
+            p.error(f"argument --backend: {args.backend!r} cannot run here (flashot solve computes on the CPU): {why}")
     for w in caught:
         print(f"flashot solve: warning: {_one_line(w.message)}", file=sys.stderr)
 
@@ -479,8 +599,10 @@ def _read_inputs(args, p):
         raise _CliError(str(e)) from None
     x, y = xs.points, ys.points
     if x.shape[1] != y.shape[1]:
-        raise _CliError(f"dimensions differ: {args.source} has d = {x.shape[1]}, {args.target} has "
-                        f"d = {y.shape[1]} (points of both clouds need the same number of coordinates)")
+        raise _CliError(
+            f"dimensions differ: {args.source} has d = {x.shape[1]}, {args.target} has "
+            f"d = {y.shape[1]} (points of both clouds need the same number of coordinates)"
+        )
     if args.topk is not None and args.topk > y.shape[0]:
         p.error(f"argument --topk: {args.topk} is above the number of target points ({y.shape[0]})")
     if args.unbalanced is None:  # balanced OT compares distributions: total mass 1 on each side
@@ -493,8 +615,11 @@ def _read_inputs(args, p):
 def _temperature(args) -> tuple[str, float, str]:
     """(cost, reg, a line saying which): ``--blur`` is GeomLoss' convention, cost |x-y|^2/2 at eps = blur^2."""
     if args.blur is not None:
-        return "half_sqeuclidean", args.blur ** 2, \
-            f"blur = {args.blur:g}: cost |x-y|^2/2, eps = blur^2 = {args.blur ** 2:g}"
+        return (
+            "half_sqeuclidean",
+            args.blur**2,
+            f"blur = {args.blur:g}: cost |x-y|^2/2, eps = blur^2 = {args.blur**2:g}",
+        )
     cost = args.cost or "sqeuclidean"
     return cost, args.reg, f"cost {_COST_TEXT[cost]}, eps = reg = {args.reg:g}"
 
@@ -513,9 +638,19 @@ def _run_solve(args, x, y, a, b, dtype, cost: str, reg: float):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            res = flashot.solve_sample(x.astype(dtype), y.astype(dtype), cast(a), cast(b), reg=reg, cost=cost,
-                                       unbalanced=args.unbalanced, tol=args.tol, max_iter=args.max_iter,
-                                       backend=args.backend, verbose=verbose)
+            res = flashot.solve_sample(
+                x.astype(dtype),
+                y.astype(dtype),
+                cast(a),
+                cast(b),
+                reg=reg,
+                cost=cost,
+                unbalanced=args.unbalanced,
+                tol=args.tol,
+                max_iter=args.max_iter,
+                backend=args.backend,
+                verbose=verbose,
+            )
     except (ValueError, TypeError, FloatingPointError, MemoryError, NotImplementedError) as e:
         raise _CliError(_one_line(e)) from None
     for w in caught:
@@ -531,13 +666,18 @@ def _write_out(args, res, a, b, n: int, m: int, reg: float, cost: str, t_solve: 
 
     f, g = res.potentials
     arrays = {
-        "value": np.float64(float(res.value)), "f": np.asarray(f, dtype=np.float64),
+        "value": np.float64(float(res.value)),
+        "f": np.asarray(f, dtype=np.float64),
         "g": np.asarray(g, dtype=np.float64),
         "a": np.full(n, 1.0 / n) if a is None else np.asarray(a, dtype=np.float64),
         "b": np.full(m, 1.0 / m) if b is None else np.asarray(b, dtype=np.float64),
-        "n_iter": np.int64(res.n_iter), "converged": np.bool_(res.converged),
-        "error": np.float64(np.nan if res.error is None else res.error), "reg": np.float64(reg),
-        "cost": np.str_(cost), "backend": np.str_(res.backend), "time_s": np.float64(t_solve),
+        "n_iter": np.int64(res.n_iter),
+        "converged": np.bool_(res.converged),
+        "error": np.float64(np.nan if res.error is None else res.error),
+        "reg": np.float64(reg),
+        "cost": np.str_(cost),
+        "backend": np.str_(res.backend),
+        "time_s": np.float64(t_solve),
         "version": np.str_(__version__),
     }
     t1 = time.perf_counter()
@@ -576,11 +716,24 @@ def _solve(args, p) -> int:
     t_solve = time.perf_counter() - t0
     value = float(res.value)
     result = {
-        "value": value, "n_iter": int(res.n_iter), "converged": bool(res.converged),
-        "error": None if res.error is None else float(res.error), "time_s": t_solve, "read_s": t_read,
-        "reg": reg, "cost": cost, "backend": res.backend, "dtype": np.dtype(dtype).name,
-        "unbalanced": args.unbalanced, "n": n, "m": m, "d": d,
-        "source": args.source, "target": args.target, "out": args.out, "version": __version__,
+        "value": value,
+        "n_iter": int(res.n_iter),
+        "converged": bool(res.converged),
+        "error": None if res.error is None else float(res.error),
+        "time_s": t_solve,
+        "read_s": t_read,
+        "reg": reg,
+        "cost": cost,
+        "backend": res.backend,
+        "dtype": np.dtype(dtype).name,
+        "unbalanced": args.unbalanced,
+        "n": n,
+        "m": m,
+        "d": d,
+        "source": args.source,
+        "target": args.target,
+        "out": args.out,
+        "version": __version__,
     }
     if args.out:
         result["written"], result["extras_s"] = _write_out(args, res, a, b, n, m, reg, cost, t_solve)
@@ -588,8 +741,11 @@ def _solve(args, p) -> int:
         print(json.dumps(result))
         return 0
     print(f"flashot {__version__} solve: {args.source} ({n:,} points) -> {args.target} ({m:,} points), d = {d}")
-    print(f"  {temp}" + (f", unbalanced rho = {args.unbalanced}" if args.unbalanced is not None else "")
-          + (f"; weights from {', '.join(wsrc)}" if wsrc else "; uniform weights"))
+    print(
+        f"  {temp}"
+        + (f", unbalanced rho = {args.unbalanced}" if args.unbalanced is not None else "")
+        + (f"; weights from {', '.join(wsrc)}" if wsrc else "; uniform weights")
+    )
     print(f"  value = {value:.10g}")
     err = "n/a" if res.error is None else f"{res.error:.3e}"
     print(f"  iterations = {res.n_iter}  converged = {res.converged}  error = {err}")
@@ -623,14 +779,16 @@ def main(argv: list[str] | None = None) -> int:
         out = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
         if argv and argv[0] not in ("-h", "--help"):
             print(f"flashot: unknown command {argv[0]!r} (choose from {', '.join(cmds)})", file=out)
-        print("usage: flashot [--version] {" + ",".join(cmds) + "} [options]\n"
-              "  solve  entropic OT between two point-cloud files (.npy .npz .csv .txt .ply); see flashot solve --help\n"
-              "  demo   solve a built-in problem (20,000 points per cloud) and print value, iterations, time, memory;\n"
-              "         writes a PNG of a 2-D transport (barycentric-map arrows) when matplotlib is installed\n"
-              "  build  load the CPU kernels now (the wheel's prebuilt ones, or compiled here: first use would) and print\n"
-              "         the instruction set and path; --info says which would be used, compiling nothing\n"
-              + ("  bench  time flashot against installed peers (see flashot bench --help)\n" if "bench" in cmds else ""),
-              file=out)
+        print(
+            "usage: flashot [--version] {" + ",".join(cmds) + "} [options]\n"
+            "  solve  entropic OT between two point-cloud files (.npy .npz .csv .txt .ply); see flashot solve --help\n"
+            "  demo   solve a built-in problem (20,000 points per cloud) and print value, iterations, time, memory;\n"
+            "         writes a PNG of a 2-D transport (barycentric-map arrows) when matplotlib is installed\n"
+            "  build  load the CPU kernels now (the wheel's prebuilt ones, or compiled here: first use would) and print\n"
+            "         the instruction set and path; --info says which would be used, compiling nothing\n"
+            + ("  bench  time flashot against installed peers (see flashot bench --help)\n" if "bench" in cmds else ""),
+            file=out,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return int(cmds[argv[0]](argv[1:]) or 0)
 

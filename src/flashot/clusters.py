@@ -45,10 +45,20 @@ def default_cluster_scale(diameter: float, dim: int) -> float:
 
 # (shift, mask) steps that spread the low bits of an integer ``dim`` apart (bit k to bit k * dim)
 _SPREAD_STEPS = {
-    2: [(16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF), (4, 0x0F0F0F0F0F0F0F0F), (2, 0x3333333333333333),
-        (1, 0x5555555555555555)],
-    3: [(32, 0x001F00000000FFFF), (16, 0x001F0000FF0000FF), (8, 0x100F00F00F00F00F), (4, 0x10C30C30C30C30C3),
-        (2, 0x1249249249249249)],
+    2: [
+        (16, 0x0000FFFF0000FFFF),
+        (8, 0x00FF00FF00FF00FF),
+        (4, 0x0F0F0F0F0F0F0F0F),
+        (2, 0x3333333333333333),
+        (1, 0x5555555555555555),
+    ],
+    3: [
+        (32, 0x001F00000000FFFF),
+        (16, 0x001F0000FF0000FF),
+        (8, 0x100F00F00F00F00F),
+        (4, 0x10C30C30C30C30C3),
+        (2, 0x1249249249249249),
+    ],
 }
 
 
@@ -84,8 +94,9 @@ def _grid_codes(x: Tensor, scale: float) -> tuple[Tensor, bool]:
         return code, False
 
 
-def cluster(x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | None = None,
-            sub_levels: int = 0) -> Clusters:
+def cluster(
+    x: Tensor, a: Tensor, scale: float | None = None, labels: Tensor | None = None, sub_levels: int = 0
+) -> Clusters:
     """Cluster the cloud ``x`` (N, D) with weights ``a`` (N,) in cells of side ``scale``, or by the
     integer ``labels`` (N,) (GeomLoss' six-argument call); clusters are ordered by label.  ``sub_levels``
     (grid cells, D <= 3): the points of each cell are also sorted in the Morton order of its ``2^sub_levels``

@@ -126,8 +126,10 @@ def sqdist(x: Tensor, y: Tensor) -> Tensor:
     """Squared distances via one GEMM, clamped at 0: (..., N, D), (..., M, D) -> (..., N, M)."""
     xx = (x * x).sum(-1, keepdim=True)
     yy = (y * y).sum(-1).unsqueeze(-2)
-    d2 = torch.baddbmm(xx + yy, x, y.transpose(-1, -2), alpha=-2.0) if x.dim() == 3 else (
-        xx + yy - 2.0 * x @ y.transpose(-1, -2)
+    d2 = (
+        torch.baddbmm(xx + yy, x, y.transpose(-1, -2), alpha=-2.0)
+        if x.dim() == 3
+        else (xx + yy - 2.0 * x @ y.transpose(-1, -2))
     )
     return d2.clamp_min_(0.0) if not d2.requires_grad else d2.clamp_min(0.0)
 
@@ -160,9 +162,7 @@ def get_cost(cost: str | Cost) -> Cost:
     if isinstance(cost, Cost):
         return cost
     if not isinstance(cost, str) or cost not in COSTS:
-        raise ValueError(
-            f"cost: expected one of {sorted(COSTS)}, got {cost!r}"
-        )
+        raise ValueError(f"cost: expected one of {sorted(COSTS)}, got {cost!r}")
     return COSTS[cost]
 
 
@@ -225,9 +225,11 @@ class FeatureBilinearCost:
         ``x`` (B, N, 1 + K), ``y`` (B, M, 1 + K) (float64, no N x M matrix); ``ValueError`` when not finite,
         ``NotImplementedError`` when ``S`` requires grad (gradients w.r.t. ``M`` are not implemented)."""
         if torch.is_grad_enabled() and self.S.requires_grad:
-            raise NotImplementedError("feature-bilinear cost: gradients w.r.t. its matrix M (S) are not implemented "
-                                      "(only w.r.t. the augmented points); detach M, and take d value / d M = "
-                                      "phi^T P psi from the plan (phi.T @ (plan @ psi))")
+            raise NotImplementedError(
+                "feature-bilinear cost: gradients w.r.t. its matrix M (S) are not implemented "
+                "(only w.r.t. the augmented points); detach M, and take d value / d M = "
+                "phi^T P psi from the plan (phi.T @ (plan @ psi))"
+            )
         X, Y = x.detach().double(), y.detach().double()
         S = self.S.detach().to(X.device, torch.float64)
         lin = torch.bmm(X[..., 1:], S).norm(dim=-1).amax(-1) * Y[..., 1:].norm(dim=-1).amax(-1)
@@ -245,9 +247,11 @@ class FeatureBilinearCost:
     matrix = tile
 
     def dcost_weight(self, c: Tensor) -> Tensor:
-        raise NotImplementedError("a feature-bilinear cost has no gradient of the form w (x - y) (weight='dcost'): "
-                                  "gradients of value_linear w.r.t. its augmented points are not implemented (those "
-                                  "of value and of the potentials are)")
+        raise NotImplementedError(
+            "a feature-bilinear cost has no gradient of the form w (x - y) (weight='dcost'): "
+            "gradients of value_linear w.r.t. its augmented points are not implemented (those "
+            "of value and of the potentials are)"
+        )
 
     def from_sqdist(self, d2: Tensor) -> Tensor:
         raise NotImplementedError("a feature-bilinear cost is not a function of squared distances")
@@ -305,14 +309,17 @@ class LabelCost:
 
     def __init__(self, W: Tensor | Any, feature_weight: float = 1.0, label_weight: float = 1.0) -> None:
         if isinstance(W, Tensor) and W.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError("LabelCost: gradients w.r.t. W are not implemented; pass W.detach() "
-                                      "(d value / d W[c, c'] = label_weight x the plan's mass between classes c, c')")
+            raise NotImplementedError(
+                "LabelCost: gradients w.r.t. W are not implemented; pass W.detach() "
+                "(d value / d W[c, c'] = label_weight x the plan's mass between classes c, c')"
+            )
         if not isinstance(W, Tensor):
             try:
                 W = torch.as_tensor(W)
             except (TypeError, ValueError, RuntimeError):
-                raise TypeError(f"W: expected a (C_a, C_b) tensor or array of class-to-class costs, got "
-                                f"{type(W).__name__}") from None
+                raise TypeError(
+                    f"W: expected a (C_a, C_b) tensor or array of class-to-class costs, got {type(W).__name__}"
+                ) from None
         if W.is_complex() or W.dtype == torch.bool:
             raise TypeError(f"W: expected real numbers, got dtype {W.dtype}")
         if W.dim() != 2 or W.shape[0] < 1 or W.shape[1] < 1:
@@ -334,8 +341,10 @@ class LabelCost:
         object.__setattr__(self, "_tables", {})
 
     def __repr__(self) -> str:
-        return (f"LabelCost(W: {tuple(self.W.shape)}, feature_weight={self.feature_weight!r}, "
-                f"label_weight={self.label_weight!r})")
+        return (
+            f"LabelCost(W: {tuple(self.W.shape)}, feature_weight={self.feature_weight!r}, "
+            f"label_weight={self.label_weight!r})"
+        )
 
     @property
     def n_classes(self) -> tuple[int, int]:
@@ -372,19 +381,24 @@ class LabelCost:
         ``labels = (l_a, l_b)``: integer tensors (or arrays) of shape ``X.shape[:-1]``, in ``[0, C_a)`` and
         ``[0, C_b)``; ``TypeError`` / ``ValueError`` naming the argument otherwise."""
         if not isinstance(labels, (tuple, list)) or len(labels) != 2:
-            raise TypeError("labels: expected a pair (labels_a, labels_b) of integer tensors, one label per point, "
-                            f"got {type(labels).__name__}")
+            raise TypeError(
+                "labels: expected a pair (labels_a, labels_b) of integer tensors, one label per point, "
+                f"got {type(labels).__name__}"
+            )
         out = []
         for name, X in (("X_a", X_a), ("X_b", X_b)):
             if not isinstance(X, Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(X).__name__}")
-        for side, (X, lab, n, off) in enumerate(((X_a, labels[0], self.W.shape[0], 0),
-                                                 (X_b, labels[1], self.W.shape[1], self.W.shape[0]))):
+        for side, (X, lab, n, off) in enumerate(
+            ((X_a, labels[0], self.W.shape[0], 0), (X_b, labels[1], self.W.shape[1], self.W.shape[0]))
+        ):
             name = f"labels[{side}]"
             lab = check_labels(name, lab, X, n, "rows" if side == 0 else "columns")
             if X.is_floating_point() and self.W.shape[0] + self.W.shape[1] > 2.0 / torch.finfo(X.dtype).eps:
-                raise ValueError(f"{name}: {self.W.shape[0] + self.W.shape[1]} classes are not exact in {X.dtype} "
-                                 "points (the labels travel as a coordinate); use float32 or float64 points")
+                raise ValueError(
+                    f"{name}: {self.W.shape[0] + self.W.shape[1]} classes are not exact in {X.dtype} "
+                    "points (the labels travel as a coordinate); use float32 or float64 points"
+                )
             out.append(torch.cat([X, (lab + off).to(X.dtype).unsqueeze(-1)], -1))
         return out[0], out[1]
 
@@ -427,8 +441,9 @@ class LabelCost:
         b = self.feature_weight * d2 + self.label_weight * float(self.W.abs().max())
         cdt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         if not (math.isfinite(b) and b < torch.finfo(cdt).max / 4):
-            raise ValueError(f"label cost: its values overflow {cdt} (bound {b:.3g}); rescale the points or W, "
-                             "or use float64")
+            raise ValueError(
+                f"label cost: its values overflow {cdt} (bound {b:.3g}); rescale the points or W, or use float64"
+            )
         return b
 
     def dcost_weight(self, c: Tensor) -> Tensor:
@@ -456,6 +471,8 @@ def check_labels(name: str, lab: Any, X: Tensor, n_classes: int | None, what: st
     if lab.device != X.device:
         raise ValueError(f"{name}: is on {lab.device}, its points on {X.device}")
     if n_classes is not None and lab.numel() and (int(lab.min()) < 0 or int(lab.max()) >= n_classes):
-        raise ValueError(f"{name}: labels must lie in [0, {n_classes}) (the {what} of W), got the range "
-                         f"[{int(lab.min())}, {int(lab.max())}]")
+        raise ValueError(
+            f"{name}: labels must lie in [0, {n_classes}) (the {what} of W), got the range "
+            f"[{int(lab.min())}, {int(lab.max())}]"
+        )
     return lab.long()

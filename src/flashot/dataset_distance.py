@@ -77,8 +77,19 @@ class OTDDResult:
         return self.result.potentials
 
 
-def otdd(X_a, labels_a, X_b, labels_b, *, reg: float, feature_weight: float = 1.0, label_weight: float = 1.0,
-         tol: float | None = 1e-6, max_iter: int | None = None, backend: str = "auto") -> OTDDResult:
+def otdd(
+    X_a,
+    labels_a,
+    X_b,
+    labels_b,
+    *,
+    reg: float,
+    feature_weight: float = 1.0,
+    label_weight: float = 1.0,
+    tol: float | None = 1e-6,
+    max_iter: int | None = None,
+    backend: str = "auto",
+) -> OTDDResult:
     """The optimal transport dataset distance (OTDD) between labelled datasets ``(X_a, labels_a)``, ``(X_b, labels_b)``.
 
     ``W[c, c'] = OT_reg(A_c, B_c')`` between the class-conditional clouds (cost ``|x - y|^2``, uniform weights in

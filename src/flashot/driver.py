@@ -61,19 +61,35 @@ class SolveOptions:
         return self.rho_a is not None or self.rho_b is not None
 
 
-def solve_options(reg: float | None, *, reg_type: str = "KL", unbalanced: Any = None, unbalanced_type: str = "KL",
-                  lazy: bool | None = None, batch_size: int | None = None, method: str | None = "auto",
-                  n_threads: int | None = None, max_iter: int | None = None, tol: float | None = 1e-6,
-                  grad: str = "autodiff", callback: Callable[[IterationRecord], bool | None] | None = None,
-                  inner_iterations: int = 10, acceleration: Momentum | Anderson | str | None = "auto",
-                  verbose: bool = False, implicit: ImplicitDiff | bool | None = None,
-                  eps_scaling: bool | float | None = None, exact_hint: str = "POT") -> SolveOptions:
+def solve_options(
+    reg: float | None,
+    *,
+    reg_type: str = "KL",
+    unbalanced: Any = None,
+    unbalanced_type: str = "KL",
+    lazy: bool | None = None,
+    batch_size: int | None = None,
+    method: str | None = "auto",
+    n_threads: int | None = None,
+    max_iter: int | None = None,
+    tol: float | None = 1e-6,
+    grad: str = "autodiff",
+    callback: Callable[[IterationRecord], bool | None] | None = None,
+    inner_iterations: int = 10,
+    acceleration: Momentum | Anderson | str | None = "auto",
+    verbose: bool = False,
+    implicit: ImplicitDiff | bool | None = None,
+    eps_scaling: bool | float | None = None,
+    exact_hint: str = "POT",
+) -> SolveOptions:
     """Validate and map the options shared by :func:`solve_sample` and :func:`flashot.solve` (POT's
     names accepted), before any heavy work."""
     method, eps_scaling = _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, grad)
     if reg is None:
-        raise ValueError("reg: flashot solves entropic OT and needs reg > 0 (the epsilon); "
-                         f"for exact (unregularised) OT use {exact_hint}")
+        raise ValueError(
+            "reg: flashot solves entropic OT and needs reg > 0 (the epsilon); "
+            f"for exact (unregularised) OT use {exact_hint}"
+        )
     reg = check_positive("reg", reg)
     max_iter = check_int("max_iter", 1000 if max_iter is None else max_iter)
     tol = check_positive("tol", tol, allow_none=True)
@@ -88,8 +104,21 @@ def solve_options(reg: float | None, *, reg_type: str = "KL", unbalanced: Any = 
     if (rho_a is not None or rho_b is not None) and implicit is not None:
         raise NotImplementedError("implicit= (second derivatives) supports balanced OT only; use unbalanced=None")
     implicit = check_implicit(implicit)
-    return SolveOptions(reg, max_iter, tol, method, eps_scaling, rho_a, rho_b, inner_iterations, acceleration,
-                        implicit, callback, verbose, grad)
+    return SolveOptions(
+        reg,
+        max_iter,
+        tol,
+        method,
+        eps_scaling,
+        rho_a,
+        rho_b,
+        inner_iterations,
+        acceleration,
+        implicit,
+        callback,
+        verbose,
+        grad,
+    )
 
 
 def solve_measures(m: Measures, o: SolveOptions, potentials_init: Any = None, *, numpy: bool = False) -> OTResult:
@@ -102,17 +131,30 @@ def solve_measures(m: Measures, o: SolveOptions, potentials_init: Any = None, *,
     symmetric = METHODS[o.method]
     head = scaling_head(m, reg, o.eps_scaling, init, symmetric)
     st: SinkhornState = sinkhorn_loop(
-        m, Schedule(reg, o.max_iter, head), symmetric=symmetric, tol=o.tol, init=init, callback=o.callback,
-        rho_x=o.rho_a, rho_y=o.rho_b, inner_iterations=o.inner_iterations,
-        acceleration=_acceleration(m, reg, o.acceleration, symmetric), verbose=o.verbose,
+        m,
+        Schedule(reg, o.max_iter, head),
+        symmetric=symmetric,
+        tol=o.tol,
+        init=init,
+        callback=o.callback,
+        rho_x=o.rho_a,
+        rho_y=o.rho_b,
+        inner_iterations=o.inner_iterations,
+        acceleration=_acceleration(m, reg, o.acceleration, symmetric),
+        verbose=o.verbose,
     )
     return make_result(m, st, o, numpy)
 
 
 # POT's method names (ot.solve_sample / ot.sinkhorn) -> ours; eps_scaling forced where the name says so
-POT_METHODS = {"sinkhorn_stabilized": ("sinkhorn", None), "sinkhorn_epsilon_scaling": ("sinkhorn", True),
-               "geomloss": ("symmetric", None), "geomloss_auto": ("symmetric", None),
-               "geomloss_tensorized": ("symmetric", None), "geomloss_online": ("symmetric", None)}
+POT_METHODS = {
+    "sinkhorn_stabilized": ("sinkhorn", None),
+    "sinkhorn_epsilon_scaling": ("sinkhorn", True),
+    "geomloss": ("symmetric", None),
+    "geomloss_auto": ("symmetric", None),
+    "geomloss_tensorized": ("symmetric", None),
+    "geomloss_online": ("symmetric", None),
+}
 GRADS = ("autodiff", "envelope", "last_step", "detach")
 
 
@@ -124,12 +166,16 @@ def _pot_options(method, eps_scaling, reg_type, lazy, batch_size, n_threads, gra
         method, forced = POT_METHODS[method]
         eps_scaling = forced if eps_scaling is None else eps_scaling
     elif isinstance(method, str) and method not in METHODS:
-        raise ValueError(f"method: expected one of {sorted(METHODS) + sorted(POT_METHODS)}, got {method!r} "
-                         "(greenkhorn / screenkhorn / exact solvers: use POT; every flashot method is a "
-                         "log-domain Sinkhorn)")
+        raise ValueError(
+            f"method: expected one of {sorted(METHODS) + sorted(POT_METHODS)}, got {method!r} "
+            "(greenkhorn / screenkhorn / exact solvers: use POT; every flashot method is a "
+            "log-domain Sinkhorn)"
+        )
     if not isinstance(reg_type, str) or reg_type.lower() not in ("kl", "entropy"):
-        raise ValueError(f"reg_type: flashot regularises with KL(P | a x b) ('KL', POT's default; 'entropy' "
-                         f"differs by a constant for fixed a, b), got {reg_type!r}")
+        raise ValueError(
+            f"reg_type: flashot regularises with KL(P | a x b) ('KL', POT's default; 'entropy' "
+            f"differs by a constant for fixed a, b), got {reg_type!r}"
+        )
     if lazy is not None and not isinstance(lazy, bool):
         raise TypeError(f"lazy: expected a bool (flashot's plan is always lazy), got {type(lazy).__name__}")
     for name, v in (("batch_size", batch_size), ("n_threads", n_threads)):

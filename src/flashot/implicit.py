@@ -70,8 +70,16 @@ if TYPE_CHECKING:  # annotations only
     from .measures import Measures
     from .solver import SinkhornState
 
-__all__ = ["ImplicitDiff", "PlanProductFn", "OTValueFn", "ImplicitGradFn", "LinearValueFn", "sinkhorn_value",
-           "linear_value", "hot_value"]
+__all__ = [
+    "ImplicitDiff",
+    "PlanProductFn",
+    "OTValueFn",
+    "ImplicitGradFn",
+    "LinearValueFn",
+    "sinkhorn_value",
+    "linear_value",
+    "hot_value",
+]
 
 
 @dataclass(frozen=True)
@@ -147,8 +155,9 @@ class PlanProductFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, alpha, beta, V, eps: float, cost: Cost, engine: Engine):
-        out = engine.plan_product(x.detach(), y.detach(), alpha.detach(), beta.detach(), eps,
-                                  V.detach().contiguous(), cost, "plan")
+        out = engine.plan_product(
+            x.detach(), y.detach(), alpha.detach(), beta.detach(), eps, V.detach().contiguous(), cost, "plan"
+        )
         ctx.save_for_backward(x, y, alpha, beta, V, out)
         ctx.eps, ctx.cost, ctx.engine = eps, cost, engine
         return out
@@ -206,8 +215,13 @@ def _local_sum(t: Tensor) -> Tensor:
     return t
 
 
-def conjugate_gradient(matvec: Callable[[Tensor], Tensor], rhs: Tensor, tol: float, max_iter: int,
-                       reduce: Callable[[Tensor], Tensor] = _local_sum) -> tuple[Tensor, int, float]:
+def conjugate_gradient(
+    matvec: Callable[[Tensor], Tensor],
+    rhs: Tensor,
+    tol: float,
+    max_iter: int,
+    reduce: Callable[[Tensor], Tensor] = _local_sum,
+) -> tuple[Tensor, int, float]:
     """Batched conjugate gradients on (B, n) vectors; returns (solution, iterations, max rel. residual).
 
     ``reduce`` completes the inner products ``<u, v> = sum_k u_k v_k`` when the vectors are split over
@@ -240,8 +254,7 @@ def conjugate_gradient(matvec: Callable[[Tensor], Tensor], rhs: Tensor, tol: flo
 last_cg_info: dict = {}
 
 
-def _solve_h(x, y, alpha, beta, r, c, rhs_f, rhs_g, eps, cost, engine, cfg,
-             reduce=_local_sum) -> tuple[Tensor, Tensor]:
+def _solve_h(x, y, alpha, beta, r, c, rhs_f, rhs_g, eps, cost, engine, cfg, reduce=_local_sum) -> tuple[Tensor, Tensor]:
     """``w = (w1, w2)`` with ``H w = (rhs_f, rhs_g)``, ``H = [[diag(r), P], [P^T, diag(c)]]``.
 
     ``P = exp(alpha + beta - C / eps)`` with marginals ``r``, ``c``; the right-hand side is projected
@@ -278,7 +291,11 @@ def _solve_h(x, y, alpha, beta, r, c, rhs_f, rhs_g, eps, cost, engine, cfg,
         warnings.warn(
             f"implicit differentiation: conjugate gradients reached a relative residual of {res:.2e} "
             f"after {iters} iterations (tol={tol:g}); raise ImplicitDiff(max_iter=...) or the blur/reg"
-            + (", or use float64 (float32 rounding can floor the residual above 1e-6)" if rhs.dtype == torch.float32 else ""),
+            + (
+                ", or use float64 (float32 rounding can floor the residual above 1e-6)"
+                if rhs.dtype == torch.float32
+                else ""
+            ),
             RuntimeWarning,
             stacklevel=3,
         )
@@ -297,8 +314,9 @@ class ImplicitGradFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, reduce=_local_sum):
         a_log, b_log = safe_log(a.detach()), safe_log(b.detach())
-        gx, gy = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
-                              eps, cost, engine, True, True)
+        gx, gy = _first_order(
+            x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engine, True, True
+        )
         ctx.save_for_backward(x, y, a, b, f_new, g_new)
         ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.reduce = eps, cost, engine, cfg, reduce
         return gx, gy, f_new.clone(), g_new.clone()
@@ -331,8 +349,7 @@ class ImplicitGradFn(torch.autograd.Function):
         return (dX - eX, dY - eY, dA - eA + w1, dB - eB + w2, None, None, None, None, None, None, None, None, None)
 
 
-def _first_order(x, y, a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engine, need_x, need_y,
-                 bary=(None, None)):
+def _first_order(x, y, a_log, b_log, f_new, g_new, f_old, g_old, eps, cost, engine, need_x, need_y, bary=(None, None)):
     """Envelope gradients of ``<a, f_new> + <b, g_new>`` (GeomLoss' last-step rule), no autograd.
 
     ``grad_x_i = sum_j P_ij grad_x C(x_i, y_j)`` with ``P`` built from ``(f_new, g_old)``,
@@ -376,8 +393,9 @@ class OTValueFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, sym, reduce=_local_sum,
-                bary=(None, None)):
+    def forward(
+        ctx, x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, sym, reduce=_local_sum, bary=(None, None)
+    ):
         ctx.save_for_backward(x, y, a, b, f_new, g_new, f_old, g_old, *bary)
         ctx.eps, ctx.cost, ctx.engine, ctx.cfg, ctx.sym, ctx.reduce = eps, cost, engine, cfg, sym, reduce
         return reduce((a * f_new).sum(-1) + (b * g_new).sum(-1))
@@ -394,18 +412,47 @@ class OTValueFn(torch.autograd.Function):
                     f"second derivatives (create_graph=True) need a dot-product cost (p=2, 'sqeuclidean' or "
                     f"'half_sqeuclidean'); got cost={cost.name!r}"
                 )
-            gx, gy, fa, gb = ImplicitGradFn.apply(x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg,
-                                                  ctx.reduce)
+            gx, gy, fa, gb = ImplicitGradFn.apply(
+                x, y, a, b, f_new, g_new, f_old, g_old, eps, cost, engine, cfg, ctx.reduce
+            )
             out = [Gv.unsqueeze(-1) * gx, Gv.unsqueeze(-1) * gy, Gv * fa, Gv * gb]
         else:
             a_log, b_log = safe_log(a.detach()), safe_log(b.detach())
             if sym:  # grad wrt x enters through both slots, equal by symmetry: one pass
-                gx, _ = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
-                                     eps, cost, engine, nx or ny, False, (bx, None))
+                gx, _ = _first_order(
+                    x.detach(),
+                    y.detach(),
+                    a_log,
+                    b_log,
+                    f_new,
+                    g_new,
+                    f_old,
+                    g_old,
+                    eps,
+                    cost,
+                    engine,
+                    nx or ny,
+                    False,
+                    (bx, None),
+                )
                 gy = gx
             else:
-                gx, gy = _first_order(x.detach(), y.detach(), a_log, b_log, f_new, g_new, f_old, g_old,
-                                      eps, cost, engine, nx, ny, (bx, by))
+                gx, gy = _first_order(
+                    x.detach(),
+                    y.detach(),
+                    a_log,
+                    b_log,
+                    f_new,
+                    g_new,
+                    f_old,
+                    g_old,
+                    eps,
+                    cost,
+                    engine,
+                    nx,
+                    ny,
+                    (bx, by),
+                )
             out = [
                 None if gx is None else Gv.unsqueeze(-1) * gx,
                 None if gy is None else Gv.unsqueeze(-1) * gy,
@@ -417,8 +464,16 @@ class OTValueFn(torch.autograd.Function):
         return (*out, None, None, None, None, None, None, None, None, None, None, None)
 
 
-def sinkhorn_value(m: Measures, st: SinkhornState, f: Tensor, g: Tensor, f_aa: Tensor | None = None, g_bb: Tensor | None = None,
-                   implicit: ImplicitDiff | None = None, bary: Barycentres | None = None) -> Tensor:
+def sinkhorn_value(
+    m: Measures,
+    st: SinkhornState,
+    f: Tensor,
+    g: Tensor,
+    f_aa: Tensor | None = None,
+    g_bb: Tensor | None = None,
+    implicit: ImplicitDiff | None = None,
+    bary: Barycentres | None = None,
+) -> Tensor:
     """``<a, f> + <b, g>`` (minus ``<a, f_aa> + <b, g_bb>`` when given), (B,), balanced problems.
 
     ``f, g, f_aa, g_bb`` come from :func:`~flashot.solver.final_step` (their values
@@ -435,14 +490,45 @@ def sinkhorn_value(m: Measures, st: SinkhornState, f: Tensor, g: Tensor, f_aa: T
     d = lambda t: t.detach()  # noqa: E731
     x, y, a, b = m.x, m.y, m.a, m.b
     bb = bary if bary is not None else Barycentres()
-    v = OTValueFn.apply(x, y, a, b, d(f), d(g), d(st.f), d(st.g), eps, m.cost, m.engine, cfg, False, m.reduce,
-                        (bb.xy, bb.yx))
+    v = OTValueFn.apply(
+        x, y, a, b, d(f), d(g), d(st.f), d(st.g), eps, m.cost, m.engine, cfg, False, m.reduce, (bb.xy, bb.yx)
+    )
     if f_aa is not None:
         # <a, f_aa> = OT(a, a) / 2 and <b, g_bb> = OT(b, b) / 2
-        v = v - 0.5 * OTValueFn.apply(x, x, a, a, d(f_aa), d(f_aa), d(st.f_aa), d(st.f_aa),
-                                      eps, m.cost, m.engine, cfg, True, m.reduce, (bb.xx, None))
-        v = v - 0.5 * OTValueFn.apply(y, y, b, b, d(g_bb), d(g_bb), d(st.g_bb), d(st.g_bb),
-                                      eps, m.cost, m.engine, cfg, True, m.reduce, (bb.yy, None))
+        v = v - 0.5 * OTValueFn.apply(
+            x,
+            x,
+            a,
+            a,
+            d(f_aa),
+            d(f_aa),
+            d(st.f_aa),
+            d(st.f_aa),
+            eps,
+            m.cost,
+            m.engine,
+            cfg,
+            True,
+            m.reduce,
+            (bb.xx, None),
+        )
+        v = v - 0.5 * OTValueFn.apply(
+            y,
+            y,
+            b,
+            b,
+            d(g_bb),
+            d(g_bb),
+            d(st.g_bb),
+            d(st.g_bb),
+            eps,
+            m.cost,
+            m.engine,
+            cfg,
+            True,
+            m.reduce,
+            (bb.yy, None),
+        )
     return v
 
 
@@ -584,7 +670,7 @@ def _linear_grad_side(x, y, al0, be, a, r0, u0, w_own, w_other, eps, cost, engin
         S = engine.plan_product(x, y, al0, be, eps, torch.cat(cols, -1).contiguous(), cost, "plan")
         Kw = S[..., 0]
         if need_pts:
-            Ky, Kwy = S[..., 1:D + 1], S[..., D + 1:]
+            Ky, Kwy = S[..., 1 : D + 1], S[..., D + 1 :]
             Cy = engine.plan_product(x, y, al0, be, eps, y, cost, "cost")
             t = (1.0 + w_own / eps).unsqueeze(-1) * (x * r0.unsqueeze(-1) - Ky)
             t = t + (x * Kw.unsqueeze(-1) - Kwy) / eps - (x * u0.unsqueeze(-1) - Cy) / eps
@@ -596,9 +682,10 @@ def _linear_grad_side(x, y, al0, be, a, r0, u0, w_own, w_other, eps, cost, engin
         if need_pts:
             Ky = S[..., 1:]
             ones = torch.ones_like(wo)
-            T = engine.plan_product(x, y, al0, be, eps, torch.cat([ones, y, wo, wo * y], -1).contiguous(),
-                                    cost, "dcost")
-            d1, dy, dw, dwy = T[..., :1], T[..., 1:D + 1], T[..., D + 1:D + 2], T[..., D + 2:]
+            T = engine.plan_product(
+                x, y, al0, be, eps, torch.cat([ones, y, wo, wo * y], -1).contiguous(), cost, "dcost"
+            )
+            d1, dy, dw, dwy = T[..., :1], T[..., 1 : D + 1], T[..., D + 1 : D + 2], T[..., D + 2 :]
             t = (1.0 + w_own / eps).unsqueeze(-1) * (x * d1 - dy)
             t = t + (x * dw - dwy) / eps - (x * r0.unsqueeze(-1) - Ky) / eps
             gx = a.unsqueeze(-1) * t
@@ -681,8 +768,16 @@ class _NoGradFn(torch.autograd.Function):
         raise NotImplementedError(ctx.reason)
 
 
-def linear_value(m: Measures, f: Tensor, g: Tensor, eps: float, *, unbalanced: Sequence[float | None] | None = None,
-                 differentiable: bool = True, implicit: ImplicitDiff | None = None) -> Tensor:
+def linear_value(
+    m: Measures,
+    f: Tensor,
+    g: Tensor,
+    eps: float,
+    *,
+    unbalanced: Sequence[float | None] | None = None,
+    differentiable: bool = True,
+    implicit: ImplicitDiff | None = None,
+) -> Tensor:
     r"""``<C, P>`` per problem, (B,), for the plan of the potentials ``(f, g)`` (streamed).
 
     With ``differentiable=True`` and inputs (``m.x``, ``m.y``, ``m.a``, ``m.b``) that require grad,
@@ -700,9 +795,13 @@ def linear_value(m: Measures, f: Tensor, g: Tensor, eps: float, *, unbalanced: S
     if unbalanced is not None:
         v = m.reduce(_cost_sum(x, y, a, b, f, g, eps, m.cost, m.engine))
         return _NoGradFn.apply(
-            v, "value_linear: gradients of <C, P> are implemented for balanced problems only (unbalanced="
+            v,
+            "value_linear: gradients of <C, P> are implemented for balanced problems only (unbalanced="
             f"{tuple(unbalanced)!r} was given); use value / value_dual (differentiable), or grad='detach'",
-            x, y, a, b)
+            x,
+            y,
+            a,
+            b,
+        )
     cfg = check_implicit(implicit if implicit is not None else getattr(m, "implicit_diff", None))
     return LinearValueFn.apply(x, y, a, b, f, g, eps, m.cost, m.engine, cfg, m.reduce)
-

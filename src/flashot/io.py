@@ -62,14 +62,15 @@ class Limits:
 
     def check(self, path: str, n: int, d: int, itemsize: int, what: str = "points") -> None:
         if n > self.max_points:
-            raise InputError(f"{path}: {n:,} {what}, above the cap of {self.max_points:,} "
-                             f"(raise it with --max-points)")
+            raise InputError(f"{path}: {n:,} {what}, above the cap of {self.max_points:,} (raise it with --max-points)")
         if d > MAX_DIM:
             raise InputError(f"{path}: {d:,} coordinates per point, above {MAX_DIM:,}")
         nbytes = n * max(d, 1) * itemsize
         if nbytes > self.max_bytes:
-            raise InputError(f"{path}: the array would take {nbytes:,} bytes, above the cap of "
-                             f"{self.max_bytes:,} (raise it with --max-bytes)")
+            raise InputError(
+                f"{path}: the array would take {nbytes:,} bytes, above the cap of "
+                f"{self.max_bytes:,} (raise it with --max-bytes)"
+            )
 
 
 @dataclass
@@ -98,9 +99,17 @@ def _open_regular(path: str):
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a device"
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket"
+                if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file"
+            )
             raise InputError(f"{path}: is {kind}, not a regular file")
         f = os.fdopen(fd, "rb")
     except BaseException:
@@ -116,8 +125,7 @@ def _suffix(path: str) -> str:
     f.close()
     ext = os.path.splitext(path)[1].lower()
     if ext not in SUFFIXES:
-        raise InputError(f"{path}: unknown file type {ext or '(no suffix)'!r}; expected one of "
-                         f"{', '.join(SUFFIXES)}")
+        raise InputError(f"{path}: unknown file type {ext or '(no suffix)'!r}; expected one of {', '.join(SUFFIXES)}")
     return ext
 
 
@@ -163,11 +171,14 @@ def _read_npy_stream(f, path: str, limits: Limits, what: str, total: int) -> np.
     nbytes = count * dtype.itemsize
     left = total - f.tell()
     if left < nbytes:
-        raise InputError(f"{path}: truncated: the header announces {nbytes:,} bytes of data, "
-                         f"the file holds {max(left, 0):,}")
+        raise InputError(
+            f"{path}: truncated: the header announces {nbytes:,} bytes of data, the file holds {max(left, 0):,}"
+        )
     if left > nbytes:  # np.save writes nothing after the data: a longer file is not what the header says
-        raise InputError(f"{path}: {left - nbytes:,} bytes after the array's data (the header announces "
-                         f"{nbytes:,} bytes; the file is damaged or not one .npy array)")
+        raise InputError(
+            f"{path}: {left - nbytes:,} bytes after the array's data (the header announces "
+            f"{nbytes:,} bytes; the file is damaged or not one .npy array)"
+        )
     arr = np.frombuffer(_read_exact(f, nbytes, path), dtype=dtype, count=count)
     return arr.reshape(shape, order="F" if fortran else "C")
 
@@ -211,16 +222,25 @@ def _read_npz(path: str, limits: Limits, what: str) -> tuple[np.ndarray, np.ndar
                 info = members[key]
                 where = f"{path}[{key!r}]"
                 if info.file_size > limits.max_bytes + _NPY_MAX_HEADER + 16:
-                    raise InputError(f"{where}: {info.file_size:,} bytes uncompressed, above the cap of "
-                                     f"{limits.max_bytes:,} (raise it with --max-bytes)")
+                    raise InputError(
+                        f"{where}: {info.file_size:,} bytes uncompressed, above the cap of "
+                        f"{limits.max_bytes:,} (raise it with --max-bytes)"
+                    )
                 try:
                     with zf.open(info) as m:
                         if m.read(6) != b"\x93NUMPY":
                             raise InputError(f"{where}: not a .npy array")
                     with zf.open(info) as m:
                         return _read_npy_stream(m, where, limits, kind, info.file_size)
-                except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, RuntimeError,
-                        NotImplementedError, zlib.error) as e:
+                except (
+                    zipfile.BadZipFile,
+                    zipfile.LargeZipFile,
+                    OSError,
+                    EOFError,
+                    RuntimeError,
+                    NotImplementedError,
+                    zlib.error,
+                ) as e:
                     raise InputError(f"{where}: cannot read ({_first_line(e)})") from None
 
             if what == "weights":
@@ -235,8 +255,10 @@ def _read_npz(path: str, limits: Limits, what: str) -> tuple[np.ndarray, np.ndar
             else:
                 others = [k for k in members if k != "weights"]
                 if len(others) != 1:
-                    raise InputError(f"{path}: several arrays ({', '.join(members)}): name the points "
-                                     f"'points' (and their weights 'weights')")
+                    raise InputError(
+                        f"{path}: several arrays ({', '.join(members)}): name the points "
+                        f"'points' (and their weights 'weights')"
+                    )
                 key = others[0]
             pts = load(key, "points")
             if "weights" in members and key != "weights":
@@ -258,8 +280,10 @@ def _read_text(path: str, limits: Limits, what: str) -> tuple[np.ndarray, list[s
     f, size = _open_regular(path)
     with f:
         if size > limits.max_bytes:
-            raise InputError(f"{path}: {size:,} bytes, above the cap of {limits.max_bytes:,} for text "
-                             f"files (raise it with --max-bytes)")
+            raise InputError(
+                f"{path}: {size:,} bytes, above the cap of {limits.max_bytes:,} for text "
+                f"files (raise it with --max-bytes)"
+            )
         raw = f.read(limits.max_bytes + 1)
     if len(raw) > limits.max_bytes:  # the file grew after fstat
         raise InputError(f"{path}: above the cap of {limits.max_bytes:,} bytes (raise it with --max-bytes)")
@@ -286,8 +310,9 @@ def _read_text(path: str, limits: Limits, what: str) -> tuple[np.ndarray, list[s
         if not rows:
             raise InputError(f"{path}: a header row and no data rows")
     if len(rows) > limits.max_points:
-        raise InputError(f"{path}: {len(rows):,} rows, above the cap of {limits.max_points:,} "
-                         f"(raise it with --max-points)")
+        raise InputError(
+            f"{path}: {len(rows):,} rows, above the cap of {limits.max_points:,} (raise it with --max-points)"
+        )
     ncol = len(split(rows[0][1])) if names is None else len(names)
     if ncol > MAX_DIM + 1:
         raise InputError(f"{path}: {ncol:,} columns, above {MAX_DIM + 1:,}")
@@ -323,10 +348,22 @@ def _numbers(path: str, no: int, fields: list[str]) -> list[float]:
 # .ply
 
 _PLY_TYPES = {
-    "char": "i1", "int8": "i1", "uchar": "u1", "uint8": "u1",
-    "short": "i2", "int16": "i2", "ushort": "u2", "uint16": "u2",
-    "int": "i4", "int32": "i4", "uint": "u4", "uint32": "u4",
-    "float": "f4", "float32": "f4", "double": "f8", "float64": "f8",
+    "char": "i1",
+    "int8": "i1",
+    "uchar": "u1",
+    "uint8": "u1",
+    "short": "i2",
+    "int16": "i2",
+    "ushort": "u2",
+    "uint16": "u2",
+    "int": "i4",
+    "int32": "i4",
+    "uint": "u4",
+    "uint32": "u4",
+    "float": "f4",
+    "float32": "f4",
+    "double": "f8",
+    "float64": "f8",
 }
 
 
@@ -352,8 +389,10 @@ def _read_ply(path: str, limits: Limits) -> tuple[np.ndarray, list[str]]:
         if fmt == "binary_little_endian":
             return _ply_binary(f, path, size, body_start, elements, vi), pnames
         if size > limits.max_bytes:
-            raise InputError(f"{path}: {size:,} bytes, above the cap of {limits.max_bytes:,} for text "
-                             f"files (raise it with --max-bytes)")
+            raise InputError(
+                f"{path}: {size:,} bytes, above the cap of {limits.max_bytes:,} for text "
+                f"files (raise it with --max-bytes)"
+            )
         f.seek(body_start)
         body = f.read(limits.max_bytes + 1)
     try:
@@ -375,7 +414,7 @@ def _ply_header(f, path: str) -> tuple[str, list, int, int]:
             raise InputError(f"{path}: truncated after 'end_header'")
         raise InputError(f"{path}: no 'end_header' in the first {_PLY_MAX_HEADER:,} bytes")
     try:
-        lines = _LINES.split(header[:m.start()].decode("ascii"))
+        lines = _LINES.split(header[: m.start()].decode("ascii"))
     except UnicodeDecodeError:
         raise InputError(f"{path}: the .ply header is not ASCII") from None
     fmt, elements = None, []
@@ -387,16 +426,18 @@ def _ply_header(f, path: str) -> tuple[str, list, int, int]:
             if tok[0] == "format" and len(tok) == 3 and fmt is None:
                 fmt = tok[1]
                 if fmt not in ("ascii", "binary_little_endian"):
-                    raise InputError(f"{path}: .ply format {fmt!r} is not supported "
-                                     f"(ascii and binary_little_endian are)")
+                    raise InputError(
+                        f"{path}: .ply format {fmt!r} is not supported (ascii and binary_little_endian are)"
+                    )
             elif tok[0] == "element" and len(tok) == 3 and _COUNT.fullmatch(tok[2]):
                 if any(e[0] == tok[1] for e in elements):
                     raise InputError(f"{path}: header line {no}: a second element named {tok[1]!r}")
                 elements.append([tok[1], int(tok[2]), []])
             elif tok[0] == "property" and elements and (len(tok) == 3 or (len(tok) == 5 and tok[1] == "list")):
                 if any(p[0] == tok[-1] for p in elements[-1][2]):
-                    raise InputError(f"{path}: header line {no}: a second property named {tok[-1]!r} "
-                                     f"in element {elements[-1][0]!r}")
+                    raise InputError(
+                        f"{path}: header line {no}: a second property named {tok[-1]!r} in element {elements[-1][0]!r}"
+                    )
                 for t in tok[2:4] if len(tok) == 5 else tok[1:2]:
                     if t not in _PLY_TYPES:
                         raise KeyError(t)
@@ -411,7 +452,7 @@ def _ply_header(f, path: str) -> tuple[str, list, int, int]:
             raise InputError(f"{path}: header line {no}: cannot parse {line[:60]!r}") from None
     if fmt is None:
         raise InputError(f"{path}: the .ply header has no 'format' line")
-    return fmt, elements, m.end(), header[:m.end()].count(b"\n")
+    return fmt, elements, m.end(), header[: m.end()].count(b"\n")
 
 
 def _ply_vertex(path: str, elements: list) -> int:
@@ -425,8 +466,9 @@ def _ply_vertex(path: str, elements: list) -> int:
         raise InputError(f"{path}: list properties in 'vertex' are not supported")
     missing = [c for c in "xyz" if c not in [p[0] for p in props]]
     if missing:
-        raise InputError(f"{path}: the vertex element has no {', '.join(missing)} "
-                         f"propert{'y' if len(missing) == 1 else 'ies'}")
+        raise InputError(
+            f"{path}: the vertex element has no {', '.join(missing)} propert{'y' if len(missing) == 1 else 'ies'}"
+        )
     for name, _, eprops in elements[:vi]:
         if any(t is None for _, t in eprops):
             raise InputError(f"{path}: element {name!r} before 'vertex' has list properties (not supported)")
@@ -438,15 +480,16 @@ def _ply_binary(f, path: str, size: int, body_start: int, elements: list, vi: in
         return e[1] * sum(np.dtype(t).itemsize for _, t in e[2])
 
     _, n, props = elements[vi]
-    need = body_start + sum(nbytes(e) for e in elements[:vi + 1])
+    need = body_start + sum(nbytes(e) for e in elements[: vi + 1])
     if size < need:
         raise InputError(f"{path}: truncated: {n:,} vertices need {need:,} bytes, the file has {size:,}")
-    after = elements[vi + 1:]
+    after = elements[vi + 1 :]
     if all(t is not None for e in after for _, t in e[2]):  # scalar elements only: the size is known
         end = need + sum(nbytes(e) for e in after)
         if size < end:
-            raise InputError(f"{path}: truncated: the elements after 'vertex' need {end:,} bytes, "
-                             f"the file has {size:,}")
+            raise InputError(
+                f"{path}: truncated: the elements after 'vertex' need {end:,} bytes, the file has {size:,}"
+            )
         if size > end:
             raise InputError(f"{path}: {size - end:,} bytes after the last element")
     dt = np.dtype([(f"p{i}", "<" + t) for i, (_, t) in enumerate(props)])
@@ -468,8 +511,11 @@ def _ply_ascii(path: str, text: str, elements: list, vi: int, first_no: int) -> 
             out = np.empty((count, len(props)), dtype=np.float64)
         for r in range(count):
             if pos == len(lines) or (pos == len(lines) - 1 and not lines[pos].strip(" \t")):
-                what = (f"{count:,} vertices announced, {r:,} found" if ei == vi else
-                        f"element {name!r} announces {count:,} lines, {r:,} found")
+                what = (
+                    f"{count:,} vertices announced, {r:,} found"
+                    if ei == vi
+                    else f"element {name!r} announces {count:,} lines, {r:,} found"
+                )
                 raise InputError(f"{path}: truncated: {what}")
             no, line = first_no + pos, lines[pos].strip(" \t")
             pos += 1
@@ -493,8 +539,9 @@ def _ply_check_line(path: str, no: int, name: str, props: list, tok: list[str]) 
         if t is None:
             if want >= len(tok) or not _COUNT.fullmatch(tok[want]):
                 got = repr(tok[want][:40]) if want < len(tok) else "nothing"
-                raise InputError(f"{path}: line {no} (element {name!r}), field {want + 1}: expected a list "
-                                 f"length, got {got}")
+                raise InputError(
+                    f"{path}: line {no} (element {name!r}), field {want + 1}: expected a list length, got {got}"
+                )
             want += int(tok[want])
         want += 1
     if len(tok) != want:
@@ -567,8 +614,10 @@ def read_weights(path: str, n: int, limits: Limits = Limits()) -> np.ndarray:
     elif ext == ".npz":
         w = _read_npz(path, limits, "weights")[0]
     elif ext == ".ply":
-        raise InputError(f"{path}: weights from a .ply file are not supported; use --weights-column "
-                         f"with the vertex property's name on the points file")
+        raise InputError(
+            f"{path}: weights from a .ply file are not supported; use --weights-column "
+            f"with the vertex property's name on the points file"
+        )
     else:
         w = _read_text(path, limits, "weights")[0]
     return _check_weights(path, np.asarray(w, dtype=np.float64).reshape(-1), n)
@@ -579,8 +628,9 @@ def _check_finite(path: str, arr: np.ndarray, what: str) -> None:
     if bad.any():
         i = int(np.argwhere(bad)[0][0])
         kind = "NaN" if np.isnan(arr[bad]).any() else "Inf"
-        raise InputError(f"{path}: {int(bad.sum()):,} {kind} value(s), first at row {i} "
-                         f"(a {what} must be a finite number)")
+        raise InputError(
+            f"{path}: {int(bad.sum()):,} {kind} value(s), first at row {i} (a {what} must be a finite number)"
+        )
 
 
 def _check_weights(path: str, w: np.ndarray, n: int) -> np.ndarray:
@@ -593,8 +643,10 @@ def _check_weights(path: str, w: np.ndarray, n: int) -> np.ndarray:
     with np.errstate(over="ignore"):  # an overflow is reported below, in one line
         total = w.sum()
     if not np.isfinite(total):
-        raise InputError(f"{path}: the weights sum to more than the largest float64 "
-                         f"({np.finfo(np.float64).max:.3g}); divide them by a common factor")
+        raise InputError(
+            f"{path}: the weights sum to more than the largest float64 "
+            f"({np.finfo(np.float64).max:.3g}); divide them by a common factor"
+        )
     if not total > 0:
         raise InputError(f"{path}: the weights sum to zero")
     return w

@@ -65,6 +65,7 @@ def kernel_loss(name: str, m: Measures, blur: float, backend: str, potentials: b
 def _hausdorff(x: Tensor, y: Tensor, a: Tensor, b: Tensor, eps: float, cost, eng) -> Tensor:
     la, lb = safe_log(a), safe_log(b)
     if getattr(cost, "graph", None) is not None:  # a user's cost function: its matrices, by autograd
+
         def sm(side, h):
             return cost.softmin_graph(side, h, eps).to(a.dtype)
     else:
@@ -72,6 +73,7 @@ def _hausdorff(x: Tensor, y: Tensor, a: Tensor, b: Tensor, eps: float, cost, eng
 
         def sm(side, h):
             return softmin_fn(pts[side[0]], pts[side[1]], h, eps, cost, eng)
+
     s_bx, s_ax, s_ay, s_by = sm("xy", lb), sm("xx", la), sm("yx", la), sm("yy", lb)
     return 0.5 * (a * (s_bx - s_ax)).sum(-1) + 0.5 * (b * (s_ay - s_by)).sum(-1)
 

@@ -44,8 +44,12 @@ def is_lazy_matrix(M: object) -> bool:
     shape = getattr(M, "shape", None)
     if isinstance(M, np.memmap):  # on disk: read one tile at a time, never loaded whole
         return M.ndim == 2
-    return (not isinstance(M, (Tensor, np.ndarray)) and hasattr(M, "__getitem__") and shape is not None
-            and len(tuple(shape)) == 2)
+    return (
+        not isinstance(M, (Tensor, np.ndarray))
+        and hasattr(M, "__getitem__")
+        and shape is not None
+        and len(tuple(shape)) == 2
+    )
 
 
 SIDES = ("xy", "yx", "xx", "yy")
@@ -104,8 +108,10 @@ class MatrixCost:
         elif key == "yx":
             blk = self._block(c0, c1, r0, r1).transpose(-1, -2)
         else:
-            raise NotImplementedError("a precomputed cost matrix has no cost between two rows or two columns "
-                                      "(debiasing / self-transport): use point clouds (solve_sample, SamplesLoss)")
+            raise NotImplementedError(
+                "a precomputed cost matrix has no cost between two rows or two columns "
+                "(debiasing / self-transport): use point clouds (solve_sample, SamplesLoss)"
+            )
         return blk.to(u.dtype, copy=not self.lazy)  # a lazy block is already a fresh tensor
 
     matrix = tile
@@ -132,8 +138,10 @@ def _span(u: Tensor) -> tuple[int, int]:
     n = u.shape[1]
     first, last = (int(t) for t in u[0, [0, n - 1], 0].tolist())
     if last - first + 1 != n:
-        raise NotImplementedError("a precomputed cost matrix is read by contiguous tiles of rows and columns; "
-                                  "this engine asked for a scattered set (use backend='tiled' or 'dense')")
+        raise NotImplementedError(
+            "a precomputed cost matrix is read by contiguous tiles of rows and columns; "
+            "this engine asked for a scattered set (use backend='tiled' or 'dense')"
+        )
     return first, last + 1
 
 
@@ -151,19 +159,25 @@ def read_block(M: Any, r0: int, r1: int, c0: int, c1: int, dtype: Any = np.float
         raw = raw.detach().cpu()
         raw = (raw.double() if raw.dtype in (torch.float16, torch.bfloat16) else raw).numpy()
     if raw is None or isinstance(raw, (str, bytes, dict, set)):
-        raise TypeError(f"M: the lazy matrix returned a {type(raw).__name__} for {where}; expected an array of "
-                        f"real numbers of shape {(r1 - r0, c1 - c0)}")
+        raise TypeError(
+            f"M: the lazy matrix returned a {type(raw).__name__} for {where}; expected an array of "
+            f"real numbers of shape {(r1 - r0, c1 - c0)}"
+        )
     try:
         blk = np.asarray(raw)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"M: the lazy matrix returned a {type(raw).__name__} for {where} that is not an array of "
-                        f"real numbers ({e})") from None
+        raise TypeError(
+            f"M: the lazy matrix returned a {type(raw).__name__} for {where} that is not an array of real numbers ({e})"
+        ) from None
     if blk.dtype.kind not in "fiu":
-        raise TypeError(f"M: the lazy matrix returned a {type(raw).__name__} of dtype {blk.dtype} for {where}; "
-                        "expected an array of real numbers")
+        raise TypeError(
+            f"M: the lazy matrix returned a {type(raw).__name__} of dtype {blk.dtype} for {where}; "
+            "expected an array of real numbers"
+        )
     if blk.shape != (r1 - r0, c1 - c0):
-        raise ValueError(f"M: the lazy matrix returned a block of shape {blk.shape} for {where} "
-                         f"(expected {(r1 - r0, c1 - c0)})")
+        raise ValueError(
+            f"M: the lazy matrix returned a block of shape {blk.shape} for {where} (expected {(r1 - r0, c1 - c0)})"
+        )
     blk = np.array(blk, dtype=dtype)  # a writable copy
     if not np.isfinite(blk).all():
         raise ValueError(f"M: the lazy matrix returned NaN or Inf values for {where}")
@@ -221,9 +235,11 @@ def matrix_measures(M: Any, a: Any, b: Any, *, backend: str = "auto") -> Measure
     """:class:`~flashot.measures.Measures` over the cost matrix ``M`` ((N, M) or (B, N, M); torch,
     numpy or lazy) with weights ``a`` (rows) and ``b`` (columns), uniform when None."""
     if backend not in ("auto", "tiled", "dense"):
-        raise ValueError(f"backend: a precomputed cost matrix runs on 'tiled' (the default, streamed) or 'dense', "
-                         f"got {backend!r}; the 'cpu' and 'triton' engines compute costs from points "
-                         "(use solve_sample)")
+        raise ValueError(
+            f"backend: a precomputed cost matrix runs on 'tiled' (the default, streamed) or 'dense', "
+            f"got {backend!r}; the 'cpu' and 'triton' engines compute costs from points "
+            "(use solve_sample)"
+        )
     lazy = is_lazy_matrix(M)
     shape: tuple[int, ...]
     if lazy:
@@ -245,8 +261,10 @@ def matrix_measures(M: Any, a: Any, b: Any, *, backend: str = "auto") -> Measure
             lo, hi = float(Mt.min()), float(Mt.max())
     N, K = shape
     if cdt == torch.float32 and N + K > MAX_FLOAT32_INDEX:
-        raise ValueError(f"M: {N} rows + {K} columns exceed what float32 index points address exactly "
-                         f"({MAX_FLOAT32_INDEX:,}); give M in float64")
+        raise ValueError(
+            f"M: {N} rows + {K} columns exceed what float32 index points address exactly "
+            f"({MAX_FLOAT32_INDEX:,}); give M in float64"
+        )
     ar = torch.arange(N + K, device=device, dtype=cdt).view(1, -1, 1).expand(B, -1, -1)
     x, y = ar[:, :N].contiguous(), ar[:, N:].contiguous()
     names = ("a", "M's rows", "b", "M's columns")
@@ -256,12 +274,25 @@ def matrix_measures(M: Any, a: Any, b: Any, *, backend: str = "auto") -> Measure
         a, b = a.unsqueeze(0), b.unsqueeze(0)
     a, b = a.to(cdt), b.to(cdt)
     cost = MatrixCost(Mt if lazy else Mt.detach(), N, K, cdt, device, name=f"matrix#{next(_ids)}")
-    engine = get_engine("tiled" if backend == "auto" else backend, device=device, dtype=cdt, cost=cost,
-                        size=(B, N, K, 1))
+    engine = get_engine(
+        "tiled" if backend == "auto" else backend, device=device, dtype=cdt, cost=cost, size=(B, N, K, 1)
+    )
     # the spread of the costs bounds every C / eps that matters (a softmin is shift-equivariant)
     cmax = max(hi - lo, abs(hi), abs(lo))
-    return Measures(x, y, a, b, log_weights(a), log_weights(b), cost, engine, batched, out_dtype,
-                    torch.zeros(B, 1, 1, dtype=cdt, device=device), cmax)
+    return Measures(
+        x,
+        y,
+        a,
+        b,
+        log_weights(a),
+        log_weights(b),
+        cost,
+        engine,
+        batched,
+        out_dtype,
+        torch.zeros(B, 1, 1, dtype=cdt, device=device),
+        cmax,
+    )
 
 
 def _weights(w, device: torch.device):
@@ -281,8 +312,10 @@ def _check_dense(M) -> Tensor:
         M = M if M.dtype.kind == "f" else M.astype(np.float64)
         M = torch.from_numpy(np.ascontiguousarray(M) if M.flags.writeable else np.array(M))
     if not isinstance(M, Tensor):
-        raise TypeError(f"M: expected a torch.Tensor, a numpy.ndarray or a lazy matrix (an object with a 2-D "
-                        f".shape and slicing, e.g. numpy.memmap), got {type(M).__name__}")
+        raise TypeError(
+            f"M: expected a torch.Tensor, a numpy.ndarray or a lazy matrix (an object with a 2-D "
+            f".shape and slicing, e.g. numpy.memmap), got {type(M).__name__}"
+        )
     if M.dtype not in FLOATS:
         raise TypeError(f"M: expected a floating-point matrix, got dtype {M.dtype}")
     check_storage("M", M)
@@ -301,8 +334,9 @@ def _cost_block(fn, u: Tensor, v: Tensor, what: str) -> Tensor:
     check_dense_budget(B, n, m, compute_dtype(u.dtype), u.device)
     C = fn(u, v)
     if not isinstance(C, Tensor):
-        raise TypeError(f"cost: the cost function returned a {type(C).__name__} for {what}, expected a (B, N, M) "
-                        "torch.Tensor")
+        raise TypeError(
+            f"cost: the cost function returned a {type(C).__name__} for {what}, expected a (B, N, M) torch.Tensor"
+        )
     if tuple(C.shape) != (B, n, m):
         raise ValueError(f"cost: the cost function returned shape {tuple(C.shape)} for {what}, expected {(B, n, m)}")
     if not C.is_floating_point():
@@ -312,9 +346,18 @@ def _cost_block(fn, u: Tensor, v: Tensor, what: str) -> Tensor:
     return C
 
 
-def function_measures(fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, y: Tensor, a: Tensor | None,
-                      b: Tensor | None, *, sides: tuple[str, ...], detach_second: bool,
-                      backend: str = "auto", names: tuple[str, str, str, str] = ("a", "x", "b", "y")) -> Measures:
+def function_measures(
+    fn: Callable[[Tensor, Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    a: Tensor | None,
+    b: Tensor | None,
+    *,
+    sides: tuple[str, ...],
+    detach_second: bool,
+    backend: str = "auto",
+    names: tuple[str, str, str, str] = ("a", "x", "b", "y"),
+) -> Measures:
     """:class:`~flashot.measures.Measures` over the blocks of a user's cost function (GeomLoss' tensorized
     ``cost``): ``fn(x, y)`` maps (B, N, D), (B, M, D) points to a (B, N, M) matrix.
 
@@ -349,8 +392,21 @@ def function_measures(fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, y: Tens
     ar = torch.arange(N + K, device=x.device, dtype=cdt).view(1, -1, 1).expand(B, -1, -1)
     ix, iy = ar[:, :N].contiguous(), ar[:, N:].contiguous()
     cost = MatrixCost(M, N, K, cdt, x.device, name=f"matrix#{next(_ids)}", extra=blocks, graph=graph)
-    engine = get_engine("tiled" if backend == "auto" else backend, device=x.device, dtype=cdt, cost=cost,
-                        size=(B, N, K, 1))
+    engine = get_engine(
+        "tiled" if backend == "auto" else backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, K, 1)
+    )
     a, b = a.to(cdt), b.to(cdt)
-    return Measures(ix, iy, a, b, log_weights(a), log_weights(b), cost, engine, batched, x.dtype,
-                    torch.zeros(B, 1, 1, dtype=cdt, device=x.device), max(hi - lo, abs(hi), abs(lo)))
+    return Measures(
+        ix,
+        iy,
+        a,
+        b,
+        log_weights(a),
+        log_weights(b),
+        cost,
+        engine,
+        batched,
+        x.dtype,
+        torch.zeros(B, 1, 1, dtype=cdt, device=x.device),
+        max(hi - lo, abs(hi), abs(lo)),
+    )

@@ -103,8 +103,9 @@ class Measures:
         if not p.batched:
             a, b = a.unsqueeze(0), b.unsqueeze(0)
         a, b = a.to(p.x.dtype), b.to(p.x.dtype)
-        return cls(p.x, p.y, a, b, log_weights(a), log_weights(b), p.cost, p.engine, p.batched, p.out_dtype,
-                   p.center, p.cmax)
+        return cls(
+            p.x, p.y, a, b, log_weights(a), log_weights(b), p.cost, p.engine, p.batched, p.out_dtype, p.center, p.cmax
+        )
 
     # True in flashot.distributed's points-sharded mode (PointsMeasures): x, y, a, b are this rank's slices
     points_sharded = False
@@ -263,15 +264,16 @@ class Measures:
     def softmin_grad_pair(self, hy: Tensor, hx: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         """``(softmin_grad("xy", hy, eps), softmin_grad("yx", hx, eps))``, the values from one fused pass where
         the engine has ``softmin_pair`` (:func:`~flashot.ops.autograd.softmin_pair_fn`)."""
-        if (getattr(self.cost, "graph", None) is not None or hx.dtype != self.x.dtype
-                or hy.dtype != self.x.dtype):
+        if getattr(self.cost, "graph", None) is not None or hx.dtype != self.x.dtype or hy.dtype != self.x.dtype:
             return self.softmin_grad("xy", hy, eps), self.softmin_grad("yx", hx, eps)
         return softmin_pair_fn(self.x, self.y, hx.detach(), hy.detach(), eps, self.cost, self.engine)
 
     def masses(self) -> tuple[Tensor, Tensor]:
         """``(sum a, sum b)`` per problem, (B,) each, in float64 (detached)."""
-        return (self.reduce(self.per_problem_sum(self.a.detach().double(), "x")),
-                self.reduce(self.per_problem_sum(self.b.detach().double(), "y")))
+        return (
+            self.reduce(self.per_problem_sum(self.a.detach().double(), "x")),
+            self.reduce(self.per_problem_sum(self.b.detach().double(), "y")),
+        )
 
     def unequal_masses(self) -> tuple[float, float] | None:
         """``(sum a, sum b)`` of the first problem whose total masses differ by more than

@@ -81,15 +81,29 @@ def solve(
         True
     """
     if c is not None:
-        raise NotImplementedError("c: a reference measure other than a b^T is not implemented (flashot regularises "
-                                  "with KL(P | a x b)); fold log(c / (a b^T)) into M instead")
+        raise NotImplementedError(
+            "c: a reference measure other than a b^T is not implemented (flashot regularises "
+            "with KL(P | a x b)); fold log(c / (a b^T)) into M instead"
+        )
     if plan_init is not None:
         raise NotImplementedError("plan_init: not implemented; warm-start with potentials_init=(f, g)")
     opts = solve_options(
-        reg, reg_type=reg_type, unbalanced=unbalanced, unbalanced_type=unbalanced_type, method=method,
-        n_threads=n_threads, max_iter=max_iter, tol=tol, grad=grad, callback=callback,
-        inner_iterations=inner_iterations, acceleration=acceleration, verbose=verbose, eps_scaling=eps_scaling,
-        exact_hint="POT's ot.solve")
+        reg,
+        reg_type=reg_type,
+        unbalanced=unbalanced,
+        unbalanced_type=unbalanced_type,
+        method=method,
+        n_threads=n_threads,
+        max_iter=max_iter,
+        tol=tol,
+        grad=grad,
+        callback=callback,
+        inner_iterations=inner_iterations,
+        acceleration=acceleration,
+        verbose=verbose,
+        eps_scaling=eps_scaling,
+        exact_hint="POT's ot.solve",
+    )
     a, b = (None if pot_uniform(w) else w for w in (a, b))
     m = matrix_measures(M, a, b, backend=backend)
     res = solve_measures(m, opts, potentials_init, numpy=isinstance(M, np.ndarray) or is_lazy_matrix(M))
@@ -116,8 +130,10 @@ class _RefuseGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, G):
-        raise NotImplementedError("the gradient of value_linear of an unbalanced problem is not implemented "
-                                  "(balanced problems only); differentiate value_dual instead")
+        raise NotImplementedError(
+            "the gradient of value_linear of an unbalanced problem is not implemented "
+            "(balanced problems only); differentiate value_dual instead"
+        )
 
 
 def _attach_cost_grad(res: OTResult, M: Tensor, m) -> None:
@@ -156,8 +172,20 @@ class _CostEnvelope(torch.autograd.Function):
         return G, (G3 * P).reshape(ctx.shape).to(ctx.dtype), None
 
 
-def sinkhorn(a, b, M, reg: float, method: str = "sinkhorn", numItermax: int = 1000, stopThr: float = 1e-9,
-             verbose: bool = False, log: bool = False, warn: bool = True, warmstart=None, **kwargs):
+def sinkhorn(
+    a,
+    b,
+    M,
+    reg: float,
+    method: str = "sinkhorn",
+    numItermax: int = 1000,
+    stopThr: float = 1e-9,
+    verbose: bool = False,
+    log: bool = False,
+    warn: bool = True,
+    warmstart=None,
+    **kwargs,
+):
     """POT's ``ot.sinkhorn``: the entropic plan of the cost ``M`` as a dense matrix (the type of ``M``).
 
     ``P = diag(u) exp(-M / reg) diag(v)`` with ``u = a exp(f / reg)``, ``v = b exp(g / reg)``;
@@ -183,8 +211,20 @@ def sinkhorn(a, b, M, reg: float, method: str = "sinkhorn", numItermax: int = 10
     return (P, _log(res)) if log else P
 
 
-def sinkhorn2(a, b, M, reg: float, method: str = "sinkhorn", numItermax: int = 1000, stopThr: float = 1e-9,
-              verbose: bool = False, log: bool = False, warn: bool = True, warmstart=None, **kwargs):
+def sinkhorn2(
+    a,
+    b,
+    M,
+    reg: float,
+    method: str = "sinkhorn",
+    numItermax: int = 1000,
+    stopThr: float = 1e-9,
+    verbose: bool = False,
+    log: bool = False,
+    warn: bool = True,
+    warmstart=None,
+    **kwargs,
+):
     """POT's ``ot.sinkhorn2``: the linear cost ``<M, P>`` of the entropic plan (not the entropic value).
 
     Differentiable in a dense torch ``M``, ``a`` and ``b`` by implicit differentiation at the returned
@@ -221,8 +261,18 @@ def _pot_solve(a, b, M, reg, method, numItermax, stopThr, verbose, warn, warmsta
     with warnings.catch_warnings():
         if not warn:
             warnings.simplefilter("ignore", RuntimeWarning)
-        return solve(M, a, b, reg=reg, method=method, max_iter=numItermax, tol=stopThr, verbose=verbose,
-                     potentials_init=init, **kwargs)
+        return solve(
+            M,
+            a,
+            b,
+            reg=reg,
+            method=method,
+            max_iter=numItermax,
+            tol=stopThr,
+            verbose=verbose,
+            potentials_init=init,
+            **kwargs,
+        )
 
 
 def _warm_potentials(warmstart, a, b, reg):
@@ -257,12 +307,21 @@ def _log(res: OTResult) -> dict:
         exp = np.exp
     else:
         exp = torch.exp
-    return {"u": exp(log_u), "v": exp(log_v), "log_u": log_u, "log_v": log_v, "niter": res.n_iter,
-            "err": [res.error], "converged": res.converged, "potentials": (f, g)}
+    return {
+        "u": exp(log_u),
+        "v": exp(log_v),
+        "log_u": log_u,
+        "log_v": log_v,
+        "niter": res.n_iter,
+        "err": [res.error],
+        "converged": res.converged,
+        "potentials": (f, g),
+    }
 
 
-def linear_cost_grads(M: Tensor, a: Tensor, b: Tensor, alpha: Tensor, beta: Tensor, eps: float,
-                      tol: float = 1e-10, max_iter: int = 1000) -> tuple[Tensor, Tensor, Tensor]:
+def linear_cost_grads(
+    M: Tensor, a: Tensor, b: Tensor, alpha: Tensor, beta: Tensor, eps: float, tol: float = 1e-10, max_iter: int = 1000
+) -> tuple[Tensor, Tensor, Tensor]:
     r"""Implicit gradients of :math:`L = \langle M, P\rangle` at a Sinkhorn fixed point, dense.
 
     With :math:`P = e^{\alpha \oplus \beta - M/\varepsilon}` (``alpha = log a + f / eps``, ``beta``
@@ -320,5 +379,4 @@ class _LinearCost(torch.autograd.Function):
         a, b, alpha, beta = ctx.saved_tensors
         dM, da, db = linear_cost_grads(ctx.Mc, a.detach(), b.detach(), alpha, beta, ctx.eps)
         Gv = G.unsqueeze(-1)
-        return ((Gv.unsqueeze(-1) * dM).reshape(ctx.shape).to(ctx.dtype), Gv * da, Gv * db,
-                None, None, None, None)
+        return ((Gv.unsqueeze(-1) * dM).reshape(ctx.shape).to(ctx.dtype), Gv * da, Gv * db, None, None, None, None)

@@ -206,8 +206,11 @@ def solve_sample(
         a, b = (None if pot_uniform(w) else w for w in (a, b))
         if metric is not None:
             if not isinstance(metric, str):
-                hint = f"; POT's order is (X_a, X_b, a, b, metric, reg): did you mean reg={metric!r}?" \
-                    if isinstance(metric, (int, float)) and not isinstance(metric, bool) else ""
+                hint = (
+                    f"; POT's order is (X_a, X_b, a, b, metric, reg): did you mean reg={metric!r}?"
+                    if isinstance(metric, (int, float)) and not isinstance(metric, bool)
+                    else ""
+                )
                 raise TypeError(f"metric: expected a cost name (string), got {type(metric).__name__}{hint}")
             if cost != "sqeuclidean" and metric != cost:
                 raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
@@ -218,10 +221,25 @@ def solve_sample(
 
             check_shard(shard, group)
         opts = solve_options(
-            reg, reg_type=reg_type, unbalanced=unbalanced, unbalanced_type=unbalanced_type, lazy=lazy,
-            batch_size=batch_size, method=method, n_threads=n_threads, max_iter=max_iter, tol=tol, grad=grad,
-            callback=callback, inner_iterations=inner_iterations, acceleration=acceleration, verbose=verbose,
-            implicit=implicit, eps_scaling=eps_scaling, exact_hint="POT's ot.solve_sample")
+            reg,
+            reg_type=reg_type,
+            unbalanced=unbalanced,
+            unbalanced_type=unbalanced_type,
+            lazy=lazy,
+            batch_size=batch_size,
+            method=method,
+            n_threads=n_threads,
+            max_iter=max_iter,
+            tol=tol,
+            grad=grad,
+            callback=callback,
+            inner_iterations=inner_iterations,
+            acceleration=acceleration,
+            verbose=verbose,
+            implicit=implicit,
+            eps_scaling=eps_scaling,
+            exact_hint="POT's ot.solve_sample",
+        )
         is_np = isinstance(X_a, np.ndarray)
         if is_np != isinstance(X_b, np.ndarray):
             raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
@@ -233,20 +251,34 @@ def solve_sample(
         if labels is not None or getattr(cost, "labelled", False):
             X_a, X_b = _label_points(X_a, X_b, cost, labels, backend, group)
         if shard == "points" and backend == "multiscale":
-            raise NotImplementedError("backend='multiscale' with shard='points': the clustering needs the whole "
-                                      "clouds on every rank; use shard='replicated' (the default: every rank passes "
-                                      "all the points)")
+            raise NotImplementedError(
+                "backend='multiscale' with shard='points': the clustering needs the whole "
+                "clouds on every rank; use shard='replicated' (the default: every rank passes "
+                "all the points)"
+            )
         if shard != "points":  # (points mode: points_solve builds this rank's slices inside its first collective)
-            m, cluster_scale, truncate = _replicated_measures(X_a, X_b, a, b, cost, backend, opts, cluster_scale,
-                                                              truncate, potentials_init)
+            m, cluster_scale, truncate = _replicated_measures(
+                X_a, X_b, a, b, cost, backend, opts, cluster_scale, truncate, potentials_init
+            )
     if shard == "points":  # one problem whose points are split over the ranks (flashot.distributed)
         from .distributed import points_solve
 
-        return points_solve(X_a, X_b, a, b, cost=cost, backend=backend, opts=opts, group=group,
-                            potentials_init=potentials_init, numpy=is_np)
+        return points_solve(
+            X_a,
+            X_b,
+            a,
+            b,
+            cost=cost,
+            backend=backend,
+            opts=opts,
+            group=group,
+            potentials_init=potentials_init,
+            numpy=is_np,
+        )
     if backend == "multiscale":  # the coarse-to-fine strategy (flashot.multiscale), replicated over a group's ranks
-        return multiscale.solve_measures(m, opts, multiscale.MultiscaleConfig(cluster_scale, truncate), group=group,
-                                         numpy=is_np)
+        return multiscale.solve_measures(
+            m, opts, multiscale.MultiscaleConfig(cluster_scale, truncate), group=group, numpy=is_np
+        )
     if group is not None:  # one problem over the ranks of a torch.distributed group
         from .distributed import distribute_solve
 
@@ -285,8 +317,14 @@ def _replicated_measures(X_a, X_b, a, b, cost, backend, opts, cluster_scale, tru
 
 def _multiscale_measures(X_a, X_b, a, b, cost, o: SolveOptions, potentials_init) -> Measures:
     """``solve_sample(backend="multiscale")``'s checked measures (local checks only: no collective)."""
-    refused = [name for name, bad in (("potentials_init", potentials_init is not None),
-                                      ("acceleration", o.acceleration not in (None, "auto"))) if bad]
+    refused = [
+        name
+        for name, bad in (
+            ("potentials_init", potentials_init is not None),
+            ("acceleration", o.acceleration not in (None, "auto")),
+        )
+        if bad
+    ]
     if refused:
         raise NotImplementedError(f"backend='multiscale' does not support {', '.join(refused)} yet; use backend='auto'")
     m = Measures.build(X_a, X_b, a, b, cost=cost, backend="auto", names=("a", "X_a", "b", "X_b"))
@@ -304,8 +342,10 @@ def _label_points(X_a, X_b, cost, labels, backend, group):
     if labels is None:
         raise ValueError("cost=LabelCost(...): give the points' class labels, labels=(labels_a, labels_b)")
     if backend == "multiscale" or group is not None:
-        raise NotImplementedError("cost=LabelCost(...) runs on one process, single-scale (backend='auto', 'cpu', "
-                                  "'tiled', 'dense' or 'triton'), not with backend='multiscale' or group")
+        raise NotImplementedError(
+            "cost=LabelCost(...) runs on one process, single-scale (backend='auto', 'cpu', "
+            "'tiled', 'dense' or 'triton'), not with backend='multiscale' or group"
+        )
     return cost.augment(X_a, X_b, labels)
 
 

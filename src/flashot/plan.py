@@ -45,9 +45,7 @@ class LazyPlan:
         (True, torch.Size([6]))
     """
 
-    def __init__(
-        self, m: Measures, f: Tensor, g: Tensor, eps: float, *, transposed: bool = False, numpy: bool = False
-    ):
+    def __init__(self, m: Measures, f: Tensor, g: Tensor, eps: float, *, transposed: bool = False, numpy: bool = False):
         self._m, self._f, self._g, self.eps = m, f.detach(), g.detach(), float(eps)
         self._t, self._numpy = transposed, numpy
 
@@ -137,7 +135,8 @@ class LazyPlan:
             V3 = V3.unsqueeze(0)
         if V3.dim() != 3 or V3.shape[:2] != (x.shape[0], cols):
             raise ValueError(
-                f"V: expected shape ({cols},) or ({cols}, K)" + (" with a leading batch axis" if batched else "")
+                f"V: expected shape ({cols},) or ({cols}, K)"
+                + (" with a leading batch axis" if batched else "")
                 + f" for a plan of shape {self.shape}, got {tuple(Vt.shape)}"
             )
         if not bool(torch.isfinite(V3.detach()).all()):
@@ -212,7 +211,9 @@ class LazyPlan:
         try:
             P = self.to_dense()
         except MemoryError as e:
-            raise MemoryError(f"np.asarray(plan): {e}; for a larger dense plan call plan.to_dense(max_elems=...)") from None
+            raise MemoryError(
+                f"np.asarray(plan): {e}; for a larger dense plan call plan.to_dense(max_elems=...)"
+            ) from None
         P = P if isinstance(P, np.ndarray) else P.detach().cpu().numpy()
         return P.astype(dtype, copy=False) if dtype is not None else P
 
@@ -285,8 +286,10 @@ class LazyPlan:
             (torch.Size([4, 2]), True)
         """
         if getattr(self._m.cost, "n_rows", None) is not None:  # a MatrixCost: rows and columns are indices
-            raise ValueError("barycentric_map: this plan comes from a cost matrix (flashot.solve), which has no "
-                             "points to average; use plan @ Y / plan.sum(1)[:, None] with your target points Y")
+            raise ValueError(
+                "barycentric_map: this plan comes from a cost matrix (flashot.solve), which has no "
+                "points to average; use plan @ Y / plan.sum(1)[:, None] with your target points Y"
+            )
         x, y, _, _ = self._sides()
         D = y.shape[-1]
         V = torch.cat([y, torch.ones_like(y[..., :1])], -1).contiguous()
@@ -409,8 +412,14 @@ def plan_from_potentials(
         cost = _P_COSTS[p]
     is_np = isinstance(x, np.ndarray)
     x, y = to_tensor("x", x), to_tensor("y", y)
-    m = Measures.build(x, y, None if a is None else to_tensor("a", a, like=x),
-                       None if b is None else to_tensor("b", b, like=y), cost=cost, backend=backend)
+    m = Measures.build(
+        x,
+        y,
+        None if a is None else to_tensor("a", a, like=x),
+        None if b is None else to_tensor("b", b, like=y),
+        cost=cost,
+        backend=backend,
+    )
     check_eps_scale("reg" if reg is not None else "blur", eps, m.cmax, m.x.dtype)
     pots = []
     for name, v, ref in (("f", f, m.a_log), ("g", g, m.b_log)):

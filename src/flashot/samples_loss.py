@@ -45,6 +45,7 @@ def _collective_construction(init):
     """``SamplesLoss.__init__`` as a collective when given ``group=`` (keyword-only): one all-gather after the
     option checks (:func:`flashot.distributed.shared_checks`), so that a rank whose options are rejected makes
     every rank raise the same error at construction instead of leaving them waiting in their first call."""
+
     @functools.wraps(init)
     def wrapped(self, *args, **kwargs):
         group = kwargs.get("group")
@@ -54,6 +55,7 @@ def _collective_construction(init):
 
         with shared_checks(group, collective=True):
             init(self, *args, **kwargs)
+
     return wrapped
 
 
@@ -72,8 +74,16 @@ def auto_multiscale(m: Measures, p: int, blur: float, diameter: float) -> bool:
         (True, False)
     """
     B, N, M, D = m.shape
-    return (not m.batched and m.x.device.type == "cpu" and D <= 3 and p == 2 and N * M >= AUTO_MULTISCALE_PAIRS
-            and blur <= diameter / 20 and not m.points_sharded and not getattr(m.cost, "labelled", False))
+    return (
+        not m.batched
+        and m.x.device.type == "cpu"
+        and D <= 3
+        and p == 2
+        and N * M >= AUTO_MULTISCALE_PAIRS
+        and blur <= diameter / 20
+        and not m.points_sharded
+        and not getattr(m.cost, "labelled", False)
+    )
 
 
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto", "multiscale": "auto"}
@@ -89,17 +99,20 @@ def _check_custom(loss: str, cost, kernel, backend, implicit, warm_start) -> Non
         if v is None:
             continue
         if isinstance(v, str):
-            raise NotImplementedError(f"{name}: KeOps formula strings are not supported (they belong to GeomLoss' "
-                                      f"online backend); pass a python function {name}(x, y) -> (B, N, M) tensor")
+            raise NotImplementedError(
+                f"{name}: KeOps formula strings are not supported (they belong to GeomLoss' "
+                f"online backend); pass a python function {name}(x, y) -> (B, N, M) tensor"
+            )
         if not callable(v):
-            hint = ("; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...)"
-                    if hasattr(v, "shape") else "")
+            hint = "; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...)" if hasattr(v, "shape") else ""
             raise TypeError(f"{name}: expected a function (x, y) -> (B, N, M) tensor, got {type(v).__name__}{hint}")
         if loss not in losses:
             raise ValueError(f"{name}: applies to loss in {losses}, not loss={loss!r}")
         if backend not in _FUNCTION_BACKENDS:
-            raise ValueError(f"{name}: a {name} function materialises its matrices (GeomLoss' 'tensorized' backend); "
-                             f"use backend='auto' or 'tensorized', not {backend!r}")
+            raise ValueError(
+                f"{name}: a {name} function materialises its matrices (GeomLoss' 'tensorized' backend); "
+                f"use backend='auto' or 'tensorized', not {backend!r}"
+            )
         if implicit is not None or (warm_start is not False and warm_start is not None):
             raise NotImplementedError(f"implicit= and warm_start= are not implemented with a {name} function")
 
@@ -107,8 +120,10 @@ def _check_custom(loss: str, cost, kernel, backend, implicit, warm_start) -> Non
 def _check_labels(name: str, lab, x: Tensor) -> Tensor:
     """Cluster labels of the six-argument call: an integer tensor with one label per point."""
     if not isinstance(lab, Tensor) or lab.is_floating_point() or lab.is_complex() or lab.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor of cluster labels, got "
-                        f"{type(lab).__name__ if not isinstance(lab, Tensor) else lab.dtype}")
+        raise TypeError(
+            f"{name}: expected an integer tensor of cluster labels, got "
+            f"{type(lab).__name__ if not isinstance(lab, Tensor) else lab.dtype}"
+        )
     if tuple(lab.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{name}: expected shape {tuple(x.shape[:-1])} (one label per point), got {tuple(lab.shape)}")
     return lab
@@ -118,12 +133,15 @@ def _check_label_cost(loss: str, debias, backend, group, cost) -> None:
     """A :class:`~flashot.LabelCost` as ``cost``: ``loss="sinkhorn"`` on one process, single-scale; debiasing needs
     a square, symmetric ``W`` (the self problems' class costs)."""
     if loss != "sinkhorn" or backend == "multiscale" or group is not None:
-        raise NotImplementedError("cost=LabelCost(...) runs loss='sinkhorn' on one process, single-scale (not "
-                                  "backend='multiscale' or group)")
+        raise NotImplementedError(
+            "cost=LabelCost(...) runs loss='sinkhorn' on one process, single-scale (not backend='multiscale' or group)"
+        )
     if debias is True and not cost.symmetric:
         what = "not symmetric" if cost.W.shape[0] == cost.W.shape[1] else f"of shape {tuple(cost.W.shape)}"
-        raise ValueError(f"cost=LabelCost(W) with debias=True: the self problems need a square, symmetric W (one "
-                         f"label set), got W {what}; use debias=False")
+        raise ValueError(
+            f"cost=LabelCost(W) with debias=True: the self problems need a square, symmetric W (one "
+            f"label set), got W {what}; use debias=False"
+        )
 
 
 def _warn_unequal_masses(m: Measures) -> None:
@@ -135,7 +153,10 @@ def _warn_unequal_masses(m: Measures) -> None:
         warnings.warn(
             f"α and β: total masses differ ({masses[0]:.6g} vs {masses[1]:.6g}): balanced OT assumes "
             "equal masses, and the value returned (GeomLoss' schedule) is not a transport cost; normalise "
-            "the weights, or use reach= (unbalanced OT)", RuntimeWarning, stacklevel=3)
+            "the weights, or use reach= (unbalanced OT)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 class SamplesLoss(torch.nn.Module):
@@ -285,7 +306,11 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(f"p: expected 1 or 2, got {p!r}")
         p = int(p)
         for name, v in (("reach", reach), ("reach_x", reach_x), ("reach_y", reach_y)):
-            if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and 0 < v < float("inf"):
+            if (
+                isinstance(v, (int, float, np.integer, np.floating))
+                and not isinstance(v, bool)
+                and 0 < v < float("inf")
+            ):
                 check_power(name, v, p)  # rho = reach^p: neither 0 nor inf in float64
         self.rho_x, self.rho_y = parse_reach(reach, reach_x, reach_y, p)
         _check_custom(loss, cost, kernel, backend, implicit, warm_start)
@@ -294,13 +319,21 @@ class SamplesLoss(torch.nn.Module):
         multiscale = backend == "multiscale"
         if cluster_scale is not None and not multiscale:
             raise ValueError("cluster_scale: used by backend='multiscale' only (GeomLoss' clustering scale)")
-        if multiscale and (loss != "sinkhorn" or cost is not None or implicit is not None
-                           or (warm_start is not False and warm_start is not None)):
-            raise NotImplementedError("backend='multiscale' runs loss='sinkhorn' with the built-in costs (p=1 or 2), "
-                                      "without implicit= or warm_start=; use backend='auto' for the others")
+        if multiscale and (
+            loss != "sinkhorn"
+            or cost is not None
+            or implicit is not None
+            or (warm_start is not False and warm_start is not None)
+        ):
+            raise NotImplementedError(
+                "backend='multiscale' runs loss='sinkhorn' with the built-in costs (p=1 or 2), "
+                "without implicit= or warm_start=; use backend='auto' for the others"
+            )
         if multiscale and debias and self.rho_x != self.rho_y:
-            raise NotImplementedError("backend='multiscale': debiasing with reach_x != reach_y (two-sided self "
-                                      "problems) is not implemented; use backend='auto', or reach= for both sides")
+            raise NotImplementedError(
+                "backend='multiscale': debiasing with reach_x != reach_y (two-sided self "
+                "problems) is not implemented; use backend='auto', or reach= for both sides"
+            )
         self.cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
         self.blur = check_positive("blur", blur)
         check_power("blur", self.blur, p)  # eps = blur^p: neither 0 nor inf in float64
@@ -329,21 +362,25 @@ class SamplesLoss(torch.nn.Module):
                 "or drop implicit/warm_start"
             )
         if multiscale and shard == "points":
-            raise NotImplementedError("backend='multiscale' with shard='points': the clustering needs the whole clouds "
-                                      "on every rank; use shard='replicated' (the default: every rank passes all the "
-                                      "points)")
+            raise NotImplementedError(
+                "backend='multiscale' with shard='points': the clustering needs the whole clouds "
+                "on every rank; use shard='replicated' (the default: every rank passes all the "
+                "points)"
+            )
         if group is not None and (loss != "sinkhorn" or cost is not None):
-            raise NotImplementedError("group: distributed solves support loss='sinkhorn' with the built-in costs "
-                                      "(p=1 or 2), not cost functions or kernel norms")
+            raise NotImplementedError(
+                "group: distributed solves support loss='sinkhorn' with the built-in costs "
+                "(p=1 or 2), not cost functions or kernel norms"
+            )
         if group is not None or shard != "replicated":
             from .distributed import check_shard
+
             check_shard(shard, group)
         self.group, self.shard = group, shard
         self.tol = check_positive("tol", tol, allow_none=True)
         self.max_iter = check_int("max_iter", max_iter, minimum=1)
         if self.tol is not None and loss != "sinkhorn":
-            raise ValueError(f"tol: only loss='sinkhorn' iterates (loss={loss!r} is computed in one pass); "
-                             "drop tol")
+            raise ValueError(f"tol: only loss='sinkhorn' iterates (loss={loss!r} is computed in one pass); drop tol")
         self._warm_cache = None
         self.last_n_iter = None
         self.last_multiscale = None
@@ -376,16 +413,17 @@ class SamplesLoss(torch.nn.Module):
             return args
         if len(args) == 6:
             if self.backend != "multiscale":
-                raise ValueError("cluster labels (six-argument call) belong to backend='multiscale'; call L(a, x, b, y)")
+                raise ValueError(
+                    "cluster labels (six-argument call) belong to backend='multiscale'; call L(a, x, b, y)"
+                )
             lx, a, x, ly, b, y = args
             self._labels = (_check_labels("labels_x", lx, x), _check_labels("labels_y", ly, y))
             return a, x, b, y
-        raise ValueError(
-            f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments"
-        )
+        raise ValueError(f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments")
 
-    def forward(self, *args: Tensor, x_batch: Tensor | None = None, y_batch: Tensor | None = None,
-                labels: tuple | None = None):
+    def forward(
+        self, *args: Tensor, x_batch: Tensor | None = None, y_batch: Tensor | None = None, labels: tuple | None = None
+    ):
         """The loss between ``(a, x)`` and ``(b, y)``: ``L(x, y)`` (uniform weights) or ``L(a, x, b, y)``.
 
         Ragged batches (:mod:`flashot.ragged`): lists of clouds ``L(xs, ys)`` / ``L(a_list, xs, b_list, ys)``,
@@ -434,20 +472,45 @@ class SamplesLoss(torch.nn.Module):
             return self._other_loss(a_in, x, b_in, y)
         if self.cost is not None:  # a user's cost function (GeomLoss' tensorized ``cost``)
             sides = ("xy", "yx", "xx", "yy") if self.debias else ("xy", "yx")
-            m = function_measures(self.cost, x, y, a_in, b_in, sides=sides, detach_second=True,
-                                  names=("α", "x", "β", "y"))
+            m = function_measures(
+                self.cost, x, y, a_in, b_in, sides=sides, detach_second=True, names=("α", "x", "β", "y")
+            )
         elif not replicated:  # one process, or this rank's slices (shard="points": checked across the ranks)
             m = self._measures(x, y, a_in, b_in, _P_COSTS[self.p])
         else:
             from .distributed import distribute_measures
 
-            distribute_measures(m, self.group, {k: repr(getattr(self, k)) for k in (
-                "p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling", "debias", "potentials",
-                "backend", "warm_start", "cluster_scale", "truncate", "tol", "max_iter")})
+            distribute_measures(
+                m,
+                self.group,
+                {
+                    k: repr(getattr(self, k))
+                    for k in (
+                        "p",
+                        "blur",
+                        "reach",
+                        "reach_x",
+                        "reach_y",
+                        "diameter",
+                        "scaling",
+                        "debias",
+                        "potentials",
+                        "backend",
+                        "warm_start",
+                        "cluster_scale",
+                        "truncate",
+                        "tol",
+                        "max_iter",
+                    )
+                },
+            )
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
         # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
-        diameter = self.diameter if self.diameter is not None else (
-            max_diameter(x, y) if self.cost is not None else m.bbox_diameter())
+        diameter = (
+            self.diameter
+            if self.diameter is not None
+            else (max_diameter(x, y) if self.cost is not None else m.bbox_diameter())
+        )
         diameter = max(diameter, self.blur)
         eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
         rx, ry = self.rho_x, self.rho_y
@@ -482,14 +545,25 @@ class SamplesLoss(torch.nn.Module):
             return False  # two-sided self problems: single-scale only
         return auto_multiscale(m, self.p, self.blur, diameter)
 
-    def _loop(self, m: Measures, eps_list, rx: float | None = None, ry: float | None = None, init=None,
-              init_self=None) -> SinkhornState:
+    def _loop(
+        self, m: Measures, eps_list, rx: float | None = None, ry: float | None = None, init=None, init_self=None
+    ) -> SinkhornState:
         """GeomLoss' symmetric iterations over ``eps_list``; with ``tol``, continued at its last temperature
         until the error (every potential's, self problems included) is below ``tol`` (at most ``max_iter``
         more iterations)."""
         sched = eps_list if self.tol is None else continued(eps_list, self.max_iter)
-        st = sinkhorn_loop(m, sched, symmetric=True, debias=self.debias, rho_x=rx, rho_y=ry, tol=self.tol,
-                           init=init, init_self=init_self, verbose=self.verbose)
+        st = sinkhorn_loop(
+            m,
+            sched,
+            symmetric=True,
+            debias=self.debias,
+            rho_x=rx,
+            rho_y=ry,
+            tol=self.tol,
+            init=init,
+            init_self=init_self,
+            verbose=self.verbose,
+        )
         self.last_n_iter = st.n_iter
         return st
 
@@ -499,9 +573,19 @@ class SamplesLoss(torch.nn.Module):
         ``L.last_multiscale`` keeps the run (clusters, kept fractions of the pairs)."""
         ms.check_pair(m)
         refine = None if self.tol is None else ms.Refinement(self.tol, self.max_iter)
-        run = ms.solve(m, eps_list, ms.MultiscaleConfig(self.cluster_scale, self.truncate), p=self.p, diameter=diameter,
-                       debias=self.debias, rho=rho, labels=self._labels, refine=refine, verbose=self.verbose,
-                       group=self.group)
+        run = ms.solve(
+            m,
+            eps_list,
+            ms.MultiscaleConfig(self.cluster_scale, self.truncate),
+            p=self.p,
+            diameter=diameter,
+            debias=self.debias,
+            rho=rho,
+            labels=self._labels,
+            refine=refine,
+            verbose=self.verbose,
+            group=self.group,
+        )
         self.last_multiscale = run
         self.last_n_iter = len(eps_list) + (0 if refine is None else run.state.n_iter)
         return run
@@ -513,29 +597,64 @@ class SamplesLoss(torch.nn.Module):
         cost = cost if self.label_cost is None else self.label_cost  # a LabelCost: on the points [x, label]
 
         def build(x, y, a, b):
-            return Measures.build(x, y, a, b, cost=cost, backend=backend, allow_dense=self.backend != "online",
-                                  names=("α", "x", "β", "y"))
+            return Measures.build(
+                x, y, a, b, cost=cost, backend=backend, allow_dense=self.backend != "online", names=("α", "x", "β", "y")
+            )
+
         if getattr(self, "shard", "replicated") != "points":
             return build(x, y, a_in, b_in)
         from .distributed import points_measures
 
-        opts = {k: repr(getattr(self, k)) for k in ("p", "blur", "reach", "reach_x", "reach_y", "diameter", "scaling",
-                                                    "debias", "potentials", "backend", "warm_start", "tol", "max_iter",
-                                                    "implicit")}
-        return points_measures(x, y, a_in, b_in, group=self.group, build=build, options=opts,
-                               names=("x", "y", "α", "β"))
+        opts = {
+            k: repr(getattr(self, k))
+            for k in (
+                "p",
+                "blur",
+                "reach",
+                "reach_x",
+                "reach_y",
+                "diameter",
+                "scaling",
+                "debias",
+                "potentials",
+                "backend",
+                "warm_start",
+                "tol",
+                "max_iter",
+                "implicit",
+            )
+        }
+        return points_measures(
+            x, y, a_in, b_in, group=self.group, build=build, options=opts, names=("x", "y", "α", "β")
+        )
 
     def _other_loss(self, a_in, x, b_in, y):
         """Kernel norms and the Hausdorff divergence (:mod:`flashot.kernel_losses`): no Sinkhorn loop."""
         kernel = self.loss in KERNELS
         if kernel and self.kernel is not None:
-            m = function_measures(partial(self.kernel, blur=self.blur, use_keops=False, ranges=None), x, y, a_in,
-                                  b_in, sides=("xy", "yx", "xx", "yy"), detach_second=False, names=("α", "x", "β", "y"))
+            m = function_measures(
+                partial(self.kernel, blur=self.blur, use_keops=False, ranges=None),
+                x,
+                y,
+                a_in,
+                b_in,
+                sides=("xy", "yx", "xx", "yy"),
+                detach_second=False,
+                names=("α", "x", "β", "y"),
+            )
             out = kernel_matrix_loss(m, self.potentials)
             return self._potentials(m, *out, a_in, b_in) if self.potentials else m.restore(out)
         if self.cost is not None:  # hausdorff with a user's cost function
-            m = function_measures(self.cost, x, y, a_in, b_in, sides=("xy", "yx", "xx", "yy"), detach_second=False,
-                                  names=("α", "x", "β", "y"))
+            m = function_measures(
+                self.cost,
+                x,
+                y,
+                a_in,
+                b_in,
+                sides=("xy", "yx", "xx", "yy"),
+                detach_second=False,
+                names=("α", "x", "β", "y"),
+            )
             check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
             out = hausdorff_loss(m, self.blur**self.p, self.potentials)
             return self._potentials(m, *out, a_in, b_in) if self.potentials else m.restore(out)
@@ -590,21 +709,34 @@ class SamplesLoss(torch.nn.Module):
         from .plan import plan_from_potentials
 
         if is_ragged_call(args):
-            raise NotImplementedError("plan: not on a ragged batch; flashot.solve_sample(xs, ys, reg=blur**p, "
-                                      "cost=...) gives each problem's plan (result.plan(k))")
+            raise NotImplementedError(
+                "plan: not on a ragged batch; flashot.solve_sample(xs, ys, reg=blur**p, "
+                "cost=...) gives each problem's plan (result.plan(k))"
+            )
         if self.loss != "sinkhorn":
             raise ValueError(f"plan: loss={self.loss!r} defines no transport plan; use loss='sinkhorn'")
         if self.label_cost is not None:
-            raise NotImplementedError("plan: not implemented with a LabelCost; use flashot.solve_sample(x, y, "
-                                      "reg=blur**p, cost=LabelCost(...), labels=(lx, ly)).plan")
+            raise NotImplementedError(
+                "plan: not implemented with a LabelCost; use flashot.solve_sample(x, y, "
+                "reg=blur**p, cost=LabelCost(...), labels=(lx, ly)).plan"
+            )
         if self.cost is not None:
-            raise NotImplementedError("plan: not implemented with a cost function; build the matrix and call "
-                                      "flashot.solve(M, a, b, reg=blur**p) (its result has the plan)")
+            raise NotImplementedError(
+                "plan: not implemented with a cost function; build the matrix and call "
+                "flashot.solve(M, a, b, reg=blur**p) (its result has the plan)"
+            )
         tol = check_positive("tol", tol, allow_none=True)  # before the loss runs
         max_iter = check_int("max_iter", max_iter)
         a_in, x, b_in, y = self._split_args(args)
-        L = SamplesLoss(p=self.p, blur=self.blur, diameter=self.diameter, scaling=self.scaling,
-                        debias=False, potentials=True, backend=self.backend)
+        L = SamplesLoss(
+            p=self.p,
+            blur=self.blur,
+            diameter=self.diameter,
+            scaling=self.scaling,
+            debias=False,
+            potentials=True,
+            backend=self.backend,
+        )
         with torch.no_grad():
             F, G = L(*args)
         F, G = F.reshape(x.shape[:-1]), G.reshape(y.shape[:-1])
@@ -614,8 +746,18 @@ class SamplesLoss(torch.nn.Module):
         x, y = x.detach(), y.detach()
         if tol is None:
             return plan_from_potentials(x, y, F, G, a_in, b_in, blur=self.blur, p=self.p, backend=backend)
-        res = solve_sample(x, y, a_in, b_in, cost=_P_COSTS[self.p], reg=self.blur**self.p, tol=tol,
-                           max_iter=max_iter, potentials_init=(F, G), backend=backend)
+        res = solve_sample(
+            x,
+            y,
+            a_in,
+            b_in,
+            cost=_P_COSTS[self.p],
+            reg=self.blur**self.p,
+            tol=tol,
+            max_iter=max_iter,
+            potentials_init=(F, G),
+            backend=backend,
+        )
         return res.plan
 
     def _unbalanced(self, m: Measures, st: SinkhornState, rx, ry, a_in, b_in, run: ms.MultiscaleRun | None = None):
@@ -626,8 +768,9 @@ class SamplesLoss(torch.nn.Module):
             f_aa, g_aa, f_bb, g_bb = self_terms_final(m, st, rx, ry)
             if self.potentials:
                 return self._potentials(m, f - 0.5 * (f_aa + g_aa), g - 0.5 * (f_bb + g_bb), a_in, b_in)
-            val = debiased_dual_value_two_sided(*m.full("xyxyxxyy", m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb),
-                                                st.eps, rx, ry)
+            val = debiased_dual_value_two_sided(
+                *m.full("xyxyxxyy", m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb), st.eps, rx, ry
+            )
             return m.restore(warn_on_second_order(val))
         f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
         if self.potentials:

@@ -158,14 +158,18 @@ def _advice(m: Measures, tol: float, eps: float, floor: float | None, balanced: 
         k = int((ma - mb).abs().argmax())
         gap = float((ma - mb).abs()[k])
         if gap >= max(tol, floor or 0.0):  # the L1 error is at least gap / 2 whatever the iterations
-            return (f"the two measures have different total masses ({float(ma[k]):.6g} vs {float(mb[k]):.6g}), so "
-                    "no coupling has both marginals: normalise the weights to the same mass (in float32 or "
-                    "better), or use unbalanced= (KL marginal penalties).")
+            return (
+                f"the two measures have different total masses ({float(ma[k]):.6g} vs {float(mb[k]):.6g}), so "
+                "no coupling has both marginals: normalise the weights to the same mass (in float32 or "
+                "better), or use unbalanced= (KL marginal penalties)."
+            )
     if floor is not None and stop_tol(tol, floor) is None:
         f64 = "" if m.x.dtype == torch.float64 else "float64 or "
-        return (f"eps is below what {m.x.dtype} resolves at this cost scale: rounding alone moves the "
-                f"error by ~{floor:.2g} (largest cost / eps = {m.cmax / eps:.3g}); use {f64}a larger "
-                "eps (reg / blur).")
+        return (
+            f"eps is below what {m.x.dtype} resolves at this cost scale: rounding alone moves the "
+            f"error by ~{floor:.2g} (largest cost / eps = {m.cmax / eps:.3g}); use {f64}a larger "
+            "eps (reg / blur)."
+        )
     return "raise max_iter, or use a larger epsilon."
 
 
@@ -177,8 +181,9 @@ def check_potentials(m: Measures, eps: float, where: str, *pots: Tensor | None) 
     One device sync.
     """
     present = [p for p in pots if p is not None]
-    if not present or bool(m.reduce(torch.stack([~torch.isfinite(p).all() for p in present]).any().double(),
-                                    "max") == 0):
+    if not present or bool(
+        m.reduce(torch.stack([~torch.isfinite(p).all() for p in present]).any().double(), "max") == 0
+    ):
         return
     dtype = m.x.dtype
     f64 = "" if dtype == torch.float64 else ", float64"
@@ -224,22 +229,43 @@ class _Setup:
     wb: Tensor | None
 
 
-def _setup(m: Measures, eps_list: Sequence[float], symmetric: bool, debias: bool, rho_x: float | None,
-           rho_y: float | None, acceleration) -> _Setup:
+def _setup(
+    m: Measures,
+    eps_list: Sequence[float],
+    symmetric: bool,
+    debias: bool,
+    rho_x: float | None,
+    rho_y: float | None,
+    acceleration,
+) -> _Setup:
     a_log = m.a_log
-    acc = None if acceleration is None else Accelerator(acceleration, a_log.shape[0], a_log.device, a_log.dtype,
-                                                        m.reduce)
+    acc = (
+        None if acceleration is None else Accelerator(acceleration, a_log.shape[0], a_log.device, a_log.dtype, m.reduce)
+    )
     wz = wb = None
     if acc is not None:  # Anderson's least squares weigh each potential by its point's weight (the error's norm)
         wb = m.b.detach().to(a_log.dtype)
         wz = torch.cat([m.a.detach().to(a_log.dtype), wb], -1)
-    return _Setup(m, eps_list, symmetric, debias, debias and rho_x != rho_y, rho_x, rho_y,
-                  rho_x is None and rho_y is None, acc, isinstance(acceleration, Momentum),
-                  isinstance(acceleration, Anderson), wz, wb)
+    return _Setup(
+        m,
+        eps_list,
+        symmetric,
+        debias,
+        debias and rho_x != rho_y,
+        rho_x,
+        rho_y,
+        rho_x is None and rho_y is None,
+        acc,
+        isinstance(acceleration, Momentum),
+        isinstance(acceleration, Anderson),
+        wz,
+        wb,
+    )
 
 
-def _initialise(s: _Setup, eps: float, init: tuple[Tensor, Tensor] | None,
-                init_self: tuple[Tensor, Tensor] | None) -> _Iterate:
+def _initialise(
+    s: _Setup, eps: float, init: tuple[Tensor, Tensor] | None, init_self: tuple[Tensor, Tensor] | None
+) -> _Iterate:
     """The starting potentials: ``init``, else one symmetric step from zero (symmetric updates) or zeros;
     the debiasing ones from ``init_self``, else one self step from zero."""
     m = s.m
@@ -273,8 +299,16 @@ def _self_step(s: _Setup, z: _Iterate, eps: float, err_t: Tensor | None, need_er
         gt_bb = ly * m.softmin_yy(m.h_b(z.f_bb, eps), eps)
         if need_err:  # the self problems must converge too: their errors count
             assert err_t is not None  # the cross potentials' error, computed first
-            err_t = _max_error(m, err_t, balanced, eps, (z.f_aa, ft_aa, "x"), (z.g_aa, gt_aa, "x"),
-                               (z.f_bb, ft_bb, "y"), (z.g_bb, gt_bb, "y"))
+            err_t = _max_error(
+                m,
+                err_t,
+                balanced,
+                eps,
+                (z.f_aa, ft_aa, "x"),
+                (z.g_aa, gt_aa, "x"),
+                (z.f_bb, ft_bb, "y"),
+                (z.g_bb, gt_bb, "y"),
+            )
         z.f_aa, z.g_aa = 0.5 * (z.f_aa + ft_aa), 0.5 * (z.g_aa + gt_aa)
         z.f_bb, z.g_bb = 0.5 * (z.f_bb + ft_bb), 0.5 * (z.g_bb + gt_bb)
     elif s.debias:
@@ -358,8 +392,9 @@ def _alternating_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: boo
     return err_t
 
 
-def _read_error(s: _Setup, z: _Iterate, err_t: Tensor, eps: float, it: int,
-                tol: float | None) -> tuple[float, float | None]:
+def _read_error(
+    s: _Setup, z: _Iterate, err_t: Tensor, eps: float, it: int, tol: float | None
+) -> tuple[float, float | None]:
     """The error on the host (one sync), with the rounding floor when a ``tol`` is to be met; non-finite
     potentials raise here."""
     if tol is None:
@@ -487,8 +522,9 @@ def final_step(
     if st.f_aa is not None:
         f_aa = lx * m.softmin_grad("xx", m.h_a(st.f_aa, eps), eps)
         g_bb = ly * m.softmin_grad("yy", m.h_b(st.g_bb, eps), eps)
-    check_potentials(m, eps, "in the final step", f.detach(), g.detach(),
-                     *(t if t is None else t.detach() for t in (f_aa, g_bb)))
+    check_potentials(
+        m, eps, "in the final step", f.detach(), g.detach(), *(t if t is None else t.detach() for t in (f_aa, g_bb))
+    )
     return f, g, f_aa, g_bb
 
 
@@ -505,8 +541,9 @@ class Barycentres:
     yy: Tensor | None = None
 
 
-def final_values(m: Measures, st: SinkhornState) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
-                                                          Barycentres | None]:
+def final_values(
+    m: Measures, st: SinkhornState
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Barycentres | None]:
     """The balanced final step's values for :func:`flashot.implicit.sinkhorn_value` (which uses their values
     only) and, where the engine computes them in the same pass (the block-sparse engine's fused steps:
     ``softmin_pair_bary`` / ``softmin_sym_bary``) and a gradient w.r.t. the points is wanted, the

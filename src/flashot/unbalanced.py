@@ -52,13 +52,20 @@ if TYPE_CHECKING:  # annotations only
     from .measures import Measures
     from .solver import SinkhornState
 
-__all__ = ["parse_unbalanced", "parse_reach", "dual_value", "debiased_dual_value",
-           "debiased_dual_value_two_sided", "primal_value"]
+__all__ = [
+    "parse_unbalanced",
+    "parse_reach",
+    "dual_value",
+    "debiased_dual_value",
+    "debiased_dual_value_two_sided",
+    "primal_value",
+]
 
 SECOND_ORDER_WARNING = (
     "second derivatives (create_graph=True) of an unbalanced OT value are those of the final Sinkhorn step "
     "with the previous potentials held fixed (GeomLoss' approximation), not the exact ones; balanced problems "
-    "(reach=None / unbalanced=None) have exact ones by implicit differentiation")
+    "(reach=None / unbalanced=None) have exact ones by implicit differentiation"
+)
 
 
 class _WarnOnSecondOrder(torch.autograd.Function):
@@ -96,8 +103,9 @@ def _rho(name: str, v) -> float | None:
         raise TypeError(f"{name}: expected a positive number (or None / inf), got {type(v).__name__}")
     v = float(v)
     if math.isnan(v) or v <= 0:
-        raise ValueError(f"{name}: the marginal penalty must be a positive number (or None / inf for a "
-                         f"strict constraint), got {v}")
+        raise ValueError(
+            f"{name}: the marginal penalty must be a positive number (or None / inf for a strict constraint), got {v}"
+        )
     return None if math.isinf(v) else v
 
 
@@ -107,8 +115,7 @@ def parse_unbalanced(unbalanced: Any, unbalanced_type: str = "KL") -> tuple[floa
         raise TypeError(f"unbalanced_type: expected a string, got {type(unbalanced_type).__name__}")
     if unbalanced_type.lower() != "kl":
         raise ValueError(
-            f"unbalanced_type: only 'KL' (Kullback-Leibler marginal penalties) is supported, "
-            f"got {unbalanced_type!r}"
+            f"unbalanced_type: only 'KL' (Kullback-Leibler marginal penalties) is supported, got {unbalanced_type!r}"
         )
     if unbalanced is None:
         return None, None
@@ -128,7 +135,9 @@ def parse_unbalanced(unbalanced: Any, unbalanced_type: str = "KL") -> tuple[floa
     return r, r
 
 
-def parse_reach(reach: float | None, reach_x: float | None, reach_y: float | None, p: int) -> tuple[float | None, float | None]:
+def parse_reach(
+    reach: float | None, reach_x: float | None, reach_y: float | None, p: int
+) -> tuple[float | None, float | None]:
     """GeomLoss' ``reach`` (both sides) or per-side ``reach_x`` / ``reach_y`` -> (rho_x, rho_y) = reach^p."""
 
     def one(name, v):
@@ -179,8 +188,18 @@ def _debias_side(w: Tensor, f_ab: Tensor, f_aa: Tensor, eps: float, rho: float |
     return (rho + eps) * D - 0.5 * eps * D.detach()
 
 
-def debiased_dual_value(a: Tensor, b: Tensor, f_ba: Tensor, g_ab: Tensor, f_aa: Tensor, g_bb: Tensor, eps: float,
-                        rho_x: float | None, rho_y: float | None, sums: Sums = DEFAULT_SUMS) -> Tensor:
+def debiased_dual_value(
+    a: Tensor,
+    b: Tensor,
+    f_ba: Tensor,
+    g_ab: Tensor,
+    f_aa: Tensor,
+    g_bb: Tensor,
+    eps: float,
+    rho_x: float | None,
+    rho_y: float | None,
+    sums: Sums = DEFAULT_SUMS,
+) -> Tensor:
     r"""Sinkhorn divergence :math:`S(a, b) = D(a, b) - \tfrac12 D(a, a) - \tfrac12 D(b, b)`, (B,), each
     :math:`D` the exact dual value of :func:`dual_value`, for ``rho_x == rho_y`` (symmetric self problems,
     one potential each; :func:`debiased_dual_value_two_sided` otherwise).
@@ -193,12 +212,16 @@ def debiased_dual_value(a: Tensor, b: Tensor, f_ba: Tensor, g_ab: Tensor, f_aa: 
     """
     sx, sy = sums
     ma, mb = sx(a), sy(b)
-    return (_debias_side(a, f_ba, f_aa, eps, rho_x, sx) + _debias_side(b, g_ab, g_bb, eps, rho_y, sy)
-            - 0.5 * eps * (ma - mb) ** 2)
+    return (
+        _debias_side(a, f_ba, f_aa, eps, rho_x, sx)
+        + _debias_side(b, g_ab, g_bb, eps, rho_y, sy)
+        - 0.5 * eps * (ma - mb) ** 2
+    )
 
 
-def self_terms_final(m: Measures, st: SinkhornState, rho_x: float | None,
-                     rho_y: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def self_terms_final(
+    m: Measures, st: SinkhornState, rho_x: float | None, rho_y: float | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Final (differentiable) step of the two-sided self problems ``OT(a, a)``, ``OT(b, b)``
     used for debiasing when ``rho_x != rho_y``: returns ``(f_aa, g_aa, f_bb, g_bb)``, the
     potentials on the first copy (penalty ``rho_x``) and second copy (``rho_y``) of each cloud."""
@@ -214,16 +237,29 @@ def self_terms_final(m: Measures, st: SinkhornState, rho_x: float | None,
     return f_aa, g_aa, f_bb, g_bb
 
 
-def debiased_dual_value_two_sided(a: Tensor, b: Tensor, f: Tensor, g: Tensor, f_aa: Tensor, g_aa: Tensor, f_bb: Tensor,
-                                  g_bb: Tensor, eps: float, rho_x: float | None, rho_y: float | None,
-                                  sums: Sums = DEFAULT_SUMS) -> Tensor:
+def debiased_dual_value_two_sided(
+    a: Tensor,
+    b: Tensor,
+    f: Tensor,
+    g: Tensor,
+    f_aa: Tensor,
+    g_aa: Tensor,
+    f_bb: Tensor,
+    g_bb: Tensor,
+    eps: float,
+    rho_x: float | None,
+    rho_y: float | None,
+    sums: Sums = DEFAULT_SUMS,
+) -> Tensor:
     """``S = D(a, b) - D(a, a)/2 - D(b, b)/2`` with every term the exact dual value of an
     ``OT_{rho_x, rho_y}`` (:func:`dual_value`), so ``S(a, a) = 0``.  Equals :func:`debiased_dual_value`
     when ``rho_x == rho_y`` (then ``f_aa = g_aa`` and ``f_bb = g_bb``)."""
     sx, sy = sums
-    return (dual_value(a, b, f, g, eps, rho_x, rho_y, sums)
-            - 0.5 * dual_value(a, a, f_aa, g_aa, eps, rho_x, rho_y, (sx, sx))
-            - 0.5 * dual_value(b, b, f_bb, g_bb, eps, rho_x, rho_y, (sy, sy)))
+    return (
+        dual_value(a, b, f, g, eps, rho_x, rho_y, sums)
+        - 0.5 * dual_value(a, a, f_aa, g_aa, eps, rho_x, rho_y, (sx, sx))
+        - 0.5 * dual_value(b, b, f_bb, g_bb, eps, rho_x, rho_y, (sy, sy))
+    )
 
 
 # -- the exact dual (solve_sample) ---------------------------------------------------------
@@ -239,8 +275,16 @@ def _side_parts(w: Tensor, f: Tensor, eps: float, rho: float | None, total=_sum_
     return rho * total(w * om), -total(w * om)
 
 
-def dual_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float,
-               rho_x: float | None, rho_y: float | None, sums: Sums = DEFAULT_SUMS) -> Tensor:
+def dual_value(
+    a: Tensor,
+    b: Tensor,
+    f: Tensor,
+    g: Tensor,
+    eps: float,
+    rho_x: float | None,
+    rho_y: float | None,
+    sums: Sums = DEFAULT_SUMS,
+) -> Tensor:
     r"""Dual value of (semi-)unbalanced entropic OT at the Sinkhorn fixed point, (B,).
 
     With :math:`m_x = \langle a, e^{-f/\rho_x}\rangle` (or :math:`m(a)`) and :math:`m_y`
@@ -279,8 +323,18 @@ def _kl(p: Tensor, q: Tensor, total=_sum_last) -> Tensor:
     return total(t) - total(p) + total(q)
 
 
-def primal_value(a: Tensor, b: Tensor, f: Tensor, g: Tensor, r: Tensor, c: Tensor, eps: float,
-                 rho_x: float | None, rho_y: float | None, sums: Sums = DEFAULT_SUMS) -> Tensor:
+def primal_value(
+    a: Tensor,
+    b: Tensor,
+    f: Tensor,
+    g: Tensor,
+    r: Tensor,
+    c: Tensor,
+    eps: float,
+    rho_x: float | None,
+    rho_y: float | None,
+    sums: Sums = DEFAULT_SUMS,
+) -> Tensor:
     r"""The unbalanced objective at the plan :math:`P = a b e^{(f \oplus g - C)/\varepsilon}`, (B,):
 
     .. math::

@@ -86,8 +86,12 @@ def _moved(m, cache) -> float:
     """``delta = max_i |x_i - x_i^cached|`` over both clouds (and, points-sharded, over every rank's points:
     one all-reduce, so that every rank starts the same tail)."""
     with torch.no_grad():
-        d = torch.stack([(m.x.detach() + m.center - cache["x"]).norm(dim=-1).max(),
-                         (m.y.detach() + m.center - cache["y"]).norm(dim=-1).max()])
+        d = torch.stack(
+            [
+                (m.x.detach() + m.center - cache["x"]).norm(dim=-1).max(),
+                (m.y.detach() + m.center - cache["y"]).norm(dim=-1).max(),
+            ]
+        )
         return float(m.reduce(d, "max").max())
 
 
@@ -110,6 +114,7 @@ def warm_loop(module: Any, m: Measures, eps_list: list[float]) -> SinkhornState:
 
     def extended(sched):  # with tol: continued at the last temperature until the error is below tol
         return sched if tol is None else continued(sched, module.max_iter)
+
     if _cold(m, cache, key):
         st = sinkhorn_loop(m, extended(eps_list), symmetric=True, debias=module.debias, tol=tol)
         n_iter = st.n_iter

@@ -27,8 +27,16 @@ def _md_rows(path):
 
 def test_tiny_problem_agrees_with_pot_and_writes_markdown(tmp_path, capsys):
     md = tmp_path / "out.md"
-    rc = main(TINY + ["--in-process", "--peers", "torch-blocked,pot-dense,pot-lazy,geomloss-tensorized,ott-dense",
-                      "--markdown", str(md)])
+    rc = main(
+        TINY
+        + [
+            "--in-process",
+            "--peers",
+            "torch-blocked,pot-dense,pot-lazy,geomloss-tensorized,ott-dense",
+            "--markdown",
+            str(md),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     rows = {r["solver"]: r for r in _md_rows(md)}
@@ -49,8 +57,11 @@ def test_tiny_problem_agrees_with_pot_and_writes_markdown(tmp_path, capsys):
     else:
         assert float(rows["ott-dense"]["rel. diff"]) < 1e-4
     # the measured limits: both exp rates (torch.exp and flashot's compiled vector exp), the faster one used
-    assert re.search(r"measured limits \(float32, \d+ threads\): exp: torch\.exp [\d.]+ G/s, flashot compiled "
-                     r"vector exp ([\d.]+ G/s|not measured \(.+\)); exp rate = the faster", out), out
+    assert re.search(
+        r"measured limits \(float32, \d+ threads\): exp: torch\.exp [\d.]+ G/s, flashot compiled "
+        r"vector exp ([\d.]+ G/s|not measured \(.+\)); exp rate = the faster",
+        out,
+    ), out
     text = md.read_text()
     assert "Command: `flashot bench" in text and "Machine:" in text and "Versions:" in text
 
@@ -65,16 +76,19 @@ def test_agreement_column_detects_a_wrong_solver(monkeypatch):
         return res
 
     monkeypatch.setattr(peers_mod.PotDense, "solve", bad)
-    res = run_bench(Config(sizes=[300], dims=[3], iters=2, repeats=1, peers=["pot-dense"], in_process=True,
-                           measure_limits=False), progress=False)
+    res = run_bench(
+        Config(sizes=[300], dims=[3], iters=2, repeats=1, peers=["pot-dense"], in_process=True, measure_limits=False),
+        progress=False,
+    )
     row = [r for r in res.rows if r.solver == "pot-dense"][0]
     assert row.status == "ok" and row.rel_diff > 1e-3
 
 
 def test_missing_peers_are_listed_not_fatal(monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr(peers_mod.importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("ott", "jax") else real(name, *a))
+    monkeypatch.setattr(
+        peers_mod.importlib.util, "find_spec", lambda name, *a: None if name in ("ott", "jax") else real(name, *a)
+    )
     rc = main(TINY + ["--in-process", "--no-limits", "--peers", "ott-online,pot-dense"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -83,8 +97,7 @@ def test_missing_peers_are_listed_not_fatal(monkeypatch, capsys):
 
 
 def test_worker_subprocess_reports_peak_memory():
-    res = run_bench(Config(sizes=[300], dims=[3], iters=2, repeats=1, peers=[], measure_limits=False),
-                    progress=False)
+    res = run_bench(Config(sizes=[300], dims=[3], iters=2, repeats=1, peers=[], measure_limits=False), progress=False)
     (row,) = res.rows
     assert row.status == "ok", row.reason
     assert row.rss_peak_mib is not None and row.rss_peak_mib > 10
@@ -92,15 +105,37 @@ def test_worker_subprocess_reports_peak_memory():
 
 
 def test_total_budget_skips_with_reason():
-    res = run_bench(Config(sizes=[300], dims=[3], iters=2, repeats=1, peers=["pot-dense"], in_process=True,
-                           measure_limits=False, budget=1e-6), progress=False)
+    res = run_bench(
+        Config(
+            sizes=[300],
+            dims=[3],
+            iters=2,
+            repeats=1,
+            peers=["pot-dense"],
+            in_process=True,
+            measure_limits=False,
+            budget=1e-6,
+        ),
+        progress=False,
+    )
     assert [r.status for r in res.rows] == ["skipped", "skipped"]
     assert all("budget" in r.reason for r in res.rows)
 
 
 def test_solver_budget_trims_runs_and_iterations_and_says_so():
-    res = run_bench(Config(sizes=[300], dims=[3], iters=4, repeats=3, peers=["pot-dense"], in_process=True,
-                           measure_limits=False, solver_budget=1e-6), progress=False)
+    res = run_bench(
+        Config(
+            sizes=[300],
+            dims=[3],
+            iters=4,
+            repeats=3,
+            peers=["pot-dense"],
+            in_process=True,
+            measure_limits=False,
+            solver_budget=1e-6,
+        ),
+        progress=False,
+    )
     for r in res.rows:
         assert r.status == "ok" and (r.iters, r.repeats) == (1, 1)
         assert "reduced from" in r.reduced

@@ -59,8 +59,12 @@ def test_torch_blocked_in_the_bench_agrees(capsys):
     assert "torch-blocked" in peers_mod.PEERS
     rc = main(TINY + ["--in-process", "--no-limits", "--peers", "torch-blocked"])
     assert rc == 0
-    res = run_bench(Config(sizes=[300], dims=[3], iters=2, repeats=1, peers=["torch-blocked"], in_process=True,
-                           measure_limits=False), progress=False)
+    res = run_bench(
+        Config(
+            sizes=[300], dims=[3], iters=2, repeats=1, peers=["torch-blocked"], in_process=True, measure_limits=False
+        ),
+        progress=False,
+    )
     row = [r for r in res.rows if r.solver == "torch-blocked"][0]
     assert row.status == "ok" and row.rel_diff < 1e-5, (row.status, row.reason, row.rel_diff)
 
@@ -74,8 +78,14 @@ def test_limit_uses_the_faster_exp():
     slow_flashot = Limits("float32", exp_rate_torch=3e9, gemm_rate=1e15, threads=2, exp_rate_flashot=1e9)
     assert slow_flashot.exp_rate == 3e9 and slow_flashot.exp_source == "torch.exp"
     assert slow_flashot.per_iter(n, m, d) == pytest.approx(2 * n * m / 3e9)
-    no_build = Limits("float32", exp_rate_torch=2e9, gemm_rate=1e15, threads=2, exp_rate_flashot=None,
-                      build_error="no C++ compiler found")
+    no_build = Limits(
+        "float32",
+        exp_rate_torch=2e9,
+        gemm_rate=1e15,
+        threads=2,
+        exp_rate_flashot=None,
+        build_error="no C++ compiler found",
+    )
     assert no_build.per_iter(n, m, d) == pytest.approx(2 * n * m / 2e9)
     # GEMM-bound case still wins when it is the slower bound
     gemm_bound = Limits("float32", exp_rate_torch=1e9, gemm_rate=1e9, threads=2, exp_rate_flashot=4e9)
@@ -83,9 +93,16 @@ def test_limit_uses_the_faster_exp():
 
 
 def test_limits_line_shows_both_exp_rates():
-    res = BenchResult(Config(sizes=[1], dims=[1]), [], {},
-                      {"float32": Limits("float32", 2.3e9, 1e11, 2, 9.1e9),
-                       "float64": Limits("float64", 2.0e9, 5e10, 2, None, "g++ failed: boom")}, 0.0)
+    res = BenchResult(
+        Config(sizes=[1], dims=[1]),
+        [],
+        {},
+        {
+            "float32": Limits("float32", 2.3e9, 1e11, 2, 9.1e9),
+            "float64": Limits("float64", 2.0e9, 5e10, 2, None, "g++ failed: boom"),
+        },
+        0.0,
+    )
     l32, l64 = limits_lines(res)
     assert "torch.exp 2.3 G/s" in l32 and "flashot compiled vector exp 9.1 G/s" in l32
     assert "the faster (flashot vexp, 9.1 G/s)" in l32
@@ -134,11 +151,36 @@ class _FakeSamplesLoss:
 
     calls: list = []
 
-    def __init__(self, loss="sinkhorn", *, p=2, blur=0.05, reach=None, reach_x=None, reach_y=None, scaling=0.5,
-                 debias=False, potentials=False, backend="symmetric", normalize=True, use_epsilon_scaling=True,
-                 last_extrapolation=True, allow_tf32=True, truncate_tf32=None, use_exp2=True, autotune=True,
-                 half_cost=False, eps=None, n_iters=None, diameter=None, eps_list=None, threshold=None,
-                 inner_iterations=10, pad_to_multiple=None, tol=None):
+    def __init__(
+        self,
+        loss="sinkhorn",
+        *,
+        p=2,
+        blur=0.05,
+        reach=None,
+        reach_x=None,
+        reach_y=None,
+        scaling=0.5,
+        debias=False,
+        potentials=False,
+        backend="symmetric",
+        normalize=True,
+        use_epsilon_scaling=True,
+        last_extrapolation=True,
+        allow_tf32=True,
+        truncate_tf32=None,
+        use_exp2=True,
+        autotune=True,
+        half_cost=False,
+        eps=None,
+        n_iters=None,
+        diameter=None,
+        eps_list=None,
+        threshold=None,
+        inner_iterations=10,
+        pad_to_multiple=None,
+        tol=None,
+    ):
         if loss != "sinkhorn" or p != 2:
             raise ValueError("only loss='sinkhorn', p=2")
         if backend == "alternating":
@@ -146,9 +188,20 @@ class _FakeSamplesLoss:
                 raise ValueError('backend="alternating" requires use_epsilon_scaling=False.')
             if eps is None or n_iters is None:
                 raise ValueError('backend="alternating" requires eps and n_iters to be specified.')
-        self.kw = dict(blur=blur, debias=debias, potentials=potentials, backend=backend, allow_tf32=allow_tf32,
-                       use_epsilon_scaling=use_epsilon_scaling, half_cost=half_cost, eps=eps, n_iters=n_iters,
-                       threshold=threshold, eps_list=eps_list, reach=reach)
+        self.kw = dict(
+            blur=blur,
+            debias=debias,
+            potentials=potentials,
+            backend=backend,
+            allow_tf32=allow_tf32,
+            use_epsilon_scaling=use_epsilon_scaling,
+            half_cost=half_cost,
+            eps=eps,
+            n_iters=n_iters,
+            threshold=threshold,
+            eps_list=eps_list,
+            reach=reach,
+        )
         self.cost_scale = 0.5 if half_cost else 1.0
 
     def __call__(self, *args):
@@ -219,8 +272,12 @@ def test_flash_sinkhorn_maps_our_problem_onto_its_api(monkeypatch, fake_flash_si
 def test_flash_sinkhorn_runner_in_the_bench(monkeypatch, fake_flash_sinkhorn):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(peers_mod.FlashSinkhorn, "device", "cpu")
-    res = run_bench(Config(sizes=[300], dims=[3], iters=3, repeats=1, peers=["flash-sinkhorn"], in_process=True,
-                           measure_limits=False), progress=False)
+    res = run_bench(
+        Config(
+            sizes=[300], dims=[3], iters=3, repeats=1, peers=["flash-sinkhorn"], in_process=True, measure_limits=False
+        ),
+        progress=False,
+    )
     row = [r for r in res.rows if r.solver == "flash-sinkhorn"][0]
     assert row.status == "ok", row.reason
     assert row.iters == 3 and row.rel_diff < 1e-5

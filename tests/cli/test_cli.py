@@ -32,7 +32,10 @@ def test_demo_prints_the_solution_it_computed(tmp_path):
     png = tmp_path / "demo.png"
     r = subprocess.run(
         [sys.executable, "-m", "flashot.cli", "demo", "--n", "800", "--backend", "tiled", "--png", str(png)],
-        capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
     )
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -61,14 +64,24 @@ def test_demo_prints_the_solution_it_computed(tmp_path):
 def test_demo_default_png_path_and_no_png(tmp_path):
     if not _has_matplotlib():
         pytest.skip("matplotlib is not installed (it is in the test extra)")
-    r = subprocess.run([sys.executable, "-m", "flashot.cli", "demo", "--n", "200"], capture_output=True, text=True,
-                       timeout=600, cwd=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, "-m", "flashot.cli", "demo", "--n", "200"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr
     path = tmp_path / flashot.cli.DEMO_PNG
     assert path.read_bytes()[:4] == b"\x89PNG" and f"picture: {path}" in r.stdout
     path.unlink()
-    r = subprocess.run([sys.executable, "-m", "flashot.cli", "demo", "--n", "200", "--no-png"], capture_output=True,
-                       text=True, timeout=600, cwd=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, "-m", "flashot.cli", "demo", "--n", "200", "--no-png"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0 and "picture" not in r.stdout and os.listdir(tmp_path) == []
 
 
@@ -135,8 +148,13 @@ def test_build_command_reports_the_isa_and_the_library(shared_build_cache):
     assert compiled or "found in the cache" in r.stdout, r.stdout
     r2 = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     assert r2.returncode == 0 and "found in the cache" in r2.stdout
-    bad = subprocess.run([sys.executable, "-m", "flashot.cli", "build", "--march", "x; rm -rf /"],
-                         capture_output=True, text=True, env=env, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "flashot.cli", "build", "--march", "x; rm -rf /"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "FLASHOT_CPU_MARCH" in bad.stderr
 
 
@@ -174,20 +192,44 @@ def test_build_and_twine_check(tmp_path):
     if not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
         pytest.skip("needs the source tree (pyproject.toml)")
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "*.png",
-        ".whl", ".gl"))
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            ".pytest_cache",
+            ".hypothesis",
+            "*.png",
+            ".whl",
+            ".gl",
+        ),
+    )
     dist = tmp_path / "dist"
     # a source-only wheel (py3-none-any): the wheel with prebuilt kernels is tests/docs/test_packaging.py's (slow)
     env = {**os.environ, "FLASHOT_WHEEL_KERNELS": "none"}
-    r = subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel", "--no-isolation", "--outdir", str(dist),
-                        str(src)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "--wheel", "--no-isolation", "--outdir", str(dist), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env=env,
+    )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     files = sorted(os.listdir(dist))
     v = flashot.__version__
     assert files == [f"flashot-{v}-py3-none-any.whl", f"flashot-{v}.tar.gz"], files
-    r = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *[str(dist / f) for f in files]],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", *[str(dist / f) for f in files]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and r.stdout.count("PASSED") == 2, r.stdout + r.stderr
     with zipfile.ZipFile(dist / files[0]) as z:
         meta = z.read(f"flashot-{v}.dist-info/METADATA").decode()

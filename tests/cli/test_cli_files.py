@@ -39,8 +39,10 @@ def run(*argv, capsys):
 def write_ply_ascii(path, pts, extra=None):
     props = "".join(f"property double {c}\n" for c in "xyz") + ("property float w\n" if extra is not None else "")
     with open(path, "w") as f:
-        f.write(f"ply\nformat ascii 1.0\ncomment made by a test\nelement vertex {len(pts)}\n{props}"
-                "element face 1\nproperty list uchar int vertex_indices\nend_header\n")
+        f.write(
+            f"ply\nformat ascii 1.0\ncomment made by a test\nelement vertex {len(pts)}\n{props}"
+            "element face 1\nproperty list uchar int vertex_indices\nend_header\n"
+        )
         for i, r in enumerate(pts):
             f.write(" ".join(repr(float(v)) for v in r) + (f" {float(extra[i])!r}" if extra is not None else "") + "\n")
         f.write("3 0 1 2\n")
@@ -54,11 +56,13 @@ def write_ply_binary(path, pts, extra=None, before=0):
     rec["x"], rec["y"], rec["z"], rec["red"] = pts[:, 0], pts[:, 1], pts[:, 2], 200
     if extra is not None:
         rec["w"] = extra
-    head = ("ply\nformat binary_little_endian 1.0\n"
-            + (f"element camera {before}\nproperty double cx\nproperty short cy\n" if before else "")
-            + f"element vertex {len(pts)}\nproperty float x\nproperty uchar red\nproperty float y\nproperty float z\n"
-            + ("property double w\n" if extra is not None else "")
-            + "element face 1\nproperty list uchar int vertex_indices\nend_header\n")
+    head = (
+        "ply\nformat binary_little_endian 1.0\n"
+        + (f"element camera {before}\nproperty double cx\nproperty short cy\n" if before else "")
+        + f"element vertex {len(pts)}\nproperty float x\nproperty uchar red\nproperty float y\nproperty float z\n"
+        + ("property double w\n" if extra is not None else "")
+        + "element face 1\nproperty list uchar int vertex_indices\nend_header\n"
+    )
     with open(path, "wb") as f:
         f.write(head.encode())
         f.write(b"\x00" * (10 * before))
@@ -93,8 +97,16 @@ def write(fmt, path, pts, w=None):
         raise ValueError(fmt)
 
 
-FORMATS = {"npy": ".npy", "npy-fortran-f32": ".npy", "npz": ".npz", "npz-compressed-single": ".npz",
-           "csv": ".csv", "txt": ".txt", "ply-ascii": ".ply", "ply-binary": ".ply"}
+FORMATS = {
+    "npy": ".npy",
+    "npy-fortran-f32": ".npy",
+    "npz": ".npz",
+    "npz-compressed-single": ".npz",
+    "csv": ".csv",
+    "txt": ".txt",
+    "ply-ascii": ".ply",
+    "ply-binary": ".ply",
+}
 LOW = {"npy-fortran-f32", "ply-binary"}  # float32 on disk
 
 
@@ -139,8 +151,21 @@ def test_solve_writes_what_solve_sample_returns(tmp_path, capsys):
     write("npy", tmp_path / "x.npy", X)
     write("csv", tmp_path / "y.csv", Y)
     out = tmp_path / "r.npz"
-    rc, stdout, err = run("solve", tmp_path / "x.npy", tmp_path / "y.csv", "--reg", "0.3", "--backend", "dense",
-                          "--out", out, "--map", "--topk", "4", capsys=capsys)
+    rc, stdout, err = run(
+        "solve",
+        tmp_path / "x.npy",
+        tmp_path / "y.csv",
+        "--reg",
+        "0.3",
+        "--backend",
+        "dense",
+        "--out",
+        out,
+        "--map",
+        "--topk",
+        "4",
+        capsys=capsys,
+    )
     assert rc == 0, err
     ref = direct(X, Y)
     r = np.load(out, allow_pickle=False)
@@ -163,8 +188,9 @@ def test_solve_writes_what_solve_sample_returns(tmp_path, capsys):
 def test_json_output(tmp_path, capsys):
     write("npz", tmp_path / "x.npz", X)
     write("ply-ascii", tmp_path / "y.ply", Y)
-    rc, stdout, err = run("solve", tmp_path / "x.npz", tmp_path / "y.ply", "--reg", "0.3", "--backend", "dense",
-                          "--json", capsys=capsys)
+    rc, stdout, err = run(
+        "solve", tmp_path / "x.npz", tmp_path / "y.ply", "--reg", "0.3", "--backend", "dense", "--json", capsys=capsys
+    )
     assert rc == 0, err
     res = json.loads(stdout)
     ref = direct(X, Y)
@@ -179,8 +205,9 @@ def test_blur_means_geomloss_convention(tmp_path, capsys):
     gives OT_eps, the same value)."""
     np.save(tmp_path / "x.npy", X)
     np.save(tmp_path / "y.npy", Y)
-    rc, stdout, err = run("solve", tmp_path / "x.npy", tmp_path / "y.npy", "--blur", "0.5", "--json",
-                          "--backend", "dense", capsys=capsys)
+    rc, stdout, err = run(
+        "solve", tmp_path / "x.npy", tmp_path / "y.npy", "--blur", "0.5", "--json", "--backend", "dense", capsys=capsys
+    )
     assert rc == 0, err
     v = json.loads(stdout)["value"]
     ref = direct(X, Y, reg=0.25, cost="half_sqeuclidean")
@@ -188,7 +215,8 @@ def test_blur_means_geomloss_convention(tmp_path, capsys):
     import torch
 
     gl = flashot.SamplesLoss("sinkhorn", p=2, blur=0.5, debias=False, scaling=0.99, backend="dense")(
-        torch.from_numpy(X), torch.from_numpy(Y))
+        torch.from_numpy(X), torch.from_numpy(Y)
+    )
     assert v == pytest.approx(float(gl), rel=2e-4)  # GeomLoss stops after its eps schedule (3.6e-5 here)
     # not the |x-y|^2 cost with eps = blur, nor eps = blur^2 with |x-y|^2
     assert abs(v - float(direct(X, Y, reg=0.25).value)) > 0.1 * abs(v)
@@ -227,26 +255,61 @@ def test_weights_are_used_and_normalised(tmp_path, capsys, how):
 def test_unbalanced_and_float32(tmp_path, capsys):
     write("csv", tmp_path / "x.csv", X, WX)
     write("csv", tmp_path / "y.csv", Y, WY)
-    rc, stdout, err = run("solve", tmp_path / "x.csv", tmp_path / "y.csv", "--weights-column", "w", "--reg", "0.3",
-                          "--unbalanced", "2.0,inf", "--backend", "dense", "--json", capsys=capsys)
+    rc, stdout, err = run(
+        "solve",
+        tmp_path / "x.csv",
+        tmp_path / "y.csv",
+        "--weights-column",
+        "w",
+        "--reg",
+        "0.3",
+        "--unbalanced",
+        "2.0,inf",
+        "--backend",
+        "dense",
+        "--json",
+        capsys=capsys,
+    )
     assert rc == 0, err
     ref = direct(X, Y, WX, WY, unbalanced=(2.0, None))  # weights kept as given: masses matter
     assert json.loads(stdout)["value"] == pytest.approx(float(ref.value), rel=1e-10)
-    rc, stdout, err = run("solve", tmp_path / "x.csv", tmp_path / "y.csv", "--weights-column", "w", "--reg", "0.3",
-                          "--float32", "--tol", "1e-4", "--max-iter", "300", "--backend", "dense", "--json",
-                          capsys=capsys)
+    rc, stdout, err = run(
+        "solve",
+        tmp_path / "x.csv",
+        tmp_path / "y.csv",
+        "--weights-column",
+        "w",
+        "--reg",
+        "0.3",
+        "--float32",
+        "--tol",
+        "1e-4",
+        "--max-iter",
+        "300",
+        "--backend",
+        "dense",
+        "--json",
+        capsys=capsys,
+    )
     assert rc == 0, err
     res = json.loads(stdout)
-    ref = direct(X.astype(np.float32), Y.astype(np.float32), (WX / WX.sum()).astype(np.float32),
-                 (WY / WY.sum()).astype(np.float32), tol=1e-4, max_iter=300)
+    ref = direct(
+        X.astype(np.float32),
+        Y.astype(np.float32),
+        (WX / WX.sum()).astype(np.float32),
+        (WY / WY.sum()).astype(np.float32),
+        tol=1e-4,
+        max_iter=300,
+    )
     assert res["dtype"] == "float32" and res["value"] == pytest.approx(float(ref.value), rel=1e-6)
 
 
 def test_not_converged_warns_in_one_line(tmp_path, capsys):
     np.save(tmp_path / "x.npy", X)
     np.save(tmp_path / "y.npy", Y)
-    rc, stdout, err = run("solve", tmp_path / "x.npy", tmp_path / "y.npy", "--reg", "0.01", "--max-iter", "3",
-                          "--json", capsys=capsys)
+    rc, stdout, err = run(
+        "solve", tmp_path / "x.npy", tmp_path / "y.npy", "--reg", "0.01", "--max-iter", "3", "--json", capsys=capsys
+    )
     assert rc == 0 and json.loads(stdout)["converged"] is False
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("flashot solve: warning: ") and "tol" in lines[0]
@@ -256,8 +319,20 @@ def test_progress_bar_on_long_solves_and_quiet(tmp_path):
     big = RNG.normal(size=(1000, 2))
     np.save(tmp_path / "x.npy", big)
     np.save(tmp_path / "y.npy", big + 1.0)
-    base = [sys.executable, "-m", "flashot.cli", "solve", str(tmp_path / "x.npy"), str(tmp_path / "y.npy"),
-            "--reg", "1", "--max-iter", "30", "--tol", "1e-3"]
+    base = [
+        sys.executable,
+        "-m",
+        "flashot.cli",
+        "solve",
+        str(tmp_path / "x.npy"),
+        str(tmp_path / "y.npy"),
+        "--reg",
+        "1",
+        "--max-iter",
+        "30",
+        "--tol",
+        "1e-3",
+    ]
     r = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "sinkhorn" in r.stderr  # tqdm's bar, or the plain line printer without tqdm
@@ -276,22 +351,40 @@ def test_help(capsys):
     assert "usage: flashot solve" in out
     # the blur convention is stated
     assert "cost C = |x - y|^2 / 2 and epsilon = B^2" in out
-    for opt in ("--reg", "--blur", "--unbalanced", "--tol", "--max-iter", "--backend", "--json", "--quiet", "--out",
-                "--map", "--topk", "--weights-column", "--source-weights", "--target-weights", "--max-points",
-                "--max-bytes"):
+    for opt in (
+        "--reg",
+        "--blur",
+        "--unbalanced",
+        "--tol",
+        "--max-iter",
+        "--backend",
+        "--json",
+        "--quiet",
+        "--out",
+        "--map",
+        "--topk",
+        "--weights-column",
+        "--source-weights",
+        "--target-weights",
+        "--max-points",
+        "--max-bytes",
+    ):
         assert opt in out, opt
 
 
-@pytest.mark.parametrize("argv, msg", [
-    ([], "one of the arguments --reg --blur is required"),
-    (["--reg", "0.1", "--blur", "0.1"], "not allowed with argument"),
-    (["--reg", "0.1", "--map"], "need --out"),
-    (["--blur", "0.1", "--cost", "euclidean"], "--cost: not with --blur"),
-    (["--reg", "-1"], "--reg: expected a positive"),
-    (["--reg", "1", "--unbalanced", "x"], "--unbalanced: invalid value"),
-    (["--reg", "1", "--backend", "gpu"], "--backend: expected 'auto' or one of"),
-    (["--reg", "1", "--weights-column", "w", "--source-weights", "w.npy"], "--weights-column: not with"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        ([], "one of the arguments --reg --blur is required"),
+        (["--reg", "0.1", "--blur", "0.1"], "not allowed with argument"),
+        (["--reg", "0.1", "--map"], "need --out"),
+        (["--blur", "0.1", "--cost", "euclidean"], "--cost: not with --blur"),
+        (["--reg", "-1"], "--reg: expected a positive"),
+        (["--reg", "1", "--unbalanced", "x"], "--unbalanced: invalid value"),
+        (["--reg", "1", "--backend", "gpu"], "--backend: expected 'auto' or one of"),
+        (["--reg", "1", "--weights-column", "w", "--source-weights", "w.npy"], "--weights-column: not with"),
+    ],
+)
 def test_bad_options_exit_2(tmp_path, capsys, argv, msg):
     np.save(tmp_path / "x.npy", X)
     with pytest.raises(SystemExit) as e:
@@ -355,8 +448,12 @@ def bad_files(tmp):
         np.lib.format.write_array_header_1_0(f, hdr)
         f.write(b"\0" * 64)
     case("huge-header", f"{t}/huge.npy", "above the cap of 10,000,000")
-    case("huge-header-cap-raised", f"{t}/huge.npy", "truncated", "--max-points", str(10**13), "--max-bytes", str(10**14))
-    case("max-points", f"{t}/ok.npy", "40 points, above the cap of 39 (raise it with --max-points)", "--max-points", "39")
+    case(
+        "huge-header-cap-raised", f"{t}/huge.npy", "truncated", "--max-points", str(10**13), "--max-bytes", str(10**14)
+    )
+    case(
+        "max-points", f"{t}/ok.npy", "40 points, above the cap of 39 (raise it with --max-points)", "--max-points", "39"
+    )
     case("max-bytes", f"{t}/ok.npy", "above the cap of 100 (raise it with --max-bytes)", "--max-bytes", "100")
     np.save(f"{t}/3d.npy", np.zeros((2, 3, 4)))
     case("ndim", f"{t}/3d.npy", "expected a 2-D array of points")
@@ -402,22 +499,53 @@ def bad_files(tmp):
         f.write(blob[: len(blob) // 2])
     case("ply-truncated", f"{t}/short.ply", "truncated: 40 vertices need")
     with open(f"{t}/many.ply", "w") as f:
-        f.write("ply\nformat binary_little_endian 1.0\nelement vertex 99999999999\nproperty float x\n"
-                "property float y\nproperty float z\nend_header\n")
+        f.write(
+            "ply\nformat binary_little_endian 1.0\nelement vertex 99999999999\nproperty float x\n"
+            "property float y\nproperty float z\nend_header\n"
+        )
     case("ply-huge-count", f"{t}/many.ply", "99,999,999,999 points, above the cap")
     with open(f"{t}/asciitrunc.ply", "w") as f:
-        f.write("ply\nformat ascii 1.0\nelement vertex 3\nproperty float x\nproperty float y\nproperty float z\n"
-                "end_header\n1 2 3\n")
+        f.write(
+            "ply\nformat ascii 1.0\nelement vertex 3\nproperty float x\nproperty float y\nproperty float z\n"
+            "end_header\n1 2 3\n"
+        )
     case("ply-ascii-truncated", f"{t}/asciitrunc.ply", "3 vertices announced, 1 found")
     return cases, marker
 
 
 def _bad_case_ids():
-    return ["missing", "directory", "fifo", "device-symlink", "dev-null", "unknown-suffix", "truncated-npy",
-            "not-npy", "pickle-npy", "pickle-npz", "huge-header", "huge-header-cap-raised", "max-points",
-            "max-bytes", "ndim", "empty", "complex", "nan", "inf-csv", "dimension-mismatch", "ragged-csv",
-            "not-a-number", "binary-csv", "text-over-cap", "ply-big-endian", "ply-no-z", "ply-header-unbounded",
-            "ply-truncated", "ply-huge-count", "ply-ascii-truncated"]
+    return [
+        "missing",
+        "directory",
+        "fifo",
+        "device-symlink",
+        "dev-null",
+        "unknown-suffix",
+        "truncated-npy",
+        "not-npy",
+        "pickle-npy",
+        "pickle-npz",
+        "huge-header",
+        "huge-header-cap-raised",
+        "max-points",
+        "max-bytes",
+        "ndim",
+        "empty",
+        "complex",
+        "nan",
+        "inf-csv",
+        "dimension-mismatch",
+        "ragged-csv",
+        "not-a-number",
+        "binary-csv",
+        "text-over-cap",
+        "ply-big-endian",
+        "ply-no-z",
+        "ply-header-unbounded",
+        "ply-truncated",
+        "ply-huge-count",
+        "ply-ascii-truncated",
+    ]
 
 
 @pytest.mark.parametrize("name", _bad_case_ids())
@@ -433,39 +561,52 @@ def test_bad_file_is_one_line_error(tmp_path, capsys, name):
     assert not os.path.exists(marker)  # nothing was unpickled
 
 
-@pytest.mark.parametrize("weights, frag", [
-    (np.r_[np.nan, np.ones(39)], "1 NaN value(s), first at row 0"),
-    (np.r_[np.ones(39), -1.0], "negative weight -1 at row 39"),
-    (np.zeros(40), "the weights sum to zero"),
-    (np.ones(39), "39 weights for 40 points"),
-    (np.ones((40, 2)), "expected a 1-D array of weights"),
-])
+@pytest.mark.parametrize(
+    "weights, frag",
+    [
+        (np.r_[np.nan, np.ones(39)], "1 NaN value(s), first at row 0"),
+        (np.r_[np.ones(39), -1.0], "negative weight -1 at row 39"),
+        (np.zeros(40), "the weights sum to zero"),
+        (np.ones(39), "39 weights for 40 points"),
+        (np.ones((40, 2)), "expected a 1-D array of weights"),
+    ],
+)
 def test_bad_weights_are_one_line_errors(tmp_path, capsys, weights, frag):
     np.save(tmp_path / "x.npy", X)
     np.save(tmp_path / "w.npy", weights)
-    rc, out, err = run("solve", tmp_path / "x.npy", tmp_path / "x.npy", "--reg", "0.5", "--source-weights",
-                       tmp_path / "w.npy", capsys=capsys)
+    rc, out, err = run(
+        "solve",
+        tmp_path / "x.npy",
+        tmp_path / "x.npy",
+        "--reg",
+        "0.5",
+        "--source-weights",
+        tmp_path / "w.npy",
+        capsys=capsys,
+    )
     assert rc == 1 and len(err.strip().splitlines()) == 1 and frag in err, err
 
 
 def test_weights_column_errors(tmp_path, capsys):
     write("csv", tmp_path / "x.csv", X, WX)
     np.save(tmp_path / "y.npy", Y)
-    rc, _, err = run("solve", tmp_path / "x.csv", tmp_path / "x.csv", "--reg", "0.5", "--weights-column", "mass",
-                     capsys=capsys)
+    rc, _, err = run(
+        "solve", tmp_path / "x.csv", tmp_path / "x.csv", "--reg", "0.5", "--weights-column", "mass", capsys=capsys
+    )
     assert rc == 1 and "no column named 'mass' for --weights-column (columns: x, y, z, w)" in err
-    rc, _, err = run("solve", tmp_path / "x.csv", tmp_path / "x.csv", "--reg", "0.5", "--weights-column", "9",
-                     capsys=capsys)
+    rc, _, err = run(
+        "solve", tmp_path / "x.csv", tmp_path / "x.csv", "--reg", "0.5", "--weights-column", "9", capsys=capsys
+    )
     assert rc == 1 and "--weights-column 9 is out of range for 4 columns" in err
 
 
 def test_solver_errors_and_output_errors_are_one_line(tmp_path, capsys):
     np.save(tmp_path / "x.npy", X)
-    rc, _, err = run("solve", tmp_path / "x.npy", tmp_path / "x.npy", "--reg", "1e-300", "--float32",
-                     capsys=capsys)
+    rc, _, err = run("solve", tmp_path / "x.npy", tmp_path / "x.npy", "--reg", "1e-300", "--float32", capsys=capsys)
     assert rc == 1 and len(err.strip().splitlines()) == 1 and err.startswith("flashot solve: error: reg")
-    rc, _, err = run("solve", tmp_path / "x.npy", tmp_path / "x.npy", "--reg", "1", "--out", tmp_path / "no" / "r.npz",
-                     capsys=capsys)
+    rc, _, err = run(
+        "solve", tmp_path / "x.npy", tmp_path / "x.npy", "--reg", "1", "--out", tmp_path / "no" / "r.npz", capsys=capsys
+    )
     assert rc == 1 and "does not exist" in err
     rc, _, err = run("solve", tmp_path / "x.npy", tmp_path / "x.npy", "--reg", "1", "--out", tmp_path, capsys=capsys)
     assert rc == 1 and "is a directory" in err
@@ -479,7 +620,11 @@ def test_no_traceback_in_a_real_process(tmp_path):
     np.save(tmp_path / "nan.npy", nan)
     np.save(tmp_path / "x.npy", X)
     for src, frag in ((tmp_path / "pipe.csv", "is a FIFO"), (tmp_path / "nan.npy", "NaN"), ("/dev/zero", "device")):
-        r = subprocess.run([sys.executable, "-m", "flashot.cli", "solve", str(src), str(tmp_path / "x.npy"),
-                            "--reg", "1"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "flashot.cli", "solve", str(src), str(tmp_path / "x.npy"), "--reg", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 1 and r.stdout == ""
         assert r.stderr.count("\n") == 1 and frag in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -48,9 +48,17 @@ from fuzzing import fuzz_settings
 
 
 def points(max_n: int = 6, dims=(1, 2, 3, 4), lim: float = 1e300):
-    return st.tuples(st.integers(1, max_n), st.sampled_from(dims)).flatmap(
-        lambda nd: st.lists(st.lists(st.floats(-lim, lim, allow_nan=False), min_size=nd[1], max_size=nd[1]),
-                            min_size=nd[0], max_size=nd[0])).map(lambda r: np.array(r, dtype=np.float64))
+    return (
+        st.tuples(st.integers(1, max_n), st.sampled_from(dims))
+        .flatmap(
+            lambda nd: st.lists(
+                st.lists(st.floats(-lim, lim, allow_nan=False), min_size=nd[1], max_size=nd[1]),
+                min_size=nd[0],
+                max_size=nd[0],
+            )
+        )
+        .map(lambda r: np.array(r, dtype=np.float64))
+    )
 
 
 GARBAGE = st.one_of(
@@ -75,11 +83,11 @@ def damage(draw, data: bytes, kinds=("none", "truncate", "insert", "delete", "du
     if kind == "insert":
         return kind, data[:k] + draw(GARBAGE) + data[k:]
     if kind == "delete":
-        return kind, data[:k] + data[k + draw(st.integers(1, 8)):]
+        return kind, data[:k] + data[k + draw(st.integers(1, 8)) :]
     if kind == "duplicate":
         lines = data.split(b"\n")
         i = draw(st.integers(0, len(lines) - 1))
-        return kind, b"\n".join(lines[:i + 1] + lines[i:])
+        return kind, b"\n".join(lines[: i + 1] + lines[i:])
     return kind, data
 
 
@@ -218,8 +226,11 @@ def ref_npy(data: bytes) -> np.ndarray | None:
 def npy_files(draw):
     x = draw(points(lim=1e30))
     kind = draw(st.sampled_from(["<f8", ">f8", "<f4", "<i4", "|u1"]))
-    arr = x.astype(kind) if kind[1] == "f" else np.clip(np.round(x), 0 if kind == "|u1" else -1e9,
-                                                        255 if kind == "|u1" else 1e9).astype(kind)
+    arr = (
+        x.astype(kind)
+        if kind[1] == "f"
+        else np.clip(np.round(x), 0 if kind == "|u1" else -1e9, 255 if kind == "|u1" else 1e9).astype(kind)
+    )
     if draw(st.booleans()):
         arr = np.asfortranarray(arr)
     b = io.BytesIO()
@@ -234,15 +245,15 @@ def test_npy_reader(f, data):
     head = blob.index(b"\n") + 1  # the header ends with a newline, then the data
     kind = data.draw(st.sampled_from(["none", "truncate", "append", "header"]))
     if kind == "truncate":
-        bad = blob[:data.draw(st.integers(0, len(blob) - 1))]
+        bad = blob[: data.draw(st.integers(0, len(blob) - 1))]
     elif kind == "append":
         bad = blob + data.draw(st.binary(min_size=1, max_size=9))
     elif kind == "header":
         k = data.draw(st.integers(0, head - 1))
-        bad = blob[:k] + data.draw(st.binary(min_size=1, max_size=3)) + blob[k + data.draw(st.integers(1, 3)):]
+        bad = blob[:k] + data.draw(st.binary(min_size=1, max_size=3)) + blob[k + data.draw(st.integers(1, 3)) :]
     else:
         bad = blob
-    note(f"{kind}: {bad[:head + 8]!r}...")
+    note(f"{kind}: {bad[: head + 8]!r}...")
     with tempfile.TemporaryDirectory() as d:
         got = read_or_error(os.path.join(d, "p.npy"), bad)
     if kind == "none":
@@ -265,26 +276,36 @@ def ply_files(draw):
     fmt = draw(st.sampled_from(["ascii", "binary_little_endian"]))
     extra, before, faces = draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 3))
     if fmt == "ascii":
-        props = "property double x\nproperty double y\n" + ("property double w\n" if extra else "") + "property double z\n"
+        props = (
+            "property double x\nproperty double y\n" + ("property double w\n" if extra else "") + "property double z\n"
+        )
         want = x
     else:
         props = "property float x\nproperty float y\n" + ("property uchar w\n" if extra else "") + "property float z\n"
         want = x.astype(np.float32).astype(np.float64)
-    head = (f"ply\nformat {fmt} 1.0\ncomment fuzz\n"
-            + ("element camera 1\nproperty double cx\nproperty short cy\n" if before else "")
-            + f"element vertex {len(x)}\n" + props
-            + (f"element face {faces}\nproperty list uchar int vertex_indices\n" if faces else "") + "end_header\n")
+    head = (
+        f"ply\nformat {fmt} 1.0\ncomment fuzz\n"
+        + ("element camera 1\nproperty double cx\nproperty short cy\n" if before else "")
+        + f"element vertex {len(x)}\n"
+        + props
+        + (f"element face {faces}\nproperty list uchar int vertex_indices\n" if faces else "")
+        + "end_header\n"
+    )
     if fmt == "ascii":
         body = ("0.5 -2\n" if before else "") + "".join(
             f"{float(x[i, 0])!r} {float(x[i, 1])!r}" + (f" {float(i)!r}" if extra else "") + f" {float(x[i, 2])!r}\n"
-            for i in range(len(x)))
+            for i in range(len(x))
+        )
         body = (body + "".join(f"3 {i} {i} {i}\n" for i in range(faces))).encode()
     else:
         dt = [("x", "<f4"), ("y", "<f4")] + ([("w", "u1")] if extra else []) + [("z", "<f4")]
         rec = np.zeros(len(x), dtype=dt)
         rec["x"], rec["y"], rec["z"] = x[:, 0], x[:, 1], x[:, 2]
-        body = ((np.array([(0.5, -2)], dtype=[("cx", "<f8"), ("cy", "<i2")]).tobytes() if before else b"")
-                + rec.tobytes() + b"".join(bytes([3]) + np.array([i] * 3, "<i4").tobytes() for i in range(faces)))
+        body = (
+            (np.array([(0.5, -2)], dtype=[("cx", "<f8"), ("cy", "<i2")]).tobytes() if before else b"")
+            + rec.tobytes()
+            + b"".join(bytes([3]) + np.array([i] * 3, "<i4").tobytes() for i in range(faces))
+        )
     return want, fmt, head, body, faces
 
 
@@ -333,8 +354,9 @@ def test_ply_reader(f, data):
         lines = blob.split(b"\n")
         i = data.draw(st.integers(0, len(x) - 1)) + head.count("\n") + ("element camera" in head)
         tok = lines[i].split(b" ")
-        tok[data.draw(st.integers(0, len(tok) - 1))] = data.draw(st.sampled_from([b"", b"3o", b"x", b"1_0", b"1,5",
-                                                                                 b"--1", b"na"]))
+        tok[data.draw(st.integers(0, len(tok) - 1))] = data.draw(
+            st.sampled_from([b"", b"3o", b"x", b"1_0", b"1,5", b"--1", b"na"])
+        )
         lines[i] = b" ".join(tok)
         bad, ok = b"\n".join(lines), []
     else:

@@ -33,16 +33,18 @@ ACCS = [Momentum(1.5), Momentum(1.8), Anderson(5)]
 def test_accelerated_solution_matches_pot(acc, method, unbalanced):
     x, y = _data(40)
     reg = 0.02
-    res = solve_sample(x, y, reg=reg, tol=1e-10, max_iter=20_000, method=method,
-                       acceleration=acc, unbalanced=unbalanced)
+    res = solve_sample(
+        x, y, reg=reg, tol=1e-10, max_iter=20_000, method=method, acceleration=acc, unbalanced=unbalanced
+    )
     assert res.converged
     M = ot.dist(x.numpy(), y.numpy())
     a = b = np.full(40, 1 / 40)
     if unbalanced is None:
         P_ref = ot.sinkhorn(a, b, M, reg, method="sinkhorn_log", numItermax=100_000, stopThr=1e-13)
     else:
-        P_ref = ot.unbalanced.sinkhorn_unbalanced(a, b, M, reg, unbalanced, method="sinkhorn_stabilized",
-                                                  numItermax=100_000, stopThr=1e-13)
+        P_ref = ot.unbalanced.sinkhorn_unbalanced(
+            a, b, M, reg, unbalanced, method="sinkhorn_stabilized", numItermax=100_000, stopThr=1e-13
+        )
     assert np.abs(res.plan.to_dense().numpy() - P_ref).max() < 1e-6 * P_ref.max()
 
 
@@ -100,6 +102,7 @@ def test_safeguard_momentum_falls_back_when_error_grows():
 
 def test_safeguard_anderson_restarts_when_error_grows():
     acc = Accelerator(Anderson(3), 1, "cpu", torch.float64)
+
     def T(z):  # linear contraction, fixed point 2
         return 0.5 * z + 1.0
 

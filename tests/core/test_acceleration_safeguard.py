@@ -56,8 +56,9 @@ def test_anderson_reported_case_not_worse_than_plain():
     kw = dict(reg=1e-3, tol=1e-6, inner_iterations=10)  # max_iter: the default 1000
     errs: list[float] = []
     plain = _solve(x, y, **kw)
-    acc = _solve(x, y, acceleration=Anderson(m=5),
-                 callback=lambda r: errs.append(r.error) if r.error is not None else None, **kw)
+    acc = _solve(
+        x, y, acceleration=Anderson(m=5), callback=lambda r: errs.append(r.error) if r.error is not None else None, **kw
+    )
     assert plain.n_iter == acc.n_iter == 1000
     assert all(math.isfinite(e) for e in errs)
     # an L1 marginal error of a plan of mass 1 is at most 2 (the bar showed 4e19)
@@ -71,8 +72,9 @@ def test_momentum_reported_case_stays_bounded():
     kw = dict(reg=1e-3, tol=1e-6, inner_iterations=10, max_iter=300)
     errs: list[float] = []
     plain = _solve(x, y, **kw)
-    acc = _solve(x, y, acceleration=Momentum(1.5),
-                 callback=lambda r: errs.append(r.error) if r.error is not None else None, **kw)
+    acc = _solve(
+        x, y, acceleration=Momentum(1.5), callback=lambda r: errs.append(r.error) if r.error is not None else None, **kw
+    )
     assert all(math.isfinite(e) for e in errs) and max(errs) < 5.0, errs
     assert acc.error <= 2.0 * plain.error, (acc.error, plain.error)
 
@@ -118,8 +120,12 @@ def test_alternating_anderson_within_small_factor_of_plain(eps, budget, seed):
 
 
 @PROPERTY
-@given(eps=EPS, budget=st.sampled_from([20, 100, 300]), seed=st.integers(0, 3),
-       method=st.sampled_from(["sinkhorn", "symmetric"]))
+@given(
+    eps=EPS,
+    budget=st.sampled_from([20, 100, 300]),
+    seed=st.integers(0, 3),
+    method=st.sampled_from(["sinkhorn", "symmetric"]),
+)
 def test_momentum_within_small_factor_of_plain(eps, budget, seed, method):
     _check(Momentum(1.5), method, eps, budget, seed, reported=True)
 

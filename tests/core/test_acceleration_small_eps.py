@@ -28,14 +28,15 @@ BUDGETS = (100, 300)
 
 def _uniform(n: int, m: int, d: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(n, d, generator=g, dtype=torch.float64),
-            torch.rand(m, d, generator=g, dtype=torch.float64))
+    return (torch.rand(n, d, generator=g, dtype=torch.float64), torch.rand(m, d, generator=g, dtype=torch.float64))
 
 
 def _gaussians(n: int, m: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, 3, generator=g, dtype=torch.float64),
-            torch.randn(m, 3, generator=g, dtype=torch.float64) + 1.0)
+    return (
+        torch.randn(n, 3, generator=g, dtype=torch.float64),
+        torch.randn(m, 3, generator=g, dtype=torch.float64) + 1.0,
+    )
 
 
 def _errors(x, y, reg: float, acc) -> list[float]:
@@ -45,8 +46,9 @@ def _errors(x, y, reg: float, acc) -> list[float]:
     for b in BUDGETS:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            res = solve_sample(x, y, reg=reg, tol=None, max_iter=b, acceleration=acc, backend="dense",
-                               callback=lambda r: None)  # a callback: the error is read at the last step
+            res = solve_sample(
+                x, y, reg=reg, tol=None, max_iter=b, acceleration=acc, backend="dense", callback=lambda r: None
+            )  # a callback: the error is read at the last step
         out.append(res.error)
     return out
 
@@ -81,8 +83,12 @@ def _plain(case: str) -> tuple[float, ...]:
 # extrapolation at iteration 96 and the plain steps that recover from it; after 300, < 0.01x).  Rolling back
 # to the last accepted iterate fixed it but cost iterations elsewhere (docs/exactness.md's table at 1e-4
 # cmax: 4,490 instead of 3,530 iterations, balanced): left open.
-PAIRS = [(c, a) for c in sorted(CASES) for a in (Momentum(), Anderson(m=5))
-         if not (c == "1d-1e-4" and isinstance(a, Anderson))]
+PAIRS = [
+    (c, a)
+    for c in sorted(CASES)
+    for a in (Momentum(), Anderson(m=5))
+    if not (c == "1d-1e-4" and isinstance(a, Anderson))
+]
 
 
 @pytest.mark.parametrize(("case", "acc"), PAIRS, ids=[f"{c}-{a!r}" for c, a in PAIRS])

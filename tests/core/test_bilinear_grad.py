@@ -38,8 +38,12 @@ def _augmented(u, phi, v, psi, Mm):
 def _available(backend: str) -> None:
     if backend == "cpu":
         try:
-            eng = get_engine("cpu", device=torch.device("cpu"), dtype=torch.float64,
-                             cost=FeatureBilinearCost(torch.zeros(1, 2, 2, dtype=torch.float64)))
+            eng = get_engine(
+                "cpu",
+                device=torch.device("cpu"),
+                dtype=torch.float64,
+                cost=FeatureBilinearCost(torch.zeros(1, 2, 2, dtype=torch.float64)),
+            )
         except ValueError as e:  # the cpu engine could not be built here
             pytest.skip(str(e))
         if eng.name != "cpu":

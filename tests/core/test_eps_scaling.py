@@ -136,8 +136,9 @@ def test_schedule_sequence():
     res = flashot.solve_sample(x, y, reg=1e-4)
     assert res.converged and res.n_iter == 2
     seen = []
-    flashot.solve_sample(x, y, reg=1e-4, method="symmetric", tol=None, max_iter=5,
-                         callback=lambda rec: seen.append(rec.eps))
+    flashot.solve_sample(
+        x, y, reg=1e-4, method="symmetric", tol=None, max_iter=5, callback=lambda rec: seen.append(rec.eps)
+    )
     assert set(seen) == {1e-4}  # auto: alternating updates only
     with pytest.raises(ValueError, match="eps_scaling"):
         flashot.solve_sample(torch.rand(3, 2), torch.rand(3, 2), reg=0.1, eps_scaling=2.0)

@@ -46,11 +46,14 @@ def test_gradcheck_solve_sample(backend, method):
     y = torch.randn(4, 2, generator=g, dtype=torch.float64, requires_grad=True)
     a = (torch.rand(5, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
     b = (torch.rand(4, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+
     def f(a, x, b, y):
         # weights normalised inside, so perturbations stay balanced
-        res = flashot.solve_sample(x, y, a / a.sum(), b / b.sum(), reg=0.5, tol=1e-14, max_iter=10_000,
-                                   method=method, backend=backend)
+        res = flashot.solve_sample(
+            x, y, a / a.sum(), b / b.sum(), reg=0.5, tol=1e-14, max_iter=10_000, method=method, backend=backend
+        )
         return res.value
+
     assert torch.autograd.gradcheck(f, (a, x, b, y), eps=1e-6, atol=1e-6, rtol=1e-4)
 
 

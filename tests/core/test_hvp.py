@@ -226,8 +226,9 @@ def test_implicit_options_and_errors():
     # too few CG iterations: a warning, not a silent wrong answer
     x0, y0, a0, b0 = _problem(seed=7)
     x = x0.clone().requires_grad_()
-    r = flashot.solve_sample(x, y0, a0, b0, reg=0.05, tol=1e-10, max_iter=5000,
-                             implicit=flashot.ImplicitDiff(max_iter=1), backend="tiled")
+    r = flashot.solve_sample(
+        x, y0, a0, b0, reg=0.05, tol=1e-10, max_iter=5000, implicit=flashot.ImplicitDiff(max_iter=1), backend="tiled"
+    )
     (g,) = torch.autograd.grad(r.value, x, create_graph=True)
     with pytest.warns(RuntimeWarning, match="conjugate gradients"):
         torch.autograd.grad(g.sum(), x)
@@ -270,8 +271,15 @@ def test_float32_hvp_meets_the_default_tol_and_names_float64_when_it_cannot():
 
     def hvp(dtype, implicit=None):
         x = x64.to(dtype).requires_grad_()
-        r = flashot.solve_sample(x, y64.to(dtype), reg=0.5, tol=1e-12 if dtype == torch.float64 else 1e-6,
-                                 max_iter=5000, implicit=implicit, backend="tiled")
+        r = flashot.solve_sample(
+            x,
+            y64.to(dtype),
+            reg=0.5,
+            tol=1e-12 if dtype == torch.float64 else 1e-6,
+            max_iter=5000,
+            implicit=implicit,
+            backend="tiled",
+        )
         (g,) = torch.autograd.grad(r.value, x, create_graph=True)
         (h,) = torch.autograd.grad(g, x, grad_outputs=v.to(dtype))
         return h.double()

@@ -47,8 +47,9 @@ def test_error_reads_non_finite_potentials_as_infinite(side, bad, balanced):
         w = torch.ones(50 if side == "x" else 40, dtype=torch.float64)
         w[3] = 0.0
         w = w / w.sum()
-        mz = Measures.build(x, y, w if side == "x" else None, w if side == "y" else None,
-                            cost="sqeuclidean", backend="dense")
+        mz = Measures.build(
+            x, y, w if side == "x" else None, w if side == "y" else None, cost="sqeuclidean", backend="dense"
+        )
         f_new[0, 3] = -float("inf")  # exp((f_old - f_new) / eps) = inf at a zero weight
         assert float(_error(mz, f_old, f_new, 0.1, side, True).max()) == 0.0
 
@@ -86,8 +87,7 @@ def test_nan_softmin_stops_solve_sample(poison, after, method, unbalanced, tol):
     poison(after)
     x, y = _clouds(torch.float64)
     with pytest.raises(FloatingPointError, match=r"eps=0\.05.*'poison'"):
-        solve_sample(x, y, reg=0.05, backend="poison", method=method, unbalanced=unbalanced, tol=tol,
-                     max_iter=30)
+        solve_sample(x, y, reg=0.05, backend="poison", method=method, unbalanced=unbalanced, tol=tol, max_iter=30)
 
 
 @pytest.mark.parametrize("after", [1, 5, -1])

@@ -143,8 +143,15 @@ def test_plan_from_solve_sample_potentials():
     P = flashot.plan_from_potentials(x, y, f, g, reg=0.2, backend="tiled")
     V = torch.randn(25, 4, dtype=DT)
     assert rel_err(P @ V, res.plan @ V) < 1e-12
-    assert rel_err(P.to_dense(), _dense_plan(x, y, torch.full((30,), 1 / 30, dtype=DT),
-                                              torch.full((25,), 1 / 25, dtype=DT), f, g, 0.2, "sqeuclidean")) < 1e-12
+    assert (
+        rel_err(
+            P.to_dense(),
+            _dense_plan(
+                x, y, torch.full((30,), 1 / 30, dtype=DT), torch.full((25,), 1 / 25, dtype=DT), f, g, 0.2, "sqeuclidean"
+            ),
+        )
+        < 1e-12
+    )
 
 
 @pytest.mark.parametrize("p", [1, 2])
@@ -155,8 +162,9 @@ def test_plan_from_geomloss_style_potentials(p):
     F, G = flashot.SamplesLoss(p=p, blur=blur, debias=False, potentials=True, scaling=0.9)(x, y)
     P = flashot.plan_from_potentials(x, y, F, G, blur=blur, p=p, backend="tiled")
     cost = "half_sqeuclidean" if p == 2 else "euclidean"
-    ref = _dense_plan(x, y, torch.full((40,), 1 / 40, dtype=DT), torch.full((35,), 1 / 35, dtype=DT),
-                      F, G, blur**p, cost)
+    ref = _dense_plan(
+        x, y, torch.full((40,), 1 / 40, dtype=DT), torch.full((35,), 1 / 35, dtype=DT), F, G, blur**p, cost
+    )
     assert rel_err(P.to_dense(), ref) < 1e-12
     # nearly balanced: these are the cross potentials of a (nearly) converged problem
     assert float((P.row_sums() - 1 / 40).abs().sum()) < 0.05

@@ -64,6 +64,13 @@ def test_samples_loss_verbose(capsys):
 def test_callback_can_log_to_user_tools():
     x, y = _data()
     log = []
-    solve_sample(x, y, reg=0.05, tol=None, max_iter=20, inner_iterations=1,
-                 callback=lambda r: log.append((r.iteration, r.eps, r.error)))
+    solve_sample(
+        x,
+        y,
+        reg=0.05,
+        tol=None,
+        max_iter=20,
+        inner_iterations=1,
+        callback=lambda r: log.append((r.iteration, r.eps, r.error)),
+    )
     assert len(log) == 20 and all(e is not None and e >= 0 for _, _, e in log)

@@ -44,8 +44,17 @@ def test_unbalanced_error_is_potential_change_and_converges_to_pot():
     assert res.converged and res.error < 1e-9
     # one more plain step from the returned potentials changes them by <= ~error * reg
     rec = []
-    solve_sample(x, y, reg=reg, unbalanced=rho, tol=None, max_iter=2, inner_iterations=1,
-                 potentials_init=res.potentials, callback=rec.append)
+    solve_sample(
+        x,
+        y,
+        reg=reg,
+        unbalanced=rho,
+        tol=None,
+        max_iter=2,
+        inner_iterations=1,
+        potentials_init=res.potentials,
+        callback=rec.append,
+    )
     assert rec[0].error < 1e-8
     M = ot.dist(x.numpy(), y.numpy())
     a = np.full(30, 1 / 30)

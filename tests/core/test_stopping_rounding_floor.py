@@ -114,9 +114,13 @@ def test_tiny_reg_converged_only_if_right(backend):
     """The item-1 case, float32 and float64: whatever comes back is never a wrong converged value."""
     for dtype, reg in ((torch.float32, 1e-10), (torch.float64, 1e-20)):
         x, y = _cloud(50, 0).to(dtype), _cloud(40, 7).to(dtype)
-        emd = float(ot.emd2(torch.full((50,), 1 / 50, dtype=torch.float64),
-                            torch.full((40,), 1 / 40, dtype=torch.float64),
-                            torch.cdist(x.double(), y.double()) ** 2))
+        emd = float(
+            ot.emd2(
+                torch.full((50,), 1 / 50, dtype=torch.float64),
+                torch.full((40,), 1 / 40, dtype=torch.float64),
+                torch.cdist(x.double(), y.double()) ** 2,
+            )
+        )
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)

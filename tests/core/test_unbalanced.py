@@ -167,6 +167,7 @@ def test_plan_matches_sinkhorn_unbalanced(pot_method):
     assert abs(res.value_linear - log["cost"]) < 1e-8 * log["cost"]
     # value_dual is POT's total cost with the *generalised* KL (mass terms included)
     Pr1, Pr2 = P_ref.sum(1), P_ref.sum(0)
+
     def gkl(p, q):
         return float(np.sum(p * np.log(p / q)) - p.sum() + q.sum())
 
@@ -208,8 +209,9 @@ def _dense_reference(C, a, b, eps, rho_x, rho_y):
         return -D, -grad
 
     z0 = np.zeros(n + m)
-    r = scipy_optimize.minimize(negD, z0, jac=True, method="L-BFGS-B",
-                                options=dict(maxiter=20_000, ftol=1e-15, gtol=1e-13, maxcor=30))
+    r = scipy_optimize.minimize(
+        negD, z0, jac=True, method="L-BFGS-B", options=dict(maxiter=20_000, ftol=1e-15, gtol=1e-13, maxcor=30)
+    )
     f, g = r.x[:n], r.x[n:]
     P = a[:, None] * b[None] * np.exp((f[:, None] + g[None] - C) / eps)
     return f, g, -r.fun, P
@@ -267,7 +269,12 @@ def test_semi_unbalanced_value_dual_gradients_are_envelope():
     rho_x, rho_y, eps = 0.4, None, 0.1
     x, y, a, b = _clouds(n=15, m=18, seed=7)
     xx, aa, yy, bb = (t.clone().requires_grad_() for t in (x, y, a, b))
-    xx, yy, aa, bb = x.clone().requires_grad_(), y.clone().requires_grad_(), a.clone().requires_grad_(), b.clone().requires_grad_()
+    xx, yy, aa, bb = (
+        x.clone().requires_grad_(),
+        y.clone().requires_grad_(),
+        a.clone().requires_grad_(),
+        b.clone().requires_grad_(),
+    )
     res = solve_sample(xx, yy, aa, bb, reg=eps, unbalanced=(rho_x, rho_y), tol=1e-13, max_iter=20_000)
     gx, gy, ga, gb = torch.autograd.grad(res.value_dual, [xx, yy, aa, bb])
     P = res.plan.to_dense().detach()
@@ -287,8 +294,9 @@ def test_semi_unbalanced_samples_loss_against_dense_reference():
     reach, blur = 0.2, 0.6
     rho, eps = reach**2, blur**2
     x, y, a, b = _clouds(n=12, m=14, seed=9)
-    kw = dict(p=2, blur=blur, reach_x=reach, reach_y=None, debias=False, tol=1e-12, max_iter=20_000,
-              backend="tensorized")
+    kw = dict(
+        p=2, blur=blur, reach_x=reach, reach_y=None, debias=False, tol=1e-12, max_iter=20_000, backend="tensorized"
+    )
     xx, yy = x.clone().requires_grad_(), y.clone().requires_grad_()
     v = SamplesLoss("sinkhorn", **kw)(a, xx, b, yy)
     gx, gy = torch.autograd.grad(v, [xx, yy])
@@ -353,8 +361,9 @@ def test_semi_unbalanced_debiased_continuous_in_reach():
     v = SamplesLoss(p=2, blur=0.05, reach_x=0.5, reach_y=0.5 * (1 + 1e-9))(a, x, b, y)
     assert _rel(v, ref) < 1e-6
     F, G = SamplesLoss(p=2, blur=0.05, reach_x=0.5, reach_y=0.5 * (1 + 1e-9), potentials=True)(a, x, b, y)
-    Fr, Gr = geomloss.SamplesLoss("sinkhorn", p=2, blur=0.05, reach=0.5, potentials=True,
-                                  backend="tensorized")(a, x, b, y)
+    Fr, Gr = geomloss.SamplesLoss("sinkhorn", p=2, blur=0.05, reach=0.5, potentials=True, backend="tensorized")(
+        a, x, b, y
+    )
     assert _rel(F, Fr) < 1e-6 and _rel(G, Gr) < 1e-6
 
 

@@ -71,14 +71,16 @@ def _primal_generalised_kl(x, y, reg, rho_a, rho_b):
     xn, yn = x.numpy(), y.numpy()
     a, b = np.full(len(xn), 1 / len(xn)), np.full(len(yn), 1 / len(yn))
     M = ot.dist(xn, yn)
-    P = ot.unbalanced.sinkhorn_unbalanced(a, b, M, reg, (rho_a, rho_b), method="sinkhorn_stabilized",
-                                          numItermax=200_000, stopThr=1e-15)
+    P = ot.unbalanced.sinkhorn_unbalanced(
+        a, b, M, reg, (rho_a, rho_b), method="sinkhorn_stabilized", numItermax=200_000, stopThr=1e-15
+    )
 
     def gkl(p, q):
         return float(np.sum(p * np.log(p / q)) - p.sum() + q.sum())
 
-    return float(np.sum(M * P)) + reg * gkl(P, a[:, None] * b[None]) + rho_a * gkl(P.sum(1), a) + rho_b * gkl(
-        P.sum(0), b)
+    return (
+        float(np.sum(M * P)) + reg * gkl(P, a[:, None] * b[None]) + rho_a * gkl(P.sum(1), a) + rho_b * gkl(P.sum(0), b)
+    )
 
 
 @functools.cache
@@ -96,8 +98,9 @@ def test_value_dual_large_rho_float32(backend, rho):
     if rho <= 100:  # at rho = 1e4 both solvers need ~1e6 iterations (the mass mode contracts by ~reg/rho)
         # the same fixed point (tol = 1e-12), reached with Anderson: at rho = 100 plain iterations took 21290
         # steps (13 s per engine), Anderson takes 530 and lands within 5e-14 of POT's value (measured)
-        ref = solve_sample(x, y, reg=reg, unbalanced=rho, backend=backend, tol=1e-12, max_iter=50_000,
-                           acceleration=Anderson(m=5))
+        ref = solve_sample(
+            x, y, reg=reg, unbalanced=rho, backend=backend, tol=1e-12, max_iter=50_000, acceleration=Anderson(m=5)
+        )
         assert ref.converged
         _close(ref.value_dual, _primal_of_clouds(2, reg, rho), 1e-6)
     v64 = solve_sample(x, y, **kw).value_dual

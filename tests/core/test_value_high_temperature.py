@@ -37,10 +37,10 @@ def _oracle(C: np.ndarray, a: np.ndarray, b: np.ndarray, eps: float) -> float:
         n, m = len(a), len(b)
         f, g = [mpmath.mpf(0)] * n, [mpmath.mpf(0)] * m
         for _ in range(20000):
-            f_new = [-e * mpmath.log(sum(b[j] * mpmath.exp((g[j] - C[i][j]) / e) for j in range(m)))
-                     for i in range(n)]
-            g_new = [-e * mpmath.log(sum(a[i] * mpmath.exp((f_new[i] - C[i][j]) / e) for i in range(n)))
-                     for j in range(m)]
+            f_new = [-e * mpmath.log(sum(b[j] * mpmath.exp((g[j] - C[i][j]) / e) for j in range(m))) for i in range(n)]
+            g_new = [
+                -e * mpmath.log(sum(a[i] * mpmath.exp((f_new[i] - C[i][j]) / e) for i in range(n))) for j in range(m)
+            ]
             move = max(abs(u - v) for u, v in zip(f + g, f_new + g_new))
             f, g = f_new, g_new
             if move < mpmath.mpf(10) ** -60 * (1 + e):
@@ -116,8 +116,12 @@ def test_float32_value_at_high_reg():
     M32 = M.astype(np.float32)
     for reg in (1e6, 1e16, 1e20):
         want = _oracle(M32.astype(np.float64), a, b, reg)
-        res = flashot.solve(torch.from_numpy(M32), reg=reg, a=torch.from_numpy(a.astype(np.float32)),
-                            b=torch.from_numpy(b.astype(np.float32)))
+        res = flashot.solve(
+            torch.from_numpy(M32),
+            reg=reg,
+            a=torch.from_numpy(a.astype(np.float32)),
+            b=torch.from_numpy(b.astype(np.float32)),
+        )
         assert res.value.dtype == torch.float32
         assert abs(float(res.value) - want) <= 4e-7 * M.max(), (reg, float(res.value), want)
 
@@ -138,19 +142,21 @@ def test_value_gradients_unchanged(reg):
     at, bt = torch.from_numpy(a), torch.from_numpy(b)
     kw = {"tol": 1e-13, "max_iter": 100000}
     res = flashot.solve(Mt, at, bt, reg=reg, **kw)
-    gM, = torch.autograd.grad(res.value, Mt)
+    (gM,) = torch.autograd.grad(res.value, Mt)
     got, want = _directional(lambda T: float(flashot.solve(T, at, bt, reg=reg, **kw).value), Mt.detach(), gM, 1e-4)
     assert abs(got - want) <= 1e-8 * abs(want), (got, want)
     if reg == 0.5:  # value_linear: the implicit gradient (unchanged by the high-temperature value)
-        gl, = torch.autograd.grad(flashot.solve(Mt, at, bt, reg=reg, **kw).value_linear, Mt)
-        got, want = _directional(lambda T: float(flashot.solve(T, at, bt, reg=reg, **kw).value_linear),
-                                 Mt.detach(), gl, 1e-5)
+        (gl,) = torch.autograd.grad(flashot.solve(Mt, at, bt, reg=reg, **kw).value_linear, Mt)
+        got, want = _directional(
+            lambda T: float(flashot.solve(T, at, bt, reg=reg, **kw).value_linear), Mt.detach(), gl, 1e-5
+        )
         assert abs(got - want) <= 1e-7 * abs(want), (got, want)
     rng = np.random.RandomState(2)
     x = torch.from_numpy(rng.randn(4, 2)).requires_grad_(True)
     y = torch.from_numpy(rng.randn(5, 2))
     s = flashot.solve_sample(x, y, at, bt, reg=reg * 10, **kw)
-    gx, = torch.autograd.grad(s.value, x)
-    got, want = _directional(lambda X: float(flashot.solve_sample(X, y, at, bt, reg=reg * 10, **kw).value),
-                             x.detach(), gx, 1e-4)
+    (gx,) = torch.autograd.grad(s.value, x)
+    got, want = _directional(
+        lambda X: float(flashot.solve_sample(X, y, at, bt, reg=reg * 10, **kw).value), x.detach(), gx, 1e-4
+    )
     assert abs(got - want) <= 1e-8 * abs(want), (got, want)

@@ -64,8 +64,9 @@ def _rel(u, v):
     return float((u - v).abs().max() / v.abs().max())
 
 
-@pytest.mark.parametrize("cost,reg", [("sqeuclidean", 0.5), ("sqeuclidean", 0.1), ("half_sqeuclidean", 0.2),
-                                      ("euclidean", 0.3)])
+@pytest.mark.parametrize(
+    "cost,reg", [("sqeuclidean", 0.5), ("sqeuclidean", 0.1), ("half_sqeuclidean", 0.2), ("euclidean", 0.3)]
+)
 def test_gradients_match_pot_autodiff(cost, reg):
     x, y, a, b = _problem()
     v, (gx, gy, ga, gb) = _flashot_grads(x, y, a, b, reg, cost, **KW64)
@@ -87,7 +88,7 @@ def test_the_implicit_correction_matters():
     X = x.clone().requires_grad_()
     C = ((X[:, None] - y[None]) ** 2).sum(-1)
     P = a[:, None] * b[None] * torch.exp((f[:, None] + g[None] - C) / reg)
-    partial, = torch.autograd.grad((P * C).sum(), X)
+    (partial,) = torch.autograd.grad((P * C).sum(), X)
     _, (rx, _, _, _) = _pot_grads(x, y, a, b, reg)
     assert _rel(partial, rx) > 1.0
 
@@ -109,7 +110,10 @@ def test_gradients_match_finite_differences(cost, reg):
     gen = torch.Generator().manual_seed(5)
     dx, dy = torch.randn(x.shape, generator=gen, dtype=x.dtype), torch.randn(y.shape, generator=gen, dtype=y.dtype)
     # mass-preserving weight perturbations (sum zero), |da| <= min(a): the steps (up to 2 x 0.02) keep a > 0
-    da, db = _centred(torch.randn(a.shape, generator=gen, dtype=a.dtype)), _centred(torch.randn(b.shape, generator=gen, dtype=b.dtype))
+    da, db = (
+        _centred(torch.randn(a.shape, generator=gen, dtype=a.dtype)),
+        _centred(torch.randn(b.shape, generator=gen, dtype=b.dtype)),
+    )
     da, db = da * float(a.min()) / float(da.abs().max()), db * float(b.min()) / float(db.abs().max())
     hw = 2e-2
     checks = [
@@ -163,7 +167,7 @@ def test_only_the_inputs_that_require_grad():
     x, y, a, b = _problem(seed=6)
     X = x.clone().requires_grad_()
     res = flashot.solve_sample(X, y, a, b, reg=0.3, **KW64)
-    gx, = torch.autograd.grad(res.value_linear, X)
+    (gx,) = torch.autograd.grad(res.value_linear, X)
     _, (rx, _, _, _) = _pot_grads(x, y, a, b, 0.3)
     assert _rel(gx, rx) < 1e-9
 
@@ -192,7 +196,8 @@ def test_unbalanced_gradient_raises():
     res = flashot.solve_sample(X, y, a, b, reg=0.3, unbalanced=1.0)
     v = res.value_linear
     assert v.requires_grad and torch.isfinite(v.detach())  # the value itself is available
-    assert float(v.detach()) == pytest.approx(float(flashot.solve_sample(x, y, a, b, reg=0.3, unbalanced=1.0).value_linear),
-                                     rel=1e-12)
+    assert float(v.detach()) == pytest.approx(
+        float(flashot.solve_sample(x, y, a, b, reg=0.3, unbalanced=1.0).value_linear), rel=1e-12
+    )
     with pytest.raises(NotImplementedError, match="unbalanced"):
         v.backward()

@@ -23,8 +23,9 @@ def test_solve_sample_warm_start_on_a_perturbed_problem(method, backend):
     first = flashot.solve_sample(x, y, reg=0.2, tol=1e-7, max_iter=20000, method=method, backend=backend)
     x2 = x + 0.002 * torch.randn(x.shape, dtype=DT, generator=gen)
     cold = flashot.solve_sample(x2, y, reg=0.2, tol=1e-7, max_iter=20000, method=method, backend=backend)
-    warm = flashot.solve_sample(x2, y, reg=0.2, tol=1e-7, max_iter=20000, method=method, backend=backend,
-                                potentials_init=first.potentials)
+    warm = flashot.solve_sample(
+        x2, y, reg=0.2, tol=1e-7, max_iter=20000, method=method, backend=backend, potentials_init=first.potentials
+    )
     assert cold.converged and warm.converged
     assert warm.n_iter < 0.6 * cold.n_iter, (warm.n_iter, cold.n_iter)
     assert rel_err(warm.value, cold.value) < 1e-6
@@ -43,8 +44,12 @@ def test_solve_sample_warm_start_bad_input():
 
 def _reference_divergence(x, y, blur, debias):
     """OT_eps with the GeomLoss cost |x-y|^2/2 at eps = blur^2, solved to tol 1e-11."""
-    ot = lambda p, q: flashot.solve_sample(p, q, cost="half_sqeuclidean", reg=blur**2, tol=1e-8,  # noqa: E731
-                                           max_iter=100000, method="symmetric").value
+
+    def ot(p, q):
+        return flashot.solve_sample(
+            p, q, cost="half_sqeuclidean", reg=blur**2, tol=1e-8, max_iter=100000, method="symmetric"
+        ).value
+
     v = ot(x, y)
     if debias:
         v = v - 0.5 * ot(x, x) - 0.5 * ot(y, y)

@@ -83,7 +83,9 @@ def test_readme_block_runs_as_written(page, src):
         if isinstance(v, flashot.GWResult):
             assert v.converged, f"{page.name}: Gromov-Wasserstein {name!r} did not converge in {v.n_outer} steps"
     for name, r in results.items():
-        assert r.converged or r.stopped, f"{page.name}: result {name!r} did not converge: {r.n_iter} iterations, error {r.error}"
+        assert r.converged or r.stopped, (
+            f"{page.name}: result {name!r} did not converge: {r.n_iter} iterations, error {r.error}"
+        )
     if "acceleration=None" in src:  # the page says acceleration cuts the iterations: show it
         plain, fast = ns["plain"], ns["fast"]
         assert isinstance(plain, OTResult) and isinstance(fast, OTResult)

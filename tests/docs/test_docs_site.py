@@ -52,22 +52,53 @@ def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("docs")
     env = dict(os.environ, FLASHOT_EXAMPLE_SMALL="1", MPLBACKEND="Agg")
     proc = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q",
-         "-d", str(out / "doctrees"), str(ROOT / "docs"), str(out / "html")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-b",
+            "html",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-d",
+            str(out / "doctrees"),
+            str(ROOT / "docs"),
+            str(out / "html"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"sphinx -W failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return out / "html"
 
 
 def test_site_builds_offline_with_every_page(site):
-    for page in PAGES + ["concepts.html", "getting_started.html", "benchmarks.html",
-                         "coming_from.html", "auto_examples/index.html", "guide.html", "engines.html",
-                         "multiscale.html", "gromov.html", "distributed.html", "cli.html",
-                         "conventions.html", "exactness.html", "development.html"]:
+    for page in PAGES + [
+        "concepts.html",
+        "getting_started.html",
+        "benchmarks.html",
+        "coming_from.html",
+        "auto_examples/index.html",
+        "guide.html",
+        "engines.html",
+        "multiscale.html",
+        "gromov.html",
+        "distributed.html",
+        "cli.html",
+        "conventions.html",
+        "exactness.html",
+        "development.html",
+    ]:
         assert (site / page).is_file(), page
     # offline: no page loads a script, style sheet, image or font from another host
-    remote = re.compile(r"<(?:script|img|iframe|source)\b[^>]*\bsrc=[\"']?(?:https?:)?//"
-                        r"|<link\b[^>]*\bhref=[\"']?(?:https?:)?//")
+    remote = re.compile(
+        r"<(?:script|img|iframe|source)\b[^>]*\bsrc=[\"']?(?:https?:)?//"
+        r"|<link\b[^>]*\bhref=[\"']?(?:https?:)?//"
+    )
     for p in site.rglob("*.html"):
         m = remote.search(p.read_text())
         assert m is None, f"{p.relative_to(site)} loads from another host: {m.group(0)}"
@@ -105,15 +136,18 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 def browser():
     exe = _chromium()
     if exe is None:
-        pytest.skip("no Chromium found (apt-get install chromium, as root; or set FLASHOT_CHROMIUM): "
-                    "the browser checks of the docs site did not run")
+        pytest.skip(
+            "no Chromium found (apt-get install chromium, as root; or set FLASHOT_CHROMIUM): "
+            "the browser checks of the docs site did not run"
+        )
     try:
         from playwright.sync_api import sync_playwright
     except ImportError as e:
         pytest.fail(f"playwright is missing ({e}): pip install -r docs/requirements.txt")
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=exe, headless=True,
-                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        b = p.chromium.launch(
+            executable_path=exe, headless=True, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        )
         yield b
         b.close()
 

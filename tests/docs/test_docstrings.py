@@ -57,7 +57,7 @@ def test_every_public_name_has_an_example(qualname, obj):
     assert doc.strip(), f"{qualname}: no docstring"
     m = _EXAMPLE.search(doc)
     assert m is not None, f"{qualname}: no 'Example:' section in its docstring"
-    assert ">>> " in doc[m.end():], f"{qualname}: its 'Example:' section has no '>>>' line"
+    assert ">>> " in doc[m.end() :], f"{qualname}: its 'Example:' section has no '>>>' line"
 
 
 def _run(qualname, obj):

@@ -125,10 +125,15 @@ def test_gallery_example_form(name):
 
 @pytest.mark.parametrize("name", GALLERY)
 def test_gallery_example_runs_and_keeps_its_claim(name, tmp_path):
-    env = dict(os.environ, FLASHOT_EXAMPLE_SMALL="1", FLASHOT_EXAMPLE_OUT=str(tmp_path),
-               MPLBACKEND="Agg")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py")], env=env,
-                          cwd=ROOT / "examples", capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, FLASHOT_EXAMPLE_SMALL="1", FLASHOT_EXAMPLE_OUT=str(tmp_path), MPLBACKEND="Agg")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / f"{name}.py")],
+        env=env,
+        cwd=ROOT / "examples",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     png = (tmp_path / f"{name}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000, len(png)

@@ -219,9 +219,12 @@ def _up(parsed) -> set[tuple[str, str]]:
 
 
 def test_imports_point_down(parsed):
-    bad = [f"{m}:{line} imports {t} (layer {layer(m)} -> {layer(t)})"
-           for m, info in parsed.items() for t, line in info.imports
-           if layer(t) > layer(m) and (m, t) not in KNOWN_UP]
+    bad = [
+        f"{m}:{line} imports {t} (layer {layer(m)} -> {layer(t)})"
+        for m, info in parsed.items()
+        for t, line in info.imports
+        if layer(t) > layer(m) and (m, t) not in KNOWN_UP
+    ]
     assert not bad, "imports pointing up:\n" + "\n".join(bad)
 
 
@@ -279,8 +282,11 @@ def _private(parsed) -> list[tuple[str, str, str, int]]:
 
 
 def test_no_private_reads(parsed):
-    bad = [f"{m}:{line} reads {owner}.{name}" for m, owner, name, line in _private(parsed)
-           if (m, owner, name) not in KNOWN_PRIVATE]
+    bad = [
+        f"{m}:{line} reads {owner}.{name}"
+        for m, owner, name, line in _private(parsed)
+        if (m, owner, name) not in KNOWN_PRIVATE
+    ]
     assert not bad, "private names read from another module:\n" + "\n".join(bad)
 
 

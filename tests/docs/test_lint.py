@@ -22,8 +22,13 @@ def _ruff() -> list[str]:
 
 
 def test_ruff_check_is_clean():
-    r = subprocess.run(_ruff() + ["check", "--no-cache", "src", "tests", "benchmarks", "examples"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        _ruff() + ["check", "--no-cache", "src", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
@@ -32,8 +37,13 @@ def test_mypy_core_is_clean():
     root, git-ignored) makes a repeated run take seconds; a cold one analyses torch's stubs (tens of seconds)."""
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed: it is part of the test extra (pip install -e '.[test]')")
-    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "pyproject.toml"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "pyproject.toml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 

@@ -15,8 +15,9 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "pyproject.toml")),
-                                reason="needs the source tree (pyproject.toml)")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(os.path.join(ROOT, "pyproject.toml")), reason="needs the source tree (pyproject.toml)"
+)
 
 
 def _build(kind: str, out: str, kernels: str = "none", cache=None, timeout: int = 300) -> str:
@@ -24,14 +25,14 @@ def _build(kind: str, out: str, kernels: str = "none", cache=None, timeout: int 
 
     ``kernels``: ``FLASHOT_WHEEL_KERNELS`` (default ``none``: a source-only wheel); ``cache``: the
     kernel cache the prebuilt ones come from (the test run's shared one: no second compile)."""
-    code = (f"import sys; from setuptools import build_meta as b; "
-            f"print(b.build_{kind}(sys.argv[1]))")
+    code = f"import sys; from setuptools import build_meta as b; print(b.build_{kind}(sys.argv[1]))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
     env["FLASHOT_WHEEL_KERNELS"] = kernels
     if cache is not None:
         env["FLASHOT_CACHE_DIR"] = str(cache)
-    r = subprocess.run([sys.executable, "-c", code, out], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", code, out], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return os.path.join(out, r.stdout.strip().splitlines()[-1])
 
@@ -66,14 +67,22 @@ def test_wheel_in_a_fresh_venv_finds_its_kernels_and_runs(tmp_path, shared_build
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
     # (no PYTHONPATH: a source tree on it, with its *.egg-info, would look to pip like flashot installed)
-    r = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", whl],
-                       capture_output=True, text=True, timeout=300,
-                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", whl],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     # torch and numpy from this environment (a path entry: its .pth files, e.g. an editable
     # flashot, are not processed), flashot itself only from the wheel
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     with open(os.path.join(site, "_deps.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
     code = textwrap.dedent("""
@@ -93,8 +102,9 @@ def test_wheel_in_a_fresh_venv_finds_its_kernels_and_runs(tmp_path, shared_build
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHOT_", "PYTHONPATH"))}
     env["FLASHOT_CACHE_DIR"] = str(cache)
-    r = subprocess.run([py, "-c", code, str(venv)], cwd=str(tmp_path), capture_output=True, text=True,
-                       timeout=900, env=env)
+    r = subprocess.run(
+        [py, "-c", code, str(venv)], cwd=str(tmp_path), capture_output=True, text=True, timeout=900, env=env
+    )
     assert r.returncode == 0 and "WHEEL_OK True" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
@@ -106,8 +116,14 @@ def test_sdist_carries_kernel_sources_examples_and_tests(tmp_path):
     from flashot.ops.cpu import build
 
     kernels = [f"src/flashot/ops/cpu/{name}" for name in build.SOURCES]  # every header and translation unit
-    for need in (*kernels, "setup.py", "README.md", "tests/ops/test_cpu_engine.py", "tests/native/kernel_check.cpp",
-                 "examples/gradient_flow.py"):
+    for need in (
+        *kernels,
+        "setup.py",
+        "README.md",
+        "tests/ops/test_cpu_engine.py",
+        "tests/native/kernel_check.cpp",
+        "examples/gradient_flow.py",
+    ):
         assert need in names, need
 
 
@@ -118,12 +134,20 @@ def _venv_with_wheel(tmp_path, whl) -> str:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
     # (no PYTHONPATH: a source tree on it, with its *.egg-info, would look to pip like flashot installed)
-    r = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", whl],
-                       capture_output=True, text=True, timeout=300,
-                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", whl],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     with open(os.path.join(site, "_deps.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
     return py
@@ -157,14 +181,34 @@ def test_prebuilt_wheel_runs_the_demo_without_a_compiler(tmp_path, shared_build_
     if build._find_compiler() is None or arch is None:
         pytest.skip("needs a C++ compiler and an x86-64 or AArch64 machine")
     src = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info beside the sources
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "*.png",
-        ".whl", ".gl"))
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            ".pytest_cache",
+            ".hypothesis",
+            "*.png",
+            ".whl",
+            ".gl",
+        ),
+    )
     code = "import sys; from setuptools import build_meta as b; print(b.build_wheel(sys.argv[1]))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
     env.update(FLASHOT_WHEEL_KERNELS="auto", FLASHOT_CACHE_DIR=str(shared_build_cache))
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=str(src), capture_output=True,
-                       text=True, timeout=1800, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "dist")],
+        cwd=str(src),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     whl = str(tmp_path / "dist" / r.stdout.strip().splitlines()[-1])
     assert whl.endswith(f"-py3-none-{sysconfig.get_platform().replace('-', '_').replace('.', '_')}.whl"), whl
@@ -177,24 +221,46 @@ def test_prebuilt_wheel_runs_the_demo_without_a_compiler(tmp_path, shared_build_
             z.extractall(tmp_path / "unzipped", [n for n in names if n.endswith(".so")])
         for v, wider in (("x86-64-v2", ("%ymm", "%zmm")), ("x86-64-v3", ("%zmm",))):
             for lib in build.LIBRARIES:
-                asm = subprocess.run(["objdump", "-d", str(tmp_path / "unzipped" / f"flashot/ops/cpu/prebuilt/{v}/"
-                                                                                    f"{lib}.so")],
-                                     capture_output=True, text=True, timeout=300).stdout
+                asm = subprocess.run(
+                    ["objdump", "-d", str(tmp_path / "unzipped" / f"flashot/ops/cpu/prebuilt/{v}/{lib}.so")],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                ).stdout
                 assert len(asm) > 10_000 and not any(r in asm for r in wider), (v, lib)
     py = _venv_with_wheel(tmp_path, whl)
     bindir = os.path.dirname(py)
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     env = {"PATH": bindir, "HOME": str(tmp_path), "FLASHOT_CACHE_DIR": str(cache), "LANG": "C.UTF-8"}
-    assert subprocess.run([py, "-c", "import shutil; print(shutil.which('g++') or shutil.which('c++'))"], env=env,
-                          capture_output=True, text=True).stdout.strip() == "None"
+    assert (
+        subprocess.run(
+            [py, "-c", "import shutil; print(shutil.which('g++') or shutil.which('c++'))"],
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        == "None"
+    )
     want = prebuilt.select_variant(build._cpu_flags(), platform.machine(), variants)
-    r = subprocess.run([os.path.join(bindir, "flashot"), "build", "--info"], capture_output=True, text=True,
-                       timeout=300, env=env, cwd=str(tmp_path))
+    r = subprocess.run(
+        [os.path.join(bindir, "flashot"), "build", "--info"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0 and f"kernels: prebuilt {want} " in r.stdout, (r.stdout, r.stderr)
     t0 = time.perf_counter()
-    r = subprocess.run([os.path.join(bindir, "flashot"), "demo", "--no-png"], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=str(tmp_path))
+    r = subprocess.run(
+        [os.path.join(bindir, "flashot"), "demo", "--no-png"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(tmp_path),
+    )
     secs = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"engine cpu: prebuilt {want} kernels loaded" in r.stdout and "engine=cpu" in r.stdout, r.stdout
@@ -203,10 +269,20 @@ def test_prebuilt_wheel_runs_the_demo_without_a_compiler(tmp_path, shared_build_
     print(f"flashot demo from the wheel: {secs:.1f} s ({want})")
     for v in variants:
         if prebuilt.runs_on(v, build._cpu_flags(), platform.machine()):
-            r = subprocess.run([py, "-c", VARIANT_CHECK, os.path.dirname(os.path.dirname(py))],
-                               capture_output=True, text=True, timeout=300, env={**env, "FLASHOT_CPU_MARCH": v})
+            r = subprocess.run(
+                [py, "-c", VARIANT_CHECK, os.path.dirname(os.path.dirname(py))],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**env, "FLASHOT_CPU_MARCH": v},
+            )
             assert r.returncode == 0 and f"VARIANT {v} " in r.stdout, (r.stdout, r.stderr[-3000:])
     # native means compile for this CPU: without a compiler that is a clear error, not a prebuilt fallback
-    r = subprocess.run([os.path.join(bindir, "flashot"), "build"], capture_output=True, text=True, timeout=300,
-                       env={**env, "FLASHOT_CPU_MARCH": "native"})
+    r = subprocess.run(
+        [os.path.join(bindir, "flashot"), "build"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "FLASHOT_CPU_MARCH": "native"},
+    )
     assert r.returncode == 1 and "no C++ compiler found" in r.stderr, (r.stdout, r.stderr)

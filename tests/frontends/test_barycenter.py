@@ -27,8 +27,9 @@ def _clouds(seed=0):
 def test_matches_pot(backend):
     Ys, As, X0 = _clouds()
     ref = ot.bregman.free_support_sinkhorn_barycenter(Ys, As, X0, 0.5, numItermax=20, stopThr=1e-12)
-    X, log = flashot.free_support_barycenter(Ys, As, X0, 0.5, numItermax=20, stopThr=1e-12, log=True,
-                                             inner_tol=1e-12, numInnerItermax=5000, backend=backend)
+    X, log = flashot.free_support_barycenter(
+        Ys, As, X0, 0.5, numItermax=20, stopThr=1e-12, log=True, inner_tol=1e-12, numInnerItermax=5000, backend=backend
+    )
     assert isinstance(X, np.ndarray) and X.shape == X0.shape
     assert np.abs(X - ref).max() < 1e-7  # POT's inner solves stop at its stopThr 1e-9
     assert log.n_iter == 20 and len(log.displacement_square_norms) == 20
@@ -42,8 +43,9 @@ def test_barycenter_weights_b_and_lambdas_match_pot():
     b /= b.sum()
     lam = np.array([0.1, 0.2, 0.3, 0.4])
     ref = ot.bregman.free_support_sinkhorn_barycenter(Ys, As, X0, 1.0, b=b, weights=lam, numItermax=10)
-    X = flashot.free_support_barycenter(Ys, As, X0, 1.0, b=b, weights=lam, numItermax=10, inner_tol=1e-12,
-                                        numInnerItermax=5000)
+    X = flashot.free_support_barycenter(
+        Ys, As, X0, 1.0, b=b, weights=lam, numItermax=10, inner_tol=1e-12, numInnerItermax=5000
+    )
     assert np.abs(X - ref).max() < 1e-7
 
 
@@ -68,14 +70,21 @@ def test_float32_torch_and_stopping():
     [
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, X, 0.0), ValueError, "reg"),
         (lambda Y, A, X: flashot.free_support_barycenter([], A, X, 0.5), TypeError, "measures_locations"),
-        (lambda Y, A, X: flashot.free_support_barycenter([Y[0][:, :1]], None, X, 0.5), ValueError, r"measures_locations\[0\]"),
+        (
+            lambda Y, A, X: flashot.free_support_barycenter([Y[0][:, :1]], None, X, 0.5),
+            ValueError,
+            r"measures_locations\[0\]",
+        ),
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A[:2], X, 0.5), ValueError, "measures_weights"),
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, X[0], 0.5), ValueError, "X_init"),
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, X, 0.5, weights=[1, -1, 1, 1]), ValueError, "weights"),
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, X, 0.5, numItermax=0), ValueError, "numItermax"),
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, "X", 0.5), TypeError, "X_init"),
-        (lambda Y, A, X: flashot.free_support_barycenter(Y, [A[0][:-1]] + A[1:], X, 0.5), ValueError,
-         r"measures_weights\[0\]: expected shape \(30,\)"),
+        (
+            lambda Y, A, X: flashot.free_support_barycenter(Y, [A[0][:-1]] + A[1:], X, 0.5),
+            ValueError,
+            r"measures_weights\[0\]: expected shape \(30,\)",
+        ),
         (lambda Y, A, X: flashot.free_support_barycenter(Y, A, X, 0.5, inner_tol=-1.0), ValueError, "inner_tol"),
     ],
 )

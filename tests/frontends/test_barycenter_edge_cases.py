@@ -40,8 +40,9 @@ def _small(seed: int = 1):
 
 
 def _inner_cap_warnings(rec) -> list[str]:
-    return [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)
-            and "numInnerItermax" in str(w.message)]
+    return [
+        str(w.message) for w in rec if issubclass(w.category, RuntimeWarning) and "numInnerItermax" in str(w.message)
+    ]
 
 
 def test_capped_inner_solves_are_not_converged():
@@ -56,8 +57,11 @@ def test_capped_inner_solves_are_not_converged():
     assert log.inner_converged is False and log.inner_error > 1e-6
     msgs = _inner_cap_warnings(rec)
     assert len(msgs) == 1, msgs  # one warning for the run, not one per inner solve
-    assert re.search(r"numInnerItermax=1 .*inner_tol=1e-06 \(largest L1 marginal error [0-9.e-]+\).*"
-                     r"raise numInnerItermax or reg", msgs[0]), msgs[0]
+    assert re.search(
+        r"numInnerItermax=1 .*inner_tol=1e-06 \(largest L1 marginal error [0-9.e-]+\).*"
+        r"raise numInnerItermax or reg",
+        msgs[0],
+    ), msgs[0]
     assert not any("Sinkhorn did not reach" in str(w.message) for w in rec)  # summarised, not repeated
     assert np.isfinite(X).all()
 
@@ -115,8 +119,9 @@ def test_weights_as_lists_and_int_points():
     """Lists of numbers for b / weights / measures_weights, integer numpy clouds (cast, as before)."""
     Ys, As, X0 = _clouds()
     Yi = [np.rint(Y).astype(np.int64) for Y in Ys]
-    X = flashot.free_support_barycenter(Yi, [list(a) for a in As], X0, 0.5, b=[1 / 15] * 15,
-                                        weights=[1, 1, 1, 1], numItermax=3)
+    X = flashot.free_support_barycenter(
+        Yi, [list(a) for a in As], X0, 0.5, b=[1 / 15] * 15, weights=[1, 1, 1, 1], numItermax=3
+    )
     Y64 = [Y.astype(np.float64) for Y in Yi]
     ref = flashot.free_support_barycenter(Y64, As, X0, 0.5, numItermax=3)
     assert np.abs(X - ref).max() < 1e-6

@@ -94,9 +94,19 @@ def problems(draw):
 def _run(Ys, As, X0, b, lam, reg, s, numItermax=100):
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        X, log = flashot.free_support_barycenter(Ys, As, X0, reg, b=b, weights=lam, numItermax=numItermax,
-                                                 numInnerItermax=5000, stopThr=STOP * s * s, log=True,
-                                                 inner_tol=INNER)
+        X, log = flashot.free_support_barycenter(
+            Ys,
+            As,
+            X0,
+            reg,
+            b=b,
+            weights=lam,
+            numItermax=numItermax,
+            numInnerItermax=5000,
+            stopThr=STOP * s * s,
+            log=True,
+            inner_tol=INNER,
+        )
     cap = [w for w in rec if "numInnerItermax" in str(w.message)]
     assert bool(cap) == (not log.inner_converged), [str(w.message) for w in rec]
     return X, log

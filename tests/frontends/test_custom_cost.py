@@ -115,26 +115,32 @@ def test_kernel_function_matches_geomloss(potentials):
             _agree(u, v, 1e-12)
 
 
-@pytest.mark.parametrize("kw, exc, match", [
-    (dict(cost="SqDist(X,Y)"), NotImplementedError, "KeOps formula"),
-    (dict(cost=3.0), TypeError, "function"),
-    (dict(cost=torch.zeros(3, 3)), TypeError, "flashot.solve"),
-    (dict(cost=l1_cost, backend="online"), ValueError, "tensorized"),
-    (dict(cost=l1_cost, implicit=flashot.ImplicitDiff()), NotImplementedError, "implicit"),
-    (dict(cost=l1_cost, loss="gaussian"), ValueError, "loss"),
-    (dict(kernel=cauchy_kernel, loss="sinkhorn"), ValueError, "loss"),
-])
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(cost="SqDist(X,Y)"), NotImplementedError, "KeOps formula"),
+        (dict(cost=3.0), TypeError, "function"),
+        (dict(cost=torch.zeros(3, 3)), TypeError, "flashot.solve"),
+        (dict(cost=l1_cost, backend="online"), ValueError, "tensorized"),
+        (dict(cost=l1_cost, implicit=flashot.ImplicitDiff()), NotImplementedError, "implicit"),
+        (dict(cost=l1_cost, loss="gaussian"), ValueError, "loss"),
+        (dict(kernel=cauchy_kernel, loss="sinkhorn"), ValueError, "loss"),
+    ],
+)
 def test_refused_options(kw, exc, match):
     with pytest.raises(exc, match=match):
         flashot.SamplesLoss(**kw)
 
 
-@pytest.mark.parametrize("fn, exc, match", [
-    (lambda x, y: l1_cost(x, y)[..., :-1], ValueError, "shape"),
-    (lambda x, y: l1_cost(x, y) * float("nan"), ValueError, "NaN"),
-    (lambda x, y: l1_cost(x, y).numpy(), TypeError, "Tensor"),
-    (lambda x, y: l1_cost(x, y).long(), TypeError, "dtype"),
-])
+@pytest.mark.parametrize(
+    "fn, exc, match",
+    [
+        (lambda x, y: l1_cost(x, y)[..., :-1], ValueError, "shape"),
+        (lambda x, y: l1_cost(x, y) * float("nan"), ValueError, "NaN"),
+        (lambda x, y: l1_cost(x, y).numpy(), TypeError, "Tensor"),
+        (lambda x, y: l1_cost(x, y).long(), TypeError, "dtype"),
+    ],
+)
 def test_bad_cost_function_output(fn, exc, match):
     x, y, a, b = _data()
     with pytest.raises(exc, match=match):

@@ -55,8 +55,14 @@ def _d_sigma(A, B, s):
 def ot_sigma(ma, A, mb, B, s):
     """min <C, P> + 2 s^2 KL(P | a x b), C = |x - y|^2 (their Eq. 13-14)."""
     d, s2, Ds = len(A), s * s, _d_sigma(A, B, s)
-    return float(np.sum((ma - mb) ** 2) + np.trace(A) + np.trace(B) - np.trace(Ds)
-                 + d * s2 * (1 - np.log(2 * s2)) + s2 * np.log(det(Ds + s2 * np.eye(d))))
+    return float(
+        np.sum((ma - mb) ** 2)
+        + np.trace(A)
+        + np.trace(B)
+        - np.trace(Ds)
+        + d * s2 * (1 - np.log(2 * s2))
+        + s2 * np.log(det(Ds + s2 * np.eye(d)))
+    )
 
 
 def _gauss_weights(mean, cov, pts):
@@ -109,8 +115,12 @@ def uot_plan(Ma, ma, A, Mb, mb, B, s, gam, x, y):
     """The unbalanced plan: mass (Eq. 41) times a Gaussian of mean (Eq. 39) and covariance (Eq. 40)."""
     I, lam, _, _, _, C, iX = _uot_parts(A, B, s, gam)
     mu = np.concatenate([ma + A @ iX @ (mb - ma), mb + B @ iX @ (ma - mb)])
-    H = np.block([[(I + C / lam) @ (A - A @ iX @ A), C + (I + C / lam) @ A @ iX @ B],
-                  [C.T + (I + C.T / lam) @ B @ iX @ A, (I + C.T / lam) @ (B - B @ iX @ B)]])
+    H = np.block(
+        [
+            [(I + C / lam) @ (A - A @ iX @ A), C + (I + C / lam) @ A @ iX @ B],
+            [C.T + (I + C.T / lam) @ B @ iX @ A, (I + C.T / lam) @ (B - B @ iX @ B)],
+        ]
+    )
     mp = uot_mass(Ma, ma, A, Mb, mb, B, s, gam)
     return mp * _gauss_weights(mu, H, _pairs(x, y)).reshape(len(x), len(y))
 
@@ -161,8 +171,9 @@ def test_entropic_gaussians_closed_form(seed, blur, dtype):
     relative, plan 1.2e-7 of its max; float32: 2e-6 / 3e-5.  Tolerances: 1e-6 / 1e-6 (float64),
     1e-4 / 1e-3 (float32); GeomLoss' test: atol = rtol = 1e-2."""
     x, y, wa, wb, p = gaussian_case(seed)
-    res = flashot.solve_sample(x.astype(dtype), y.astype(dtype), wa.astype(dtype), wb.astype(dtype),
-                               reg=2 * blur**2, max_iter=1000)
+    res = flashot.solve_sample(
+        x.astype(dtype), y.astype(dtype), wa.astype(dtype), wb.astype(dtype), reg=2 * blur**2, max_iter=1000
+    )
     assert res.converged and res.value.dtype == dtype
     tv, tp = (1e-6, 1e-6) if dtype == np.float64 else (1e-4, 1e-3)
     ref = ot_sigma(*_bal(p), blur)
@@ -221,8 +232,9 @@ def test_bures_w2_at_small_reg(seed):
 
 
 # GeomLoss tests/test_ot_solve_matrix.py::test_correct_values_gaussians, branch "reach is not None"
-@pytest.mark.parametrize("seed, blur, reach", [(0, 0.1, 0.1), (1, 0.1, 1.0), (2, 0.5, 3.0), (3, 0.3, 10.0),
-                                               (4, 0.1, 3.0)])
+@pytest.mark.parametrize(
+    "seed, blur, reach", [(0, 0.1, 0.1), (1, 0.1, 1.0), (2, 0.5, 3.0), (3, 0.3, 10.0), (4, 0.1, 3.0)]
+)
 def test_unbalanced_gaussians_closed_form(seed, blur, reach):
     """value_dual (generalised KL terms, the closed form's convention, like ``value`` at the plan) and the
     plan against Eq. 37-41, rho = reach^2, reg = 2 blur^2, max_iter = 1000.
@@ -237,8 +249,9 @@ def test_unbalanced_gaussians_closed_form(seed, blur, reach):
     gam = reach**2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        res = flashot.solve_sample(x, y, wa, wb, reg=2 * blur**2, unbalanced=gam, max_iter=1000,
-                                   backend=_fast_backend())
+        res = flashot.solve_sample(
+            x, y, wa, wb, reg=2 * blur**2, unbalanced=gam, max_iter=1000, backend=_fast_backend()
+        )
     tv, tp = (1e-5, 1e-5) if res.converged else (2e-3, 5e-3)
     ref = uot_value(p["Ma"], p["ma"], p["A"], p["Mb"], p["mb"], p["B"], blur, gam)
     P0 = uot_plan(p["Ma"], p["ma"], p["A"], p["Mb"], p["mb"], p["B"], blur, gam, x, y)

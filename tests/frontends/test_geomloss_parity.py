@@ -60,8 +60,9 @@ def _compare(kw, dtype, batched, backend, tol=None, ref64=False, ref_backend=Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kw", [dict(p=2, blur=0.05), dict(p=2, blur=0.3, scaling=0.8, debias=False),
-                                dict(p=1, blur=0.1)])
+@pytest.mark.parametrize(
+    "kw", [dict(p=2, blur=0.05), dict(p=2, blur=0.3, scaling=0.8, debias=False), dict(p=1, blur=0.1)]
+)
 def test_tensorized(kw, dtype):
     # GeomLoss' tensorized p=1 cost is sqrt(max(|x|^2 + |y|^2 - 2<x,y>, 1e-8)): the clamp moves the self
     # terms' diagonal by 1e-4 (flashot uses exact distances on every backend), and in float32 the expansion

@@ -33,8 +33,7 @@ TIGHT = dict(inner_tol=1e-12, inner_max_iter=5000)
 
 def _clouds(n=30, m=45, dx=3, dy=2, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(n, dx, generator=g, dtype=torch.float64),
-            torch.rand(m, dy, generator=g, dtype=torch.float64))
+    return (torch.rand(n, dx, generator=g, dtype=torch.float64), torch.rand(m, dy, generator=g, dtype=torch.float64))
 
 
 def _pot(X, Y, a=None, b=None, reg=REG):
@@ -42,8 +41,9 @@ def _pot(X, Y, a=None, b=None, reg=REG):
     C2 = (torch.cdist(Y, Y) ** 2).numpy()
     a = None if a is None else a.numpy()
     b = None if b is None else b.numpy()
-    return ot.gromov.entropic_gromov_wasserstein(C1, C2, a, b, "square_loss", epsilon=reg, log=True,
-                                                 stopThr=1e-12, numItermax=5000)
+    return ot.gromov.entropic_gromov_wasserstein(
+        C1, C2, a, b, "square_loss", epsilon=reg, log=True, stopThr=1e-12, numItermax=5000
+    )
 
 
 def _rel(u, v):
@@ -128,8 +128,11 @@ def _bilinear(B=2, N=37, M=29, p=5, q=4, seed=7, dtype=torch.float64):
     return FeatureBilinearCost.pair(u, phi, v, psi, Mm), C
 
 
-@pytest.mark.parametrize("engine", [DenseEngine(), TiledEngine(), TiledEngine(tile_elems=2 * 7 * 5)],
-                         ids=["dense", "tiled", "tiled-small-tiles"])
+@pytest.mark.parametrize(
+    "engine",
+    [DenseEngine(), TiledEngine(), TiledEngine(tile_elems=2 * 7 * 5)],
+    ids=["dense", "tiled", "tiled-small-tiles"],
+)
 def test_feature_bilinear_cost_against_dense_reference(engine):
     (cost, s, t), C = _bilinear()
     assert torch.allclose(cost.matrix(s, t), C, rtol=1e-13, atol=1e-13)
@@ -194,16 +197,19 @@ def test_value_is_detached_without_grad_inputs():
     assert len(r.log["err"]) == 1 and r.status == "max_iter reached"
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(reg=None), (TypeError, ValueError), "reg"),
-    (dict(reg=-1.0), ValueError, "reg"),
-    (dict(reg=REG, loss_fun="kl_loss"), ValueError, "loss_fun"),
-    (dict(reg=REG, solver="PPA"), ValueError, "solver"),
-    (dict(reg=REG, G0=np.ones((6, 7))), NotImplementedError, "G0"),
-    (dict(reg=REG, max_iter=0), ValueError, "max_iter"),
-    (dict(reg=REG, tol=0.0), ValueError, "tol"),
-    (dict(reg=REG, backend="nope"), ValueError, "backend"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(reg=None), (TypeError, ValueError), "reg"),
+        (dict(reg=-1.0), ValueError, "reg"),
+        (dict(reg=REG, loss_fun="kl_loss"), ValueError, "loss_fun"),
+        (dict(reg=REG, solver="PPA"), ValueError, "solver"),
+        (dict(reg=REG, G0=np.ones((6, 7))), NotImplementedError, "G0"),
+        (dict(reg=REG, max_iter=0), ValueError, "max_iter"),
+        (dict(reg=REG, tol=0.0), ValueError, "tol"),
+        (dict(reg=REG, backend="nope"), ValueError, "backend"),
+    ],
+)
 def test_bad_options(kwargs, exc, match):
     X, Y = _clouds(6, 7)
     with pytest.raises(exc, match=match):
@@ -237,8 +243,7 @@ def test_bad_inputs():
 
 def _features_pair(n=30, m=45, df=2, seed=3):
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(n, df, generator=g, dtype=torch.float64),
-            torch.rand(m, df, generator=g, dtype=torch.float64))
+    return (torch.rand(n, df, generator=g, dtype=torch.float64), torch.rand(m, df, generator=g, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("backend", ["dense", "tiled"])
@@ -247,8 +252,9 @@ def test_fused_matches_pot(backend):
     FX, FY = _features_pair()
     C1, C2 = (torch.cdist(X, X) ** 2).numpy(), (torch.cdist(Y, Y) ** 2).numpy()
     M = (torch.cdist(FX, FY) ** 2).numpy()
-    T, log = ot.gromov.entropic_fused_gromov_wasserstein(M, C1, C2, epsilon=REG, alpha=0.5, log=True,
-                                                         stopThr=1e-12, numItermax=5000)
+    T, log = ot.gromov.entropic_fused_gromov_wasserstein(
+        M, C1, C2, epsilon=REG, alpha=0.5, log=True, stopThr=1e-12, numItermax=5000
+    )
     r = flashot.fused_gromov_wasserstein(X, Y, FX, FY, reg=REG, alpha=0.5, backend=backend, **TIGHT)
     assert r.converged and r.n_outer == 10 * (len(log["err"]) - 1) + 1
     assert abs(float(r.value) - log["fgw_dist"]) <= 1e-6 * abs(log["fgw_dist"])
@@ -329,8 +335,15 @@ def _dense_plan(pb, mm, f, g):
     xs, ys = pb.xs.double(), pb.ys.double()
     cost = FeatureBilinearCost(mm.cost.S.double())
     eye = torch.eye(pb.m, dtype=torch.float64).unsqueeze(0)
-    return eng.plan_product(xs, ys, (f64 / pb.reg + pb.a_log.double()[0])[None],
-                            (g64 / pb.reg + pb.b_log.double()[0])[None], pb.reg, eye, cost)[0]
+    return eng.plan_product(
+        xs,
+        ys,
+        (f64 / pb.reg + pb.a_log.double()[0])[None],
+        (g64 / pb.reg + pb.b_log.double()[0])[None],
+        pb.reg,
+        eye,
+        cost,
+    )[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -90,8 +90,10 @@ def test_split_reproduces_the_cost_in_low_dimension():
 @pytest.mark.parametrize("name", ["cpu", "triton"])
 def test_primitives_against_dense_reference(name):
     eng = _engine(name)
-    assert isinstance(eng, BilinearAdapter) and eng.unsupported(CPU, torch.float64, FeatureBilinearCost(
-        torch.zeros(1, 2, 2, dtype=torch.float64))) is None
+    assert (
+        isinstance(eng, BilinearAdapter)
+        and eng.unsupported(CPU, torch.float64, FeatureBilinearCost(torch.zeros(1, 2, 2, dtype=torch.float64))) is None
+    )
     cost, s, t, C = _bilinear()
     eps = 0.7
     g = torch.Generator().manual_seed(8)
@@ -146,15 +148,15 @@ def test_float32_cancellation_no_worse_than_dense(name):
 
 def _clouds(n=30, m=45, dx=3, dy=2, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(n, dx, generator=g, dtype=torch.float64),
-            torch.rand(m, dy, generator=g, dtype=torch.float64))
+    return (torch.rand(n, dx, generator=g, dtype=torch.float64), torch.rand(m, dy, generator=g, dtype=torch.float64))
 
 
 def _pot(X, Y, reg, **kw):
     C1 = (torch.cdist(X, X) ** 2).numpy()
     C2 = (torch.cdist(Y, Y) ** 2).numpy()
-    return ot.gromov.entropic_gromov_wasserstein(C1, C2, None, None, "square_loss", epsilon=reg, log=True,
-                                                 stopThr=1e-12, numItermax=5000, **kw)
+    return ot.gromov.entropic_gromov_wasserstein(
+        C1, C2, None, None, "square_loss", epsilon=reg, log=True, stopThr=1e-12, numItermax=5000, **kw
+    )
 
 
 def test_gw_cpu_matches_dense_and_pot():
@@ -182,10 +184,12 @@ def test_fused_gw_cpu_matches_pot():
     FX, FY = torch.rand(30, 2, generator=g, dtype=torch.float64), torch.rand(45, 2, generator=g, dtype=torch.float64)
     C1, C2 = (torch.cdist(X, X) ** 2).numpy(), (torch.cdist(Y, Y) ** 2).numpy()
     M = (torch.cdist(FX, FY) ** 2).numpy()
-    T, log = ot.gromov.entropic_fused_gromov_wasserstein(M, C1, C2, epsilon=REG, alpha=0.5, log=True,
-                                                         stopThr=1e-12, numItermax=5000)
-    r = flashot.fused_gromov_wasserstein(X, Y, FX, FY, reg=REG, alpha=0.5, backend="cpu", inner_tol=1e-12,
-                                         inner_max_iter=5000)
+    T, log = ot.gromov.entropic_fused_gromov_wasserstein(
+        M, C1, C2, epsilon=REG, alpha=0.5, log=True, stopThr=1e-12, numItermax=5000
+    )
+    r = flashot.fused_gromov_wasserstein(
+        X, Y, FX, FY, reg=REG, alpha=0.5, backend="cpu", inner_tol=1e-12, inner_max_iter=5000
+    )
     assert r.backend == "cpu" and r.converged
     assert abs(float(r.value) - log["fgw_dist"]) <= 1e-6 * log["fgw_dist"]
     assert _rel(r.plan.to_dense(), T) < 1e-6
@@ -227,7 +231,9 @@ def test_semirelaxed_fused_matches_dense(name):
     np.testing.assert_allclose(rt.log["err"], rd.log["err"], rtol=1e-5)  # the expansion cancels: ~3e-7 measured
     V = torch.randn(15, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     assert _rel(rt.plan @ V, rd.plan @ V) < 1e-10
-    assert _rel(rt.plan.T @ torch.ones(12, dtype=torch.float64), rd.plan.T @ torch.ones(12, dtype=torch.float64)) < 1e-10
+    assert (
+        _rel(rt.plan.T @ torch.ones(12, dtype=torch.float64), rd.plan.T @ torch.ones(12, dtype=torch.float64)) < 1e-10
+    )
 
 
 def test_gw_float32_cpu_close_to_float64():

@@ -52,8 +52,9 @@ def _cpu_available() -> bool:
     from flashot.ops import get_engine
 
     try:
-        eng = get_engine("cpu", device=torch.device("cpu"), dtype=torch.float32,
-                         cost=FeatureBilinearCost(torch.zeros(1, 2, 2)))
+        eng = get_engine(
+            "cpu", device=torch.device("cpu"), dtype=torch.float32, cost=FeatureBilinearCost(torch.zeros(1, 2, 2))
+        )
     except ValueError:  # the cpu engine could not be built here
         return False
     return eng.name == "cpu"
@@ -86,10 +87,16 @@ def gw_problems(draw):
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     gauss = draw(st.booleans())
-    X = torch.randn(n, dx, generator=gen, dtype=torch.float64) if gauss else torch.rand(n, dx, generator=gen,
-                                                                                        dtype=torch.float64)
-    Y = torch.randn(m, dy, generator=gen, dtype=torch.float64) if gauss else torch.rand(m, dy, generator=gen,
-                                                                                        dtype=torch.float64)
+    X = (
+        torch.randn(n, dx, generator=gen, dtype=torch.float64)
+        if gauss
+        else torch.rand(n, dx, generator=gen, dtype=torch.float64)
+    )
+    Y = (
+        torch.randn(m, dy, generator=gen, dtype=torch.float64)
+        if gauss
+        else torch.rand(m, dy, generator=gen, dtype=torch.float64)
+    )
     X = X + 10.0 * draw(st.floats(-1.0, 1.0))  # an offset: GW is translation invariant
     if draw(st.booleans()):
         a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.2
@@ -129,8 +136,10 @@ def test_gw_scale_dtype_fuzz(p, dtype, engine):
         tol_value, tol_plan = K_VALUE * resolution, K_PLAN * resolution
     err_value = abs(value - value_ref) / abs(value_ref)
     err_plan = float((T - T_ref).abs().max() / T_ref.max())
-    note(f"s={s:.3g} rho={p['rho']:.3g} n_outer={r.n_outer} value {value:.10g} ref {value_ref:.10g} "
-         f"err/tol value {err_value / tol_value:.3g} plan {err_plan / tol_plan:.3g}")
+    note(
+        f"s={s:.3g} rho={p['rho']:.3g} n_outer={r.n_outer} value {value:.10g} ref {value_ref:.10g} "
+        f"err/tol value {err_value / tol_value:.3g} plan {err_plan / tol_plan:.3g}"
+    )
     kind = "float64" if dtype == torch.float64 else "float32"
     for what, ratio in (("value", err_value / tol_value), ("plan", err_plan / tol_plan)):
         event(f"{kind} {what} err/tol: " + ("0" if ratio == 0 else f"1e{math.floor(math.log10(ratio))}"))

@@ -34,8 +34,7 @@ SCALES = [1e-2, 1.0, 1e3]
 
 def _clouds(n=12, m=15, dx=3, dy=2, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(n, dx, generator=g, dtype=torch.float64),
-            torch.rand(m, dy, generator=g, dtype=torch.float64))
+    return (torch.rand(n, dx, generator=g, dtype=torch.float64), torch.rand(m, dy, generator=g, dtype=torch.float64))
 
 
 def _engine_or_skip(name: str) -> None:
@@ -44,8 +43,9 @@ def _engine_or_skip(name: str) -> None:
         from flashot.ops import get_engine
 
         try:
-            eng = get_engine("cpu", device=torch.device("cpu"), dtype=torch.float32,
-                             cost=FeatureBilinearCost(torch.zeros(1, 2, 2)))
+            eng = get_engine(
+                "cpu", device=torch.device("cpu"), dtype=torch.float32, cost=FeatureBilinearCost(torch.zeros(1, 2, 2))
+            )
         except ValueError as e:  # the cpu engine could not be built here
             pytest.skip(str(e))
         if eng.name != "cpu":
@@ -107,8 +107,9 @@ def test_semirelaxed_scale_invariant(s):
     ``s^4`` and its coupling, to the inputs' rounding."""
     value64, PV64, V, _, _ = _oracle(True)
     X, Y = _clouds()
-    r = flashot.semirelaxed_gromov_wasserstein((s * X).float(), (s * Y).float(), reg=REG * s**4, tol=SR_TOL,
-                                               backend="dense")
+    r = flashot.semirelaxed_gromov_wasserstein(
+        (s * X).float(), (s * Y).float(), reg=REG * s**4, tol=SR_TOL, backend="dense"
+    )
     assert r.converged
     assert abs(float(r.value) / s**4 - value64) <= 1e-5 * value64
     assert _rel(r.plan @ V.float(), PV64) < 1e-4
@@ -120,8 +121,7 @@ def test_float32_floor_above_any_useful_tol_is_not_converged():
     X, Y = _clouds(8, 9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        r = flashot.gromov_wasserstein(X.float(), Y.float(), reg=1e-7, max_iter=11, inner_max_iter=20,
-                                       backend="dense")
+        r = flashot.gromov_wasserstein(X.float(), Y.float(), reg=1e-7, max_iter=11, inner_max_iter=20, backend="dense")
     assert not r.converged and r.status == "max_iter reached"
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert any("float32 rounding moves the coupling" in m and "not converged" in m for m in messages), messages

@@ -28,8 +28,7 @@ TOL = 1e-6
 
 def _clouds(n=30, m=45, dx=3, dy=2, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(n, dx, generator=g, dtype=torch.float64),
-            torch.rand(m, dy, generator=g, dtype=torch.float64))
+    return (torch.rand(n, dx, generator=g, dtype=torch.float64), torch.rand(m, dy, generator=g, dtype=torch.float64))
 
 
 def _sq(Z: torch.Tensor) -> np.ndarray:
@@ -45,8 +44,12 @@ def _available(backend: str) -> None:
     if backend != "cpu":
         return
     try:
-        eng = get_engine("cpu", device=torch.device("cpu"), dtype=torch.float64,
-                         cost=FeatureBilinearCost(torch.zeros(1, 2, 2, dtype=torch.float64)))
+        eng = get_engine(
+            "cpu",
+            device=torch.device("cpu"),
+            dtype=torch.float64,
+            cost=FeatureBilinearCost(torch.zeros(1, 2, 2, dtype=torch.float64)),
+        )
     except ValueError as e:  # the cpu engine could not be built here
         pytest.skip(str(e))
     if eng.name != "cpu":
@@ -86,8 +89,9 @@ def test_matches_pot(backend, weighted):
         a = torch.rand(X.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5
         a = a / a.sum()
     an = np.full(X.shape[0], 1 / X.shape[0]) if a is None else a.numpy()
-    T, log = ot.gromov.entropic_semirelaxed_gromov_wasserstein(_sq(X), _sq(Y), an, "square_loss", epsilon=REG,
-                                                               tol=TOL, max_iter=10000, log=True)
+    T, log = ot.gromov.entropic_semirelaxed_gromov_wasserstein(
+        _sq(X), _sq(Y), an, "square_loss", epsilon=REG, tol=TOL, max_iter=10000, log=True
+    )
     r = flashot.semirelaxed_gromov_wasserstein(X, Y, a, reg=REG, tol=TOL, backend=backend)
     assert r.backend == backend
     _same_run(r, log, log["srgw_dist"], T, an)
@@ -104,7 +108,8 @@ def test_fused_matches_pot(backend):
     a = a / a.sum()
     M = (torch.cdist(FX, FY) ** 2).numpy()
     T, log = ot.gromov.entropic_semirelaxed_fused_gromov_wasserstein(
-        M, _sq(X), _sq(Y), a.numpy(), "square_loss", epsilon=0.05, alpha=0.3, tol=TOL, max_iter=10000, log=True)
+        M, _sq(X), _sq(Y), a.numpy(), "square_loss", epsilon=0.05, alpha=0.3, tol=TOL, max_iter=10000, log=True
+    )
     r = flashot.semirelaxed_fused_gromov_wasserstein(X, Y, FX, FY, a, reg=0.05, alpha=0.3, tol=TOL, backend=backend)
     assert r.backend == backend
     _same_run(r, log, log["srfgw_dist"], T, a.numpy())
@@ -166,8 +171,9 @@ def test_gradients_dense_autograd_and_finite_differences():
         for sign in (1, -1):
             Q = P.clone()
             Q[i, d] += sign * h
-            vals.append(float(flashot.semirelaxed_gromov_wasserstein(*((Q, Y) if which == "x" else (X, Q)),
-                                                                     **kw).value))
+            vals.append(
+                float(flashot.semirelaxed_gromov_wasserstein(*((Q, Y) if which == "x" else (X, Q)), **kw).value)
+            )
         fd = (vals[0] - vals[1]) / (2 * h)
         assert abs(fd - float(grad[i, d])) <= 1e-4 * float(grad.abs().max()), (which, fd, float(grad[i, d]))
 
@@ -203,15 +209,18 @@ def test_numpy_verbose_and_result(capsys):
     assert bary.shape == (8, 2)
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(reg=0.0), ValueError, "reg"),
-    (dict(reg=REG, loss_fun="kl_loss"), ValueError, "square_loss"),
-    (dict(reg=REG, G0="product"), NotImplementedError, "G0"),
-    (dict(reg=REG, max_iter=0), ValueError, "max_iter"),
-    (dict(reg=REG, tol=-1.0), ValueError, "tol"),
-    (dict(reg=REG, backend=3), TypeError, "backend"),
-    (dict(reg=REG, verbose="yes"), TypeError, "verbose"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(reg=0.0), ValueError, "reg"),
+        (dict(reg=REG, loss_fun="kl_loss"), ValueError, "square_loss"),
+        (dict(reg=REG, G0="product"), NotImplementedError, "G0"),
+        (dict(reg=REG, max_iter=0), ValueError, "max_iter"),
+        (dict(reg=REG, tol=-1.0), ValueError, "tol"),
+        (dict(reg=REG, backend=3), TypeError, "backend"),
+        (dict(reg=REG, verbose="yes"), TypeError, "verbose"),
+    ],
+)
 def test_bad_options(kwargs, exc, match):
     X, Y = _clouds(5, 6)
     with pytest.raises(exc, match=match):
@@ -233,8 +242,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="FX and FY"):
         flashot.semirelaxed_fused_gromov_wasserstein(X, Y, X[:4], Y[:, :1].repeat(1, 3), reg=REG)
     with pytest.raises(NotImplementedError, match="weights"):
-        flashot.semirelaxed_gromov_wasserstein(X, Y, (torch.ones(5, dtype=torch.float64) / 5).requires_grad_(),
-                                               reg=REG)
+        flashot.semirelaxed_gromov_wasserstein(X, Y, (torch.ones(5, dtype=torch.float64) / 5).requires_grad_(), reg=REG)
 
 
 def test_float32_inputs_run_in_float64():

@@ -80,6 +80,7 @@ def test_kernel_potentials_match_geomloss(loss):
 
 def _dense_kernel_loss(loss, a, x, b, y, blur):
     """1/2 |a - b|_k^2 from explicit matrices (exact distances, no clamp)."""
+
     def k(p, q):
         d = torch.cdist(p, q, compute_mode="donot_use_mm_for_euclid_dist")
         if loss == "gaussian":
@@ -87,6 +88,7 @@ def _dense_kernel_loss(loss, a, x, b, y, blur):
         if loss == "laplacian":
             return torch.exp(-d / blur)
         return -d
+
     q = lambda u, p, v, r: (u.unsqueeze(-1) * k(p, r) * v.unsqueeze(-2)).sum((-1, -2))  # noqa: E731
     return 0.5 * q(a, x, a, x) + 0.5 * q(b, y, b, y) - q(a, x, b, y)
 

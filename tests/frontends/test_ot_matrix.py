@@ -78,8 +78,11 @@ def test_unbalanced_matches_pot(unbalanced):
     _close(np.asarray(res.plan), ref.plan, rtol=1e-8, atol=1e-12)
     # value: the objective with generalised KL terms at the plan (POT drops their masses; its value is
     # then the strict sides' <a, f> alone)
-    P, rx, ry = ref.plan, unbalanced if not isinstance(unbalanced, tuple) else unbalanced[0], \
-        None if isinstance(unbalanced, tuple) else unbalanced
+    P, rx, ry = (
+        ref.plan,
+        unbalanced if not isinstance(unbalanced, tuple) else unbalanced[0],
+        None if isinstance(unbalanced, tuple) else unbalanced,
+    )
     gkl = lambda p, q: float(np.sum(p * np.log(p / q)) - p.sum() + q.sum())  # noqa: E731
     objective = float(np.sum(M * P)) + reg * gkl(P, a[:, None] * b[None]) + rx * gkl(P.sum(1), a)
     if ry is not None:
@@ -101,8 +104,12 @@ def test_batched_matches_loop():
 def test_float32_torch_dtype_preserved():
     M, a, b = _problem(weights=True)
     ref = ot.solve(M, a, b, reg=0.5, tol=1e-13, max_iter=100000)
-    res = flashot.solve(torch.tensor(M, dtype=torch.float32), torch.tensor(a, dtype=torch.float32),
-                        torch.tensor(b, dtype=torch.float32), reg=0.5)
+    res = flashot.solve(
+        torch.tensor(M, dtype=torch.float32),
+        torch.tensor(a, dtype=torch.float32),
+        torch.tensor(b, dtype=torch.float32),
+        reg=0.5,
+    )
     assert res.value.dtype == torch.float32 and res.potentials[0].dtype == torch.float32
     _close(res.value.item(), ref.value, rtol=1e-5)
     res_np = flashot.solve(M.astype(np.float32), a.astype(np.float32), b.astype(np.float32), reg=0.5)
@@ -121,8 +128,10 @@ def test_sinkhorn_and_sinkhorn2_match_pot(reg):
     _close(log["log_u"] - t, log_ref["log_u"], atol=1e-9)
     _close(log["log_v"] + t, log_ref["log_v"], atol=1e-9)
     _close(np.exp(log["log_u"])[:, None] * np.exp(-M / reg) * np.exp(log["log_v"])[None], P_ref)
-    _close(flashot.sinkhorn2(a, b, M, reg, stopThr=1e-13, numItermax=100000),
-           ot.sinkhorn2(a, b, M, reg, stopThr=1e-13, numItermax=100000))
+    _close(
+        flashot.sinkhorn2(a, b, M, reg, stopThr=1e-13, numItermax=100000),
+        ot.sinkhorn2(a, b, M, reg, stopThr=1e-13, numItermax=100000),
+    )
 
 
 def test_sinkhorn_warmstart_roundtrip():
@@ -169,8 +178,9 @@ def test_sinkhorn2_gradients_match_pot_autodiff(reg):
         assert float((u - v).abs().max()) <= 1e-6 * float(v.abs().max())
     # solve(M).value_linear is the same function of (M, a, b)
     Ms, as_, bs = _torch(M, a, b)
-    gs = torch.autograd.grad(flashot.solve(Ms, as_, bs, reg=reg, tol=1e-14, max_iter=200000).value_linear,
-                             (Ms, as_, bs))
+    gs = torch.autograd.grad(
+        flashot.solve(Ms, as_, bs, reg=reg, tol=1e-14, max_iter=200000).value_linear, (Ms, as_, bs)
+    )
     for u, v in zip(gs, gf):
         assert float((_centered(u) - _centered(v)).abs().max()) <= 1e-9 * float(v.abs().max())
 
@@ -185,8 +195,10 @@ def test_sinkhorn2_gradient_finite_differences():
         Mp, Mm = M.copy(), M.copy()
         Mp[i, j] += h
         Mm[i, j] -= h
-        fd = (flashot.sinkhorn2(a, b, Mp, 0.3, stopThr=1e-14, numItermax=100000)
-              - flashot.sinkhorn2(a, b, Mm, 0.3, stopThr=1e-14, numItermax=100000)) / (2 * h)
+        fd = (
+            flashot.sinkhorn2(a, b, Mp, 0.3, stopThr=1e-14, numItermax=100000)
+            - flashot.sinkhorn2(a, b, Mm, 0.3, stopThr=1e-14, numItermax=100000)
+        ) / (2 * h)
         assert abs(float(g[i, j]) - fd) <= 1e-6 * float(g.abs().max())
 
 
@@ -267,19 +279,22 @@ def test_asarray_refused_above_the_limit(monkeypatch):
 
 
 # --- errors ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("call, exc, match", [
-    (lambda M: flashot.solve(M), ValueError, "reg"),
-    (lambda M: flashot.solve(M, reg=1.0, c=M), NotImplementedError, "c:"),
-    (lambda M: flashot.solve(M, reg=1.0, plan_init=M), NotImplementedError, "potentials_init"),
-    (lambda M: flashot.solve(M, reg=1.0, backend="cpu"), ValueError, "tiled"),
-    (lambda M: flashot.solve(M[0], reg=1.0), ValueError, "shape"),
-    (lambda M: flashot.solve(np.where(M > 1, np.nan, M), reg=1.0), ValueError, "NaN"),
-    (lambda M: flashot.solve(M, np.ones(3) / 3, reg=1.0), ValueError, "rows"),
-    (lambda M: flashot.solve(M, np.full(10, 0.2), reg=1.0), ValueError, "equal total masses"),
-    (lambda M: flashot.solve("M", reg=1.0), TypeError, "M:"),
-    (lambda M: flashot.solve(M.astype(int), reg=1.0, max_iter=0), ValueError, "max_iter"),
-    (lambda M: flashot.sinkhorn(np.ones(10) / 10, np.ones(7) / 7, M, 1.0, unbalanced=1.0), ValueError, "solve"),
-])
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda M: flashot.solve(M), ValueError, "reg"),
+        (lambda M: flashot.solve(M, reg=1.0, c=M), NotImplementedError, "c:"),
+        (lambda M: flashot.solve(M, reg=1.0, plan_init=M), NotImplementedError, "potentials_init"),
+        (lambda M: flashot.solve(M, reg=1.0, backend="cpu"), ValueError, "tiled"),
+        (lambda M: flashot.solve(M[0], reg=1.0), ValueError, "shape"),
+        (lambda M: flashot.solve(np.where(M > 1, np.nan, M), reg=1.0), ValueError, "NaN"),
+        (lambda M: flashot.solve(M, np.ones(3) / 3, reg=1.0), ValueError, "rows"),
+        (lambda M: flashot.solve(M, np.full(10, 0.2), reg=1.0), ValueError, "equal total masses"),
+        (lambda M: flashot.solve("M", reg=1.0), TypeError, "M:"),
+        (lambda M: flashot.solve(M.astype(int), reg=1.0, max_iter=0), ValueError, "max_iter"),
+        (lambda M: flashot.sinkhorn(np.ones(10) / 10, np.ones(7) / 7, M, 1.0, unbalanced=1.0), ValueError, "solve"),
+    ],
+)
 def test_errors(call, exc, match):
     M, _, _ = _problem()
     with pytest.raises(exc, match=match):
@@ -341,20 +356,39 @@ def _nan_after(M, reads):
 _M = np.random.RandomState(3).rand(5, 7)
 
 
-@pytest.mark.parametrize("M, exc, match", [
-    (np.zeros((0, 3)), ValueError, r"M: .*at least one row and one column, got shape \(0, 3\)"),
-    (torch.zeros(4, 0), ValueError, r"M: .*at least one row and one column, got shape \(4, 0\)"),
-    (torch.zeros(0, 3, 4), ValueError, r"M: .*batch .*empty"),
-    (_Lazy((0, 7), lambda k: _M[k]), ValueError, r"M: .*at least one row and one column, got shape \(0, 7\)"),
-    (_Lazy((-3, 20), lambda k: _M[k]), ValueError, r"M: the lazy matrix's shape .*non-negative integers.*\(-3, 20\)"),
-    (_Lazy((5.5, 7), lambda k: _M[k]), ValueError, r"M: the lazy matrix's shape .*non-negative integers"),
-    (_Lazy((5, 7), lambda k: None), TypeError, (r"M: the lazy matrix returned a NoneType for rows 0:1, columns 0:1; "
-                                                r"expected an array of real numbers")),
-    (_Lazy((5, 7), lambda k: "abc"), TypeError, r"M: the lazy matrix returned a str for rows 0:1, columns 0:1"),
-    (_Lazy((5, 7), lambda k: np.full((5, 7), "x")), TypeError, r"M: the lazy matrix returned .*dtype <U1"),
-    (_Lazy((5, 7), _nan_after(_M, 2)), ValueError, (r"M: the lazy matrix returned NaN or Inf values for rows \d+:\d+, "
-                                                    r"columns \d+:\d+")),
-])
+@pytest.mark.parametrize(
+    "M, exc, match",
+    [
+        (np.zeros((0, 3)), ValueError, r"M: .*at least one row and one column, got shape \(0, 3\)"),
+        (torch.zeros(4, 0), ValueError, r"M: .*at least one row and one column, got shape \(4, 0\)"),
+        (torch.zeros(0, 3, 4), ValueError, r"M: .*batch .*empty"),
+        (_Lazy((0, 7), lambda k: _M[k]), ValueError, r"M: .*at least one row and one column, got shape \(0, 7\)"),
+        (
+            _Lazy((-3, 20), lambda k: _M[k]),
+            ValueError,
+            r"M: the lazy matrix's shape .*non-negative integers.*\(-3, 20\)",
+        ),
+        (_Lazy((5.5, 7), lambda k: _M[k]), ValueError, r"M: the lazy matrix's shape .*non-negative integers"),
+        (
+            _Lazy((5, 7), lambda k: None),
+            TypeError,
+            (
+                r"M: the lazy matrix returned a NoneType for rows 0:1, columns 0:1; "
+                r"expected an array of real numbers"
+            ),
+        ),
+        (_Lazy((5, 7), lambda k: "abc"), TypeError, r"M: the lazy matrix returned a str for rows 0:1, columns 0:1"),
+        (_Lazy((5, 7), lambda k: np.full((5, 7), "x")), TypeError, r"M: the lazy matrix returned .*dtype <U1"),
+        (
+            _Lazy((5, 7), _nan_after(_M, 2)),
+            ValueError,
+            (
+                r"M: the lazy matrix returned NaN or Inf values for rows \d+:\d+, "
+                r"columns \d+:\d+"
+            ),
+        ),
+    ],
+)
 def test_malformed_matrix_errors(M, exc, match):
     with pytest.raises(exc, match=match) as e:
         flashot.solve(M, reg=1.0)

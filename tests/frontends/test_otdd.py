@@ -65,8 +65,11 @@ def test_primitives_equal_the_dense_formula(engine):
     hy, hx = torch.randn(2, 17, generator=g, dtype=F64), torch.randn(2, 23, generator=g, dtype=F64)
     hy[0, 3] = -torch.inf  # a zero weight contributes nothing
     _close(eng.softmin(x, y, hy, eps, cost), -eps * torch.logsumexp(hy.unsqueeze(-2) - C / eps, -1), 1e-12)
-    _close(eng.softmin(y, x, hx, eps, cost),  # the transposed call: C(y, x) = C(x, y)^T
-           -eps * torch.logsumexp(hx.unsqueeze(-2) - C.transpose(-1, -2) / eps, -1), 1e-12)
+    _close(
+        eng.softmin(y, x, hx, eps, cost),  # the transposed call: C(y, x) = C(x, y)^T
+        -eps * torch.logsumexp(hx.unsqueeze(-2) - C.transpose(-1, -2) / eps, -1),
+        1e-12,
+    )
     V = torch.randn(2, 17, 2, generator=g, dtype=F64)
     K = torch.exp(hx.unsqueeze(-1) + hy.unsqueeze(-2) - C / eps)
     for weight, Wt in (("plan", 1.0), ("cost", C), ("dcost", 2 * fw)):
@@ -81,8 +84,7 @@ def test_solve_sample_equals_pot_on_the_dense_cost(engine):
     fw, lw, reg = 0.5, 2.0, 0.5
     cost = LabelCost(W, fw, lw)
     _engine(engine, cost)
-    res = flashot.solve_sample(X, Y, reg=reg, cost=cost, labels=(la, lb), backend=engine, tol=1e-11,
-                               max_iter=20000)
+    res = flashot.solve_sample(X, Y, reg=reg, cost=cost, labels=(la, lb), backend=engine, tol=1e-11, max_iter=20000)
     C = _formula(X, Y, la, lb, W, fw, lw)
     ref = ot.solve(C.numpy(), reg=reg, max_iter=20000, tol=1e-13)
     assert res.converged
@@ -110,8 +112,9 @@ def test_batched_and_numpy_inputs():
     for k in range(2):
         one = flashot.solve_sample(X[k], Y[k], reg=0.5, cost=cost, labels=(la[k], lb[k]), tol=1e-11, max_iter=20000)
         _close(res.value[k], one.value, 1e-9)
-    npres = flashot.solve_sample(X[0].numpy(), Y[0].numpy(), reg=0.5, cost=cost, labels=(la[0].numpy(), lb[0].numpy()),
-                                 tol=1e-11, max_iter=20000)
+    npres = flashot.solve_sample(
+        X[0].numpy(), Y[0].numpy(), reg=0.5, cost=cost, labels=(la[0].numpy(), lb[0].numpy()), tol=1e-11, max_iter=20000
+    )
     assert isinstance(npres.value, np.floating)
     _close(npres.value, res.value[0], 1e-9)
 
@@ -124,7 +127,7 @@ def test_value_gradient_matches_finite_differences(engine):
     Xr, Yr = X.clone().requires_grad_(), Y.clone().requires_grad_()
     gx, gy = torch.autograd.grad(flashot.solve_sample(Xr, Yr, **kw).value, (Xr, Yr))
     h = 1e-5
-    for (P, G, which) in ((X, gx, 0), (Y, gy, 1)):
+    for P, G, which in ((X, gx, 0), (Y, gy, 1)):
         for idx in ((0, 0), (4, 1), (P.shape[0] - 1, 1)):
             E = torch.zeros_like(P)
             E[idx] = h
@@ -175,8 +178,12 @@ def _pot_otdd(Xa, la, Xb, lb, reg, fw, lw):
     """POT computing the same definitions: W per class pair with ot.solve_sample, then ot.solve on the
     dense augmented cost (uniform weights throughout)."""
     ca, cb = np.unique(la), np.unique(lb)
-    W = np.array([[float(ot.solve_sample(Xa[la == c], Xb[lb == d], reg=reg, max_iter=20000, tol=1e-13).value)
-                   for d in cb] for c in ca])
+    W = np.array(
+        [
+            [float(ot.solve_sample(Xa[la == c], Xb[lb == d], reg=reg, max_iter=20000, tol=1e-13).value) for d in cb]
+            for c in ca
+        ]
+    )
     ia, ib = np.searchsorted(ca, la), np.searchsorted(cb, lb)
     C = fw * ot.dist(Xa, Xb) + lw * W[ia][:, ib]
     return float(ot.solve(C, reg=reg, max_iter=20000, tol=1e-13).value), W
@@ -195,8 +202,17 @@ def test_otdd_equals_pot(fw, lw):
     _close(res.label_cost, torch.as_tensor(W), 1e-8)
     _close(res.value, value, 1e-8)
     assert res.plan.shape == (36, 28) and res.potentials[0].shape == (36,)
-    npres = flashot.otdd(Xa.numpy(), la.numpy(), Xb.numpy(), lb.numpy(), reg=0.5, feature_weight=fw,
-                         label_weight=lw, tol=1e-11, max_iter=20000)
+    npres = flashot.otdd(
+        Xa.numpy(),
+        la.numpy(),
+        Xb.numpy(),
+        lb.numpy(),
+        reg=0.5,
+        feature_weight=fw,
+        label_weight=lw,
+        tol=1e-11,
+        max_iter=20000,
+    )
     assert isinstance(npres.value, np.floating) and isinstance(npres.label_cost, np.ndarray)
     _close(npres.value, value, 1e-8)
 
@@ -208,7 +224,7 @@ def test_otdd_gradient_matches_finite_differences():
     la, lb = torch.arange(14) % 2, torch.arange(12) % 3
     kw = dict(reg=0.5, label_weight=1.7, tol=1e-13, max_iter=50000)
     Xr = Xa.clone().requires_grad_()
-    G, = torch.autograd.grad(flashot.otdd(Xr, la, Xb, lb, **kw).value, Xr)
+    (G,) = torch.autograd.grad(flashot.otdd(Xr, la, Xb, lb, **kw).value, Xr)
     h = 1e-5
     for idx in ((0, 0), (5, 1), (13, 0)):
         E = torch.zeros_like(Xa)
@@ -223,22 +239,50 @@ def _bad_solve_cases():
     X, Y, la, lb, W = _data()
     c = LabelCost(W)
     return [
-        ("labels out of range", lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la, lb + 4)),
-         ValueError, r"labels\[1\]: labels must lie in \[0, 4\)"),
-        ("negative label", lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la - 1, lb)),
-         ValueError, r"labels\[0\]: labels must lie in \[0, 3\)"),
-        ("wrong length", lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la[:-1], lb)),
-         ValueError, r"labels\[0\]: expected shape \(23,\)"),
-        ("float labels", lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la.double(), lb)),
-         TypeError, "integer class labels"),
+        (
+            "labels out of range",
+            lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la, lb + 4)),
+            ValueError,
+            r"labels\[1\]: labels must lie in \[0, 4\)",
+        ),
+        (
+            "negative label",
+            lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la - 1, lb)),
+            ValueError,
+            r"labels\[0\]: labels must lie in \[0, 3\)",
+        ),
+        (
+            "wrong length",
+            lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la[:-1], lb)),
+            ValueError,
+            r"labels\[0\]: expected shape \(23,\)",
+        ),
+        (
+            "float labels",
+            lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la.double(), lb)),
+            TypeError,
+            "integer class labels",
+        ),
         ("not a pair", lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=la), TypeError, "a pair"),
-        ("labels without LabelCost", lambda: flashot.solve_sample(X, Y, reg=1, labels=(la, lb)),
-         ValueError, "LabelCost"),
+        (
+            "labels without LabelCost",
+            lambda: flashot.solve_sample(X, Y, reg=1, labels=(la, lb)),
+            ValueError,
+            "LabelCost",
+        ),
         ("LabelCost without labels", lambda: flashot.solve_sample(X, Y, reg=1, cost=c), ValueError, "labels="),
-        ("mismatched dims", lambda: flashot.solve_sample(X, Y[:, :2], reg=1, cost=c, labels=(la, lb)),
-         ValueError, "dimensions differ"),
-        ("multiscale", lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la, lb), backend="multiscale"),
-         NotImplementedError, "multiscale"),
+        (
+            "mismatched dims",
+            lambda: flashot.solve_sample(X, Y[:, :2], reg=1, cost=c, labels=(la, lb)),
+            ValueError,
+            "dimensions differ",
+        ),
+        (
+            "multiscale",
+            lambda: flashot.solve_sample(X, Y, reg=1, cost=c, labels=(la, lb), backend="multiscale"),
+            NotImplementedError,
+            "multiscale",
+        ),
         ("W 1-D", lambda: LabelCost(torch.ones(3)), ValueError, r"W: expected a \(C_a, C_b\) table"),
         ("W empty", lambda: LabelCost(torch.ones(0, 2)), ValueError, r"W: expected a \(C_a, C_b\) table"),
         ("W NaN", lambda: LabelCost(torch.tensor([[0.0, float("nan")]])), ValueError, "W: contains NaN"),
@@ -248,12 +292,24 @@ def _bad_solve_cases():
         ("weight string", lambda: LabelCost(W, label_weight="1"), TypeError, "label_weight"),
         ("W grad", lambda: LabelCost(W.clone().requires_grad_()), NotImplementedError, "W.detach"),
         ("debias, W not square", lambda: flashot.SamplesLoss(cost=c), ValueError, "symmetric W"),
-        ("loss labels without LabelCost", lambda: flashot.SamplesLoss()(X, Y, labels=(la, lb)),
-         ValueError, "LabelCost"),
-        ("loss LabelCost without labels", lambda: flashot.SamplesLoss(cost=c, debias=False)(X, Y),
-         ValueError, "labels="),
-        ("loss hausdorff", lambda: flashot.SamplesLoss("hausdorff", cost=c, debias=False),
-         NotImplementedError, "sinkhorn"),
+        (
+            "loss labels without LabelCost",
+            lambda: flashot.SamplesLoss()(X, Y, labels=(la, lb)),
+            ValueError,
+            "LabelCost",
+        ),
+        (
+            "loss LabelCost without labels",
+            lambda: flashot.SamplesLoss(cost=c, debias=False)(X, Y),
+            ValueError,
+            "labels=",
+        ),
+        (
+            "loss hausdorff",
+            lambda: flashot.SamplesLoss("hausdorff", cost=c, debias=False),
+            NotImplementedError,
+            "sinkhorn",
+        ),
     ]
 
 

@@ -26,7 +26,9 @@ def test_positional_metric_and_reg_in_pots_order():
     ref = ot.solve_sample(xs, xt, a, b, "sqeuclidean", 1.0)
     res = flashot.solve_sample(xs, xt, a, b, "sqeuclidean", 1.0, tol=1e-12, max_iter=10000)
     assert abs(res.value - ref.value) < 1e-8 * abs(ref.value)
-    with pytest.raises(TypeError, match=r"metric: .*POT's order is \(X_a, X_b, a, b, metric, reg\): did you mean reg=0\.5"):
+    with pytest.raises(
+        TypeError, match=r"metric: .*POT's order is \(X_a, X_b, a, b, metric, reg\): did you mean reg=0\.5"
+    ):
         flashot.solve_sample(xs, xt, a, b, 0.5)
 
 
@@ -38,8 +40,18 @@ def test_empty_weights_mean_uniform():
     assert r1.value == r2.value == r3.value
 
 
-@pytest.mark.parametrize("method", ["sinkhorn", "sinkhorn_log", "sinkhorn_stabilized", "sinkhorn_epsilon_scaling",
-                                    "geomloss", "geomloss_online", None])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "sinkhorn",
+        "sinkhorn_log",
+        "sinkhorn_stabilized",
+        "sinkhorn_epsilon_scaling",
+        "geomloss",
+        "geomloss_online",
+        None,
+    ],
+)
 def test_pot_method_names_agree_with_pot(method):
     xs, xt, a, b = _data()
     ref = ot.solve_sample(xs, xt, a, b, reg=1.0, max_iter=10000, tol=1e-12)
@@ -56,8 +68,13 @@ def test_unsupported_pot_methods_name_the_alternative():
 def test_accepted_pot_options_and_grad():
     xs, xt, a, b = _data()
     base = flashot.solve_sample(xs, xt, a, b, reg=1.0)
-    for kw in ({"lazy": True}, {"batch_size": 128}, {"n_threads": 4}, {"reg_type": "KL"},
-               {"unbalanced_type": "TV"}):  # unbalanced_type is ignored when unbalanced=None, as in POT
+    for kw in (
+        {"lazy": True},
+        {"batch_size": 128},
+        {"n_threads": 4},
+        {"reg_type": "KL"},
+        {"unbalanced_type": "TV"},
+    ):  # unbalanced_type is ignored when unbalanced=None, as in POT
         assert flashot.solve_sample(xs, xt, a, b, reg=1.0, **kw).value == base.value, kw
     with pytest.raises(ValueError, match="grad"):
         flashot.solve_sample(xs, xt, a, b, reg=1.0, grad="nope")
@@ -76,8 +93,15 @@ def test_numpy_dtype_is_preserved():
     res = flashot.solve_sample(xs, xt, a, b, reg=1.0)
     assert isinstance(res.value, np.floating) and res.value.dtype == np.float32
     assert res.potentials[0].dtype == np.float32 and res.value_linear.dtype == np.float32
-    ref = ot.solve_sample(xs.astype(np.float64), xt.astype(np.float64), a.astype(np.float64), b.astype(np.float64), reg=1.0,
-                           max_iter=10000, tol=1e-9)
+    ref = ot.solve_sample(
+        xs.astype(np.float64),
+        xt.astype(np.float64),
+        a.astype(np.float64),
+        b.astype(np.float64),
+        reg=1.0,
+        max_iter=10000,
+        tol=1e-9,
+    )
     assert abs(float(res.value) - ref.value) < 1e-5 * abs(ref.value)
 
 

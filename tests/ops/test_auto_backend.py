@@ -40,8 +40,17 @@ def threads(request):
 
 # above the measured crossovers (B N M <= 128^2 with several threads, 32^2 with one), up to above
 # the old dense limit (B N M <= 2^21, where auto picked dense, up to 27x slower, before)
-SIZES = [(1, 129, 128, 3), (1, 200, 100, 64), (2, 100, 90, 10), (1, 256, 256, 1), (1, 700, 600, 3),
-         (1, 1000, 1200, 2), (4, 512, 512, 64), (1, 1448, 1448, 3), (1, 5000, 5000, 3)]
+SIZES = [
+    (1, 129, 128, 3),
+    (1, 200, 100, 64),
+    (2, 100, 90, 10),
+    (1, 256, 256, 1),
+    (1, 700, 600, 3),
+    (1, 1000, 1200, 2),
+    (4, 512, 512, 64),
+    (1, 1448, 1448, 3),
+    (1, 5000, 5000, 3),
+]
 
 
 @needs_cpu
@@ -54,8 +63,11 @@ def test_auto_never_picks_dense_where_the_cpu_engine_runs(size, dtype, cost, thr
 
 
 @needs_cpu
-@pytest.mark.parametrize("size", [(1, 8, 8, 1), (1, 32, 32, 3), (4, 16, 16, 15), (1, 32, 32, 64),
-                                  (1, 128, 128, 3), (4, 64, 64, 10)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "size",
+    [(1, 8, 8, 1), (1, 32, 32, 3), (4, 16, 16, 15), (1, 32, 32, 64), (1, 128, 128, 3), (4, 64, 64, 10)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 def test_auto_keeps_dense_for_tiny_problems(size, threads):
     # measured: with several threads dense beats the cpu engine (its thread team's cost per call) up to
     # B N M = 128^2; with one thread only solves of B N M <= 32^2 in d < 16, by 1-9%
@@ -63,14 +75,19 @@ def test_auto_keeps_dense_for_tiny_problems(size, threads):
     dense = B * N * M <= 128 * 128 if threads > 1 else (B * N * M <= 32 * 32 and D < 16)
     eng = get_engine("auto", device=CPU, dtype=torch.float32, cost=get_cost("sqeuclidean"), size=size)
     assert eng.name == ("dense" if dense else "cpu")
-    assert get_engine("auto", device=CPU, dtype=torch.float32, cost=get_cost("sqeuclidean"), size=size,
-                      allow_dense=False).name == "cpu"
+    assert (
+        get_engine(
+            "auto", device=CPU, dtype=torch.float32, cost=get_cost("sqeuclidean"), size=size, allow_dense=False
+        ).name
+        == "cpu"
+    )
 
 
 @pytest.mark.parametrize("size", [(1, 10, 10, 3), (1, 100, 100, 3), (1, 3000, 3000, 3)])
 def test_auto_without_dense_is_streaming(size):
-    eng = get_engine("auto", device=CPU, dtype=torch.float32, cost=get_cost("sqeuclidean"), size=size,
-                     allow_dense=False)
+    eng = get_engine(
+        "auto", device=CPU, dtype=torch.float32, cost=get_cost("sqeuclidean"), size=size, allow_dense=False
+    )
     assert eng.name in ("cpu", "tiled")
 
 
@@ -90,12 +107,14 @@ def test_without_the_cpu_engine_auto_uses_the_measured_dense_tiled_crossover(mon
 
 def test_non_cpu_devices_keep_their_rule():
     # no GPU needed: resolving does not touch the device below the dense limit
-    eng = get_engine("auto", device=torch.device("cuda"), dtype=torch.float32, cost=get_cost("sqeuclidean"),
-                     size=(1, 100, 100, 3))
+    eng = get_engine(
+        "auto", device=torch.device("cuda"), dtype=torch.float32, cost=get_cost("sqeuclidean"), size=(1, 100, 100, 3)
+    )
     assert eng.name == "dense"
 
 
 # -- what auto computes equals the dense oracle (float64, 1e-10) ------------------------------
+
 
 def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
@@ -151,6 +170,7 @@ def test_auto_solve_sample_equals_dense():
 
 
 # -- the dense oracle clamps its exponent (no slow exp path) and stays exact ------------------
+
 
 def test_dense_clamped_exp_is_exact():
     from flashot.ops.dense import DenseEngine

@@ -146,8 +146,9 @@ def test_blocksparse_kernels_end_to_end(bs_lib, dtype):
     cost, eps = get_cost("sqeuclidean"), 0.1
     C = cost.matrix(xs, ys)[0]
     tol = dict(rtol=2e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(BS.softmin_cpu(bs_lib, pat, xs, ys, hy, eps, cost)[0],
-                               -eps * torch.logsumexp(hy[0][None] - C / eps, -1), **tol)
+    torch.testing.assert_close(
+        BS.softmin_cpu(bs_lib, pat, xs, ys, hy, eps, cost)[0], -eps * torch.logsumexp(hy[0][None] - C / eps, -1), **tol
+    )
     rows, cols, rb, _ = BS.pair_cpu(bs_lib, pat, xs, ys, hx, hy, eps, cost, sym=False, bary=1)
     E = torch.exp(hx[0][:, None] + hy[0][None] - C / eps)
     torch.testing.assert_close(rows, E.sum(1), **tol)

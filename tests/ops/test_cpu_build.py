@@ -70,10 +70,13 @@ def _cpu_has(*flags):
 
 
 @pytest.mark.slow  # compiles the x86-64-v2 and -v3 libraries (shared with tests/ops/test_isa_matrix.py)
-@pytest.mark.parametrize("march,has,lacks,vbytes", [
-    ("x86-64-v2", ["sse4.2"], ["avx", "avx2", "avx512f"], 16),
-    ("x86-64-v3", ["avx2", "fma"], ["avx512f"], 32),
-])
+@pytest.mark.parametrize(
+    "march,has,lacks,vbytes",
+    [
+        ("x86-64-v2", ["sse4.2"], ["avx", "avx2", "avx512f"], 16),
+        ("x86-64-v3", ["avx2", "fma"], ["avx512f"], 32),
+    ],
+)
 def test_march_override_selects_the_isa(shared_build_cache, march, has, lacks, vbytes):
     if not _cpu_has(*build._X86_LEVELS[march]):
         pytest.skip(f"this CPU cannot run {march}")
@@ -125,12 +128,15 @@ def _fake_compiler(tmp_path, body):
 
 # ---- the private cache -------------------------------------------------------------------
 
+
 def _plant(d):
     """A library with our exact name in d, whose constructor would leave a mark."""
     src = d / "evil.c"
     mark = d / "PWNED"
-    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void f(void) {{ '
-                   f'FILE* o = fopen("{mark}", "w"); if (o) fclose(o); }}\n')
+    src.write_text(
+        f'#include <stdio.h>\n__attribute__((constructor)) static void f(void) {{ '
+        f'FILE* o = fopen("{mark}", "w"); if (o) fclose(o); }}\n'
+    )
     return src, mark
 
 
@@ -142,8 +148,7 @@ def test_world_writable_cache_dir_is_refused_and_engine_falls_back(tmp_path, mon
     monkeypatch.setattr(build, "_LIBS", {})
     # plant a library under the exact name the build would use
     sources = build._read_sources()
-    name = (f"flashot_cpu_{build._base_key(sources, build.march())}_"
-            f"{build._compiler_key(build._find_compiler())}.so")
+    name = f"flashot_cpu_{build._base_key(sources, build.march())}_{build._compiler_key(build._find_compiler())}.so"
     src, mark = _plant(d)
     subprocess.run([build._find_compiler(), "-x", "c", "-shared", "-fPIC", "-o", str(d / name), str(src)], check=True)
     with pytest.raises(build.BuildError, match="writable by group or others"):
@@ -211,6 +216,7 @@ def test_new_cache_dir_is_private(tmp_path, monkeypatch):
 
 # ---- concurrency, interruption, no compiler -------------------------------------------------
 
+
 @pytest.mark.slow  # a full compile (the compile itself is under test)
 def test_fresh_build_killed_then_concurrent_without_openmp_compiles_once(tmp_path):
     """The one test that compiles the kernels afresh (the other build tests share the run's
@@ -222,8 +228,10 @@ def test_fresh_build_killed_then_concurrent_without_openmp_compiles_once(tmp_pat
     - CPLUS_INCLUDE_PATH / CPATH pointing at crafted headers are ignored by the build;
     - the first use says it is compiling, and where, without a warning; a later use (the compiler
       is part of the cache key) loads the cached library."""
-    cxx = _fake_compiler(tmp_path, 'for a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "unsupported option '
-                                   "'-fopenmp'\" >&2; exit 1; }; done")
+    cxx = _fake_compiler(
+        tmp_path,
+        'for a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "unsupported option \'-fopenmp\'" >&2; exit 1; }; done',
+    )
     evil = tmp_path / "evil"
     evil.mkdir()
     for name in ("vector", "cmath", "algorithm", "omp.h"):
@@ -231,10 +239,12 @@ def test_fresh_build_killed_then_concurrent_without_openmp_compiles_once(tmp_pat
     cache = tmp_path / "c"
     march = "x86-64-v2" if _cpu_has("sse4_2") else "native"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
-    env.update(FLASHOT_CACHE_DIR=str(cache), FLASHOT_CPU_MARCH=march, CXX=cxx, CPLUS_INCLUDE_PATH=str(evil),
-               CPATH=str(evil))
-    p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                         start_new_session=True)
+    env.update(
+        FLASHOT_CACHE_DIR=str(cache), FLASHOT_CPU_MARCH=march, CXX=cxx, CPLUS_INCLUDE_PATH=str(evil), CPATH=str(evil)
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+    )
     t0 = time.time()
     while not list(cache.glob(".tmp-build-*")) and time.time() - t0 < 60:
         time.sleep(0.05)
@@ -242,8 +252,12 @@ def test_fresh_build_killed_then_concurrent_without_openmp_compiles_once(tmp_pat
     os.killpg(p.pid, signal.SIGKILL)  # the interpreter and its compilers, halfway
     p.wait()
     assert list(cache.glob(".tmp-build-*")) and not list(cache.glob("*.so"))
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=900) for p in procs]
     results = [_result(subprocess.CompletedProcess([], p.returncode, o, e)) for p, (o, e) in zip(procs, outs)]
     assert len({r["path"] for r in results}) == 1

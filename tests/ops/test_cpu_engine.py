@@ -41,8 +41,11 @@ def _toolchain_works(tmp_dir) -> bool:
     src = os.path.join(tmp_dir, "probe.cpp")
     with open(src, "w") as f:
         f.write('#include <omp.h>\nextern "C" int probe() { return omp_get_max_threads(); }\n')
-    r = subprocess.run([cxx, *build.cxxflags(), "-shared", "-o", os.path.join(tmp_dir, "probe.so"), src],
-                       capture_output=True, timeout=300)
+    r = subprocess.run(
+        [cxx, *build.cxxflags(), "-shared", "-o", os.path.join(tmp_dir, "probe.so"), src],
+        capture_output=True,
+        timeout=300,
+    )
     return r.returncode == 0
 
 
@@ -239,8 +242,12 @@ def test_lse_overflow_guard_paths(engines, dtype, D, shape):
     x, y, _ = _problem(1, 45, 1000, D, torch.float64, seed=3, neg_inf=False)
     M = y.shape[1]
     j = torch.arange(M, dtype=torch.float64)
-    h = {"flat": torch.full((M,), -math.log(M)), "ramp": 0.5 * j, "spike": torch.zeros(M),
-         "late": torch.randn(M, dtype=torch.float64)}[shape]
+    h = {
+        "flat": torch.full((M,), -math.log(M)),
+        "ramp": 0.5 * j,
+        "spike": torch.zeros(M),
+        "late": torch.randn(M, dtype=torch.float64),
+    }[shape]
     if shape == "spike":
         h[-1] = 400.0
     if shape == "late":
@@ -622,28 +629,35 @@ def test_exp_accuracy(lib):
     # Below the normal range: float32 gives exactly 0 under -150 (AVX-512: tiny denormals in
     # [-150, -126); without: clamped to -127, 0 below -126.5); float64 gives 0 below -1009 with AVX-512 and
     # below -1022.5 without (clamped to -1023), values under 2^-1008 between.
-    for dt, fn, tol, normal, zero in ((torch.float32, lib.flashot_vexp_f32, 3e-7, -124.0, -151.0),
-                                      (torch.float64, lib.flashot_vexp_f64, 1e-15, -1009.0, -1030.0)):
+    for dt, fn, tol, normal, zero in (
+        (torch.float32, lib.flashot_vexp_f32, 3e-7, -124.0, -151.0),
+        (torch.float64, lib.flashot_vexp_f64, 1e-15, -1009.0, -1030.0),
+    ):
         # length a multiple of 16: every element goes through the vector code
         # (float32 kernels encode zero weights as -1e38, never -inf: see engine.ZERO_W_F32)
-        a = torch.cat([torch.tensor([-math.inf if dt == torch.float64 else -1e38, zero, -1e30], dtype=dt),
-                       torch.linspace(normal, 120.0, 100_013, dtype=dt),
-                       torch.linspace(zero + 1, normal, 64, dtype=dt)])
+        a = torch.cat(
+            [
+                torch.tensor([-math.inf if dt == torch.float64 else -1e38, zero, -1e30], dtype=dt),
+                torch.linspace(normal, 120.0, 100_013, dtype=dt),
+                torch.linspace(zero + 1, normal, 64, dtype=dt),
+            ]
+        )
         o = torch.empty_like(a)
         fn(a.data_ptr(), o.data_ptr(), a.numel(), 2)
         ref = torch.exp2(a.double())
         k = slice(3, 3 + 100_013)
         assert ((o[k].double() - ref[k]).abs() / ref[k]).max() <= tol
         assert torch.all(o[:3] == 0)
-        tiny = o[3 + 100_013:].double()
-        assert torch.all(tiny >= 0) and torch.all((tiny - ref[3 + 100_013:]).abs() <= 2.0 ** -124)
+        tiny = o[3 + 100_013 :].double()
+        assert torch.all(tiny >= 0) and torch.all((tiny - ref[3 + 100_013 :]).abs() <= 2.0**-124)
 
 
 def test_registry_auto_picks_cpu(lib):
     from flashot.ops.registry import get_engine
 
-    eng = get_engine("auto", device=torch.device("cpu"), dtype=torch.float32, cost=get_cost("sqeuclidean"),
-                     size=(1, 5000, 5000, 3))
+    eng = get_engine(
+        "auto", device=torch.device("cpu"), dtype=torch.float32, cost=get_cost("sqeuclidean"), size=(1, 5000, 5000, 3)
+    )
     assert eng.name == "cpu"
 
 

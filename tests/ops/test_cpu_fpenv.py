@@ -27,7 +27,6 @@ FTZ, DAZ, SEEN = 1, 2, 4
 DENSE = DenseEngine()
 
 
-
 def _probe(lib) -> list[int]:
     buf = (ctypes.c_int * 256)()
     seen = lib.flashot_fp_probe_read(buf, 256)
@@ -134,8 +133,9 @@ def test_plan_product_with_underflowing_entries(lib):
     V = torch.randn(1, 64, 5, generator=g)
     for mode in ("stream", "cache"):
         out = CpuEngine(lib, mode=mode).plan_product(x.float(), y.float(), alpha, beta, eps, V, c)
-        ref = DENSE.plan_product(x.float().double(), y.float().double(), alpha.double(), beta.double(), eps,
-                                 V.double(), c)
+        ref = DENSE.plan_product(
+            x.float().double(), y.float().double(), alpha.double(), beta.double(), eps, V.double(), c
+        )
         assert torch.isfinite(out).all()
         assert (out.double() - ref).abs().max() <= 1e-4 * ref.abs().max(), mode
     assert not math.isnan(float(out.sum()))
@@ -158,8 +158,13 @@ def test_workers_created_by_a_kernel_do_not_inherit_flushing():
         team = lib.flashot_fp_bits_workers(buf, 3)
         print("BITS", lib.flashot_fp_bits(), list(buf)[:team])
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("BITS")][-1]
     assert line == "BITS 0 [0, 0, 0]" or line == "BITS 0 [0]", line

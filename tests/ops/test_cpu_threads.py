@@ -21,8 +21,11 @@ C = get_cost("sqeuclidean")
 
 def _problem(seed, n=700, m=650, d=5, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, n, d, generator=g, dtype=dtype), torch.randn(1, m, d, generator=g, dtype=dtype),
-            torch.randn(1, m, generator=g, dtype=dtype))
+    return (
+        torch.randn(1, n, d, generator=g, dtype=dtype),
+        torch.randn(1, m, d, generator=g, dtype=dtype),
+        torch.randn(1, m, generator=g, dtype=dtype),
+    )
 
 
 def test_concurrent_python_threads_match_solo_runs_bitwise(lib):
@@ -117,8 +120,14 @@ def test_concurrent_solves_on_the_cached_path_with_a_tight_budget(lib, mode):
         e.expect_reuse(x, y, C)
         a = torch.zeros(1, 300)
         V = torch.randn(1, 280, 3, generator=torch.Generator().manual_seed(0))
-        solo.append([e.softmin(x, y, h, 0.5, C), e.softmin(y, x, a, 0.5, C), e.softmin_alt(x, y, a, h, 0.5, C)[1],
-                     e.plan_product(x, y, a, h, 0.5, V, C)])
+        solo.append(
+            [
+                e.softmin(x, y, h, 0.5, C),
+                e.softmin(y, x, a, 0.5, C),
+                e.softmin_alt(x, y, a, h, 0.5, C)[1],
+                e.plan_product(x, y, a, h, 0.5, V, C),
+            ]
+        )
     shared = CpuEngine(lib, mode=mode, cache_bytes=budget, threads=2)
     bad: list = []
     step = threading.Barrier(2)  # interleave the two threads' solves
@@ -130,8 +139,12 @@ def test_concurrent_solves_on_the_cached_path_with_a_tight_budget(lib, mode):
         for _ in range(15):
             step.wait(timeout=60)
             shared.expect_reuse(x, y, C)
-            got = [shared.softmin(x, y, h, 0.5, C), shared.softmin(y, x, a, 0.5, C),
-                   shared.softmin_alt(x, y, a, h, 0.5, C)[1], shared.plan_product(x, y, a, h, 0.5, V, C)]
+            got = [
+                shared.softmin(x, y, h, 0.5, C),
+                shared.softmin(y, x, a, 0.5, C),
+                shared.softmin_alt(x, y, a, h, 0.5, C)[1],
+                shared.plan_product(x, y, a, h, 0.5, V, C),
+            ]
             for g, r in zip(got, solo[k]):
                 if (g - r).abs().max() > 1e-4 * float(r.abs().max()):
                     bad.append((k, float((g - r).abs().max())))

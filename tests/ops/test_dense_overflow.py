@@ -28,6 +28,7 @@ def test_dense_marginals_of_an_early_iterate_are_not_nan():
     g = torch.Generator().manual_seed(230)
     x = torch.randn(1, 5, 1, generator=g, dtype=torch.float64)[0]
     y = (torch.randn(1, 4, 1, generator=g, dtype=torch.float64) + 0.5)[0]
-    rows = flashot.solve_sample(x, y, reg=1.3070698e-05, tol=None, max_iter=1, method="symmetric",
-                                backend="dense").marginals[0]
+    rows = flashot.solve_sample(
+        x, y, reg=1.3070698e-05, tol=None, max_iter=1, method="symmetric", backend="dense"
+    ).marginals[0]
     assert not bool(torch.isnan(rows).any()), rows

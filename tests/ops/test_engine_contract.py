@@ -71,8 +71,14 @@ EXPECTED = {
     "tiled": set(),
     "cpu": {C.SOFTMIN_PAIR, C.SOFTMIN_ALT, C.SOFTMIN_SYM, C.EXPECT_REUSE},
     "triton": {C.SOFTMIN_PAIR},
-    "multiscale": {C.SOFTMIN_PAIR, C.SOFTMIN_SYM, C.SOFTMIN_PAIR_BARY, C.SOFTMIN_SYM_BARY, C.FUSED_FINAL_STEP,
-                   C.ROW_RANGES},
+    "multiscale": {
+        C.SOFTMIN_PAIR,
+        C.SOFTMIN_SYM,
+        C.SOFTMIN_PAIR_BARY,
+        C.SOFTMIN_SYM_BARY,
+        C.FUSED_FINAL_STEP,
+        C.ROW_RANGES,
+    },
 }
 
 
@@ -106,9 +112,12 @@ def test_undeclared_method_raises_and_names_the_capability():
 
 def test_declaring_without_the_method_is_refused():
     with pytest.raises(TypeError, match="SOFTMIN_SYM"):
+
         class Bad(TiledEngine):
             capabilities = frozenset({C.SOFTMIN_SYM})
+
     with pytest.raises(TypeError, match="frozenset of Capability"):
+
         class Bad2(TiledEngine):
             capabilities = {"softmin_pair"}
 
@@ -181,8 +190,9 @@ def test_forwarding_engine_forwards_primitives_and_capabilities():
     hx, hy = torch.randn(1, 40, generator=g, dtype=F64), torch.randn(1, 50, generator=g, dtype=F64)
     V = torch.randn(1, 50, 2, generator=g, dtype=F64)
     assert torch.equal(w.softmin(x, y, hy, 0.3, SQ), cpu.softmin(x, y, hy, 0.3, SQ))
-    assert torch.equal(w.plan_product(x, y, hx, hy, 0.3, V, SQ, "cost"), cpu.plan_product(x, y, hx, hy, 0.3, V, SQ,
-                                                                                            "cost"))
+    assert torch.equal(
+        w.plan_product(x, y, hx, hy, 0.3, V, SQ, "cost"), cpu.plan_product(x, y, hx, hy, 0.3, V, SQ, "cost")
+    )
     for a, b in zip(w.softmin_pair(x, y, hx, hy, 0.3, SQ), cpu.softmin_pair(x, y, hx, hy, 0.3, SQ)):
         assert torch.equal(a, b)
     for a, b in zip(w.softmin_alt(x, y, hx, hy, 0.3, SQ, 0.7), cpu.softmin_alt(x, y, hx, hy, 0.3, SQ, 0.7)):
@@ -221,8 +231,10 @@ def test_forwarding_engine_forwards_row_ranges():
     assert spans == bs.row_bounds(xs, ys, 2) and torch.equal(w.digest(xs, ys), bs.digest(xs, ys))
     for lo, hi in spans:
         assert torch.equal(w.softmin(xs, ys, h, 0.4, SQ, rows=(lo, hi)), bs.softmin(xs, ys, h, 0.4, SQ, rows=(lo, hi)))
-        assert torch.equal(w.plan_product(xs, ys, alpha, h, 0.4, V, SQ, rows=(lo, hi)),
-                           bs.plan_product(xs, ys, alpha, h, 0.4, V, SQ, rows=(lo, hi)))
+        assert torch.equal(
+            w.plan_product(xs, ys, alpha, h, 0.4, V, SQ, rows=(lo, hi)),
+            bs.plan_product(xs, ys, alpha, h, 0.4, V, SQ, rows=(lo, hi)),
+        )
 
 
 # -- the core asks supports() --------------------------------------------------------------------------
@@ -269,6 +281,7 @@ def registered():
     def reg(name, loader):
         ops.register_engine(name, loader)
         names.append(name)
+
     yield reg
     for n in names:
         ops.unregister_engine(n)
@@ -380,9 +393,13 @@ _PROBE = re.compile(r"\b(?:getattr|hasattr)\(\s*[^,()]+(?:\([^()]*\))?\s*,\s*[\"
 
 
 def test_probe_pattern_catches_the_old_forms():
-    for old in ('getattr(eng, "softmin_pair", None)', "hasattr(inner, 'row_bounds')",
-                'getattr(engine, "fused_final_step", False)', 'getattr(self.inner, "expect_reuse", None)',
-                'getattr(m.engine, "softmin_sym_bary", None)'):
+    for old in (
+        'getattr(eng, "softmin_pair", None)',
+        "hasattr(inner, 'row_bounds')",
+        'getattr(engine, "fused_final_step", False)',
+        'getattr(self.inner, "expect_reuse", None)',
+        'getattr(m.engine, "softmin_sym_bary", None)',
+    ):
         assert _PROBE.search(old), old
 
 

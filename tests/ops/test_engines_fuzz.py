@@ -131,6 +131,7 @@ if os.environ.get("FLASHOT_FUZZ_ENGINES"):  # e.g. FLASHOT_FUZZ_ENGINES=triton,c
     if not ENGINES:
         raise RuntimeError(f"FLASHOT_FUZZ_ENGINES={os.environ['FLASHOT_FUZZ_ENGINES']!r}: none available here")
 
+
 # Variants of our engines, registered (public register_engine) for this module's tests only:
 # tiny tiles for ``tiled`` (ragged row / column blocks, one-row tiles), and the ``cpu`` engine's
 # streamed-only and cached-matrix modes and its two micro-kernel shapes.
@@ -141,12 +142,14 @@ def _variant_loaders() -> dict:
     if "cpu" in ENGINES:
         from flashot.ops.cpu.engine import CpuEngine
 
-        out.update({
-            "cpu~stream": lambda: CpuEngine(mode="stream"),
-            "cpu~cache": lambda: CpuEngine(mode="cache"),
-            "cpu~cfg0": lambda: CpuEngine(cfg=0),
-            "cpu~cfg3": lambda: CpuEngine(cfg=3),
-        })
+        out.update(
+            {
+                "cpu~stream": lambda: CpuEngine(mode="stream"),
+                "cpu~cache": lambda: CpuEngine(mode="cache"),
+                "cpu~cfg0": lambda: CpuEngine(cfg=0),
+                "cpu~cfg3": lambda: CpuEngine(cfg=3),
+            }
+        )
     return {k: v for k, v in out.items() if k.split("~")[0] in ENGINES}
 
 
@@ -326,13 +329,29 @@ def problems(draw, *, max_n: int = 24, big_n: int = 300, dtypes=DTYPES):
         return w / w.sum(-1, keepdim=True)
 
     a, b = weights(n), weights(m)
-    return Problem(dtype=dtype, B=B, n=n, m=m, d=d, x=x, y=y, a=a, b=b, seed=seed, scale=scale, strided=strided,
-                gen=g, desc=f"dtype={dtype} B={B} n={n} m={m} d={d} scale=1e{log_scale:.2f} "
-                            f"offset={None if log_offset is None else f'1e{log_offset:.2f}'} dup={dup} "
-                            f"skew={skew} zeros={zeros} strided={strided} seed={seed}")
+    return Problem(
+        dtype=dtype,
+        B=B,
+        n=n,
+        m=m,
+        d=d,
+        x=x,
+        y=y,
+        a=a,
+        b=b,
+        seed=seed,
+        scale=scale,
+        strided=strided,
+        gen=g,
+        desc=f"dtype={dtype} B={B} n={n} m={m} d={d} scale=1e{log_scale:.2f} "
+        f"offset={None if log_offset is None else f'1e{log_offset:.2f}'} dup={dup} "
+        f"skew={skew} zeros={zeros} strided={strided} seed={seed}",
+    )
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype, is_batched: bool, strided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def cast(
+    t: torch.Tensor, dtype: torch.dtype, is_batched: bool, strided: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input for the library, its float64 value for the reference): the reference sees the
     rounded input, so only the computation is measured.  ``strided``: a non-contiguous view
     (every other element of a wider tensor) with the same values."""
@@ -438,8 +457,13 @@ LOG_BLUR = st.floats(-4.0, 3.0)  # blur = 1e-4 .. 1e3 x the diameter
 
 
 @fuzz_settings(600, 10000)
-@given(p=problems(), engine=ENGINE_CHOICES, cost=st.sampled_from(COSTS_OPS), log_blur=LOG_BLUR,
-       hmode=st.sampled_from(["logw", "potential", "wild"]))
+@given(
+    p=problems(),
+    engine=ENGINE_CHOICES,
+    cost=st.sampled_from(COSTS_OPS),
+    log_blur=LOG_BLUR,
+    hmode=st.sampled_from(["logw", "potential", "wild"]),
+)
 def test_softmin(p, engine, cost, log_blur, hmode):
     engine = sized(engine, p)
     note(p["desc"] + f" engine={engine} cost={cost} log_blur={log_blur:.3f} hmode={hmode}")
@@ -466,15 +490,27 @@ def test_softmin(p, engine, cost, log_blur, hmode):
     assert out.dtype == dtype and out.shape == h64.shape[:1] + x64.shape[1:2]
     ref = ref_softmin(ref_cost(x64, y64, cost), h64, eps)
     u = unit(dtype)
-    tol = K_SOFTMIN * u * (dim_factor(p["d"]) * cbox + eps * (finite_max(h64) + p["m"] + 4 + headroom(base(engine), dtype))
-                           + finite_max(ref))
+    tol = (
+        K_SOFTMIN
+        * u
+        * (
+            dim_factor(p["d"]) * cbox
+            + eps * (finite_max(h64) + p["m"] + 4 + headroom(base(engine), dtype))
+            + finite_max(ref)
+        )
+    )
     tol = tol + 2 * _U_OUT[dtype] * ref.abs()
     check_close(out, ref, tol, f"softmin[{engine}]")
 
 
 @fuzz_settings(250, 5000)
-@given(p=problems(big_n=100), engine=ENGINE_CHOICES, cost=st.sampled_from(COSTS_OPS[:3]), log_blur=LOG_BLUR,
-       hmode=st.sampled_from(["logw", "potential"]))
+@given(
+    p=problems(big_n=100),
+    engine=ENGINE_CHOICES,
+    cost=st.sampled_from(COSTS_OPS[:3]),
+    log_blur=LOG_BLUR,
+    hmode=st.sampled_from(["logw", "potential"]),
+)
 def test_softmin_grad(p, engine, cost, log_blur, hmode):
     """Gradients of ``<w, softmin(x, y, h)>`` in x, y and h (-inf entries of h included)."""
     engine = sized(engine, p)
@@ -512,10 +548,16 @@ def test_softmin_grad(p, engine, cost, log_blur, hmode):
     diam = math.sqrt(bbox_cost(x64, y64, "sqeuclidean"))
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
     under = DROP[cdt] * (p["m"] + 1) + (p["m"] + 2) * torch.finfo(cdt).tiny  # dropped / flushed terms
-    tol_x = (amp * (pi * wc * dist).sum(-1) + K_GRAD * u * DF * diam * (pi * wc).sum(-1)
-             + under * w.abs() * (wc * dist).amax(-1))
-    tol_y = (amp * (pi * wc * dist).sum(-2) + K_GRAD * u * DF * diam * (pi * wc).sum(-2)
-             + under * (w.abs().unsqueeze(-1) * wc * dist).amax(-2) * p["n"])
+    tol_x = (
+        amp * (pi * wc * dist).sum(-1)
+        + K_GRAD * u * DF * diam * (pi * wc).sum(-1)
+        + under * w.abs() * (wc * dist).amax(-1)
+    )
+    tol_y = (
+        amp * (pi * wc * dist).sum(-2)
+        + K_GRAD * u * DF * diam * (pi * wc).sum(-2)
+        + under * (w.abs().unsqueeze(-1) * wc * dist).amax(-2) * p["n"]
+    )
     tol_h = amp * eps * pi.sum(-2) + under * eps * w.abs().sum(-1, keepdim=True)
     # intermediates below the smallest normal number are flushed (FTZ) whatever they multiply
     ftz = (p["n"] + p["m"] + 4) * torch.finfo(cdt).tiny * float(w.abs().max())
@@ -533,9 +575,15 @@ def test_softmin_grad(p, engine, cost, log_blur, hmode):
 
 
 @fuzz_settings(600, 10000)
-@given(p=problems(), engine=ENGINE_CHOICES, cost=st.sampled_from(COSTS_OPS), log_blur=LOG_BLUR,
-       weight=st.sampled_from(["plan", "cost", "dcost"]), k=st.sampled_from([None, 1, 3]),
-       noise=st.sampled_from([0.0, 1.0, 5.0]))
+@given(
+    p=problems(),
+    engine=ENGINE_CHOICES,
+    cost=st.sampled_from(COSTS_OPS),
+    log_blur=LOG_BLUR,
+    weight=st.sampled_from(["plan", "cost", "dcost"]),
+    k=st.sampled_from([None, 1, 3]),
+    noise=st.sampled_from([0.0, 1.0, 5.0]),
+)
 def test_plan_product(p, engine, cost, log_blur, weight, k, noise):
     if weight == "dcost" and cost == "euclidean_geomloss":
         cost = "euclidean"  # the clamp's threshold makes w discontinuous at |x - y| = 1e-4: not fuzzable
@@ -550,8 +598,12 @@ def test_plan_product(p, engine, cost, log_blur, weight, k, noise):
     if nonfinite_inputs(x=x, y=y):
         V = torch.ones(y.shape[:-1], dtype=dtype)
         z = torch.zeros(x.shape[:-1], dtype=dtype)
-        expect_documented_error(nonfinite_inputs(x=x, y=y), lambda: ops.plan_product(
-            x, y, z, torch.zeros(y.shape[:-1], dtype=dtype), eps, V, cost=cost, weight=weight, backend=engine))
+        expect_documented_error(
+            nonfinite_inputs(x=x, y=y),
+            lambda: ops.plan_product(
+                x, y, z, torch.zeros(y.shape[:-1], dtype=dtype), eps, V, cost=cost, weight=weight, backend=engine
+            ),
+        )
         return
     cbox = bbox_cost(x64, y64, cost)
     C = ref_cost(x64, y64, cost)
@@ -568,8 +620,9 @@ def test_plan_product(p, engine, cost, log_blur, weight, k, noise):
     bad = [nm for nm, t in (("alpha", alpha_in), ("beta", beta_in)) if bool((torch.isnan(t) | torch.isposinf(t)).any())]
     bad += nonfinite_inputs(V=V_in)
     if bad:
-        expect_documented_error(bad, lambda: ops.plan_product(x, y, alpha_in, beta_in, eps, V_in, cost=cost,
-                                                              weight=weight, backend=engine))
+        expect_documented_error(
+            bad, lambda: ops.plan_product(x, y, alpha_in, beta_in, eps, V_in, cost=cost, weight=weight, backend=engine)
+        )
         return
     out = ops.plan_product(x, y, alpha_in, beta_in, eps, V_in, cost=cost, weight=weight, backend=engine)
     assert out.dtype == dtype
@@ -577,7 +630,9 @@ def test_plan_product(p, engine, cost, log_blur, weight, k, noise):
     V3 = V64 if k is not None else V64.unsqueeze(-1)
     out3 = out if k is not None else out.unsqueeze(-1)
     P = torch.exp(alpha64.unsqueeze(-1) + beta64.unsqueeze(-2) - C / eps)
-    W = {"plan": torch.ones_like(C), "cost": C, "dcost": ref_dcost_weight(C, cost) if weight == "dcost" else None}[weight]
+    W = {"plan": torch.ones_like(C), "cost": C, "dcost": ref_dcost_weight(C, cost) if weight == "dcost" else None}[
+        weight
+    ]
     ref = (P * W) @ V3
     absref = (P * W.abs()) @ V3.abs()
     u, DF = unit(dtype), dim_factor(p["d"])
@@ -639,18 +694,25 @@ def ref_sinkhorn(C, la, lb, eps, iters: int, symmetric: bool):
 
 
 @fuzz_settings(300, 4000)
-@given(p=problems(max_n=16, big_n=100), engine=ENGINE_CHOICES,
-       cost=st.sampled_from(["sqeuclidean", "half_sqeuclidean", "euclidean"]), log_blur=LOG_BLUR,
-       method=st.sampled_from(["sinkhorn_log", "symmetric"]), iters=st.integers(1, 12),
-       scaling=st.sampled_from([False, False, None]))
+@given(
+    p=problems(max_n=16, big_n=100),
+    engine=ENGINE_CHOICES,
+    cost=st.sampled_from(["sqeuclidean", "half_sqeuclidean", "euclidean"]),
+    log_blur=LOG_BLUR,
+    method=st.sampled_from(["sinkhorn_log", "symmetric"]),
+    iters=st.integers(1, 12),
+    scaling=st.sampled_from([False, False, None]),
+)
 def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
     """``eps_scaling=False``: iterate for iterate against the reference.  ``None`` (the default: an
     epsilon-scaling schedule for alternating solves at small reg) is not replayed here: then only
     the schedule-free facts are checked (finite potentials, ``value = <a, f> + <b, g>``, marginals of
     the returned potentials' plan)."""
     engine = sized(engine, p)
-    note(p["desc"] + f" engine={engine} cost={cost} log_blur={log_blur:.3f} method={method} iters={iters} "
-         f"eps_scaling={scaling}")
+    note(
+        p["desc"] + f" engine={engine} cost={cost} log_blur={log_blur:.3f} method={method} iters={iters} "
+        f"eps_scaling={scaling}"
+    )
     dtype, isb = p["dtype"], p["B"] is not None
     eps, _ = temperature(p, cost, log_blur)
     x, x64 = cast(p["x"], dtype, isb, p["strided"])
@@ -663,8 +725,20 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
             warnings.simplefilter("error")  # tol=None: no warning is expected
             # eps_scaling=False, acceleration=None: exactly ``iters`` plain iterations at ``reg`` (the reference
             # below); the defaults switch alternating solves at small reg to epsilon-scaling and Anderson
-            return flashot.solve_sample(x, y, a, b, cost=cost, reg=eps, tol=None, max_iter=iters, method=method,
-                                        backend=engine, eps_scaling=scaling, acceleration=None)
+            return flashot.solve_sample(
+                x,
+                y,
+                a,
+                b,
+                cost=cost,
+                reg=eps,
+                tol=None,
+                max_iter=iters,
+                method=method,
+                backend=engine,
+                eps_scaling=scaling,
+                acceleration=None,
+            )
 
     bad = nonfinite_inputs(X_a=x, X_b=y)
     if bad:
@@ -697,8 +771,9 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
     if scaling is False:
         check_close(f, f_ref, e_pot + 2 * uo * f_ref.abs(), f"solve_sample[{engine}] f")
         check_close(g, g_ref, e_pot + 2 * uo * g_ref.abs(), f"solve_sample[{engine}] g")
-        check_close(batched(res.value, isb), value_ref, mass * e_pot + 2 * uo * value_ref.abs(),
-                    f"solve_sample[{engine}] value")
+        check_close(
+            batched(res.value, isb), value_ref, mass * e_pot + 2 * uo * value_ref.abs(), f"solve_sample[{engine}] value"
+        )
     else:
         fo = torch.finfo(dtype)
         if dtype in (torch.float32, torch.float64):  # (float16 potentials may exceed 65504)
@@ -707,8 +782,12 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
         if bool(torch.isfinite(f.double()).all()) and bool(torch.isfinite(g.double()).all()):
             v64 = (a64 * f.double()).sum(-1) + (b64 * g.double()).sum(-1)
             # the library sums the compute-dtype potentials, we the output-dtype ones: both roundings
-            check_close(batched(res.value, isb), v64, mass * (K_SOFTMIN * u + 2 * uo) * pot + 2 * fo.tiny * fo.eps * mass
-                        + 2 * uo * v64.abs(), f"solve_sample[{engine}] value = <a, f> + <b, g>")
+            check_close(
+                batched(res.value, isb),
+                v64,
+                mass * (K_SOFTMIN * u + 2 * uo) * pot + 2 * fo.tiny * fo.eps * mass + 2 * uo * v64.abs(),
+                f"solve_sample[{engine}] value = <a, f> + <b, g>",
+            )
     # marginals of the plan of the returned potentials (streamed by the engine) against the same
     # plan in float64; float16 outputs also round the potentials (by uo |f|)
     f64, g64 = f.double(), g.double()
@@ -717,8 +796,10 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
     logP = la.unsqueeze(-1) + lb.unsqueeze(-2) + (f64.unsqueeze(-1) + g64.unsqueeze(-2) - C) / eps
     pot = finite_max(f64) + finite_max(g64)
     fo = torch.finfo(dtype)  # the returned potentials are rounded to the output dtype (subnormals included)
-    rel = (K_PLAN * u * (DF * cbox / eps + pot / eps + 2 * lw + max(p["n"], p["m"]) + 4)
-           + 4 * (uo * pot + fo.tiny * fo.eps) / eps)
+    rel = (
+        K_PLAN * u * (DF * cbox / eps + pot / eps + 2 * lw + max(p["n"], p["m"]) + 4)
+        + 4 * (uo * pot + fo.tiny * fo.eps) / eps
+    )
     # an exponent off by rel: the value lies within exp(+-rel) of the reference (log domain: the
     # reference itself may underflow float64 at eps = 1e-8 cbox)
     log_amp = rel if rel > 30 else math.log(math.expm1(rel))
@@ -740,8 +821,15 @@ def test_solve_sample(p, engine, cost, log_blur, method, iters, scaling):
 
 
 @fuzz_settings(250, 3000)
-@given(p=problems(max_n=12, big_n=64), engine=ENGINE_CHOICES, pp=st.sampled_from([1, 2]), log_blur=LOG_BLUR,
-       scaling=st.sampled_from([0.5, 0.7]), debias=st.booleans(), weighted=st.booleans())
+@given(
+    p=problems(max_n=12, big_n=64),
+    engine=ENGINE_CHOICES,
+    pp=st.sampled_from([1, 2]),
+    log_blur=LOG_BLUR,
+    scaling=st.sampled_from([0.5, 0.7]),
+    debias=st.booleans(),
+    weighted=st.booleans(),
+)
 def test_samples_loss(p, engine, pp, log_blur, scaling, debias, weighted):
     engine = sized(engine, p)
     note(p["desc"] + f" engine={engine} p={pp} log_blur={log_blur:.3f} scaling={scaling} debias={debias}")
@@ -824,7 +912,9 @@ def test_samples_loss(p, engine, pp, log_blur, scaling, debias, weighted):
 
     r = 2 * (e_pot + K_GRAD * u * DF * cbox) / eps
     amp = math.expm1(min(r, 50.0)) + K_GRAD * u * DF
-    event(f"gradient bound: {'magnitude only (r >= 1)' if r >= 1 else 'relative (r < 1)'} {'float64' if dtype == torch.float64 else 'float32 compute'}")
+    event(
+        f"gradient bound: {'magnitude only (r >= 1)' if r >= 1 else 'relative (r < 1)'} {'float64' if dtype == torch.float64 else 'float32 compute'}"
+    )
     diam = math.sqrt(float(((pts.amax(0) - pts.amin(0)) ** 2).sum()))
     for grad, ref, W, X, Y, lh, hs, Cs, _lself, side in (
         (gx, gx_ref, a64, x64, y64, lb + g / eps, la + faa / eps, Cxx, la, "x"),
@@ -912,8 +1002,14 @@ def cost_matrices(draw):
         return w / w.sum()
 
     a, b = weights(n), weights(m)
-    return Problem(C=C, a=a, b=b, n=n, m=m, desc=f"n={n} m={m} scale={scale:.3g} offset={offset} skew={skew} "
-                                                  f"seed={seed} uniform={(a is None, b is None)}")
+    return Problem(
+        C=C,
+        a=a,
+        b=b,
+        n=n,
+        m=m,
+        desc=f"n={n} m={m} scale={scale:.3g} offset={offset} skew={skew} seed={seed} uniform={(a is None, b is None)}",
+    )
 
 
 def _as_form(C: torch.Tensor, form: str, tmp: str):
@@ -956,8 +1052,14 @@ def ref_matrix_hot_value(C, a, b, eps):
 
 
 @fuzz_settings(15, 1500)
-@given(p=cost_matrices(), form=st.sampled_from(_MATRIX_FORMS), backend=st.sampled_from(["auto", "auto", "dense"]),
-       hot=st.booleans(), log_reg=st.floats(0.0, 1.0), blocks=st.tuples(*[st.integers(1, 13)] * 3))
+@given(
+    p=cost_matrices(),
+    form=st.sampled_from(_MATRIX_FORMS),
+    backend=st.sampled_from(["auto", "auto", "dense"]),
+    hot=st.booleans(),
+    log_reg=st.floats(0.0, 1.0),
+    blocks=st.tuples(*[st.integers(1, 13)] * 3),
+)
 def test_solve_matrix(p, form, backend, hot, log_reg, blocks):
     """``flashot.solve(M)`` on every form of the same matrix: value, plan marginals and plan against the
     float64 reference (tolerances above)."""
@@ -974,9 +1076,14 @@ def test_solve_matrix(p, form, backend, hot, log_reg, blocks):
     note(p["desc"] + f" form={form} backend={backend} eps={eps:.3g} (spread {spread:.3g}) blocks={blocks}")
     a64 = a if a is not None else torch.full((n,), 1.0 / n, dtype=torch.float64)
     b64 = b if b is not None else torch.full((m,), 1.0 / m, dtype=torch.float64)
-    with tempfile.TemporaryDirectory() as tmp, _patched((tiled, "COL_BLOCK", blocks[0]),
-                                                        (matrix_cost, "SCAN_ROWS", blocks[1]),
-                                                        (implicit, "HOT_VALUE_BLOCK", blocks[2])):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        _patched(
+            (tiled, "COL_BLOCK", blocks[0]),
+            (matrix_cost, "SCAN_ROWS", blocks[1]),
+            (implicit, "HOT_VALUE_BLOCK", blocks[2]),
+        ),
+    ):
         M = _as_form(C, form, tmp)
         res = flashot.solve(M, a, b, reg=eps, backend=backend, tol=1e-12, max_iter=100000)
         value = float(res.value)
@@ -1003,10 +1110,16 @@ _MALFORMED = {
     "float shape": (lambda M: _Shaped((M.shape[0] + 0.5, M.shape[1]), M), ValueError, "M: the lazy matrix's shape"),
     "None blocks": (lambda M: _Blocks(M, lambda blk: None), TypeError, "M: the lazy matrix returned a NoneType"),
     "str blocks": (lambda M: _Blocks(M, lambda blk: "block"), TypeError, "M: the lazy matrix returned a str"),
-    "object blocks": (lambda M: _Blocks(M, lambda blk: blk.astype(object)),
-                      TypeError, "M: the lazy matrix returned .* of dtype object"),
-    "wrong block shape": (lambda M: _Blocks(M, lambda blk: np.zeros((blk.shape[0] + 1, blk.shape[1]))),
-                          ValueError, "M: the lazy matrix returned a block of shape"),
+    "object blocks": (
+        lambda M: _Blocks(M, lambda blk: blk.astype(object)),
+        TypeError,
+        "M: the lazy matrix returned .* of dtype object",
+    ),
+    "wrong block shape": (
+        lambda M: _Blocks(M, lambda blk: np.zeros((blk.shape[0] + 1, blk.shape[1]))),
+        ValueError,
+        "M: the lazy matrix returned a block of shape",
+    ),
 }
 
 
@@ -1031,8 +1144,13 @@ class _Blocks:
 
 
 @fuzz_settings(15, 1000)
-@given(p=cost_matrices(), kind=st.sampled_from(sorted(_MALFORMED) + ["NaN later", "Inf later"]),
-       after=st.integers(0, 3), where=st.floats(0.0, 1.0), backend=st.sampled_from(["auto", "dense"]))
+@given(
+    p=cost_matrices(),
+    kind=st.sampled_from(sorted(_MALFORMED) + ["NaN later", "Inf later"]),
+    after=st.integers(0, 3),
+    where=st.floats(0.0, 1.0),
+    backend=st.sampled_from(["auto", "dense"]),
+)
 def test_solve_matrix_malformed(p, kind, after, where, backend):
     """Malformed lazy matrices: the documented one-line error naming ``M`` (never a raw IndexError, a
     torch reduction error, or advice about eps), whichever read first meets the defect."""
@@ -1050,7 +1168,11 @@ def test_solve_matrix_malformed(p, kind, after, where, backend):
             blk.reshape(-1)[int(where * (blk.size - 1))] = bad
             return blk
 
-        lazy, exc, match = _Blocks(M, poison, after), ValueError, r"M: the lazy matrix returned NaN or Inf values for rows"
+        lazy, exc, match = (
+            _Blocks(M, poison, after),
+            ValueError,
+            r"M: the lazy matrix returned NaN or Inf values for rows",
+        )
     with pytest.raises(exc) as e:
         flashot.solve(lazy, reg=float(M.max() - M.min()) + 1.0, backend=backend)
     msg = str(e.value)

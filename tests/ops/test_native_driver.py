@@ -42,8 +42,16 @@ class DriverBuild:
     """Compile the driver (and the kernels' translation units, unless linking ``lib``) for one target in the
     background, then link."""
 
-    def __init__(self, cxx: str, march: str, work: Path, *, opt: str = "-O2", static: bool = False,
-                 lib: list[str] | subprocess.Popen | None = None):
+    def __init__(
+        self,
+        cxx: str,
+        march: str,
+        work: Path,
+        *,
+        opt: str = "-O2",
+        static: bool = False,
+        lib: list[str] | subprocess.Popen | None = None,
+    ):
         """``lib``: the libraries to link (their paths, or a running process that prints them last)."""
         self.cxx, self.work, self.static, self.lib = cxx, work, static, lib
         self.env = build._clean_env()
@@ -52,23 +60,27 @@ class DriverBuild:
         self.procs = [self._compile(DRIVER, "kernel_check.o", "-Wall", "-Wextra", f"-I{KERNELS_DIR}")]
         self.units = [u for units in build.LIBRARIES.values() for u in units]
         if lib is None:
-            self.procs += [self._compile(KERNELS_DIR / u, u[:-len(".cpp")] + ".o") for u in self.units]
+            self.procs += [self._compile(KERNELS_DIR / u, u[: -len(".cpp")] + ".o") for u in self.units]
         elif isinstance(lib, subprocess.Popen):
             self.procs.append(lib)
         self._result: tuple[bool, str] | None = None
 
     def _compile(self, src: Path, obj: str, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([self.cxx, *self.flags, *extra, "-c", str(src), "-o", str(self.work / obj)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+        return subprocess.Popen(
+            [self.cxx, *self.flags, *extra, "-c", str(src), "-o", str(self.work / obj)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+        )
 
     def _link(self) -> subprocess.CompletedProcess:
         objs = [str(self.work / "kernel_check.o")]
         if self.lib is None:
-            objs += [str(self.work / (u[:-len(".cpp")] + ".o")) for u in self.units]
+            objs += [str(self.work / (u[: -len(".cpp")] + ".o")) for u in self.units]
         else:
             objs += [*self.lib, *(f"-Wl,-rpath,{d}" for d in sorted({os.path.dirname(p) for p in self.lib}))]
-        cmd = [self.cxx, "-pthread", *(["-static"] if self.static else []),
-               "-o", str(self.exe), *objs]
+        cmd = [self.cxx, "-pthread", *(["-static"] if self.static else []), "-o", str(self.exe), *objs]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, env=self.env)
 
     def finish(self) -> tuple[bool, str]:
@@ -84,7 +96,7 @@ class DriverBuild:
                 out.append(text)
                 ok &= p.returncode == 0
                 if ok and p is self.lib:
-                    self.lib = text.strip().splitlines()[-len(build.LIBRARIES):]
+                    self.lib = text.strip().splitlines()[-len(build.LIBRARIES) :]
             if ok:
                 r = self._link()
                 if r.returncode != 0 and self.static:  # no static libraries: a dynamic executable
@@ -119,10 +131,13 @@ def _level_library(level: str, cache: Path) -> subprocess.Popen:
     built by a process that prints its path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
     env.update(FLASHOT_CPU_MARCH=level, FLASHOT_CACHE_DIR=str(cache))
-    code = ("from flashot.ops.cpu import build; "
-            "print(*(build.build(quiet=True, library=name)[0] for name in build.LIBRARIES), sep='\\n')")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+    code = (
+        "from flashot.ops.cpu import build; "
+        "print(*(build.build(quiet=True, library=name)[0] for name in build.LIBRARIES), sep='\\n')"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
 
 
 class Builds:
@@ -142,8 +157,10 @@ class Builds:
         if target == "aarch64":
             cross = shutil.which(CROSS_CXX)
             if cross is None:
-                return (f"{CROSS_CXX} not on PATH (Debian: apt-get install g++-aarch64-linux-gnu; "
-                        f"tests/native/run_arm64.sh installs it and runs the full ARM64 check)")
+                return (
+                    f"{CROSS_CXX} not on PATH (Debian: apt-get install g++-aarch64-linux-gnu; "
+                    f"tests/native/run_arm64.sh installs it and runs the full ARM64 check)"
+                )
             return DriverBuild(cross, "armv8-a", self.tmp.mktemp("aarch64"), static=True)
         if self.cxx is None:
             return "no C++ compiler (g++ / clang++) on PATH"
@@ -152,8 +169,7 @@ class Builds:
         why = _x86_level_reason(target)
         if why:
             return f"cannot run {target} code here: {why}"
-        return DriverBuild(self.cxx, target, self.tmp.mktemp(target), opt="-O3",
-                           lib=_level_library(target, self.cache))
+        return DriverBuild(self.cxx, target, self.tmp.mktemp(target), opt="-O3", lib=_level_library(target, self.cache))
 
     def close(self) -> None:
         for b in self.made.values():

@@ -127,8 +127,9 @@ def test_all_zero_weight_softmin_is_plus_inf(backend, dtype):
 def test_tiled_plan_product_of_an_all_zero_weight_row_is_zero():
     x, y = _clouds()
     beta = torch.full((15,), -math.inf, dtype=torch.float64)
-    out = ops.plan_product(x, y, torch.zeros(20, dtype=torch.float64), beta, 0.1,
-                           torch.ones(15, dtype=torch.float64), backend="tiled")
+    out = ops.plan_product(
+        x, y, torch.zeros(20, dtype=torch.float64), beta, 0.1, torch.ones(15, dtype=torch.float64), backend="tiled"
+    )
     assert bool((out == 0).all())
 
 

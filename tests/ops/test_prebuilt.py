@@ -21,19 +21,22 @@ ZEN4 = HASWELL | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "av
 ALL = prebuilt.VARIANTS["x86_64"]
 
 
-@pytest.mark.parametrize("flags,want", [
-    (ZEN4, "x86-64-v4"),
-    (HASWELL, "x86-64-v3"),
-    (ZEN4 - {"avx512vl"}, "x86-64-v3"),   # every one of F/BW/CD/DQ/VL, or no v4
-    (ZEN4 - {"avx512bw"}, "x86-64-v3"),   # Knights Landing: F/CD but no BW/DQ/VL
-    (HASWELL - {"movbe"}, "x86-64-v2"),
-    (HASWELL - {"abm"}, "x86-64-v2"),     # LZCNT
-    (HASWELL - {"bmi2"}, "x86-64-v2"),
-    (NEHALEM, "x86-64-v2"),
-    (NEHALEM - {"popcnt"}, None),         # below every shipped level: compile for it instead
-    ({"avx512f", "avx2", "fma"}, None),   # a level's flags without the levels below it
-    (set(), None),                        # unknown flags (no /proc/cpuinfo): never guess
-])
+@pytest.mark.parametrize(
+    "flags,want",
+    [
+        (ZEN4, "x86-64-v4"),
+        (HASWELL, "x86-64-v3"),
+        (ZEN4 - {"avx512vl"}, "x86-64-v3"),  # every one of F/BW/CD/DQ/VL, or no v4
+        (ZEN4 - {"avx512bw"}, "x86-64-v3"),  # Knights Landing: F/CD but no BW/DQ/VL
+        (HASWELL - {"movbe"}, "x86-64-v2"),
+        (HASWELL - {"abm"}, "x86-64-v2"),  # LZCNT
+        (HASWELL - {"bmi2"}, "x86-64-v2"),
+        (NEHALEM, "x86-64-v2"),
+        (NEHALEM - {"popcnt"}, None),  # below every shipped level: compile for it instead
+        ({"avx512f", "avx2", "fma"}, None),  # a level's flags without the levels below it
+        (set(), None),  # unknown flags (no /proc/cpuinfo): never guess
+    ],
+)
 def test_x86_levels_from_the_cpu_flags(flags, want):
     assert prebuilt.select_variant(flags, "x86_64", ALL) == want
 
@@ -72,6 +75,7 @@ def test_wheel_variants_follow_the_platform_and_the_setting(monkeypatch):
 
 # ---- loading: only from the package directory --------------------------------------------------
 
+
 def _fake_install(tmp_path, variant="x86-64-v3", key=None):
     """A prebuilt directory laid out as a wheel installs it (the libraries are empty files here)."""
     root = tmp_path / "prebuilt"
@@ -79,8 +83,11 @@ def _fake_install(tmp_path, variant="x86-64-v3", key=None):
     for library in build.LIBRARIES:
         (root / variant / f"{library}.so").write_bytes(b"")
     key = build.source_key(build.read_sources(), variant) if key is None else key
-    man = {"format": prebuilt.FORMAT, "abi_version": build.ABI_VERSION,
-           "variants": {variant: {"key": key, "compiler": "g++ 12"}}}
+    man = {
+        "format": prebuilt.FORMAT,
+        "abi_version": build.ABI_VERSION,
+        "variants": {variant: {"key": key, "compiler": "g++ 12"}},
+    }
     (root / prebuilt.MANIFEST).write_text(json.dumps(man))
     return root
 
@@ -179,8 +186,9 @@ def test_a_library_others_can_write_is_refused(tmp_path):
 
 def test_build_info_of_a_source_tree_says_compile_on_first_use():
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
-    r = subprocess.run([sys.executable, "-m", "flashot.cli", "build", "--info"], capture_output=True, text=True,
-                       timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "flashot.cli", "build", "--info"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert r.returncode == 0, r.stderr
     assert "prebuilt variants in this install: none" in r.stdout and "compiled on first use" in r.stdout
 

@@ -20,16 +20,20 @@ SQ = get_cost("sqeuclidean")
 @pytest.fixture
 def budget(monkeypatch):
     """Set the dense budget (bytes) for one test."""
+
     def set_(n):
         monkeypatch.setenv(DENSE_MAX_BYTES_ENV, str(n))
+
     return set_
 
 
 @pytest.fixture
 def no_matrix(monkeypatch):
     """Any cost-matrix materialisation fails loudly: the guard must raise first."""
+
     def boom(*a, **k):
         raise AssertionError("a cost matrix was materialised before the guard")
+
     monkeypatch.setattr(Cost, "matrix", boom)
 
 
@@ -124,15 +128,18 @@ def test_to_dense_refuses_above_its_limit(monkeypatch):
     P = plan.to_dense()
     assert P.shape == (40, 30)
     assert abs(float(P.sum()) - 1.0) < 1e-4
+
     def boom(*a, **k):
         raise AssertionError("materialised before the guard")
+
     monkeypatch.setattr(Cost, "matrix", boom)
     with pytest.raises(MemoryError, match="max_elems"):
         plan.to_dense(max_elems=40 * 30 - 1)
     # the default limit, on a plan whose matrix would not fit it (lazy: nothing is computed)
-    n = int(DENSE_PLAN_LIMIT ** 0.5) + 1
-    big = flashot.plan_from_potentials(torch.randn(n, 1), torch.randn(n, 1), torch.zeros(n), torch.zeros(n),
-                                       blur=0.5, backend="tiled")
+    n = int(DENSE_PLAN_LIMIT**0.5) + 1
+    big = flashot.plan_from_potentials(
+        torch.randn(n, 1), torch.randn(n, 1), torch.zeros(n), torch.zeros(n), blur=0.5, backend="tiled"
+    )
     with pytest.raises(MemoryError, match=f"{n * n:,} entries"):
         big.to_dense()
 

@@ -108,8 +108,9 @@ def test_outputs_rule_after_a_jump(sym, monkeypatch):
     E = torch.exp(hx[0][:, None] + hy[0][None] - C / eps)
     R, Cs = E.sum(1), E.sum(0)
     ab = la[:, None].exp() * lb[None].exp()
-    droppable = (E < ab * math.exp(-trunc)) | ((E < lb[None].exp() * math.exp(-trunc) * R[:, None])
-                                               & (E < la[:, None].exp() * math.exp(-trunc) * Cs[None]))
+    droppable = (E < ab * math.exp(-trunc)) | (
+        (E < lb[None].exp() * math.exp(-trunc) * R[:, None]) & (E < la[:, None].exp() * math.exp(-trunc) * Cs[None])
+    )
     B = (E * droppable).sum(1)
     ref = masked_softmin(xs, ys, hy, torch.ones_like(E, dtype=torch.bool), eps, cost)
     key = BlockSparseEngine.cloud_key
@@ -142,8 +143,21 @@ def test_probe_skips_the_bounds_near_a_fixed_point(sym, monkeypatch):
     for up, bounded in ((0.0, False), (4.0, True)):
         hx, hy = la[None] + (f / eps + up), lb[None] + (g / eps + up)
         back = None if sym else pat.T
-        t = tile_args(lib, pat, back, xs, ys if not sym else xs, hx, hy if not sym else hx, la, lb if not sym else la,
-                      eps, cost, 5.0, [0])
+        t = tile_args(
+            lib,
+            pat,
+            back,
+            xs,
+            ys if not sym else xs,
+            hx,
+            hy if not sym else hx,
+            la,
+            lb if not sym else la,
+            eps,
+            cost,
+            5.0,
+            [0],
+        )
         assert (t.fxo is not t.fx) == bounded and (t.gyo is not t.gy) == bounded
         if bounded:
             assert float((t.fxo - t.fx).median()) < -2.0 and float((t.gyo - t.gy).median()) < -2.0

@@ -73,8 +73,11 @@ def eps_for(D: int) -> float:
     return 0.02 * D + 0.02
 
 
-SOFTMIN_CASES = [(d, c) for d in (1, 3, 17, 64, 130) for c in ("sqeuclidean", "half_sqeuclidean")] + [
-    (d, "euclidean") for d in (1, 3, 17)] + [(3, "euclidean_geomloss")]
+SOFTMIN_CASES = (
+    [(d, c) for d in (1, 3, 17, 64, 130) for c in ("sqeuclidean", "half_sqeuclidean")]
+    + [(d, "euclidean") for d in (1, 3, 17)]
+    + [(3, "euclidean_geomloss")]
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -88,8 +91,11 @@ def test_softmin_matches_dense(D, cost, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-PLAN_CASES = [(d, "sqeuclidean") for d in (1, 3, 17, 64, 130)] + [(3, "half_sqeuclidean"), (3, "euclidean"),
-                                                                     (17, "euclidean")]
+PLAN_CASES = [(d, "sqeuclidean") for d in (1, 3, 17, 64, 130)] + [
+    (3, "half_sqeuclidean"),
+    (3, "euclidean"),
+    (17, "euclidean"),
+]
 
 
 @pytest.mark.parametrize("D,cost", PLAN_CASES)
@@ -164,9 +170,16 @@ def test_softmin_pair_is_two_softmins():
     assert rel_err(g, DENSE.softmin(y, x, hx, eps, c)) < 1e-10
 
 
-@pytest.mark.parametrize("D,cost,dtype", [(3, "sqeuclidean", torch.float64), (17, "half_sqeuclidean", torch.float64),
-                                          (3, "euclidean", torch.float64), (17, "sqeuclidean", torch.float32),
-                                          (2, "half_sqeuclidean", torch.float32)])
+@pytest.mark.parametrize(
+    "D,cost,dtype",
+    [
+        (3, "sqeuclidean", torch.float64),
+        (17, "half_sqeuclidean", torch.float64),
+        (3, "euclidean", torch.float64),
+        (17, "sqeuclidean", torch.float32),
+        (2, "half_sqeuclidean", torch.float32),
+    ],
+)
 def test_gradients_match_dense_autograd(D, cost, dtype):
     x0, y0, h0 = clouds(D, seed=1)
     eps = eps_for(D)
@@ -220,8 +233,15 @@ def test_pinned_config(monkeypatch):
     assert rel_err(eng.softmin(x, y, h, 0.1, c), ref) < 1e-10
 
 
-@pytest.mark.parametrize("spec,msg", [("BLOCK_N=64,BLOCK_Q=3", "BLOCK_Q"), ("BLOCK_N=48", "BLOCK_N"),
-                                      ("num_warps=3", "num_warps"), ("BLOCK_M=x", "BLOCK_M")])
+@pytest.mark.parametrize(
+    "spec,msg",
+    [
+        ("BLOCK_N=64,BLOCK_Q=3", "BLOCK_Q"),
+        ("BLOCK_N=48", "BLOCK_N"),
+        ("num_warps=3", "num_warps"),
+        ("BLOCK_M=x", "BLOCK_M"),
+    ],
+)
 def test_bad_config_is_a_clear_error(spec, msg):
     with pytest.raises(ValueError, match=msg):
         parse_config(spec)
@@ -337,8 +357,7 @@ def test_kernels_compile_for_sm90(scope, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from Triton's cache
-    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, scope], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, scope], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"compiled {5 if scope == 'quick' else 25}" in r.stdout, r.stdout
 

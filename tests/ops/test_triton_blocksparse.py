@@ -117,8 +117,14 @@ def test_tiles_cover_every_row_once():
 def test_blocks_need_one_problem():
     x, y, h, _, _, pat = problem(3, torch.float64)
     with pytest.raises(ValueError, match=r"one problem, shape \(1, N, D\)"):
-        TritonEngine().softmin_blocks(x.expand(2, -1, -1), y.expand(2, -1, -1), h.expand(2, -1), 0.1,
-                                      get_cost("sqeuclidean"), BlockLists.of(pat, x.device))
+        TritonEngine().softmin_blocks(
+            x.expand(2, -1, -1),
+            y.expand(2, -1, -1),
+            h.expand(2, -1),
+            0.1,
+            get_cost("sqeuclidean"),
+            BlockLists.of(pat, x.device),
+        )
 
 
 # --- the multiscale engine on the Triton kernels ------------------------------------------------------
@@ -126,10 +132,17 @@ def _clustered(seed: int = 3):
     from flashot.clusters import cluster
 
     g = torch.Generator().manual_seed(seed)
-    x = torch.cat([torch.randn(150, 3, generator=g, dtype=torch.float64) * 0.3,
-                   torch.randn(90, 3, generator=g, dtype=torch.float64) * 0.05 + torch.tensor([3.0, 0.5, 0.0])])
+    x = torch.cat(
+        [
+            torch.randn(150, 3, generator=g, dtype=torch.float64) * 0.3,
+            torch.randn(90, 3, generator=g, dtype=torch.float64) * 0.05 + torch.tensor([3.0, 0.5, 0.0]),
+        ]
+    )
     y = torch.randn(180, 3, generator=g, dtype=torch.float64) * 0.4
-    cx, cy = cluster(x, torch.ones(240, dtype=torch.float64), 0.6), cluster(y, torch.ones(180, dtype=torch.float64), 0.6)
+    cx, cy = (
+        cluster(x, torch.ones(240, dtype=torch.float64), 0.6),
+        cluster(y, torch.ones(180, dtype=torch.float64), 0.6),
+    )
     keep = torch.rand(cx.n_clusters, cy.n_clusters, generator=g) < 0.3
     keep[torch.arange(cx.n_clusters), torch.randint(cy.n_clusters, (cx.n_clusters,), generator=g)] = True
     keep[torch.randint(cx.n_clusters, (cy.n_clusters,), generator=g), torch.arange(cy.n_clusters)] = True
@@ -149,18 +162,32 @@ def test_engine_triton_path_equals_pytorch_path():
     assert tri._triton is not None and tri._lib is None
     cost, eps = get_cost("sqeuclidean"), 0.05
     g = torch.Generator().manual_seed(1)
-    hy, hx = torch.randn(1, 180, generator=g, dtype=torch.float64), torch.randn(1, 240, generator=g, dtype=torch.float64)
+    hy, hx = (
+        torch.randn(1, 180, generator=g, dtype=torch.float64),
+        torch.randn(1, 240, generator=g, dtype=torch.float64),
+    )
     V = torch.randn(1, 180, 6, generator=g, dtype=torch.float64)
     assert rel(tri.softmin(xs, ys, hy, eps, cost)[0], ref.softmin(xs, ys, hy, eps, cost)[0]) < 1e-12
     assert rel(tri.softmin(ys, xs, hx, eps, cost)[0], ref.softmin(ys, xs, hx, eps, cost)[0]) < 1e-12
     for weight in ("plan", "cost", "dcost"):
-        assert rel(tri.plan_product(xs, ys, hx, hy, eps, V, cost, weight)[0],
-                   ref.plan_product(xs, ys, hx, hy, eps, V, cost, weight)[0]) < 1e-12
+        assert (
+            rel(
+                tri.plan_product(xs, ys, hx, hy, eps, V, cost, weight)[0],
+                ref.plan_product(xs, ys, hx, hy, eps, V, cost, weight)[0],
+            )
+            < 1e-12
+        )
     lo, hi = tri.row_bounds(xs, ys, 2)[1]
-    assert rel(tri.softmin(xs, ys, hy, eps, cost, rows=(lo, hi))[0],
-               ref.softmin(xs, ys, hy, eps, cost)[0, lo:hi]) < 1e-12
-    assert rel(tri.plan_product(xs, ys, hx, hy, eps, V, cost, rows=(lo, hi))[0],
-               ref.plan_product(xs, ys, hx, hy, eps, V, cost)[0, lo:hi]) < 1e-12
+    assert (
+        rel(tri.softmin(xs, ys, hy, eps, cost, rows=(lo, hi))[0], ref.softmin(xs, ys, hy, eps, cost)[0, lo:hi]) < 1e-12
+    )
+    assert (
+        rel(
+            tri.plan_product(xs, ys, hx, hy, eps, V, cost, rows=(lo, hi))[0],
+            ref.plan_product(xs, ys, hx, hy, eps, V, cost)[0, lo:hi],
+        )
+        < 1e-12
+    )
 
 
 def test_samples_loss_multiscale_on_triton_kernels(monkeypatch):
@@ -191,6 +218,7 @@ def test_samples_loss_multiscale_on_triton_kernels(monkeypatch):
             def wrapped(*a, _fn=fn, **k):
                 calls["n"] += 1
                 return _fn(*a, **k)
+
             setattr(eng, name, wrapped)
         return eng
 

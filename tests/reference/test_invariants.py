@@ -44,7 +44,7 @@ def test_translation_of_one_cloud():
     y, b = _cloud(13, 1, shift=0.3)
     t = torch.tensor([0.7, -0.4], dtype=torch.float64)
     L = flashot.SamplesLoss("sinkhorn", blur=0.3, debias=False, tol=1e-12, max_iter=20_000)
-    gap = (a @ x - b @ y)
+    gap = a @ x - b @ y
     want = float(L(a, x, b, y)) + 0.5 * float(t @ t) - float(t @ gap)
     assert abs(float(L(a, x, b, y + t)) - want) < 1e-11
     # and the debiased divergence: the self terms do not move at all
@@ -59,8 +59,10 @@ def test_unbalanced_tends_to_balanced():
     eps = 0.5  # the iterations contract by rho / (rho + eps): a large eps keeps them few
     bal = float(flashot.solve_sample(x, y, a, b, reg=eps, tol=1e-13, max_iter=50_000).value)
     assert abs(bal - ref.ot_value(x, y, a, b, eps, half=False)) < 1e-10 * abs(bal)
-    gaps = [abs(float(flashot.solve_sample(x, y, a, b, reg=eps, unbalanced=rho, tol=1e-10, max_iter=50_000).value)
-                - bal) for rho in (5.0, 50.0, 500.0)]
+    gaps = [
+        abs(float(flashot.solve_sample(x, y, a, b, reg=eps, unbalanced=rho, tol=1e-10, max_iter=50_000).value) - bal)
+        for rho in (5.0, 50.0, 500.0)
+    ]
     assert 5 < gaps[0] / gaps[1] < 20 and 5 < gaps[1] / gaps[2] < 20, gaps
 
 
@@ -70,14 +72,17 @@ def test_kernel_losses_against_their_definition(loss):
     x, a = _cloud(12, 4)
     y, b = _cloud(9, 5, shift=0.3)
     blur = 0.4
-    kern = {"gaussian": lambda d2: torch.exp(-d2 / (2 * blur**2)),
-            "laplacian": lambda d2: torch.exp(-d2.sqrt() / blur),
-            "energy": lambda d2: -d2.sqrt()}[loss]
+    kern = {
+        "gaussian": lambda d2: torch.exp(-d2 / (2 * blur**2)),
+        "laplacian": lambda d2: torch.exp(-d2.sqrt() / blur),
+        "energy": lambda d2: -d2.sqrt(),
+    }[loss]
 
     def exact(xx):
         z = torch.cat([xx, y])
         w = torch.cat([a, -b])
         return float(0.5 * w @ kern(ref.sq_dist(z, z)) @ w)
+
     xx = x.clone().requires_grad_()
     v = flashot.SamplesLoss(loss, blur=blur)(a, xx, b, y)
     assert abs(float(v.detach()) - exact(x)) < 1e-12 * abs(exact(x))
@@ -97,8 +102,13 @@ def _gaussian_ot(A, B, eps):
     M = 4 * A12 @ B @ A12 + s2 * s2 * torch.eye(d, dtype=A.dtype)
     ev, V = torch.linalg.eigh(M)
     Ds = V @ torch.diag(ev.sqrt()) @ V.T
-    full = (torch.trace(A) + torch.trace(B) - torch.trace(Ds) + d * s2 * (1 - math.log(2 * s2))
-            + s2 * torch.logdet(Ds + s2 * torch.eye(d, dtype=A.dtype)))
+    full = (
+        torch.trace(A)
+        + torch.trace(B)
+        - torch.trace(Ds)
+        + d * s2 * (1 - math.log(2 * s2))
+        + s2 * torch.logdet(Ds + s2 * torch.eye(d, dtype=A.dtype))
+    )
     return 0.5 * float(full)
 
 

@@ -20,8 +20,10 @@ def _problem(seed=0, n=9, m=11, masses=(1.0, 1.0)):
     return x, y, masses[0] * a / a.sum(), masses[1] * b / b.sum()
 
 
-@pytest.mark.parametrize("rhos,masses", [((None, None), (1.0, 1.0)), ((0.3, 0.3), (1.2, 0.7)),
-                                         ((0.4, None), (1.0, 0.8)), ((None, 0.2), (1.0, 1.0))])
+@pytest.mark.parametrize(
+    "rhos,masses",
+    [((None, None), (1.0, 1.0)), ((0.3, 0.3), (1.2, 0.7)), ((0.4, None), (1.0, 0.8)), ((None, 0.2), (1.0, 1.0))],
+)
 def test_gap_and_first_order_conditions(rhos, masses):
     x, y, a, b = _problem(masses=masses)
     C, eps = ref.cost_matrix(x, y), 0.05
@@ -54,8 +56,19 @@ def test_one_point_closed_form():
     ma, mb, eps, rho = 1.5, 0.5, 0.2, 0.7
     C = 0.5  # |x - y|^2 / 2
     t = math.exp(((eps + rho) * math.log(ma * mb) - C) / (eps + 2 * rho))
-    want = (C * t + eps * (t * math.log(t / (ma * mb)) - t + ma * mb)
-            + rho * (t * math.log(t / ma) - t + ma) + rho * (t * math.log(t / mb) - t + mb))
-    got = ref.ot_value(x, y, torch.tensor([ma], dtype=torch.float64), torch.tensor([mb], dtype=torch.float64), eps,
-                       rho_x=rho, rho_y=rho)
+    want = (
+        C * t
+        + eps * (t * math.log(t / (ma * mb)) - t + ma * mb)
+        + rho * (t * math.log(t / ma) - t + ma)
+        + rho * (t * math.log(t / mb) - t + mb)
+    )
+    got = ref.ot_value(
+        x,
+        y,
+        torch.tensor([ma], dtype=torch.float64),
+        torch.tensor([mb], dtype=torch.float64),
+        eps,
+        rho_x=rho,
+        rho_y=rho,
+    )
     assert abs(got - want) < 1e-13

@@ -60,12 +60,20 @@ def _oracle(kw, blur):
         if debias:
             return ref.divergence(x, y, a, b, eps, p, rx, ry)
         return ref.ot_value(x, y, a, b, eps, p, rx, ry)
+
     return value
 
 
 def _masses(kw):
-    return (1.0, 1.0) if _rhos(kw) == (None, None) else (1.15, 0.8) if None not in _rhos(kw) else (1.0, 0.8) \
-        if _rhos(kw)[0] is not None else (0.8, 1.0)
+    return (
+        (1.0, 1.0)
+        if _rhos(kw) == (None, None)
+        else (1.15, 0.8)
+        if None not in _rhos(kw)
+        else (1.0, 0.8)
+        if _rhos(kw)[0] is not None
+        else (0.8, 1.0)
+    )
 
 
 def _check(kw, backend, blur=0.4, tol_v=1e-9, tol_g=1e-6, weights=True):
@@ -78,8 +86,14 @@ def _check(kw, backend, blur=0.4, tol_v=1e-9, tol_g=1e-6, weights=True):
     want = exact(x, y, a, b)
     assert abs(float(v.detach()) - want) < tol_v * abs(want), (float(v.detach()), want)
     g = torch.Generator().manual_seed(1)
-    dx, dy = torch.randn(x.shape, generator=g, dtype=torch.float64), torch.randn(y.shape, generator=g, dtype=torch.float64)
-    for name, grad, fn, t, d in (("x", gx, lambda t: exact(t, y, a, b), x, dx), ("y", gy, lambda t: exact(x, t, a, b), y, dy)):
+    dx, dy = (
+        torch.randn(x.shape, generator=g, dtype=torch.float64),
+        torch.randn(y.shape, generator=g, dtype=torch.float64),
+    )
+    for name, grad, fn, t, d in (
+        ("x", gx, lambda t: exact(t, y, a, b), x, dx),
+        ("y", gy, lambda t: exact(x, t, a, b), y, dy),
+    ):
         fd = ref.finite_difference(fn, t, d)
         assert abs(float((grad * d).sum()) - fd) < tol_g * float(grad.abs().sum() * d.abs().max()), name
     if not weights:
@@ -88,7 +102,10 @@ def _check(kw, backend, blur=0.4, tol_v=1e-9, tol_g=1e-6, weights=True):
     da, db = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(M, generator=g, dtype=torch.float64)
     if balanced:  # along the simplex: both measures keep mass 1
         da, db = da - da.mean(), db - db.mean()
-    for name, grad, fn, t, d in (("a", ga, lambda t: exact(x, y, t, b), a, da), ("b", gb, lambda t: exact(x, y, a, t), b, db)):
+    for name, grad, fn, t, d in (
+        ("a", ga, lambda t: exact(x, y, t, b), a, da),
+        ("b", gb, lambda t: exact(x, y, a, t), b, db),
+    ):
         fd = ref.finite_difference(fn, t, d, h=1e-6)
         assert abs(float((grad * d).sum()) - fd) < tol_g * float(grad.abs().sum() * d.abs().max()), name
 

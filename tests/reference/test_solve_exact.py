@@ -83,6 +83,7 @@ def test_value_linear_and_its_gradient():
     def linear(t):
         s = ref.solve(ref.cost_matrix(t, y, half=False), a, b, REG)
         return float((ref.cost_matrix(t, y, half=False) * s.plan).sum())
+
     want = linear(x)
     _close(float(res.value_linear.detach()), want, want, 1e-9)
     (gx,) = torch.autograd.grad(res.value_linear, xx)
@@ -95,8 +96,9 @@ def test_second_derivatives():
     oracle's envelope gradient ``2 sum_j P_ij (x_i - y_j)``."""
     x, y, a, b = _data(None)
     xx = x.clone().requires_grad_()
-    res = flashot.solve_sample(xx, y, a, b, reg=REG, tol=1e-12, max_iter=50_000,
-                               implicit=flashot.ImplicitDiff(tol=1e-12, ridge=0.0))
+    res = flashot.solve_sample(
+        xx, y, a, b, reg=REG, tol=1e-12, max_iter=50_000, implicit=flashot.ImplicitDiff(tol=1e-12, ridge=0.0)
+    )
     (gx,) = torch.autograd.grad(res.value, xx, create_graph=True)
     v, w = _directions(x, a, True, seed=2)[0], _directions(x, a, True, seed=3)[0]
     (hv,) = torch.autograd.grad((gx * v).sum(), xx)
@@ -104,6 +106,7 @@ def test_second_derivatives():
     def envelope(t):
         s = ref.solve(ref.cost_matrix(t, y, half=False), a, b, REG)
         return float((2 * (s.plan.sum(1, keepdim=True) * t - s.plan @ y) * w).sum())
+
     fd = ref.finite_difference(envelope, x, v)
     _close(float((hv * w).sum()), fd, float(hv.abs().sum() * w.abs().max()), 1e-6)
 

@@ -32,6 +32,7 @@ F64 = torch.float64
 
 # -- the problems (run with group=pg on every rank, and with group=None in the parent) -----------------
 
+
 def _data(seed: int, N: int, M: int, D: int = 3, B: int | None = None):
     g = torch.Generator().manual_seed(seed)
     lead = () if B is None else (B,)
@@ -65,8 +66,7 @@ def _slices(part, x, y, a, b):
     return _part(part, x, -2), _part(part, y, -2), _part(part, a, -1), _part(part, b, -1)
 
 
-def _solve(group, part=None, *, backend="cpu", N=150, M=130, B=None, reg=0.1, tol=None, max_iter=60, init=False,
-           **kw):
+def _solve(group, part=None, *, backend="cpu", N=150, M=130, B=None, reg=0.1, tol=None, max_iter=60, init=False, **kw):
     from flashot import solve_sample
 
     x, y, a, b = _leaves(*_slices(part, *_data(0, N, M, B=B)))
@@ -77,9 +77,21 @@ def _solve(group, part=None, *, backend="cpu", N=150, M=130, B=None, reg=0.1, to
     res.value_dual.sum().backward()  # = value when balanced; the dual (mass terms included) differentiates in a, b
     ra, rb = res.marginals  # row-sharded plan products (collective)
     f, g = res.potentials
-    return {"value": res.value.detach(), "f": f.detach(), "g": g.detach(), "ra": ra, "rb": rb,
-            "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad, "n_iter": torch.tensor(res.n_iter),
-            "total": res.plan.sum(), "cost": res.plan.cost_sum(), "backend": res.backend}
+    return {
+        "value": res.value.detach(),
+        "f": f.detach(),
+        "g": g.detach(),
+        "ra": ra,
+        "rb": rb,
+        "gx": x.grad,
+        "gy": y.grad,
+        "ga": a.grad,
+        "gb": b.grad,
+        "n_iter": torch.tensor(res.n_iter),
+        "total": res.plan.sum(),
+        "cost": res.plan.cost_sum(),
+        "backend": res.backend,
+    }
 
 
 def _loss(group, part=None, *, backend="cpu", N=140, M=120, B=None, **kw):
@@ -92,8 +104,15 @@ def _loss(group, part=None, *, backend="cpu", N=140, M=120, B=None, **kw):
     v = L(a, x, b, y)
     v.sum().backward()
     F, G = SamplesLoss(blur=0.1, backend=backend, group=group, potentials=True, **kw)(a, x, b, y)
-    return {"value": v.detach(), "F": F.detach(), "G": G.detach(),
-            "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad}
+    return {
+        "value": v.detach(),
+        "F": F.detach(),
+        "G": G.detach(),
+        "gx": x.grad,
+        "gy": y.grad,
+        "ga": a.grad,
+        "gb": b.grad,
+    }
 
 
 def _hvp(group, part=None):
@@ -103,8 +122,8 @@ def _hvp(group, part=None):
     x, y, a, b = _data(2, 60, 50)
     x = x.clone().requires_grad_()
     res = solve_sample(x, y, a, b, reg=0.5, tol=1e-11, max_iter=500, backend="cpu", group=group)
-    gx, = torch.autograd.grad(res.value, x, create_graph=True)
-    hv, = torch.autograd.grad((gx * torch.linspace(-1, 1, gx.numel(), dtype=F64).view_as(gx)).sum(), x)
+    (gx,) = torch.autograd.grad(res.value, x, create_graph=True)
+    (hv,) = torch.autograd.grad((gx * torch.linspace(-1, 1, gx.numel(), dtype=F64).view_as(gx)).sum(), x)
     return {"value": res.value.detach(), "gx": gx.detach(), "hv": hv, "n_iter": torch.tensor(res.n_iter)}
 
 
@@ -132,36 +151,64 @@ def _ddp(group, part=None, lr=0.5):
 
 CASES = {
     "balanced_cpu_alt": lambda g, p: _solve(g, p, reg=0.5, tol=1e-10, max_iter=500),  # fused softmin_alt; tol
-    "balanced_cpu_symmetric": lambda g, p: _solve(g, p, method="symmetric"),         # fused softmin_pair
+    "balanced_cpu_symmetric": lambda g, p: _solve(g, p, method="symmetric"),  # fused softmin_pair
     "unbalanced_cpu": lambda g, p: _solve(g, p, unbalanced=0.5),
     "semi_unbalanced_symmetric": lambda g, p: _solve(g, p, unbalanced=(1.0, None), method="symmetric"),
     "eps_scaling": lambda g, p: _solve(g, p, reg=0.02, eps_scaling=True, max_iter=80),
-    "balanced_tiled": lambda g, p: _solve(g, p, backend="tiled", N=90, M=70),        # no fused steps
+    "balanced_tiled": lambda g, p: _solve(g, p, backend="tiled", N=90, M=70),  # no fused steps
     "batched_dense_symmetric": lambda g, p: _solve(g, p, backend="dense", B=2, N=40, M=31, method="symmetric"),
     "warm_start": lambda g, p: _solve(g, p, N=60, M=50, reg=0.5, init=True, tol=1e-9, max_iter=300),
-    "loss_debiased": lambda g, p: _loss(g, p),                                       # softmin_pair + softmin_sym
+    "loss_debiased": lambda g, p: _loss(g, p),  # softmin_pair + softmin_sym
     "loss_unbalanced_debiased": lambda g, p: _loss(g, p, reach=0.5),
     "loss_two_sided": lambda g, p: _loss(g, p, N=50, M=40, reach_x=0.5, reach_y=1.0),
     "loss_p1_batched": lambda g, p: _loss(g, p, p=1, B=2, N=30, M=25),
-    "tiny": lambda g, p: _solve(g, p, N=2, M=5),                                     # empty slices on 3 ranks
+    "tiny": lambda g, p: _solve(g, p, N=2, M=5),  # empty slices on 3 ranks
     "uneven": lambda g, p: _solve(g, p, N=7, M=6, reg=0.5, max_iter=40),  # 7 = 1 + 2 + 4 on 3 ranks
     "ddp": _ddp,
     "hvp": _hvp,
 }
-RUN = {2: ["balanced_cpu_alt", "balanced_cpu_symmetric", "unbalanced_cpu", "semi_unbalanced_symmetric",
-           "eps_scaling", "balanced_tiled", "batched_dense_symmetric", "loss_debiased",
-           "loss_unbalanced_debiased", "loss_p1_batched", "hvp", "ddp"],
-       3: ["balanced_cpu_alt", "balanced_cpu_symmetric", "eps_scaling", "loss_debiased", "tiny"]}
+RUN = {
+    2: [
+        "balanced_cpu_alt",
+        "balanced_cpu_symmetric",
+        "unbalanced_cpu",
+        "semi_unbalanced_symmetric",
+        "eps_scaling",
+        "balanced_tiled",
+        "batched_dense_symmetric",
+        "loss_debiased",
+        "loss_unbalanced_debiased",
+        "loss_p1_batched",
+        "hvp",
+        "ddp",
+    ],
+    3: ["balanced_cpu_alt", "balanced_cpu_symmetric", "eps_scaling", "loss_debiased", "tiny"],
+}
 # points-sharded mode (shard="points"): every rank passes its slice (_cuts: uneven), against one process
-RING = {2: ["balanced_cpu_alt", "balanced_cpu_symmetric", "unbalanced_cpu", "semi_unbalanced_symmetric",
-            "eps_scaling", "batched_dense_symmetric", "warm_start", "loss_debiased",
-            "loss_unbalanced_debiased", "loss_two_sided", "loss_p1_batched", "uneven", "ddp"],
-        3: ["balanced_cpu_alt", "loss_debiased", "loss_two_sided", "uneven"]}
+RING = {
+    2: [
+        "balanced_cpu_alt",
+        "balanced_cpu_symmetric",
+        "unbalanced_cpu",
+        "semi_unbalanced_symmetric",
+        "eps_scaling",
+        "batched_dense_symmetric",
+        "warm_start",
+        "loss_debiased",
+        "loss_unbalanced_debiased",
+        "loss_two_sided",
+        "loss_p1_batched",
+        "uneven",
+        "ddp",
+    ],
+    3: ["balanced_cpu_alt", "loss_debiased", "loss_two_sided", "uneven"],
+}
 X_SIDE = {"f", "ra", "gx", "ga", "F"}  # per-rank slices of the x side in points mode (gx: points axis -2)
 Y_SIDE = {"g", "rb", "gy", "gb", "G"}
 
 
 # -- the ranks ------------------------------------------------------------------------------------------
+
 
 def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     import torch.distributed as dist
@@ -186,8 +233,9 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
             "reg": lambda: solve_sample(x, y, reg=0.1 if rank == 0 else 0.2, backend="cpu", group=pg),
             "shape": lambda: solve_sample(x if rank == 0 else x[:-1], y, reg=0.1, backend="cpu", group=pg),
             "points": lambda: solve_sample(x if rank == 0 else x + 1e-12, y, reg=0.1, backend="cpu", group=pg),
-            "dtype": lambda: solve_sample(x if rank == 0 else x.float(), y if rank == 0 else y.float(), reg=0.1,
-                                          backend="cpu", group=pg),
+            "dtype": lambda: solve_sample(
+                x if rank == 0 else x.float(), y if rank == 0 else y.float(), reg=0.1, backend="cpu", group=pg
+            ),
             "option": lambda: solve_sample(x, y, reg=0.1, max_iter=100 + rank, backend="cpu", group=pg),
             "blur": lambda: SamplesLoss(blur=0.1 if rank == 0 else 0.05, backend="cpu", group=pg)(x, y),
             "weights": lambda: SamplesLoss(blur=0.1, backend="cpu", group=pg)(a if rank == 0 else a.flip(0), x, b, y),
@@ -215,18 +263,36 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
         # own input error are shared, so that every rank raises
         xl, yl, al, bl = _slices((rank, 2), x, y, a, b)
         ring = {
-            "ring_reg": lambda: solve_sample(xl, yl, reg=0.1 if rank == 0 else 0.2, backend="cpu", group=pg,
-                                             shard="points"),
-            "ring_dim": lambda: solve_sample(xl if rank == 0 else xl[:, :2], yl if rank == 0 else yl[:, :2], reg=0.1,
-                                             backend="cpu", group=pg, shard="points"),
-            "ring_weights_given": lambda: solve_sample(xl, yl, al if rank == 0 else None, bl if rank == 0 else None,
-                                                       reg=0.1, backend="cpu", group=pg, shard="points"),
-            "ring_empty": lambda: solve_sample(xl if rank == 0 else xl[:0], yl, reg=0.1, backend="cpu", group=pg,
-                                               shard="points"),
-            "ring_bad_input": lambda: solve_sample(xl if rank == 0 else xl * float("nan"), yl, reg=0.1, backend="cpu",
-                                                   group=pg, shard="points"),
-            "ring_blur": lambda: SamplesLoss(blur=0.1 if rank == 0 else 0.05, backend="cpu", group=pg,
-                                             shard="points")(xl, yl),
+            "ring_reg": lambda: solve_sample(
+                xl, yl, reg=0.1 if rank == 0 else 0.2, backend="cpu", group=pg, shard="points"
+            ),
+            "ring_dim": lambda: solve_sample(
+                xl if rank == 0 else xl[:, :2],
+                yl if rank == 0 else yl[:, :2],
+                reg=0.1,
+                backend="cpu",
+                group=pg,
+                shard="points",
+            ),
+            "ring_weights_given": lambda: solve_sample(
+                xl,
+                yl,
+                al if rank == 0 else None,
+                bl if rank == 0 else None,
+                reg=0.1,
+                backend="cpu",
+                group=pg,
+                shard="points",
+            ),
+            "ring_empty": lambda: solve_sample(
+                xl if rank == 0 else xl[:0], yl, reg=0.1, backend="cpu", group=pg, shard="points"
+            ),
+            "ring_bad_input": lambda: solve_sample(
+                xl if rank == 0 else xl * float("nan"), yl, reg=0.1, backend="cpu", group=pg, shard="points"
+            ),
+            "ring_blur": lambda: SamplesLoss(blur=0.1 if rank == 0 else 0.05, backend="cpu", group=pg, shard="points")(
+                xl, yl
+            ),
         }
         for k, fn in ring.items():
             try:
@@ -241,8 +307,15 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
             if rank == 0:
                 reng.softmin(xl[None], yl[None], torch.zeros(1, yl.shape[0], dtype=F64), 0.1, cost)
             else:
-                reng.plan_product(xl[None], yl[None], torch.zeros(1, xl.shape[0], dtype=F64),
-                                  torch.zeros(1, yl.shape[0], dtype=F64), 0.1, yl[None], cost)
+                reng.plan_product(
+                    xl[None],
+                    yl[None],
+                    torch.zeros(1, xl.shape[0], dtype=F64),
+                    torch.zeros(1, yl.shape[0], dtype=F64),
+                    0.1,
+                    yl[None],
+                    cost,
+                )
             msgs["ring_diverged"] = None
         except RuntimeError as e:
             msgs["ring_diverged"] = str(e)
@@ -286,11 +359,22 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
 def _launch(mode: str, world: int, tmp, timeout: float = 120.0, wait_for=None, script: str = HERE):
     """Run the ranks (``script``'s ``_worker``); wait for those in ``wait_for`` (all by default), then kill
     the others."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     init = f"file://{tmp}/rendezvous"
-    procs = [subprocess.Popen([sys.executable, script, mode, str(r), str(world), init, str(tmp)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, mode, str(r), str(world), init, str(tmp)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     t0 = time.perf_counter()
     outs = []
     try:
@@ -306,6 +390,7 @@ def _launch(mode: str, world: int, tmp, timeout: float = 120.0, wait_for=None, s
 
 
 # -- the tests ------------------------------------------------------------------------------------------
+
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double()
@@ -361,8 +446,15 @@ def test_mismatch_is_detected(tmp_path):
     rcs, outs, _ = _launch("mismatch", 2, tmp_path)
     assert rcs == [0, 0], "\n".join(outs)
     msgs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    expect = {"reg": "reg:", "shape": "X_a (shape, dtype)", "points": "X_a (the points", "dtype": "X_a (shape, dtype)",
-              "option": "max_iter:", "blur": "blur:", "weights": "α (the weights)"}
+    expect = {
+        "reg": "reg:",
+        "shape": "X_a (shape, dtype)",
+        "points": "X_a (the points",
+        "dtype": "X_a (shape, dtype)",
+        "option": "max_iter:",
+        "blur": "blur:",
+        "weights": "α (the weights)",
+    }
     for m in msgs:  # both ranks raise, with the same message
         for k, start in expect.items():
             assert m[k] is not None and m[k].startswith(start), (k, m[k])
@@ -372,15 +464,21 @@ def test_mismatch_is_detected(tmp_path):
     for m in msgs:
         assert m["diverged"] is not None and "the ranks diverged" in m["diverged"], m["diverged"]
         assert m["ring_diverged"] is not None and "the ranks diverged" in m["ring_diverged"], m["ring_diverged"]
-    ring = {"ring_reg": ("reg: differs", "ranks [1]"), "ring_dim": ("(batch, dimension, dtype): differs", "ranks [1]"),
-            "ring_weights_given": ("weights given: differs", "ranks [1]"), "ring_empty": ("holds no points",),
-            "ring_blur": ("blur: differs", "ranks [1]")}
+    ring = {
+        "ring_reg": ("reg: differs", "ranks [1]"),
+        "ring_dim": ("(batch, dimension, dtype): differs", "ranks [1]"),
+        "ring_weights_given": ("weights given: differs", "ranks [1]"),
+        "ring_empty": ("holds no points",),
+        "ring_blur": ("blur: differs", "ranks [1]"),
+    }
     for m in msgs:
         for k, parts in ring.items():
             assert m[k] is not None and all(p in m[k] for p in parts), (k, m[k])
     assert msgs[0]["ring_empty"].startswith("rank 1 rejected its input")
-    assert "NaN" in msgs[1]["ring_bad_input"] and msgs[0]["ring_bad_input"].startswith("rank 1 rejected its input"), \
-        (msgs[0]["ring_bad_input"], msgs[1]["ring_bad_input"])
+    assert "NaN" in msgs[1]["ring_bad_input"] and msgs[0]["ring_bad_input"].startswith("rank 1 rejected its input"), (
+        msgs[0]["ring_bad_input"],
+        msgs[1]["ring_bad_input"],
+    )
     print("\n".join(f"{k}: {v}" for k, v in msgs[0].items()))
 
 
@@ -409,11 +507,24 @@ def test_torchrun_example_matches_one_process():
 
     root = ROOT
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        os.path.join(root, "examples", "distributed_solve.py")], env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            os.path.join(root, "examples", "distributed_solve.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
-    m = re.search(r"2 ranks, engine sharded\(cpu\): OT = ([-\d.]+) .*\|grad x\| = ([-\d.]+), S_eps = ([-\d.]+)", p.stdout)
+    m = re.search(
+        r"2 ranks, engine sharded\(cpu\): OT = ([-\d.]+) .*\|grad x\| = ([-\d.]+), S_eps = ([-\d.]+)", p.stdout
+    )
     assert m, p.stdout
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(6000, 3, generator=gen).requires_grad_()

@@ -36,12 +36,14 @@ F64 = torch.float64
 
 # -- the problems (run with group=pg on every rank, and with group=None in the parent) -----------------
 
+
 def _torus(n: int, seed: int, shift=(0.0, 0.0, 0.0)) -> torch.Tensor:
     """A torus surface in 3-D (a thin shape: most cluster pairs are far apart, so pruning drops blocks)."""
     g = torch.Generator().manual_seed(seed)
     t, u = (torch.rand(n, generator=g, dtype=F64) * 2 * math.pi for _ in range(2))
-    x = torch.stack([(1 + 0.35 * torch.cos(u)) * torch.cos(t), (1 + 0.35 * torch.cos(u)) * torch.sin(t),
-                     0.35 * torch.sin(u)], -1)
+    x = torch.stack(
+        [(1 + 0.35 * torch.cos(u)) * torch.cos(t), (1 + 0.35 * torch.cos(u)) * torch.sin(t), 0.35 * torch.sin(u)], -1
+    )
     return x + torch.tensor(shift, dtype=F64)
 
 
@@ -66,8 +68,17 @@ def _loss(group, **kw) -> dict:
     v.backward()
     run = L.last_multiscale
     F, G = SamplesLoss(backend="multiscale", group=group, potentials=True, **kw)(a, x, b, y)
-    return {"value": v.detach(), "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad, "F": F, "G": G,
-            "kept": run.kept, "engine": run.m.engine.name}
+    return {
+        "value": v.detach(),
+        "gx": x.grad,
+        "gy": y.grad,
+        "ga": a.grad,
+        "gb": b.grad,
+        "F": F,
+        "G": G,
+        "kept": run.kept,
+        "engine": run.m.engine.name,
+    }
 
 
 def _labels(group) -> dict:
@@ -80,8 +91,15 @@ def _labels(group) -> dict:
     L = SamplesLoss(backend="multiscale", blur=0.03, group=group)
     v = L(lx, a, x, ly, b, y)
     v.backward()
-    return {"value": v.detach(), "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad,
-            "kept": L.last_multiscale.kept, "engine": L.last_multiscale.m.engine.name}
+    return {
+        "value": v.detach(),
+        "gx": x.grad,
+        "gy": y.grad,
+        "ga": a.grad,
+        "gb": b.grad,
+        "kept": L.last_multiscale.kept,
+        "engine": L.last_multiscale.m.engine.name,
+    }
 
 
 def _ddp(group, lr: float = 0.5) -> dict:
@@ -104,8 +122,12 @@ def _ddp(group, lr: float = 0.5) -> dict:
     loss.backward()
     grads = {f"grad{k}": p.grad.clone() for k, p in enumerate(model.parameters())}
     opt.step()
-    return {"value": loss.detach(), "kept": L.last_multiscale.kept, **grads,
-            **{f"param{k}": p.detach().clone() for k, p in enumerate(model.parameters())}}
+    return {
+        "value": loss.detach(),
+        "kept": L.last_multiscale.kept,
+        **grads,
+        **{f"param{k}": p.detach().clone() for k, p in enumerate(model.parameters())},
+    }
 
 
 def _solve(group, **kw) -> dict:
@@ -119,17 +141,28 @@ def _solve(group, **kw) -> dict:
     f, g = res.potentials
     ra, rb = res.marginals  # plan products, V of one column (the C++ kernels)
     V = torch.linspace(-1.0, 1.0, 1800 * 6, dtype=F64).view(1800, 6).sin()
-    return {"value": res.value.detach(), "f": f.detach(), "g": g.detach(), "ra": ra, "rb": rb,
-            "PV": res.plan @ V,  # six columns: the PyTorch path of the block-sparse plan product
-            "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad, "n_iter": torch.tensor(res.n_iter),
-            "kept": res.multiscale.kept, "engine": res.backend}
+    return {
+        "value": res.value.detach(),
+        "f": f.detach(),
+        "g": g.detach(),
+        "ra": ra,
+        "rb": rb,
+        "PV": res.plan @ V,  # six columns: the PyTorch path of the block-sparse plan product
+        "gx": x.grad,
+        "gy": y.grad,
+        "ga": a.grad,
+        "gb": b.grad,
+        "n_iter": torch.tensor(res.n_iter),
+        "kept": res.multiscale.kept,
+        "engine": res.backend,
+    }
 
 
 def _auto(group) -> dict:
     """backend='auto' picks the multiscale solver where one process does (threshold lowered to this size)."""
     import flashot.samples_loss as sl
 
-    old, sl.AUTO_MULTISCALE_PAIRS = sl.AUTO_MULTISCALE_PAIRS, 1000 ** 2
+    old, sl.AUTO_MULTISCALE_PAIRS = sl.AUTO_MULTISCALE_PAIRS, 1000**2
     try:
         out = _loss(group, blur=0.03, backend="auto")
     finally:
@@ -151,6 +184,7 @@ RUN = {2: list(CASES), 3: ["loss", "solve"]}
 
 
 # -- the ranks ------------------------------------------------------------------------------------------
+
 
 def _errors(rank: int, pg) -> dict:
     """What each refused or mismatched call raises on this rank (None: it did not raise)."""
@@ -174,8 +208,9 @@ def _errors(rank: int, pg) -> dict:
     keep = torch.ones(cx.n_clusters, cy.n_clusters, dtype=torch.bool)
     keep[0, -1] = rank == 0
     eng = ShardedEngine(BlockSparseEngine([(xs, ys, BlockPattern(cx.offsets, cy.offsets, keep))]), pg)
-    attempts["pruning_diverged"] = lambda: eng.softmin(xs, ys, torch.zeros(1, 200, dtype=F64), 0.1,
-                                                       get_cost("sqeuclidean"))
+    attempts["pruning_diverged"] = lambda: eng.softmin(
+        xs, ys, torch.zeros(1, 200, dtype=F64), 0.1, get_cost("sqeuclidean")
+    )
     msgs = {}
     for k, fn in attempts.items():
         try:
@@ -210,11 +245,22 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
 
 
 def _launch(mode: str, world: int, tmp, timeout: float = 300.0):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     init = f"file://{tmp}/rendezvous"
-    procs = [subprocess.Popen([sys.executable, HERE, mode, str(r), str(world), init, str(tmp)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, HERE, mode, str(r), str(world), init, str(tmp)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     t0 = time.perf_counter()
     outs = []
     try:
@@ -229,6 +275,7 @@ def _launch(mode: str, world: int, tmp, timeout: float = 300.0):
 
 
 # -- the tests ------------------------------------------------------------------------------------------
+
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     got, ref = got.detach(), ref.detach()
@@ -311,8 +358,11 @@ def test_row_ranges_are_whole_clusters_and_match_the_full_calls():
     bounds = set(cx.offsets.tolist())
     for native in (True, False):
         eng = BlockSparseEngine([(xs, ys, pat)], native=native)
-        full = [eng.softmin(xs, ys, h, 0.1, cost), eng.plan_product(xs, ys, al, h, 0.1, V1, cost),
-                eng.plan_product(xs, ys, al, h, 0.1, V5, cost, "cost")]
+        full = [
+            eng.softmin(xs, ys, h, 0.1, cost),
+            eng.plan_product(xs, ys, al, h, 0.1, V1, cost),
+            eng.plan_product(xs, ys, al, h, 0.1, V5, cost, "cost"),
+        ]
         for parts in (1, 2, 3, 7, cx.n_clusters + 5):  # the last: some ranges are empty
             spans = eng.row_bounds(xs, ys, parts)
             assert len(spans) == parts and spans[0][0] == 0 and spans[-1][1] == 1000
@@ -320,7 +370,7 @@ def test_row_ranges_are_whole_clusters_and_match_the_full_calls():
             assert all(lo in bounds and hi in bounds for lo, hi in spans)
             if parts <= 3:  # balanced: each range within one row cluster's pairs of the ideal share
                 ks = [int(torch.searchsorted(cx.offsets, torch.tensor(lo))) for lo, _ in spans] + [cx.n_clusters]
-                loads = [sum(per_row[ks[r]:ks[r + 1]]) for r in range(parts)]
+                loads = [sum(per_row[ks[r] : ks[r + 1]]) for r in range(parts)]
                 assert max(loads) - pat.pairs / parts <= max(per_row), loads
             if parts > 7:  # more ranges than clusters: some are empty
                 assert sum(lo == hi for lo, hi in spans) >= 5
@@ -328,9 +378,11 @@ def test_row_ranges_are_whole_clusters_and_match_the_full_calls():
                     got = torch.cat([eng.softmin(xs, ys, h, 0.1, cost, rows=s) for s in spans], 1)
                     assert torch.equal(got, full[0])
                 continue
-            got = [torch.cat([eng.softmin(xs, ys, h, 0.1, cost, rows=s) for s in spans], 1),
-                   torch.cat([eng.plan_product(xs, ys, al, h, 0.1, V1, cost, rows=s) for s in spans], 1),
-                   torch.cat([eng.plan_product(xs, ys, al, h, 0.1, V5, cost, "cost", rows=s) for s in spans], 1)]
+            got = [
+                torch.cat([eng.softmin(xs, ys, h, 0.1, cost, rows=s) for s in spans], 1),
+                torch.cat([eng.plan_product(xs, ys, al, h, 0.1, V1, cost, rows=s) for s in spans], 1),
+                torch.cat([eng.plan_product(xs, ys, al, h, 0.1, V5, cost, "cost", rows=s) for s in spans], 1),
+            ]
             for k, (u, v) in enumerate(zip(got, full)):
                 if native and k < 2:
                     assert torch.equal(u, v), (parts, k)

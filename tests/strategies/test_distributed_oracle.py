@@ -57,10 +57,12 @@ def _value(kind: str, rho, x, y, a, b, group, shard):
     from flashot import SamplesLoss, solve_sample
 
     if kind == "solve":
-        return solve_sample(x, y, a, b, reg=REG, unbalanced=rho, tol=1e-12, max_iter=20_000, backend="cpu",
-                            group=group, shard=shard).value
-    return SamplesLoss(blur=BLUR, reach=rho, tol=1e-12, max_iter=20_000, backend="cpu", group=group,
-                       shard=shard)(a, x, b, y)
+        return solve_sample(
+            x, y, a, b, reg=REG, unbalanced=rho, tol=1e-12, max_iter=20_000, backend="cpu", group=group, shard=shard
+        ).value
+    return SamplesLoss(blur=BLUR, reach=rho, tol=1e-12, max_iter=20_000, backend="cpu", group=group, shard=shard)(
+        a, x, b, y
+    )
 
 
 def _run(name: str, group, part) -> dict:
@@ -103,6 +105,7 @@ def _oracle(kind: str, rho, x, y, a, b):
 
     def solve(u, v, wu, wv):
         return ref.solve(ref.cost_matrix(u, v), wu, wv, eps, r, r)
+
     xy, xx, yy = solve(x, y, a, b), solve(x, x, a, a), solve(y, y, b, b)
     gx = (xy.plan.sum(1, keepdim=True) * x - xy.plan @ y) - (xx.plan.sum(1, keepdim=True) * x - xx.plan @ x)
     gy = (xy.plan.sum(0)[:, None] * y - xy.plan.T @ x) - (yy.plan.sum(1, keepdim=True) * y - yy.plan @ y)
@@ -132,11 +135,19 @@ def test_distributed_values_and_gradients_match_the_oracle(tmp_path):
         want, wx, wy = _oracle(kind, rho, x, y, a, b)
         slope = float((gx * dx).sum() + (gy * dy).sum())
         # the closure is called at once, within this iteration
-        oracle_fd = ref.finite_difference(lambda t: _oracle(kind, rho, t[:N], t[N:], a, b)[0],  # noqa: B023
-                                          torch.cat([x, y]), torch.cat([dx, dy]), h=H)
+        oracle_fd = ref.finite_difference(
+            lambda t: _oracle(kind, rho, t[:N], t[N:], a, b)[0],  # noqa: B023
+            torch.cat([x, y]),
+            torch.cat([dx, dy]),
+            h=H,
+        )
         scale = float(gx.abs().sum() * dx.abs().max() + gy.abs().sum() * dy.abs().max())
-        worst[key] = errs = {"value": abs(got["value"] - want) / abs(want), "gx": _rel(gx, wx), "gy": _rel(gy, wy),
-                             "fd": abs(slope - oracle_fd) / scale}
+        worst[key] = errs = {
+            "value": abs(got["value"] - want) / abs(want),
+            "gx": _rel(gx, wx),
+            "gy": _rel(gy, wy),
+            "fd": abs(slope - oracle_fd) / scale,
+        }
         assert errs["value"] < 1e-9 and max(errs["gx"], errs["gy"]) < 1e-7, (key, errs)
         assert errs["fd"] < 1e-6, (key, errs)
     print("\n".join(f"{k}: " + ", ".join(f"{n} {e:.1e}" for n, e in v.items()) for k, v in worst.items()))

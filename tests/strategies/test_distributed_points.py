@@ -49,8 +49,9 @@ def _warm(group, part, *, debias=True, potentials=False, p=2, steps=4, weights=T
     x0, y0, a, b = _data(4, 70, 60)
     x_all = [_moved(x0, k, last_only) for k in range(steps)]  # every rank builds the sequence, keeps its slice
     kw = {} if part is None else {"shard": "points"}
-    L = SamplesLoss(blur=0.05, p=p, debias=debias, potentials=potentials, backend="cpu", warm_start=True,
-                    group=group, **kw)
+    L = SamplesLoss(
+        blur=0.05, p=p, debias=debias, potentials=potentials, backend="cpu", warm_start=True, group=group, **kw
+    )
     out = {}
     for k, xk in enumerate(x_all):
         x, y, ak, bk = _leaves(*_slices(part, xk, y0, a, b))
@@ -77,12 +78,31 @@ def _linear(group, part, *, cost="sqeuclidean", B=None, method="auto"):
 
     x, y, a, b = _leaves(*_slices(part, *_data(5, 50, 40, B=B)))
     kw = {} if part is None else {"shard": "points"}
-    res = solve_sample(x, y, a, b, reg=0.5, cost=cost, tol=1e-12, max_iter=3000, backend="cpu", method=method,
-                       implicit=ImplicitDiff(tol=1e-12, max_iter=1000), group=group, **kw)
+    res = solve_sample(
+        x,
+        y,
+        a,
+        b,
+        reg=0.5,
+        cost=cost,
+        tol=1e-12,
+        max_iter=3000,
+        backend="cpu",
+        method=method,
+        implicit=ImplicitDiff(tol=1e-12, max_iter=1000),
+        group=group,
+        **kw,
+    )
     v = res.value_linear
     v.sum().backward()
-    return {"vlin": v.detach(), "gx": x.grad, "gy": y.grad, "ga": a.grad, "gb": b.grad,
-            "n_iter": torch.tensor(res.n_iter)}
+    return {
+        "vlin": v.detach(),
+        "gx": x.grad,
+        "gy": y.grad,
+        "ga": a.grad,
+        "gb": b.grad,
+        "n_iter": torch.tensor(res.n_iter),
+    }
 
 
 def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
@@ -96,12 +116,34 @@ def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
     x, y, a, b = _leaves(*_slices(part, *_data(8, 80, 70)))
     kw = {} if part is None else {"shard": "points"}
     cfg = Momentum(1.6) if acc == "momentum" else Anderson(m=4)
-    res = solve_sample(x, y, a, b, reg=reg, tol=1e-6, max_iter=2000, backend="cpu", method=method,
-                       unbalanced=unbalanced, acceleration=cfg, inner_iterations=1, group=group, **kw)
+    res = solve_sample(
+        x,
+        y,
+        a,
+        b,
+        reg=reg,
+        tol=1e-6,
+        max_iter=2000,
+        backend="cpu",
+        method=method,
+        unbalanced=unbalanced,
+        acceleration=cfg,
+        inner_iterations=1,
+        group=group,
+        **kw,
+    )
     res.value_dual.backward()
     f, g = res.potentials
-    return {"value": res.value.detach(), "f": f.detach(), "g": g.detach(), "gx": x.grad, "gy": y.grad,
-            "ga": a.grad, "gb": b.grad, "n_iter": torch.tensor(res.n_iter)}
+    return {
+        "value": res.value.detach(),
+        "f": f.detach(),
+        "g": g.detach(),
+        "gx": x.grad,
+        "gy": y.grad,
+        "ga": a.grad,
+        "gb": b.grad,
+        "n_iter": torch.tensor(res.n_iter),
+    }
 
 
 def _rows(group, part, *, backend="cpu", B=None, k=3):
@@ -136,8 +178,9 @@ def _hvp(group, part, *, loss=False):
     if loss:  # debiased: the self terms' second derivatives too
         v = SamplesLoss(blur=0.4, backend="cpu", implicit=cfg, group=group, **kw)(a, x, b, y)
     else:
-        v = solve_sample(x, y, a, b, reg=0.5, tol=1e-12, max_iter=1000, backend="cpu", implicit=cfg, group=group,
-                         **kw).value
+        v = solve_sample(
+            x, y, a, b, reg=0.5, tol=1e-12, max_iter=1000, backend="cpu", implicit=cfg, group=group, **kw
+        ).value
     gx, ga = torch.autograd.grad(v, (x, a), create_graph=True)
     hx, hy, hA, hB = torch.autograd.grad((gx * Vx).sum() + (ga * Va).sum(), (x, y, a, b))
     return {"value": v.detach(), "gx": gx.detach(), "ga": ga.detach(), "hx": hx, "hy": hy, "hA": hA, "hB": hB}
@@ -164,9 +207,23 @@ CASES = {
     "plan_rows_batched_dense": lambda g, p: _rows(g, p, backend="dense", B=2, k=5),
 }
 REPLICATED = {"warm_replicated"}  # whole results on every rank
-RUN = {2: list(CASES), 3: ["warm_debiased", "warm_replicated", "warm_plain", "warm_one_point_moves", "linear_grad",
-                           "linear_grad_euclidean_symmetric", "momentum_alt", "anderson_alt", "anderson_symmetric",
-                           "plan_rows", "hvp", "hvp_loss"]}
+RUN = {
+    2: list(CASES),
+    3: [
+        "warm_debiased",
+        "warm_replicated",
+        "warm_plain",
+        "warm_one_point_moves",
+        "linear_grad",
+        "linear_grad_euclidean_symmetric",
+        "momentum_alt",
+        "anderson_alt",
+        "anderson_symmetric",
+        "plan_rows",
+        "hvp",
+        "hvp_loss",
+    ],
+}
 
 
 def _refusals(group, part) -> dict[str, str | None]:
@@ -208,9 +265,11 @@ def _bad_arguments(group, part) -> dict[str, str | None]:
     x, y, _, _ = _slices(part, *_data(6, 30, 20))
     P = solve_sample(x, y, reg=0.5, backend="cpu", group=group, shard="points").plan
     msgs = {}
-    for name, call in (("to_dense_limit", lambda: P.to_dense(max_elems=10 if rank == 1 else 10**6)),
-                       ("topk_too_many", lambda: P.topk(21)),
-                       ("topk_k_differs", lambda: P.topk(2 + rank))):
+    for name, call in (
+        ("to_dense_limit", lambda: P.to_dense(max_elems=10 if rank == 1 else 10**6)),
+        ("topk_too_many", lambda: P.topk(21)),
+        ("topk_k_differs", lambda: P.topk(2 + rank)),
+    ):
         try:
             call()
             msgs[name] = None

@@ -43,12 +43,13 @@ def _cases(pg, rank: int) -> dict:
         "nan_a": ("a", lambda: solve_sample(x, y, a * NAN if bad else a, b, reg=0.1, **rep)),
         "dimension": ("X_a and X_b", lambda: solve_sample(x, y[:, :2] if bad else y, reg=0.1, **rep)),
         "dtype": ("X_a and X_b", lambda: solve_sample(x.float() if bad else x, y, reg=0.1, **rep)),
-        "multiscale_reg": ("reg", lambda: solve_sample(x, y, reg=-1.0 if bad else 0.1, backend="multiscale",
-                                                       group=pg)),
+        "multiscale_reg": ("reg", lambda: solve_sample(x, y, reg=-1.0 if bad else 0.1, backend="multiscale", group=pg)),
         "loss_blur": ("blur", lambda: SamplesLoss(blur=-1.0 if bad else 0.1, group=pg, backend="cpu")(x, y)),
         "loss_nan_b": ("β", lambda: SamplesLoss(blur=0.1, group=pg, backend="cpu")(a, x, b * NAN if bad else b, y)),
-        "loss_arguments": ("SamplesLoss takes", lambda: SamplesLoss(blur=0.1, group=pg, backend="cpu")(
-            *((x, y, x) if bad else (x, y)))),
+        "loss_arguments": (
+            "SamplesLoss takes",
+            lambda: SamplesLoss(blur=0.1, group=pg, backend="cpu")(*((x, y, x) if bad else (x, y))),
+        ),
         "points_reg": ("reg", lambda: solve_sample(xl, yl, reg=-1.0 if bad else 0.1, **pts)),
         "points_inf_b": ("b", lambda: solve_sample(xl, yl, al, bl + (float("inf") if bad else 0.0), reg=0.1, **pts)),
         "points_int_x": ("X_a", lambda: solve_sample(xl.long() if bad else xl, yl, reg=0.1, **pts)),
@@ -65,8 +66,9 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
 
     from flashot import solve_sample
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=3 * PG_TIMEOUT))
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=3 * PG_TIMEOUT)
+    )
     got: dict = {}
     path = os.path.join(out, f"rank{rank}.json")
     for name in _cases(None, rank):
@@ -100,8 +102,10 @@ def test_rejected_input_raises_on_every_rank_at_once(tmp_path):
         rcs, outs = _launch("reject", 2, tmp_path, timeout=3 * PG_TIMEOUT, script=HERE)[:2]
     except subprocess.TimeoutExpired as e:  # a rank hung (its cases so far are in its file); the ranks are killed
         rcs, outs = None, [str(e)]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists() else {}
-             for r in range(2)]
+    ranks = [
+        json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists() else {}
+        for r in range(2)
+    ]
     names = {k: arg for k, (arg, _) in _cases(None, 0).items()}
     report = "\n".join(f"{k}: " + " | ".join(str(rk.get(k)) for rk in ranks) for k in names)
     for name, arg in names.items():

@@ -69,7 +69,7 @@ def test_block_cost_bounds_are_lower_bounds():
         C = cost.matrix(x[cx.perm], y[cy.perm])
         for i in range(cx.n_clusters):
             for j in range(cy.n_clusters):
-                blk = C[cx.offsets[i]:cx.offsets[i + 1], cy.offsets[j]:cy.offsets[j + 1]]
+                blk = C[cx.offsets[i] : cx.offsets[i + 1], cy.offsets[j] : cy.offsets[j + 1]]
                 assert float(blk.min()) >= float(lb[i, j]) - 1e-12
 
 
@@ -101,11 +101,13 @@ def test_blocksparse_primitives_match_masked_dense(cost_name, native):
     hy[0, 5] = -math.inf  # a zero weight
     C = cost.matrix(xs, ys)[0]
     S = torch.where(mask, hy[0][None] - C / eps, torch.tensor(-math.inf, dtype=F64))
-    torch.testing.assert_close(eng.softmin(xs, ys, hy, eps, cost)[0], -eps * torch.logsumexp(S, -1),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        eng.softmin(xs, ys, hy, eps, cost)[0], -eps * torch.logsumexp(S, -1), rtol=1e-12, atol=1e-12
+    )
     St = torch.where(mask.T, hx[0][None] - C.T / eps, torch.tensor(-math.inf, dtype=F64))
-    torch.testing.assert_close(eng.softmin(ys, xs, hx, eps, cost)[0], -eps * torch.logsumexp(St, -1),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        eng.softmin(ys, xs, hx, eps, cost)[0], -eps * torch.logsumexp(St, -1), rtol=1e-12, atol=1e-12
+    )
     V = torch.randn(1, 180, 4, generator=g, dtype=F64)
     P = torch.where(mask, torch.exp(hx[0][:, None] + hy[0][None] - C / eps), torch.zeros((), dtype=F64))
     for weight, W in (("plan", torch.ones_like(C)), ("cost", C), ("dcost", cost.dcost_weight(C))):
@@ -184,8 +186,10 @@ def test_fused_pair_and_sym_steps_match_masked_dense(cost_name, dtype, tol):
     f, gy = eng.softmin_pair(xs, ys, hx, hy, eps, cost)
     assert eng.stats["pair"] == 1 and eng.stats["fixup"] >= 1
     scale = float(cost.matrix(xs.double(), ys.double()).max())
-    for out, ref in ((f, masked_softmin(xs, ys, hy, mask, eps, cost)),
-                     (gy, masked_softmin(ys, xs, hx, mask.T, eps, cost))):
+    for out, ref in (
+        (f, masked_softmin(xs, ys, hy, mask, eps, cost)),
+        (gy, masked_softmin(ys, xs, hx, mask.T, eps, cost)),
+    ):
         assert out.dtype == dtype and out.shape == (1, ref.shape[0])
         assert float((out[0].double() - ref).abs().max()) <= tol * scale
     h = hx.clone()
@@ -193,8 +197,17 @@ def test_fused_pair_and_sym_steps_match_masked_dense(cost_name, dtype, tol):
     assert eng.stats["sym"] == 1
     assert float((out[0].double() - masked_softmin(xs, xs, h, mxx, eps, cost)).abs().max()) <= tol * scale
     # a non-symmetric self pattern: the plain block-sparse softmin
-    e2 = BlockSparseEngine([(xs, xs, BlockPattern(cx.offsets, cx.offsets, kx & ~torch.eye(len(kx), dtype=torch.bool)
-                                                  | torch.triu(torch.ones_like(kx))))])
+    e2 = BlockSparseEngine(
+        [
+            (
+                xs,
+                xs,
+                BlockPattern(
+                    cx.offsets, cx.offsets, kx & ~torch.eye(len(kx), dtype=torch.bool) | torch.triu(torch.ones_like(kx))
+                ),
+            )
+        ]
+    )
     out2 = e2.softmin_sym(xs, h, eps, cost)
     assert e2.stats["sym"] == 0
     m2 = e2.pattern(xs, xs).keep
@@ -225,7 +238,9 @@ def test_pair_kernel_float32_far_from_the_origin(sym):
         ys, hy, mask, pat = xs, hx, mxx, BlockPattern(cx.offsets, cx.offsets, kx)
     rows, cols, rb, cb = _pair_cpu(_cpu_lib(), pat, xs, ys, hx, hy, eps, cost, sym=sym, bary=2 if sym else 1)
     C = cost.matrix(xs.double(), ys.double())[0]
-    E = torch.where(mask, torch.exp(hx[0].double()[:, None] + hy[0].double()[None] - C / eps), torch.zeros((), dtype=F64))
+    E = torch.where(
+        mask, torch.exp(hx[0].double()[:, None] + hy[0].double()[None] - C / eps), torch.zeros((), dtype=F64)
+    )
     if sym:  # the diagonal blocks' rows plus the blocks right of them, as columns
         rows, rb = rows + cols, rb + cb
     scale = float(C[mask].max()) / eps
@@ -278,8 +293,11 @@ def test_fused_steps_with_barycentres_match_masked_dense(dtype, tol):
 
 def _without_barycentres(monkeypatch):
     """The block-sparse engine without its barycentre steps (it stops declaring them)."""
-    monkeypatch.setattr(BlockSparseEngine, "capabilities", BlockSparseEngine.capabilities
-                        - {Capability.SOFTMIN_PAIR_BARY, Capability.SOFTMIN_SYM_BARY})
+    monkeypatch.setattr(
+        BlockSparseEngine,
+        "capabilities",
+        BlockSparseEngine.capabilities - {Capability.SOFTMIN_PAIR_BARY, Capability.SOFTMIN_SYM_BARY},
+    )
 
 
 @pytest.mark.parametrize("debias, reach", [(True, {}), (False, {}), (True, dict(reach=0.5))])
@@ -306,9 +324,12 @@ def test_float32_gradients_from_barycentres_are_closer_to_float64(monkeypatch):
     """In float32 the barycentres (normalised rows) beat the plan products (whose row masses carry the
     rounding of ``f / eps``): measured 1.0e-5 / 4.1e-6 / 5.1e-7 (x, y, weights) from the float64 gradients
     against 4.7e-5 / 1.1e-4 / 5.1e-7."""
+
     def grads(dtype):
-        x, y = _blobs(900, 3, 7).to(dtype), _blobs(700, 3, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)),
-                                                       spread=(0.2, 0.1)).to(dtype)
+        x, y = (
+            _blobs(900, 3, 7).to(dtype),
+            _blobs(700, 3, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)), spread=(0.2, 0.1)).to(dtype),
+        )
         a, b = torch.full((900,), 1 / 900, dtype=dtype), torch.full((700,), 1 / 700, dtype=dtype)
         g = _loss_and_grads(x, y, a, b, blur=0.05, backend="multiscale", cluster_scale=0.1)[1]
         return [t.double() - t.double().mean() for t in g]
@@ -349,8 +370,10 @@ def test_tile_pruning_inside_kept_blocks(sym):
     x, y = torus(3000, 1), torus(2500, 2, shift=(0.1, 0.0, 0.05))
     if sym:
         y = x
-    cx, cy = cluster(x, torch.ones(len(x), dtype=F64), 10.0, sub_levels=5), cluster(y, torch.ones(len(y), dtype=F64),
-                                                                                   10.0, sub_levels=5)
+    cx, cy = (
+        cluster(x, torch.ones(len(x), dtype=F64), 10.0, sub_levels=5),
+        cluster(y, torch.ones(len(y), dtype=F64), 10.0, sub_levels=5),
+    )
     assert cx.n_clusters == cy.n_clusters == 1
     xs, ys = x[cx.perm][None].contiguous(), (y[cy.perm][None].contiguous() if not sym else None)
     ys = xs if sym else ys
@@ -423,7 +446,7 @@ def test_prune_only_drops_blocks_above_the_margin():
     for i in range(cx.n_clusters):
         for j in range(cy.n_clusters):
             if not keep[i, j]:
-                blk = gap[cx.offsets[i]:cx.offsets[i + 1], cy.offsets[j]:cy.offsets[j + 1]]
+                blk = gap[cx.offsets[i] : cx.offsets[i + 1], cy.offsets[j] : cy.offsets[j + 1]]
                 assert float(blk.min()) > trunc * eps
     assert 0 < float(keep.double().mean()) < 0.5
 
@@ -440,12 +463,20 @@ def _rel(u, v):
     return float((u - v).abs().max()) / max(float(v.abs().max()), 1e-300)
 
 
-@pytest.mark.parametrize("d, p, debias, blur, reach", [
-    (2, 2, True, 0.02, {}), (3, 2, True, 0.05, {}), (3, 2, False, 0.05, {}), (3, 1, True, 0.05, {}),
-    (3, 2, True, 0.05, dict(reach=0.5)), (2, 2, False, 0.02, dict(reach_y=1.0)),
-    # p = 1 with reach: 1.05e-4 (grad y) at the default truncate=5, 2.2e-5 at 6 (each dropped entry can
-    # reach e^-truncate a_i b_j, and p = 1 gradients weigh far pairs fully)
-    (3, 1, True, 0.05, dict(reach=1.0, truncate=6))])
+@pytest.mark.parametrize(
+    "d, p, debias, blur, reach",
+    [
+        (2, 2, True, 0.02, {}),
+        (3, 2, True, 0.05, {}),
+        (3, 2, False, 0.05, {}),
+        (3, 1, True, 0.05, {}),
+        (3, 2, True, 0.05, dict(reach=0.5)),
+        (2, 2, False, 0.02, dict(reach_y=1.0)),
+        # p = 1 with reach: 1.05e-4 (grad y) at the default truncate=5, 2.2e-5 at 6 (each dropped entry can
+        # reach e^-truncate a_i b_j, and p = 1 gradients weigh far pairs fully)
+        (3, 1, True, 0.05, dict(reach=1.0, truncate=6)),
+    ],
+)
 def test_pruned_matches_unpruned(d, p, debias, blur, reach):
     x, y = _blobs(1000, d, 7), _blobs(800, d, 8, centers=((0.5, 0.0, 0.0), (3.0, -0.5, 0.0)), spread=(0.2, 0.1))
     g = torch.Generator().manual_seed(9)
@@ -495,9 +526,11 @@ def test_kept_fraction_and_trajectory_report(capsys):
     vf, gf, _ = _loss_and_grads(x, y, ones, ones, blur=0.02, backend="cpu", scaling=0.95)
     kept = L.last_multiscale.kept
     with capsys.disabled():
-        print(f"\nmultiscale torus n=3000 blur=0.02: kept fractions {[round(k, 4) for k in kept]}; value vs "
-              f"single-scale {abs(float(vm - vc)) / float(vc):.2e}, vs scaling=0.95 {abs(float(vm - vf)) / float(vf):.2e} "
-              f"(single-scale vs scaling=0.95: {abs(float(vc - vf)) / float(vf):.2e})")
+        print(
+            f"\nmultiscale torus n=3000 blur=0.02: kept fractions {[round(k, 4) for k in kept]}; value vs "
+            f"single-scale {abs(float(vm - vc)) / float(vc):.2e}, vs scaling=0.95 {abs(float(vm - vf)) / float(vf):.2e} "
+            f"(single-scale vs scaling=0.95: {abs(float(vc - vf)) / float(vf):.2e})"
+        )
     assert all(b <= a + 1e-12 for a, b in zip(kept, kept[1:])) and kept[-1] < 0.2
     # the two schedules are both GeomLoss' (not converged at the last temperature): within 1% here
     assert abs(float(vm - vc)) <= 1e-2 * float(vc)
@@ -515,20 +548,47 @@ def test_float32_and_labels_call():
     assert abs(float(v6) - float(v32)) <= 1e-6 * abs(float(v32))
 
 
-@pytest.mark.parametrize("call, exc, match", [
-    (lambda: flashot.SamplesLoss(backend="multiscale", reach_x=0.5, reach_y=1.0), NotImplementedError,
-     "reach_x != reach_y"),
-    (lambda: flashot.SamplesLoss("hausdorff", backend="multiscale"), NotImplementedError, "sinkhorn"),
-    (lambda: flashot.SamplesLoss(cluster_scale=0.1), ValueError, "multiscale"),
-    (lambda: flashot.SamplesLoss(backend="multiscale")(torch.randn(2, 30, 3), torch.randn(2, 20, 3)),
-     NotImplementedError, "batch"),
-    (lambda: flashot.SamplesLoss()(torch.zeros(30, dtype=torch.long), torch.ones(30) / 30, torch.randn(30, 3),
-                                   torch.zeros(20, dtype=torch.long), torch.ones(20) / 20, torch.randn(20, 3)),
-     ValueError, "multiscale"),
-    (lambda: flashot.SamplesLoss(backend="multiscale")(torch.zeros(30), torch.ones(30) / 30, torch.randn(30, 3),
-                                                       torch.zeros(20, dtype=torch.long), torch.ones(20) / 20,
-                                                       torch.randn(20, 3)), TypeError, "labels_x"),
-])
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (
+            lambda: flashot.SamplesLoss(backend="multiscale", reach_x=0.5, reach_y=1.0),
+            NotImplementedError,
+            "reach_x != reach_y",
+        ),
+        (lambda: flashot.SamplesLoss("hausdorff", backend="multiscale"), NotImplementedError, "sinkhorn"),
+        (lambda: flashot.SamplesLoss(cluster_scale=0.1), ValueError, "multiscale"),
+        (
+            lambda: flashot.SamplesLoss(backend="multiscale")(torch.randn(2, 30, 3), torch.randn(2, 20, 3)),
+            NotImplementedError,
+            "batch",
+        ),
+        (
+            lambda: flashot.SamplesLoss()(
+                torch.zeros(30, dtype=torch.long),
+                torch.ones(30) / 30,
+                torch.randn(30, 3),
+                torch.zeros(20, dtype=torch.long),
+                torch.ones(20) / 20,
+                torch.randn(20, 3),
+            ),
+            ValueError,
+            "multiscale",
+        ),
+        (
+            lambda: flashot.SamplesLoss(backend="multiscale")(
+                torch.zeros(30),
+                torch.ones(30) / 30,
+                torch.randn(30, 3),
+                torch.zeros(20, dtype=torch.long),
+                torch.ones(20) / 20,
+                torch.randn(20, 3),
+            ),
+            TypeError,
+            "labels_x",
+        ),
+    ],
+)
 def test_multiscale_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
@@ -595,7 +655,10 @@ def test_native_and_hierarchical_pruning_keep_what_the_rule_keeps(cost_name, mon
     monkeypatch.setenv("FLASHOT_PRUNE", "torch")
     B = BlockBounds.compute(cx, cy, f, g, cost, xs, ys)._dense(slice(None))
     assert bool(hier[B <= margin].all())  # nothing within the margin is lost by the hierarchy
-    assert 0.01 < float(hier.double().mean()) < 0.6 and abs(int(hier.sum()) - int(flat.sum())) <= cx.n_clusters + cy.n_clusters
+    assert (
+        0.01 < float(hier.double().mean()) < 0.6
+        and abs(int(hier.sum()) - int(flat.sum())) <= cx.n_clusters + cy.n_clusters
+    )
     gap = cost.matrix(xs, ys) - f[:, None] - g[None]
     # the smallest gap of every block (I, J), from the dense matrix
     ri = torch.repeat_interleave(torch.arange(cx.n_clusters), cx.offsets.diff())
@@ -684,7 +747,7 @@ def test_solve_sample_multiscale_matches_the_cpu_engine(cost, reg):
         xs = x.clone().requires_grad_()
         r = flashot.solve_sample(xs, y, a, b, reg=reg, cost=cost, backend=backend, tol=1e-10, max_iter=2000)
         assert r.converged, backend
-        gx, = torch.autograd.grad(r.value, xs)
+        (gx,) = torch.autograd.grad(r.value, xs)
         out[backend] = (r, gx)
     (r, gx), (r0, gx0) = out["multiscale"], out["cpu"]
     assert r.backend == "multiscale" and r.multiscale.kept[-1] < 0.9
@@ -707,8 +770,9 @@ def test_solve_sample_multiscale_unbalanced_matches_the_cpu_engine(unbalanced):
     out = {}
     for backend in ("multiscale", "cpu"):
         xs = x.clone().requires_grad_()
-        r = flashot.solve_sample(xs, y, a, b, reg=0.02, backend=backend, unbalanced=unbalanced, tol=1e-11,
-                                 max_iter=3000)
+        r = flashot.solve_sample(
+            xs, y, a, b, reg=0.02, backend=backend, unbalanced=unbalanced, tol=1e-11, max_iter=3000
+        )
         assert r.converged, backend
         out[backend] = (r, torch.autograd.grad(r.value, xs)[0])
     (r, gx), (r0, gx0) = out["multiscale"], out["cpu"]
@@ -721,10 +785,15 @@ def test_solve_sample_multiscale_unbalanced_matches_the_cpu_engine(unbalanced):
 
 def test_solve_sample_multiscale_refusals():
     x, y = torch.randn(50, 3, dtype=F64), torch.randn(40, 3, dtype=F64)
-    for kw, exc, match in [(dict(acceleration=flashot.Momentum(1.5)), NotImplementedError, "acceleration"),
-                           (dict(potentials_init=(torch.zeros(50, dtype=F64), torch.zeros(40, dtype=F64))),
-                            NotImplementedError, "potentials_init"),
-                           (dict(truncate=-1.0), ValueError, "truncate")]:
+    for kw, exc, match in [
+        (dict(acceleration=flashot.Momentum(1.5)), NotImplementedError, "acceleration"),
+        (
+            dict(potentials_init=(torch.zeros(50, dtype=F64), torch.zeros(40, dtype=F64))),
+            NotImplementedError,
+            "potentials_init",
+        ),
+        (dict(truncate=-1.0), ValueError, "truncate"),
+    ]:
         with pytest.raises(exc, match=match):
             flashot.solve_sample(x, y, reg=0.1, backend="multiscale", **kw)
     with pytest.raises(NotImplementedError, match="batch"):

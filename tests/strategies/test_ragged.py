@@ -123,16 +123,24 @@ def test_tol_holds_for_every_problem():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "tiled"])
-@pytest.mark.parametrize("kw", [dict(), dict(cost="euclidean"), dict(unbalanced=0.8), dict(unbalanced=(0.5, None)),
-                                dict(method="symmetric"), dict(eps_scaling=True)],
-                         ids=["sq", "euclidean", "unbalanced", "semi", "symmetric", "eps_scaling"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(cost="euclidean"),
+        dict(unbalanced=0.8),
+        dict(unbalanced=(0.5, None)),
+        dict(method="symmetric"),
+        dict(eps_scaling=True),
+    ],
+    ids=["sq", "euclidean", "unbalanced", "semi", "symmetric", "eps_scaling"],
+)
 def test_solve_sample_equals_loop(backend, kw):
     xs, ys = clouds()
     a, b = weights(N_SIZES, 3), weights(M_SIZES, 4)
     res = flashot.solve_sample(xs, ys, a, b, reg=0.4, tol=None, max_iter=40, backend=backend, **kw)
     assert isinstance(res, RaggedResult) and res.value.shape == (len(xs),) and len(res.potentials) == len(xs)
-    refs = [flashot.solve_sample(*t, reg=0.4, tol=None, max_iter=40, backend=backend, **kw)
-            for t in zip(xs, ys, a, b)]
+    refs = [flashot.solve_sample(*t, reg=0.4, tol=None, max_iter=40, backend=backend, **kw) for t in zip(xs, ys, a, b)]
     if kw.get("eps_scaling"):  # one schedule for the batch, from the largest cost bound: the loop differs
         assert all(abs(float(res.value[k].detach()) - float(r.value.detach())) < 1e-3 for k, r in enumerate(refs))
         return
@@ -198,11 +206,13 @@ BAD = [
     (lambda L, xs, ys: L(xs, torch.cat(ys)), TypeError, "y: a ragged batch takes lists"),
     (lambda L, xs, ys: L(xs, [y.float() for y in ys]), TypeError, "y[0]: dtype"),
     (lambda L, xs, ys: L(xs[:1] + [xs[1][0]] + xs[2:], ys), ValueError, "x[1]: expected one cloud of shape (N, D)"),
-    (lambda L, xs, ys: L([torch.ones(3)] * 5, xs, [torch.ones(2)] + [torch.ones(n) for n in M_SIZES[1:]], ys),
-     ValueError, "α[0]: expected shape (5,)"),
+    (
+        lambda L, xs, ys: L([torch.ones(3)] * 5, xs, [torch.ones(2)] + [torch.ones(n) for n in M_SIZES[1:]], ys),
+        ValueError,
+        "α[0]: expected shape (5,)",
+    ),
     (lambda L, xs, ys: L([torch.ones(n) for n in N_SIZES][:4], xs, None, ys), ValueError, "α: expected 5 weight"),
-    (lambda L, xs, ys: L([x.detach() * float("nan") for x in xs[:1]] + xs[1:], ys), ValueError,
-     "x[0]: contains NaN"),
+    (lambda L, xs, ys: L([x.detach() * float("nan") for x in xs[:1]] + xs[1:], ys), ValueError, "x[0]: contains NaN"),
 ]
 
 
@@ -217,13 +227,18 @@ BAD_PYG = [
     (lambda L, x, y, bx, by: L(x, y, x_batch=bx - 1, y_batch=by), ValueError, "x_batch: problem indices must be >= 0"),
     (lambda L, x, y, bx, by: L(x, y, x_batch=bx[:-1], y_batch=by), ValueError, "x_batch: expected shape (6,)"),
     (lambda L, x, y, bx, by: L(x, y, x_batch=bx, y_batch=by + 1), ValueError, "x_batch: problem 3 has no points"),
-    (lambda L, x, y, bx, by: L(x, y, x_batch=bx, y_batch=torch.tensor([0, 2, 2, 2, 2])), ValueError,
-     "y_batch: problem 1 has no points"),
+    (
+        lambda L, x, y, bx, by: L(x, y, x_batch=bx, y_batch=torch.tensor([0, 2, 2, 2, 2])),
+        ValueError,
+        "y_batch: problem 1 has no points",
+    ),
     (lambda L, x, y, bx, by: L(x, y, x_batch=bx.double(), y_batch=by), TypeError, "x_batch: expected an integer"),
     (lambda L, x, y, bx, by: L(x, y[:, :1], x_batch=bx, y_batch=by), ValueError, "y: points of dimension 1"),
-    (lambda L, x, y, bx, by: L(torch.tensor([0.0, 0, 1, 1, 1, 1], dtype=F64), x, None, y, x_batch=bx,
-                                            y_batch=by), ValueError,
-     "α: problem 0 has total mass 0"),
+    (
+        lambda L, x, y, bx, by: L(torch.tensor([0.0, 0, 1, 1, 1, 1], dtype=F64), x, None, y, x_batch=bx, y_batch=by),
+        ValueError,
+        "α: problem 0 has total mass 0",
+    ),
 ]
 
 

@@ -31,7 +31,8 @@ def _int_list(name: str):
                 v = int(float(tok)) if tok.lower().endswith(("e3", "e4", "e5", "e6")) else int(tok)
             except ValueError:
                 raise argparse.ArgumentTypeError(
-                    f"{name}: expected comma-separated positive integers, got {s!r}") from None
+                    f"{name}: expected comma-separated positive integers, got {s!r}"
+                ) from None
             if v < 1:
                 raise argparse.ArgumentTypeError(f"{name}: expected positive integers, got {v}")
             out.append(v)
@@ -70,30 +71,56 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flashot bench",
         description="Seconds per Sinkhorn iteration of flashot and the installed peers on the same problems "
-                    "(uniform weights, points in the unit cube, cost |x-y|^2, fixed iterations, no early stopping).",
+        "(uniform weights, points in the unit cube, cost |x-y|^2, fixed iterations, no early stopping).",
     )
-    p.add_argument("--sizes", type=_int_list("--sizes"), default=[5000, 20000],
-                   help="points per cloud, n = m (default 5000,20000)")
+    p.add_argument(
+        "--sizes", type=_int_list("--sizes"), default=[5000, 20000], help="points per cloud, n = m (default 5000,20000)"
+    )
     p.add_argument("--dims", type=_int_list("--dims"), default=[3, 64], help="dimensions (default 3,64)")
     p.add_argument("--dtypes", default="float32", help="float32 and/or float64 (default float32)")
     p.add_argument("--iters", type=_pos_int("--iters"), default=10, help="Sinkhorn iterations per run (default 10)")
-    p.add_argument("--repeats", type=_pos_int("--repeats"), default=3, help="timed runs; the median is reported (default 3)")
-    p.add_argument("--eps", type=_pos_float("--eps"), default=0.1, help="temperature for the cost |x-y|^2 (default 0.1)")
-    p.add_argument("--engines", default="auto",
-                   help="flashot engines, comma-separated: 'auto' or any registered engine (default auto)")
-    p.add_argument("--peers", default="all",
-                   help=f"comma-separated peers, 'all' or 'none' (default all); known: {', '.join(PEERS)}")
-    p.add_argument("--budget", type=_pos_float("--budget"), default=None,
-                   help="total seconds: skip remaining runs whose estimated time exceeds what is left")
-    p.add_argument("--solver-budget", type=_pos_float("--solver-budget"), default=None,
-                   help="seconds per solver and problem: fewer runs, then fewer iterations, never below 1 x 1 "
-                        "(reported in the notes column)")
-    p.add_argument("--flashot-budget", type=_pos_float("--flashot-budget"), default=None,
-                   help="like --solver-budget, for the flashot engines (default: --solver-budget)")
+    p.add_argument(
+        "--repeats", type=_pos_int("--repeats"), default=3, help="timed runs; the median is reported (default 3)"
+    )
+    p.add_argument(
+        "--eps", type=_pos_float("--eps"), default=0.1, help="temperature for the cost |x-y|^2 (default 0.1)"
+    )
+    p.add_argument(
+        "--engines",
+        default="auto",
+        help="flashot engines, comma-separated: 'auto' or any registered engine (default auto)",
+    )
+    p.add_argument(
+        "--peers",
+        default="all",
+        help=f"comma-separated peers, 'all' or 'none' (default all); known: {', '.join(PEERS)}",
+    )
+    p.add_argument(
+        "--budget",
+        type=_pos_float("--budget"),
+        default=None,
+        help="total seconds: skip remaining runs whose estimated time exceeds what is left",
+    )
+    p.add_argument(
+        "--solver-budget",
+        type=_pos_float("--solver-budget"),
+        default=None,
+        help="seconds per solver and problem: fewer runs, then fewer iterations, never below 1 x 1 "
+        "(reported in the notes column)",
+    )
+    p.add_argument(
+        "--flashot-budget",
+        type=_pos_float("--flashot-budget"),
+        default=None,
+        help="like --solver-budget, for the flashot engines (default: --solver-budget)",
+    )
     p.add_argument("--timeout", type=_pos_float("--timeout"), default=None, help="hard limit per worker process (s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated points (default 0)")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the solvers in this process (quick checks, tests): no memory isolation, no RSS column")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the solvers in this process (quick checks, tests): no memory isolation, no RSS column",
+    )
     p.add_argument("--no-limits", action="store_true", help="skip the exp / GEMM throughput measurement")
     p.add_argument("--markdown", metavar="OUT.md", help="also write the table as Markdown")
     p.add_argument("--plot", metavar="OUT.png", help="log-log plot of time per iteration vs n (needs matplotlib)")
@@ -115,8 +142,10 @@ def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
     known = ["auto"] + engine_names()
     bad = [e for e in engines if e not in known]
     if bad or not engines:
-        p.error(f"--engines: unknown engine {', '.join(map(repr, bad)) or repr(args.engines)}; "
-                f"registered: {', '.join(known)}")
+        p.error(
+            f"--engines: unknown engine {', '.join(map(repr, bad)) or repr(args.engines)}; "
+            f"registered: {', '.join(known)}"
+        )
     if len(set(engines)) != len(engines):
         p.error("--engines: an engine is listed twice")
     pe = args.peers.strip()
@@ -137,10 +166,23 @@ def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
         why = check_matplotlib()
         if why:
             p.error(why)
-    cfg = Config(sizes=args.sizes, dims=args.dims, dtypes=dtypes, engines=engines, peers=peers, iters=args.iters,
-                 repeats=args.repeats, eps=args.eps, seed=args.seed, budget=args.budget,
-                 solver_budget=args.solver_budget, flashot_budget=args.flashot_budget, timeout=args.timeout, measure_limits=not args.no_limits,
-                 in_process=args.in_process)
+    cfg = Config(
+        sizes=args.sizes,
+        dims=args.dims,
+        dtypes=dtypes,
+        engines=engines,
+        peers=peers,
+        iters=args.iters,
+        repeats=args.repeats,
+        eps=args.eps,
+        seed=args.seed,
+        budget=args.budget,
+        solver_budget=args.solver_budget,
+        flashot_budget=args.flashot_budget,
+        timeout=args.timeout,
+        measure_limits=not args.no_limits,
+        in_process=args.in_process,
+    )
     return cfg, args
 
 
@@ -155,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for line in report.missing_lines(res):
         print(f"missing: {line}")
-    print(f"total time {res.elapsed_s:.1f} s; s / iter = median over runs of (run time / iterations); "
-          "ratios and rel. diff against the first flashot engine in the same run")
+    print(
+        f"total time {res.elapsed_s:.1f} s; s / iter = median over runs of (run time / iterations); "
+        "ratios and rel. diff against the first flashot engine in the same run"
+    )
     if args.markdown:
         cmd = "flashot bench " + " ".join(shlex.quote(a) for a in argv)
         with open(args.markdown, "w") as fh:

@@ -101,8 +101,16 @@ def mem_available_bytes() -> int | None:
     return None
 
 
-def run_worker(solver: str, prob: Problem, iters: int, repeats: int, *, record: bool,
-               timeout: float | None, in_process: bool = False) -> tuple[dict, float]:
+def run_worker(
+    solver: str,
+    prob: Problem,
+    iters: int,
+    repeats: int,
+    *,
+    record: bool,
+    timeout: float | None,
+    in_process: bool = False,
+) -> tuple[dict, float]:
     """Run one worker process; returns (its JSON result or an error dict, wall seconds)."""
     if in_process:
         from .worker import run
@@ -121,9 +129,13 @@ def run_worker(solver: str, prob: Problem, iters: int, repeats: int, *, record: 
             json.dump(dict(solver=solver, problem=prob.to_dict(), iters=iters, repeats=repeats, record=record), fh)
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, "-m", "flashot.bench.worker", spec_p, res_p],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               timeout=timeout)
+            p = subprocess.run(
+                [sys.executable, "-m", "flashot.bench.worker", spec_p, res_p],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"timed out after {timeout:.0f} s"}, time.perf_counter() - t0
         wall = time.perf_counter() - t0
@@ -189,8 +201,9 @@ class Planner:
         """Run a small version of the problem to learn the solver's rate; returns an error or None."""
         small = Problem(min(prob.n, PROBE_N), min(prob.m, PROBE_N), prob.d, prob.dtype, prob.eps, prob.seed)
         rem = self.remaining()
-        res, wall = run_worker(solver, small, 2, 1, record=False, timeout=rem if rem and rem > 0 else None,
-                               in_process=self.cfg.in_process)
+        res, wall = run_worker(
+            solver, small, 2, 1, record=False, timeout=rem if rem and rem > 0 else None, in_process=self.cfg.in_process
+        )
         if res.get("status") != "ok":
             return res.get("error", "probe failed")
         self.learn(solver, small, res, wall)
@@ -233,8 +246,13 @@ def _run_one(cfg: Config, planner: Planner, s: str, prob: Problem, row: Row, ite
     runner = get_runner(s)
     mem = mem_available_bytes()
     if runner.bytes_per_pair and mem is not None and runner.bytes_per_pair * prob.pairs > 0.8 * mem:
-        row.status, row.reason = "skipped", (f"needs ~{runner.bytes_per_pair * prob.pairs / 2**30:.1f} GiB "
-                                             f"(dense n x m arrays), {mem / 2**30:.1f} GiB available")
+        row.status, row.reason = (
+            "skipped",
+            (
+                f"needs ~{runner.bytes_per_pair * prob.pairs / 2**30:.1f} GiB "
+                f"(dense n x m arrays), {mem / 2**30:.1f} GiB available"
+            ),
+        )
         return False
     if planner.needs_probe(s, prob):
         err = planner.probe(s, prob)

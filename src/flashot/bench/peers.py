@@ -161,8 +161,9 @@ class FlashotRunner(Runner):
         import torch
 
         a, b = prob.weights()
-        return dict(x=torch.from_numpy(x), y=torch.from_numpy(y), a=torch.from_numpy(a),
-                    b=torch.from_numpy(b), eps=prob.eps)
+        return dict(
+            x=torch.from_numpy(x), y=torch.from_numpy(y), a=torch.from_numpy(a), b=torch.from_numpy(b), eps=prob.eps
+        )
 
     def solve(self, st, iters, record=False):
         from ..measures import Measures
@@ -174,8 +175,9 @@ class FlashotRunner(Runner):
         s = None
         traj = []
         for _ in range(iters):
-            s = sinkhorn_loop(m, [st["eps"]], symmetric=False, tol=None,
-                              init=None if s is None else (s.f, s.g), warn=False)
+            s = sinkhorn_loop(
+                m, [st["eps"]], symmetric=False, tol=None, init=None if s is None else (s.f, s.g), warn=False
+            )
             if record:
                 traj.append((s.f, s.g))
         conv = lambda t: t[0].double().numpy()  # noqa: E731
@@ -195,8 +197,13 @@ class GeomLossTensorized(Runner):
         import torch
 
         a, b = prob.weights()
-        return dict(x=torch.from_numpy(x)[None], y=torch.from_numpy(y)[None],
-                    a_log=torch.from_numpy(a).log()[None], b_log=torch.from_numpy(b).log()[None], eps=prob.eps)
+        return dict(
+            x=torch.from_numpy(x)[None],
+            y=torch.from_numpy(y)[None],
+            a_log=torch.from_numpy(a).log()[None],
+            b_log=torch.from_numpy(b).log()[None],
+            eps=prob.eps,
+        )
 
     def solve(self, st, iters, record=False):
         import torch
@@ -230,8 +237,14 @@ class GeomLossOnline(Runner):
         from geomloss._legacy.sinkhorn_samples import lse_genred
 
         a, b = prob.weights()
-        return dict(x=torch.from_numpy(x), y=torch.from_numpy(y), a_log=torch.from_numpy(a).log(),
-                    b_log=torch.from_numpy(b).log(), eps=prob.eps, lse=lse_genred("SqDist(X,Y)", prob.d))
+        return dict(
+            x=torch.from_numpy(x),
+            y=torch.from_numpy(y),
+            a_log=torch.from_numpy(a).log(),
+            b_log=torch.from_numpy(b).log(),
+            eps=prob.eps,
+            lse=lse_genred("SqDist(X,Y)", prob.d),
+        )
 
     def solve(self, st, iters, record=False):
         import torch
@@ -263,8 +276,9 @@ class PotDense(Runner):
         import torch
 
         a, b = prob.weights()
-        return dict(x=torch.from_numpy(x), y=torch.from_numpy(y), a=torch.from_numpy(a), b=torch.from_numpy(b),
-                    eps=prob.eps)
+        return dict(
+            x=torch.from_numpy(x), y=torch.from_numpy(y), a=torch.from_numpy(a), b=torch.from_numpy(b), eps=prob.eps
+        )
 
     def solve(self, st, iters, record=False):
         import ot
@@ -274,8 +288,9 @@ class PotDense(Runner):
         with torch.no_grad():
             # Swapped: POT updates the potential of its second argument first; we want x first.
             M = ot.dist(st["y"], st["x"], metric="sqeuclidean")
-            _, log = ot.sinkhorn(st["b"], st["a"], M, eps, method="sinkhorn_log", numItermax=iters,
-                                 stopThr=0.0, log=True, warn=False)
+            _, log = ot.sinkhorn(
+                st["b"], st["a"], M, eps, method="sinkhorn_log", numItermax=iters, stopThr=0.0, log=True, warn=False
+            )
             f = eps * (log["log_v"] - st["a"].log())
             g = eps * (log["log_u"] - st["b"].log())
         return Result(f.double().numpy(), g.double().numpy())
@@ -291,16 +306,32 @@ class PotLazy(Runner):
         import torch
 
         a, b = prob.weights()
-        return dict(x=torch.from_numpy(x), y=torch.from_numpy(y), a=torch.from_numpy(a), b=torch.from_numpy(b),
-                    eps=prob.eps, bs=max(1, BLOCK_ENTRIES // max(prob.n, prob.m)))
+        return dict(
+            x=torch.from_numpy(x),
+            y=torch.from_numpy(y),
+            a=torch.from_numpy(a),
+            b=torch.from_numpy(b),
+            eps=prob.eps,
+            bs=max(1, BLOCK_ENTRIES // max(prob.n, prob.m)),
+        )
 
     def solve(self, st, iters, record=False):
         import ot
 
         eps = st["eps"]
-        f, g = ot.bregman.empirical_sinkhorn(st["x"], st["y"], eps, st["a"], st["b"], metric="sqeuclidean",
-                                             numIterMax=iters, stopThr=0.0, isLazy=True, batchSize=st["bs"],
-                                             warn=False)
+        f, g = ot.bregman.empirical_sinkhorn(
+            st["x"],
+            st["y"],
+            eps,
+            st["a"],
+            st["b"],
+            metric="sqeuclidean",
+            numIterMax=iters,
+            stopThr=0.0,
+            isLazy=True,
+            batchSize=st["bs"],
+            warn=False,
+        )
         f = eps * (f - st["a"].log())
         g = eps * (g - st["b"].log())
         return Result(f.double().numpy(), g.double().numpy())
@@ -321,8 +352,9 @@ class _Ott(Runner):
 
         a, b = prob.weights()
         bs = max(1, BLOCK_ENTRIES // max(prob.n, prob.m)) if self.online else None
-        st = dict(x=jnp.asarray(x), y=jnp.asarray(y), a=jnp.asarray(a), b=jnp.asarray(b), eps=prob.eps, bs=bs,
-                  compiled={})
+        st = dict(
+            x=jnp.asarray(x), y=jnp.asarray(y), a=jnp.asarray(a), b=jnp.asarray(b), eps=prob.eps, bs=bs, compiled={}
+        )
         return st
 
     def _compiled(self, st, iters):
@@ -340,8 +372,9 @@ class _Ott(Runner):
             # Swapped: OTT updates g (second cloud) first; we want x first.
             geom = pointcloud.PointCloud(y, x, epsilon=eps, batch_size=bs)
             prob = linear_problem.LinearProblem(geom, b, a)
-            solver = sinkhorn.Sinkhorn(threshold=-1.0, min_iterations=iters, max_iterations=iters,
-                                       inner_iterations=iters)
+            solver = sinkhorn.Sinkhorn(
+                threshold=-1.0, min_iterations=iters, max_iterations=iters, inner_iterations=iters
+            )
             out = solver(prob)
             # OTT's plan is exp((f + g - C) / eps) (no a x b factor): shift to the a x b convention.
             return out.g - eps * jnp.log(a), out.f - eps * jnp.log(b)  # potential on x, on y
@@ -386,15 +419,22 @@ class TorchBlocked(Runner):
     name = "torch-blocked"
     library = "torch"
     modules = ("torch",)
-    note = ("blocks of ~2**23 entries: S = h - addmm(|x|^2 + |y|^2, x, y^T, alpha=-2) / eps, "
-            "-eps * logsumexp(S, 1); K alternating iterations")
+    note = (
+        "blocks of ~2**23 entries: S = h - addmm(|x|^2 + |y|^2, x, y^T, alpha=-2) / eps, "
+        "-eps * logsumexp(S, 1); K alternating iterations"
+    )
 
     def setup(self, prob, x, y):
         import torch
 
         a, b = prob.weights()
-        return dict(x=torch.from_numpy(x), y=torch.from_numpy(y), a_log=torch.from_numpy(a).log(),
-                    b_log=torch.from_numpy(b).log(), eps=prob.eps)
+        return dict(
+            x=torch.from_numpy(x),
+            y=torch.from_numpy(y),
+            a_log=torch.from_numpy(a).log(),
+            b_log=torch.from_numpy(b).log(),
+            eps=prob.eps,
+        )
 
     @staticmethod
     def softmin(x, y, h, eps):
@@ -406,10 +446,10 @@ class TorchBlocked(Runner):
         rows = max(1, BLOCK_ENTRIES // max(1, y.shape[0]))
         out = torch.empty(x.shape[0], dtype=x.dtype)
         for i in range(0, x.shape[0], rows):
-            xb = x[i:i + rows]
-            C = torch.addmm(xx[i:i + rows, None] + yy[None, :], xb, yT, beta=1.0, alpha=-2.0)
+            xb = x[i : i + rows]
+            C = torch.addmm(xx[i : i + rows, None] + yy[None, :], xb, yT, beta=1.0, alpha=-2.0)
             S = h[None, :] - C / eps
-            out[i:i + rows] = -eps * torch.logsumexp(S, dim=1)
+            out[i : i + rows] = -eps * torch.logsumexp(S, dim=1)
         return out
 
     def solve(self, st, iters, record=False):
@@ -448,8 +488,10 @@ class FlashSinkhorn(Runner):
     library = "flash-sinkhorn"
     modules = ("flash_sinkhorn", "triton", "torch")
     device = "cuda"
-    note = ("SamplesLoss(backend='alternating', use_epsilon_scaling=False, eps=eps, n_iters=K, half_cost=False, "
-            "allow_tf32=False, potentials=True, debias=False) on CUDA")
+    note = (
+        "SamplesLoss(backend='alternating', use_epsilon_scaling=False, eps=eps, n_iters=K, half_cost=False, "
+        "allow_tf32=False, potentials=True, debias=False) on CUDA"
+    )
 
     def missing(self):
         """One line: which modules are absent and/or that there is no CUDA device (both when both)."""
@@ -466,17 +508,34 @@ class FlashSinkhorn(Runner):
 
     def loss_kwargs(self, eps: float, iters: int) -> dict:
         """Keyword arguments of ``flash_sinkhorn.SamplesLoss`` for K alternating iterations at eps on |x - y|^2."""
-        return dict(loss="sinkhorn", p=2, blur=math.sqrt(eps), debias=False, potentials=True,
-                    backend="alternating", use_epsilon_scaling=False, eps=float(eps), n_iters=int(iters),
-                    half_cost=False, allow_tf32=False, threshold=None)
+        return dict(
+            loss="sinkhorn",
+            p=2,
+            blur=math.sqrt(eps),
+            debias=False,
+            potentials=True,
+            backend="alternating",
+            use_epsilon_scaling=False,
+            eps=float(eps),
+            n_iters=int(iters),
+            half_cost=False,
+            allow_tf32=False,
+            threshold=None,
+        )
 
     def setup(self, prob, x, y):
         import torch
 
         a, b = prob.weights()
         dev = torch.device(self.device)
-        return dict(x=torch.from_numpy(x).to(dev), y=torch.from_numpy(y).to(dev), a=torch.from_numpy(a).to(dev),
-                    b=torch.from_numpy(b).to(dev), eps=prob.eps, losses={})
+        return dict(
+            x=torch.from_numpy(x).to(dev),
+            y=torch.from_numpy(y).to(dev),
+            a=torch.from_numpy(a).to(dev),
+            b=torch.from_numpy(b).to(dev),
+            eps=prob.eps,
+            losses={},
+        )
 
     def _sync(self):
         import torch

@@ -58,5 +58,7 @@ class Problem:
 
 def ot_value(a: np.ndarray, b: np.ndarray, f: np.ndarray, g: np.ndarray) -> float:
     """``<a, f> + <b, g>`` in float64 (the dual value every solver is compared on)."""
-    return float(np.dot(np.asarray(a, np.float64), np.asarray(f, np.float64))
-                 + np.dot(np.asarray(b, np.float64), np.asarray(g, np.float64)))
+    return float(
+        np.dot(np.asarray(a, np.float64), np.asarray(f, np.float64))
+        + np.dot(np.asarray(b, np.float64), np.asarray(g, np.float64))
+    )

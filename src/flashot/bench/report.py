@@ -9,8 +9,20 @@ import time
 
 from .core import BenchResult, Row
 
-COLUMNS = ["problem", "solver", "iters x runs", "s / iter", "vs flashot", "% HW limit", "cores used",
-           "peak RSS MiB", "+RSS MiB", "value <a,f>+<b,g>", "rel. diff", "notes"]
+COLUMNS = [
+    "problem",
+    "solver",
+    "iters x runs",
+    "s / iter",
+    "vs flashot",
+    "% HW limit",
+    "cores used",
+    "peak RSS MiB",
+    "+RSS MiB",
+    "value <a,f>+<b,g>",
+    "rel. diff",
+    "notes",
+]
 
 
 def _fmt(x, spec):
@@ -20,12 +32,27 @@ def _fmt(x, spec):
 def row_cells(row: Row) -> list[str]:
     p = row.problem
     prob = f"n={p.n:,} d={p.d} {p.dtype}"
-    name = row.solver + (f" ({row.engine})" if row.engine and row.solver.startswith("flashot:")
-                         and row.engine != row.solver.split(":", 1)[1] else "")
+    name = row.solver + (
+        f" ({row.engine})"
+        if row.engine and row.solver.startswith("flashot:") and row.engine != row.solver.split(":", 1)[1]
+        else ""
+    )
     if row.status != "ok":
         note = f"{row.status}: {row.reason}"
-        return [prob, name, "—", "—", "—", "—", "—", _fmt(row.rss_peak_mib, ".0f") if row.status == "error" else "—",
-                "—", "—", "—", note]
+        return [
+            prob,
+            name,
+            "—",
+            "—",
+            "—",
+            "—",
+            "—",
+            _fmt(row.rss_peak_mib, ".0f") if row.status == "error" else "—",
+            "—",
+            "—",
+            "—",
+            note,
+        ]
     ratio = "1 (ref)" if row.is_ref else _fmt(row.ratio, ".3g")
     return [
         prob,
@@ -64,12 +91,17 @@ def markdown_table(res: BenchResult) -> str:
 def limits_lines(res: BenchResult) -> list[str]:
     out = []
     for dt, lim in res.limits.items():
-        fl = (f"{lim.exp_rate_flashot / 1e9:.3g} G/s" if lim.exp_rate_flashot is not None
-              else f"not measured ({lim.build_error or 'cpu engine not built'})")
-        out.append(f"measured limits ({dt}, {lim.threads} threads): exp: torch.exp {lim.exp_rate_torch / 1e9:.3g} G/s, "
-                   f"flashot compiled vector exp {fl}; exp rate = the faster ({lim.exp_source}, "
-                   f"{lim.exp_rate / 1e9:.3g} G/s); GEMM {lim.gemm_rate / 1e9:.3g} GFLOP/s; limit per iteration = "
-                   f"max(2nm / exp rate, 4nmd / GEMM rate)")
+        fl = (
+            f"{lim.exp_rate_flashot / 1e9:.3g} G/s"
+            if lim.exp_rate_flashot is not None
+            else f"not measured ({lim.build_error or 'cpu engine not built'})"
+        )
+        out.append(
+            f"measured limits ({dt}, {lim.threads} threads): exp: torch.exp {lim.exp_rate_torch / 1e9:.3g} G/s, "
+            f"flashot compiled vector exp {fl}; exp rate = the faster ({lim.exp_source}, "
+            f"{lim.exp_rate / 1e9:.3g} G/s); GEMM {lim.gemm_rate / 1e9:.3g} GFLOP/s; limit per iteration = "
+            f"max(2nm / exp rate, 4nmd / GEMM rate)"
+        )
     return out
 
 
@@ -80,8 +112,14 @@ def missing_lines(res: BenchResult) -> list[str]:
 def cpu_identity() -> str:
     """Vendor, family, model and stepping from /proc/cpuinfo (the model name alone, e.g. "AMD EPYC",
     does not tell a Zen 4 from a Zen 5; figures from other CPUs may differ)."""
-    want = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping",
-            "CPU implementer": "implementer", "CPU part": "part"}
+    want = {
+        "vendor_id": "vendor",
+        "cpu family": "family",
+        "model": "model",
+        "stepping": "stepping",
+        "CPU implementer": "implementer",
+        "CPU part": "part",
+    }
     got: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as fh:
@@ -106,8 +144,10 @@ def kernel_isa() -> str:
         return ""
     info = build.BUILD_INFO
     pre = " prebuilt" if info.get("prebuilt") else ""
-    return (f"-march={info.get('march')}{pre} ({lib.flashot_vector_bytes() * 8}-bit vectors; "
-            f"{' '.join(info.get('isa', []))})")
+    return (
+        f"-march={info.get('march')}{pre} ({lib.flashot_vector_bytes() * 8}-bit vectors; "
+        f"{' '.join(info.get('isa', []))})"
+    )
 
 
 def machine_info() -> dict[str, str]:
@@ -144,8 +184,18 @@ def library_versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {}
-    for dist in ("flashot", "torch", "numpy", "pot", "geomloss", "pykeops", "jax", "jaxlib", "ott-jax",
-                 "flash-sinkhorn"):
+    for dist in (
+        "flashot",
+        "torch",
+        "numpy",
+        "pot",
+        "geomloss",
+        "pykeops",
+        "jax",
+        "jaxlib",
+        "ott-jax",
+        "flash-sinkhorn",
+    ):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -154,8 +204,14 @@ def library_versions() -> dict[str, str]:
 
 
 def markdown_report(res: BenchResult, command: str, title: str = "flashot bench") -> str:
-    lines = [f"## {title}", "", f"Command: `{command}`", "",
-             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; run time {res.elapsed_s:.0f} s", ""]
+    lines = [
+        f"## {title}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; run time {res.elapsed_s:.0f} s",
+        "",
+    ]
     mi = machine_info()
     lines.append("Machine: " + "; ".join(f"{k}: {v}" for k, v in mi.items()))
     lines.append("")

@@ -84,8 +84,12 @@ def main(argv: list[str]) -> int:
     try:
         out = run(spec)
     except Exception as e:  # reported to the parent, which prints it in the table
-        out = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
-               "rss_peak_kib": _peak_kib()}
+        out = {
+            "status": "error",
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+            "rss_peak_kib": _peak_kib(),
+        }
     with open(result_path, "w") as fh:
         json.dump(out, fh)
     return 0

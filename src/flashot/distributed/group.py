@@ -19,8 +19,9 @@ MOD = 1 << 22  # header integers stay exact in float32
 
 # the exception types a rejecting rank's error keeps on every rank (others become RuntimeError): ranks that
 # catch an exception type take the same branch, so their later collectives still pair up
-_SHARED_TYPES = {t.__name__: t for t in (TypeError, ValueError, NotImplementedError, MemoryError, OverflowError,
-                                         RuntimeError)}
+_SHARED_TYPES = {
+    t.__name__: t for t in (TypeError, ValueError, NotImplementedError, MemoryError, OverflowError, RuntimeError)
+}
 
 
 def check_group(group) -> Any:
@@ -28,11 +29,15 @@ def check_group(group) -> Any:
     if not dist.is_available():
         raise RuntimeError("group: torch.distributed is not available in this torch build")
     if not dist.is_initialized():
-        raise RuntimeError("group: torch.distributed is not initialised; call "
-                           "torch.distributed.init_process_group(...) first (torchrun sets the environment)")
+        raise RuntimeError(
+            "group: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+        )
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group: expected a torch.distributed ProcessGroup (e.g. torch.distributed.group.WORLD), "
-                        f"got {type(group).__name__}")
+        raise TypeError(
+            f"group: expected a torch.distributed ProcessGroup (e.g. torch.distributed.group.WORLD), "
+            f"got {type(group).__name__}"
+        )
     return group
 
 
@@ -80,8 +85,11 @@ def shared(group, local_error: Exception | None, fields: dict[str, Any]) -> list
     if not bad:
         return got
     kind, msg = got[bad[0]]["error"]
-    who = f"rank {bad[0]} rejected its input" if len(bad) == 1 else \
-        f"ranks {bad} rejected their input; rank {bad[0]}'s error"
+    who = (
+        f"rank {bad[0]} rejected its input"
+        if len(bad) == 1
+        else f"ranks {bad} rejected their input; rank {bad[0]}'s error"
+    )
     err = _SHARED_TYPES.get(kind, RuntimeError)(f"{who}: {msg} (every rank of the process group raises this)")
     raise err from local_error
 
@@ -92,8 +100,10 @@ def check_same_values(name: str, vals: list, what: str = "options") -> None:
     if any(v != vals[0] for v in vals[1:]):
         bad = [r for r, v in enumerate(vals) if v != vals[0]]
         shown = "; ".join(f"rank {r}: {vals[r]!r}" for r in [0] + bad[:3])
-        raise ValueError(f"{name}: differs across the ranks of the process group (ranks {bad} differ from "
-                         f"rank 0; {shown}); every rank must pass the same {what}")
+        raise ValueError(
+            f"{name}: differs across the ranks of the process group (ranks {bad} differ from "
+            f"rank 0; {shown}); every rank must pass the same {what}"
+        )
 
 
 def check_same(group, fields: dict[str, Any], error: Exception | None = None, what: str = "problem") -> list[dict]:

@@ -34,8 +34,10 @@ class _GatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if torch.is_grad_enabled():
-            raise NotImplementedError("second derivatives (create_graph=True) of unbalanced OT are not implemented "
-                                      "with shard='points'; balanced problems have them (implicit differentiation)")
+            raise NotImplementedError(
+                "second derivatives (create_graph=True) of unbalanced OT are not implemented "
+                "with shard='points'; balanced problems have them (implicit differentiation)"
+            )
         return (None, None, *(None if g is None else ctx.m._own(s, g) for g, s in zip(grads, ctx.sides)))
 
 
@@ -82,7 +84,7 @@ class PointsMeasures(Measures):
 
     def _own(self, side: str, g: Tensor) -> Tensor:
         lo, n = self._offset(side)
-        return g[:, lo:lo + n]
+        return g[:, lo : lo + n]
 
     def _gather(self, sides: str, ts) -> list[Tensor]:
         """One all-gather of the (B, n_r) slices ``ts`` (padded to the largest slice of their side)."""
@@ -91,15 +93,17 @@ class PointsMeasures(Measures):
         dtype = ts[0].dtype
         for t in ts[1:]:
             dtype = torch.promote_types(dtype, t.dtype)
-        send = torch.cat([F.pad(t.detach().to(dtype), (0, caps[s] - t.shape[1])).reshape(-1)
-                          for t, s in zip(ts, sides)])
+        send = torch.cat(
+            [F.pad(t.detach().to(dtype), (0, caps[s] - t.shape[1])).reshape(-1) for t, s in zip(ts, sides)]
+        )
         recv = [torch.empty_like(send) for _ in range(world)]
         dist.all_gather(recv, send, group=self.group)
         out, off = [], 0
         for t, s in zip(ts, sides):
             B, cap, c = t.shape[0], caps[s], self.counts[0 if s == "x" else 1]
-            out.append(torch.cat([recv[k][off:off + B * cap].view(B, cap)[:, :c[k]] for k in range(world)], 1)
-                       .to(t.dtype))
+            out.append(
+                torch.cat([recv[k][off : off + B * cap].view(B, cap)[:, : c[k]] for k in range(world)], 1).to(t.dtype)
+            )
             off += B * cap
         return out
 
@@ -125,9 +129,17 @@ def _global_box(xb: Tensor, yb: Tensor, group) -> tuple[Tensor, Tensor]:
     return both[0], -both[1]
 
 
-def points_measures(x: Tensor, y: Tensor, a: Tensor | None, b: Tensor | None, *, group, build,
-                    options: dict[str, Any] | None = None,
-                    names: tuple[str, str, str, str] = ("x", "y", "a", "b")) -> PointsMeasures:
+def points_measures(
+    x: Tensor,
+    y: Tensor,
+    a: Tensor | None,
+    b: Tensor | None,
+    *,
+    group,
+    build,
+    options: dict[str, Any] | None = None,
+    names: tuple[str, str, str, str] = ("x", "y", "a", "b"),
+) -> PointsMeasures:
     """This rank's slices ``x`` (n_r, D), ``y`` (m_r, D), ``a``, ``b`` as :class:`PointsMeasures` of ONE
     problem over the ranks of ``group``: ``build(x, y, a, b)`` validates them locally (the front end's
     ``Measures.build``); every rank raises if one fails or if the dimension, batch, dtype, cost, engine or
@@ -138,25 +150,32 @@ def points_measures(x: Tensor, y: Tensor, a: Tensor | None, b: Tensor | None, *,
     try:
         for nm, t in ((xn, x), (yn, y)):
             if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == 0:
-                raise ValueError(f"{nm}: this rank's slice holds no points (shape {tuple(t.shape)}); shard='points' "
-                                 "needs at least one point of each cloud on every rank")
+                raise ValueError(
+                    f"{nm}: this rank's slice holds no points (shape {tuple(t.shape)}); shard='points' "
+                    "needs at least one point of each cloud on every rank"
+                )
         m, err = build(x, y, a, b), None
     except Exception as e:  # noqa: BLE001 - shared below: every rank raises it
         m, err = None, e
     fields: dict[str, Any] = {}
     if m is not None:
-        fields = {"world size": dist.get_world_size(group),
-                  f"{xn}, {yn} (batch, dimension, dtype)": (m.x.shape[0], m.x.shape[2], str(m.x.dtype)),
-                  "cost": getattr(m.cost, "name", repr(m.cost)),
-                  "backend (the engine each rank resolved)": m.engine.name,
-                  "weights given": (a is not None, b is not None), **(options or {})}
+        fields = {
+            "world size": dist.get_world_size(group),
+            f"{xn}, {yn} (batch, dimension, dtype)": (m.x.shape[0], m.x.shape[2], str(m.x.dtype)),
+            "cost": getattr(m.cost, "name", repr(m.cost)),
+            "backend (the engine each rank resolved)": m.engine.name,
+            "weights given": (a is not None, b is not None),
+            **(options or {}),
+        }
         fields["_counts"] = (m.x.shape[1], m.y.shape[1])
     got = check_same(group, fields, err, what="options")  # _counts: not compared
     cx, cy = tuple(g["_counts"][0] for g in got), tuple(g["_counts"][1] for g in got)
     empty = [r for r in range(len(got)) if cx[r] == 0 or cy[r] == 0]
     if empty:
-        raise ValueError(f"{xn}, {yn}: rank {empty[0]} holds no points of one cloud ({xn}: {cx}, {yn}: {cy} per "
-                         "rank); shard='points' needs at least one point of each cloud on every rank")
+        raise ValueError(
+            f"{xn}, {yn}: rank {empty[0]} holds no points of one cloud ({xn}: {cx}, {yn}: {cy} per "
+            "rank); shard='points' needs at least one point of each cloud on every rank"
+        )
     return _global_measures(m, x, y, a, b, group, (cx, cy))
 
 

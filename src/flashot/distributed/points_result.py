@@ -43,9 +43,11 @@ class PointsPlan(LazyPlan):
         return self._m.reduce(super().cost_sum())
 
     def __array__(self, dtype=None, copy=None):
-        raise NotImplementedError("np.asarray(plan): not available for a points-sharded plan (shard='points': "
-                                  "each rank holds a slice of the rows); plan.to_dense() gives this rank's rows, "
-                                  "shard='replicated' the whole plan")
+        raise NotImplementedError(
+            "np.asarray(plan): not available for a points-sharded plan (shard='points': "
+            "each rank holds a slice of the rows); plan.to_dense() gives this rank's rows, "
+            "shard='replicated' the whole plan"
+        )
 
     def _columns(self) -> tuple[int, list[int]]:
         """``(M, offsets)``: the columns of the plan (over all ranks) and where each rank's block starts."""
@@ -70,9 +72,11 @@ class PointsPlan(LazyPlan):
             max_elems = check_int("max_elems", max_elems, minimum=0)
             n = x.shape[0] * x.shape[1] * M
             if n > max_elems:
-                raise MemoryError(f"to_dense: this rank's rows of the plan have {n:,} entries (shape "
-                                  f"{(x.shape[0], x.shape[1], M)}), above max_elems={max_elems:,}; use plan @ V, "
-                                  "plan.T @ U or raise max_elems explicitly")
+                raise MemoryError(
+                    f"to_dense: this rank's rows of the plan have {n:,} entries (shape "
+                    f"{(x.shape[0], x.shape[1], M)}), above max_elems={max_elems:,}; use plan @ V, "
+                    "plan.T @ U or raise max_elems explicitly"
+                )
             check_dense_budget(x.shape[0], x.shape[1], M, x.dtype, x.device)
         except (MemoryError, TypeError, ValueError) as e:
             err = e
@@ -81,6 +85,7 @@ class PointsPlan(LazyPlan):
         def block(src, yb, bb):
             C = self._m.cost.matrix(x, yb)
             return [(src, torch.exp(alpha.unsqueeze(-1) + bb[..., 0].unsqueeze(-2) - C / self.eps))]
+
         with torch.no_grad():
             parts = self._m.engine.ring_visit("to_dense", [y, beta.unsqueeze(-1)], block, lambda acc, o: acc + o)
         return self._finish(torch.cat([P for _, P in sorted(parts, key=lambda t: t[0])], -1))
@@ -113,6 +118,7 @@ class PointsPlan(LazyPlan):
             v, i = torch.cat([acc[0], o[0]], -1), torch.cat([acc[1], o[1]], -1)
             top = v.topk(min(k, v.shape[-1]), dim=-1)
             return top.values, i.gather(-1, top.indices)
+
         with torch.no_grad():
             vals, idx = self._m.engine.ring_visit("topk", [y, beta.unsqueeze(-1)], block, merge)
             vals = torch.exp(vals + alpha.unsqueeze(-1))

@@ -94,13 +94,14 @@ class ShardedEngine(GroupEngine):
         return self._exchange(op, [(out, spans)], [], inputs)[0]
 
     # -- the one collective ---------------------------------------------------------------
-    def _exchange(self, op: str, rows: list[tuple[Tensor, list[tuple[int, int]]]], partials: list[Tensor],
-                  inputs) -> tuple:
+    def _exchange(
+        self, op: str, rows: list[tuple[Tensor, list[tuple[int, int]]]], partials: list[Tensor], inputs
+    ) -> tuple:
         """One all-gather: ``rows`` = (this rank's (B, n_r, ...) slice, every rank's rows ``[lo, hi)``) pieces,
         concatenated across ranks in rank order; ``partials`` = (B, M) pieces, returned stacked as (W, B, M).
         A header (op, call number, input checksum) checks that all ranks are at the same call with the same
         inputs."""
-        ref = (rows[0][0] if rows else partials[0])
+        ref = rows[0][0] if rows else partials[0]
         dtype, device = ref.dtype, ref.device
         self._calls += 1
         chk = fold(bits_checksum(*inputs))
@@ -125,10 +126,14 @@ class ShardedEngine(GroupEngine):
         heads = [tuple(int(v) for v in r[:_HEADER].tolist()) for r in recv]
         if any(h != heads[0] for h in heads[1:]):
             bad = [k for k, h in enumerate(heads) if h != heads[0]]
-            desc = "; ".join(f"rank {k}: {_OP_NAMES.get(heads[k][0], '?')} call {heads[k][1]} inputs {heads[k][2]:#x}"
-                             for k in [0] + bad[:3])
-            raise RuntimeError(f"distributed Sinkhorn: the ranks diverged ({desc}): every rank must run the same "
-                               "calls on the same data (same options, torch build, CPU type and thread count)")
+            desc = "; ".join(
+                f"rank {k}: {_OP_NAMES.get(heads[k][0], '?')} call {heads[k][1]} inputs {heads[k][2]:#x}"
+                for k in [0] + bad[:3]
+            )
+            raise RuntimeError(
+                f"distributed Sinkhorn: the ranks diverged ({desc}): every rank must run the same "
+                "calls on the same data (same options, torch build, CPU type and thread count)"
+            )
         out = []
         off = _HEADER
         for B, cap, rest, spans in shapes:
@@ -136,12 +141,12 @@ class ShardedEngine(GroupEngine):
             parts = []
             for k in range(self.world):
                 lo, hi = spans[k]
-                parts.append(recv[k][off:off + size].view(B, cap, *rest)[:, : hi - lo])
+                parts.append(recv[k][off : off + size].view(B, cap, *rest)[:, : hi - lo])
             out.append(torch.cat(parts, 1))
             off += size
         for p in partials:
             size = p.numel()
-            out.append(torch.stack([recv[k][off:off + size].view(p.shape) for k in range(self.world)]))
+            out.append(torch.stack([recv[k][off : off + size].view(p.shape) for k in range(self.world)]))
             off += size
         return tuple(out)
 
@@ -157,6 +162,7 @@ class ShardedEngine(GroupEngine):
     def _softmin(self, op: str, x: Tensor, y: Tensor, h: Tensor, eps: float, cost, inputs: tuple) -> Tensor:
         def even(xr):
             return x.new_full((x.shape[0], 0), math.inf) if xr is None else self.inner.softmin(xr, y, h, eps, cost)
+
         return self._row_call(op, x, y, inputs, even, lambda rows: self.inner.softmin(x, y, h, eps, cost, rows=rows))
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
@@ -164,8 +170,15 @@ class ShardedEngine(GroupEngine):
             if xr is None:
                 return V.new_zeros((x.shape[0], 0, V.shape[-1]))
             return self.inner.plan_product(xr, y, self._vec(alpha), beta, eps, V, cost, weight)
-        return self._row_call("plan_product", x, y, (x, y, alpha, beta, V), even,
-                              lambda rows: self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, rows=rows))
+
+        return self._row_call(
+            "plan_product",
+            x,
+            y,
+            (x, y, alpha, beta, V),
+            even,
+            lambda rows: self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, rows=rows),
+        )
 
     def _fused(self, op: str, x, y, hx, hy, eps, call) -> tuple[Tensor, Tensor]:
         xr, hr = self._rows(x), self._vec(hx)
@@ -178,12 +191,14 @@ class ShardedEngine(GroupEngine):
         return f, self._lse_combine(parts, eps)
 
     def softmin_pair(self, x, y, hx, hy, eps, cost):
-        return self._fused("softmin_pair", x, y, hx, hy, eps,
-                           lambda xr, hr: self.inner.softmin_pair(xr, y, hr, hy, eps, cost))
+        return self._fused(
+            "softmin_pair", x, y, hx, hy, eps, lambda xr, hr: self.inner.softmin_pair(xr, y, hr, hy, eps, cost)
+        )
 
     def softmin_alt(self, x, y, ha, hy, eps, cost, lam=1.0):
-        return self._fused("softmin_alt", x, y, ha, hy, eps,
-                           lambda xr, hr: self.inner.softmin_alt(xr, y, hr, hy, eps, cost, lam))
+        return self._fused(
+            "softmin_alt", x, y, ha, hy, eps, lambda xr, hr: self.inner.softmin_alt(xr, y, hr, hy, eps, cost, lam)
+        )
 
     def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost) -> Tensor:
         return self._softmin("softmin_sym", x, x, h, eps, cost, (x, h))
@@ -194,8 +209,9 @@ class ShardedEngine(GroupEngine):
             self.inner.expect_reuse(self._rows(x), y, cost)
 
 
-def distribute_measures(m, group, options: dict[str, Any] | None = None,
-                        names: tuple[str, str, str, str] = ("x", "y", "α", "β")):
+def distribute_measures(
+    m, group, options: dict[str, Any] | None = None, names: tuple[str, str, str, str] = ("x", "y", "α", "β")
+):
     """Check that every rank of ``group`` holds the same problem, then shard ``m``'s engine (in place).
 
     Compared: the shapes, dtypes and bits of the (centred) points and of the weights, the cost, the
@@ -208,15 +224,16 @@ def distribute_measures(m, group, options: dict[str, Any] | None = None,
         return m
     fields: dict[str, Any] = {"world size": dist.get_world_size(group)}
     for nm, t in ((xn, m.x), (yn, m.y), (an, m.a), (bn, m.b)):
-        fields[f"{nm} (shape, dtype)"] = (tuple(t.shape[1 - m.batched:]), str(t.dtype))
+        fields[f"{nm} (shape, dtype)"] = (tuple(t.shape[1 - m.batched :]), str(t.dtype))
     fields["cost"] = getattr(m.cost, "name", repr(m.cost))
     fields["backend (the engine each rank resolved)"] = m.engine.name
     for k, v in (options or {}).items():
         fields[k] = v
     # replicated mode: the data must be the same on every rank (after the shapes: clearer errors first)
     for nm, t in ((xn, m.x), (yn, m.y)):
-        fields[f"{nm} (the points: replicated mode needs the same points on every rank)"] = \
+        fields[f"{nm} (the points: replicated mode needs the same points on every rank)"] = (
             f"bits checksum {bits_checksum(t):#x}"
+        )
     for nm, t in ((an, m.a), (bn, m.b)):
         fields[f"{nm} (the weights)"] = f"bits checksum {bits_checksum(t):#x}"
     check_same(group, fields)

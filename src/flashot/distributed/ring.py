@@ -45,8 +45,11 @@ class RingEngine(GroupEngine):
         Returns every rank's block length."""
         self._calls += 1
         widths = [p.shape[2] for p in parts] + [0] * (3 - len(parts))
-        head = torch.tensor([_RING_OPS[op], self._calls % MOD, parts[0].shape[0], *widths, parts[0].shape[1]],
-                            dtype=torch.int64, device=parts[0].device)
+        head = torch.tensor(
+            [_RING_OPS[op], self._calls % MOD, parts[0].shape[0], *widths, parts[0].shape[1]],
+            dtype=torch.int64,
+            device=parts[0].device,
+        )
         got = [torch.empty_like(head) for _ in range(self.world)]
         dist.all_gather(got, head, group=self.group)
         self.stats["calls"] += 1
@@ -55,10 +58,15 @@ class RingEngine(GroupEngine):
         if any(h[:-1] != heads[0][:-1] for h in heads[1:]):
             bad = [k for k, h in enumerate(heads) if h[:-1] != heads[0][:-1]]
             names = {v: n for n, v in _RING_OPS.items()}
-            desc = "; ".join(f"rank {k}: {names.get(heads[k][0], '?')} call "
-                             f"{heads[k][1]}, batch {heads[k][2]}, widths {heads[k][3:6]}" for k in [0] + bad[:3])
-            raise RuntimeError(f"distributed Sinkhorn (shard='points'): the ranks diverged ({desc}): every rank must "
-                               "run the same calls with the same options")
+            desc = "; ".join(
+                f"rank {k}: {names.get(heads[k][0], '?')} call "
+                f"{heads[k][1]}, batch {heads[k][2]}, widths {heads[k][3:6]}"
+                for k in [0] + bad[:3]
+            )
+            raise RuntimeError(
+                f"distributed Sinkhorn (shard='points'): the ranks diverged ({desc}): every rank must "
+                "run the same calls with the same options"
+            )
         return [h[-1] for h in heads]
 
     @staticmethod
@@ -66,7 +74,7 @@ class RingEngine(GroupEngine):
         off = 0
         for p in parts:
             B, n, w = p.shape
-            buf[off:off + B * cap * w].view(B, cap, w)[:, :n] = p
+            buf[off : off + B * cap * w].view(B, cap, w)[:, :n] = p
             off += B * cap * w
 
     @staticmethod
@@ -74,7 +82,7 @@ class RingEngine(GroupEngine):
         """The (B, cap, w) view of part ``k`` in a packed buffer."""
         off = sum(p.shape[0] * cap * p.shape[2] for p in parts[:k])
         B, _, w = parts[k].shape
-        return buf[off:off + B * cap * w].view(B, cap, w)
+        return buf[off : off + B * cap * w].view(B, cap, w)
 
     @classmethod
     def _unpack(cls, buf: Tensor, parts: list[Tensor], cap: int, n: int) -> list[Tensor]:
@@ -131,8 +139,10 @@ class RingEngine(GroupEngine):
     # -- the contract ---------------------------------------------------------------------
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:
         """This rank's rows of ``-eps log sum_j exp(h_j - C(x_i, y_j) / eps)`` over every rank's block (y, h)."""
+
         def part(yb, hb):
             return self.inner.softmin(x, yb, hb[..., 0], eps, cost)
+
         return self._ring("softmin", [y, h.unsqueeze(-1)], part, lambda acc, o: _lse2(acc, o, eps))
 
     def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost) -> tuple[Tensor, Tensor]:
@@ -160,6 +170,8 @@ class RingEngine(GroupEngine):
 
     def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
         """This rank's rows of ``sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j`` over every rank's block."""
+
         def part(yb, bb, Vb):
             return self.inner.plan_product(x, yb, alpha, bb[..., 0], eps, Vb, cost, weight)
+
         return self._ring("plan_product", [y, beta.unsqueeze(-1), V], part, torch.add)

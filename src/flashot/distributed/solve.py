@@ -33,8 +33,10 @@ def check_shard(shard: str, group) -> str:
     if not isinstance(shard, str) or shard not in SHARDS:
         raise ValueError(f"shard: expected one of {SHARDS}, got {shard!r}")
     if shard == "points" and group is None:
-        raise ValueError("shard='points' needs group= (a torch.distributed process group); "
-                         "on one process pass all the points without shard=")
+        raise ValueError(
+            "shard='points' needs group= (a torch.distributed process group); "
+            "on one process pass all the points without shard="
+        )
     return shard
 
 
@@ -55,16 +57,24 @@ def _collective_callback(cb, group):
         t = torch.tensor([1 if stop else 0], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return bool(t.item())
+
     return wrapped
 
 
 def _option_fields(opts) -> dict[str, Any]:
     """The solve options that every rank must pass the same (name -> comparable value)."""
     return {
-        "reg": opts.reg, "max_iter": opts.max_iter, "tol": opts.tol, "method": opts.method,
-        "eps_scaling": opts.eps_scaling, "unbalanced": (opts.rho_a, opts.rho_b),
-        "inner_iterations": opts.inner_iterations, "acceleration": repr(opts.acceleration),
-        "implicit": repr(opts.implicit), "grad": opts.grad, "callback (given or not)": opts.callback is not None,
+        "reg": opts.reg,
+        "max_iter": opts.max_iter,
+        "tol": opts.tol,
+        "method": opts.method,
+        "eps_scaling": opts.eps_scaling,
+        "unbalanced": (opts.rho_a, opts.rho_b),
+        "inner_iterations": opts.inner_iterations,
+        "acceleration": repr(opts.acceleration),
+        "implicit": repr(opts.implicit),
+        "grad": opts.grad,
+        "callback (given or not)": opts.callback is not None,
     }
 
 
@@ -90,8 +100,9 @@ def distribute_solve(m, opts, group, potentials_init=None, options: dict[str, An
     return _rank_options(opts, group)
 
 
-def points_solve(X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, group, potentials_init=None,
-                 numpy: bool = False) -> PointsOTResult:
+def points_solve(
+    X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, group, potentials_init=None, numpy: bool = False
+) -> PointsOTResult:
     """:func:`flashot.solve_sample` with ``shard="points"``: ONE problem whose points and weights are split
     over the ranks of ``group`` (this rank passes its slices); potentials, marginals and gradients are this
     rank's slices, values the whole problem's (same on every rank).  Options are checked across ranks.

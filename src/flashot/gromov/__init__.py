@@ -78,6 +78,10 @@ from .features import CHECK_EVERY, NOISE_RTOL, SMALL_CHANGE  # noqa: F401
 from .results import GWPlan, GWResult  # noqa: F401
 from .semirelaxed import SRProblem  # noqa: F401
 
-__all__ = ["GWResult", "fused_gromov_wasserstein", "gromov_wasserstein", "semirelaxed_fused_gromov_wasserstein",
-           "semirelaxed_gromov_wasserstein"]
-
+__all__ = [
+    "GWResult",
+    "fused_gromov_wasserstein",
+    "gromov_wasserstein",
+    "semirelaxed_fused_gromov_wasserstein",
+    "semirelaxed_gromov_wasserstein",
+]

@@ -68,10 +68,13 @@ class GWProblem:
             self.u, self.v = self.u + (1.0 - alpha) * (F * F).sum(-1), self.v + (1.0 - alpha) * (G * G).sum(-1)
             self.Phi, self.Psi = torch.cat([Ex, F], -1), torch.cat([Ey, G], -1)
         cost0, _, _ = self.make_cost(torch.zeros(self.p, self.q, dtype=torch.float64, device=self.dev))
-        _, xs, ys = FeatureBilinearCost.pair(self.u.unsqueeze(0), self.Phi.unsqueeze(0), self.v.unsqueeze(0),
-                                             self.Psi.unsqueeze(0),
-                                             torch.zeros(1, self.Phi.shape[1], self.Psi.shape[1], dtype=torch.float64,
-                                                         device=self.dev))
+        _, xs, ys = FeatureBilinearCost.pair(
+            self.u.unsqueeze(0),
+            self.Phi.unsqueeze(0),
+            self.v.unsqueeze(0),
+            self.Psi.unsqueeze(0),
+            torch.zeros(1, self.Phi.shape[1], self.Psi.shape[1], dtype=torch.float64, device=self.dev),
+        )
         self.xs, self.ys = xs.to(self.cdt), ys.to(self.cdt)
         K = self.xs.shape[-1]
         self.engine = get_engine(o.backend, device=self.dev, dtype=self.cdt, cost=cost0, size=(1, self.n, self.m, K))
@@ -113,8 +116,20 @@ class GWProblem:
         return cost, Mm, bound
 
     def measures(self, cost: FeatureBilinearCost, bound: float) -> Measures:
-        return Measures(self.xs, self.ys, self.a_c, self.b_c, self.a_log, self.b_log, cost, self.engine, False,
-                        self.cdt, self.center, bound)
+        return Measures(
+            self.xs,
+            self.ys,
+            self.a_c,
+            self.b_c,
+            self.a_log,
+            self.b_log,
+            cost,
+            self.engine,
+            False,
+            self.cdt,
+            self.center,
+            bound,
+        )
 
     def right(self, Ey, hy, G) -> Tensor:
         """``[E_y, h_y]`` (and ``[|G|^2, G]`` when fused): ``T @`` it gives ``A``, the value and the row sums."""
@@ -127,7 +142,7 @@ class GWProblem:
         A = Ex.T @ Q[:, :q]
         val = hx @ r + Q[:, q].sum() - 2.0 * (A * (self.Rx @ A @ self.Ry.T)).sum()
         if self.fused:  # (1 - alpha) <|F_i - G_j|^2, T> + alpha GW
-            feat = (F * F).sum(-1) @ r + Q[:, q + 1].sum() - 2.0 * (F * Q[:, q + 2:]).sum()
+            feat = (F * F).sum(-1) @ r + Q[:, q + 1].sum() - 2.0 * (F * Q[:, q + 2 :]).sum()
             val = self.alpha * val + (1.0 - self.alpha) * feat
         return A, val
 
@@ -150,8 +165,15 @@ class GWProblem:
     def dot(self, m1: Measures, f1, g1, m2: Measures, f2, g2) -> float:
         """``<T1, T2>``: a plan product with the mean of the two (feature-bilinear) costs at eps / 2."""
         reg, a_log, b_log = self.reg, self.a_log, self.b_log
-        return plan_inner(self.engine, self.xs, self.ys, (f1 + f2) / reg + 2 * a_log, (g1 + g2) / reg + 2 * b_log,
-                          reg / 2, mean_cost(m1.cost, m2.cost))
+        return plan_inner(
+            self.engine,
+            self.xs,
+            self.ys,
+            (f1 + f2) / reg + 2 * a_log,
+            (g1 + g2) / reg + 2 * b_log,
+            reg / 2,
+            mean_cost(m1.cost, m2.cost),
+        )
 
     def small_change(self, mm: Measures, f, g, M1, f2, g2, M2) -> tuple[float, float]:
         """``(sum_ij T_ij^2 d_ij^2, its rounding error)`` with ``T2 = T exp(d)``: ``|T2 - T|_F^2`` to second order
@@ -173,8 +195,9 @@ class GWProblem:
         k = z.shape[1]
         Z2 = (z.unsqueeze(-1) * z.unsqueeze(-2)).reshape(1, m, k * k).to(self.cdt).contiguous()
         with torch.no_grad():
-            R = self.engine.plan_product(self.xs, self.ys, 2 * (f / reg + self.a_log), 2 * (g / reg + self.b_log),
-                                         reg / 2, Z2, mm.cost)
+            R = self.engine.plan_product(
+                self.xs, self.ys, 2 * (f / reg + self.a_log), 2 * (g / reg + self.b_log), reg / 2, Z2, mm.cost
+            )
         return quadratic_form(w, R[0].double().reshape(n, k, k), self.cdt)
 
     def change(self, mm: Measures, f: Tensor, g: Tensor, Mm: Tensor, bound: float, prev) -> tuple[float, float, float]:
@@ -187,8 +210,15 @@ class GWProblem:
         if prev is None:  # T_prev = a b^T: |a|^2 |b|^2 and <T, a b^T> = a^T T b
             prev_sq = float((self.a64 @ self.a64) * (self.b64 @ self.b64))
             with torch.no_grad():
-                Tb = self.engine.plan_product(self.xs, self.ys, f / self.reg + self.a_log, g / self.reg + self.b_log,
-                                              self.reg, self.b_c.unsqueeze(-1), mm.cost)
+                Tb = self.engine.plan_product(
+                    self.xs,
+                    self.ys,
+                    f / self.reg + self.a_log,
+                    g / self.reg + self.b_log,
+                    self.reg,
+                    self.b_c.unsqueeze(-1),
+                    mm.cost,
+                )
             cross = float((self.a_c.double() * Tb[..., 0].double()).sum())
         else:
             prev_sq = self.sq_norm(*prev[:3])
@@ -198,8 +228,9 @@ class GWProblem:
         # change stalls near this floor (float32: ~1e-7 |T|_F); it cannot resolve a smaller tol.  The
         # expansion cancels: its own error is ~ that relative error times |T|^2 + |T_prev|^2
         u_c = torch.finfo(self.cdt).eps
-        scale = (bound + float(f.abs().max()) + float(g.abs().max())) / self.reg + 2.0 * math.log2(1 + max(self.n,
-                                                                                                         self.m))
+        scale = (bound + float(f.abs().max()) + float(g.abs().max())) / self.reg + 2.0 * math.log2(
+            1 + max(self.n, self.m)
+        )
         floor, noise = u_c * scale * math.sqrt(cur_sq), u_c * scale * (cur_sq + prev_sq)
         if prev is not None and (err_sq < SMALL_CHANGE**2 * cur_sq or noise > NOISE_RTOL * max(err_sq, 0.0)):
             # the expansion has lost its digits: the second-order form, where its own rounding is the smaller
@@ -211,8 +242,9 @@ class GWProblem:
 
     def value(self, plan: GWPlan, mm: Measures, f: Tensor, g: Tensor) -> Tensor:
         """The loss of the returned coupling, differentiable w.r.t. the points (coupling fixed: envelope theorem)."""
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (self.X, self.Y, self.FX,
-                                                                                         self.FY)):
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (self.X, self.Y, self.FX, self.FY)
+        ):
             Ex_g, hx_g, _, Ey_g, hy_g, _, F_g, G_g = self.features(True)
             Q = plan.apply(self.right(Ey_g, hy_g, G_g).to(self.cdt)).double()  # differentiable in V (transposed)
             return self.loss(Ex_g, hx_g, F_g, Q, Q[:, 0].detach())[1]  # Q[:, 0] = T 1, a constant
@@ -227,12 +259,16 @@ class GWProblem:
             ones = torch.ones(1, m, 1, dtype=cdt, device=dev)
             lin = self.engine.plan_product(xs, ys, alpha, beta, reg, ones, mm.cost, "cost")[0, :, 0].double().sum()
             rows = self.engine.plan_product(xs, ys, alpha, beta, reg, ones, mm.cost, "plan")[0, :, 0].double()
-            cols = self.engine.plan_product(ys, xs, beta, alpha, reg, torch.ones(1, n, 1, dtype=cdt, device=dev),
-                                            mm.cost, "plan")[0, :, 0].double()
+            cols = self.engine.plan_product(
+                ys, xs, beta, alpha, reg, torch.ones(1, n, 1, dtype=cdt, device=dev), mm.cost, "plan"
+            )[0, :, 0].double()
             # KL(T | a b^T) = sum T log(T / (a b)) - sum T + sum a b, log(T_ij / (a_i b_j)) = (f_i + g_j - C_ij) / reg
             mass = rows.sum()
-            kl = ((rows * f[0].double()).sum() + (cols * g[0].double()).sum() - lin) / reg - mass \
+            kl = (
+                ((rows * f[0].double()).sum() + (cols * g[0].double()).sum() - lin) / reg
+                - mass
                 + self.a64.sum() * self.b64.sum()
+            )
             v = float(value.detach()) + reg * float(kl)
         return v
 
@@ -267,8 +303,12 @@ def gw_loop(pb: GWProblem, o: Options) -> GWRun:
             run.prev = (mm, f, g, Mm)
             if o.verbose:
                 e = f"  err {run.err:.3e} (floor {floor:.2e})" if run.cpt % CHECK_EVERY == 0 else ""
-                print(f"gromov_wasserstein: outer {run.cpt + 1}/{o.max_iter}  inner {res.n_iter}  value "
-                      f"{float(val):.10g}{e}  ({time.perf_counter() - t0:.2f}s)", file=sys.stderr, flush=True)
+                print(
+                    f"gromov_wasserstein: outer {run.cpt + 1}/{o.max_iter}  inner {res.n_iter}  value "
+                    f"{float(val):.10g}{e}  ({time.perf_counter() - t0:.2f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             run.cpt += 1
             if run.stop_at is not None and run.cpt % CHECK_EVERY == 1 and run.err <= run.stop_at:
                 run.converged = True
@@ -290,11 +330,16 @@ def solve_gw(X, Y, a, b, FX, FY, alpha: float, opts: Options) -> GWResult:
     if run.unresolved:
         warnings.warn(run.unresolved, RuntimeWarning, stacklevel=3)
     if not run.inner_ok:
-        warnings.warn(f"gromov_wasserstein: some inner Sinkhorn solves did not reach inner_tol={o.inner_tol:g} in "
-                      f"{o.inner_max_iter} iterations; raise inner_max_iter or reg", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"gromov_wasserstein: some inner Sinkhorn solves did not reach inner_tol={o.inner_tol:g} in "
+            f"{o.inner_max_iter} iterations; raise inner_max_iter or reg",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     mm, f, g, _ = run.prev
-    plan = GWPlan(mm, f, g, o.reg, (X.detach().to(pb.cdt).unsqueeze(0), Y.detach().to(pb.cdt).unsqueeze(0)),
-                  numpy=is_np)
+    plan = GWPlan(
+        mm, f, g, o.reg, (X.detach().to(pb.cdt).unsqueeze(0), Y.detach().to(pb.cdt).unsqueeze(0)), numpy=is_np
+    )
     value = pb.value(plan, mm, f, g)
     res = run.res
     value = value.to(X.dtype)

@@ -31,12 +31,15 @@ def check_alpha(alpha) -> float:
 def check_cloud(name: str, x) -> Tensor:
     x = to_tensor(name, x)
     if not isinstance(x, Tensor) or x.dtype not in FLOATS:
-        raise TypeError(f"{name}: expected a floating-point tensor (float16/bfloat16/float32/float64), got "
-                        f"{getattr(x, 'dtype', type(x).__name__)}")
+        raise TypeError(
+            f"{name}: expected a floating-point tensor (float16/bfloat16/float32/float64), got "
+            f"{getattr(x, 'dtype', type(x).__name__)}"
+        )
     check_storage(name, x)
     if x.dim() == 3:
-        raise NotImplementedError(f"{name}: batched clouds (B, N, D) are not supported by gromov_wasserstein yet; "
-                                  "loop over the batch")
+        raise NotImplementedError(
+            f"{name}: batched clouds (B, N, D) are not supported by gromov_wasserstein yet; loop over the batch"
+        )
     if x.dim() != 2:
         raise ValueError(f"{name}: expected shape (N, D), got {tuple(x.shape)}")
     if x.shape[0] == 0:
@@ -45,6 +48,7 @@ def check_cloud(name: str, x) -> Tensor:
         raise ValueError(f"{name}: points have dimension 0 (shape {tuple(x.shape)})")
     check_finite(name, x.detach())
     return x
+
 
 @dataclass(frozen=True)
 class Options:
@@ -65,20 +69,32 @@ class Options:
     def checked(self) -> Options:
         """A copy with validated values (clear errors before any work)."""
         if self.loss_fun != "square_loss":
-            raise ValueError(f"loss_fun: only 'square_loss' (|a - b|^2, POT's default) is supported, got "
-                             f"{self.loss_fun!r}")
+            raise ValueError(
+                f"loss_fun: only 'square_loss' (|a - b|^2, POT's default) is supported, got {self.loss_fun!r}"
+            )
         if self.solver != "PGD":
-            raise ValueError(f"solver: only 'PGD' (POT's default: projected gradient / Sinkhorn steps), got "
-                             f"{self.solver!r}")
+            raise ValueError(
+                f"solver: only 'PGD' (POT's default: projected gradient / Sinkhorn steps), got {self.solver!r}"
+            )
         if self.G0 is not None:
-            raise NotImplementedError("G0: a dense initial coupling is not supported (it would be n x m); the "
-                                      "initial coupling is a b^T")
+            raise NotImplementedError(
+                "G0: a dense initial coupling is not supported (it would be n x m); the initial coupling is a b^T"
+            )
         if not isinstance(self.backend, str):
             raise TypeError(f"backend: expected a string, got {type(self.backend).__name__}")
-        return Options(check_positive("reg", self.reg), self.loss_fun, check_int("max_iter", self.max_iter),
-                        check_positive("tol", self.tol), check_int("inner_max_iter", self.inner_max_iter),
-                        check_positive("inner_tol", self.inner_tol), check_bool("warmstart", self.warmstart),
-                        self.backend, check_bool("verbose", self.verbose), None, self.solver)
+        return Options(
+            check_positive("reg", self.reg),
+            self.loss_fun,
+            check_int("max_iter", self.max_iter),
+            check_positive("tol", self.tol),
+            check_int("inner_max_iter", self.inner_max_iter),
+            check_positive("inner_tol", self.inner_tol),
+            check_bool("warmstart", self.warmstart),
+            self.backend,
+            check_bool("verbose", self.verbose),
+            None,
+            self.solver,
+        )
 
 
 def check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
@@ -97,11 +113,15 @@ def check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
             raise TypeError("FX and FY: give them as the points (torch tensors or numpy arrays)")
         FX, FY = check_cloud("FX", FX), check_cloud("FY", FY)
         if FX.shape[0] != X.shape[0] or FY.shape[0] != Y.shape[0]:
-            raise ValueError(f"FX and FY: expected one feature vector per point ({X.shape[0]} and {Y.shape[0]}), "
-                             f"got shapes {tuple(FX.shape)} and {tuple(FY.shape)}")
+            raise ValueError(
+                f"FX and FY: expected one feature vector per point ({X.shape[0]} and {Y.shape[0]}), "
+                f"got shapes {tuple(FX.shape)} and {tuple(FY.shape)}"
+            )
         if FX.shape[1] != FY.shape[1]:
-            raise ValueError(f"FX and FY: the feature cost |FX_i - FY_j|^2 needs one feature dimension, got "
-                             f"{FX.shape[1]} and {FY.shape[1]}")
+            raise ValueError(
+                f"FX and FY: the feature cost |FX_i - FY_j|^2 needs one feature dimension, got "
+                f"{FX.shape[1]} and {FY.shape[1]}"
+            )
         if FX.dtype != X.dtype or FY.dtype != X.dtype or FX.device != X.device or FY.device != X.device:
             raise TypeError(f"FX and FY: expected the dtype and device of X ({X.dtype}, {X.device})")
     a = check_weights("a", None if a is None else to_tensor("a", a, like=X), X, "X")
@@ -110,13 +130,18 @@ def check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
     else:
         b = check_weights("b", None if b is None else to_tensor("b", b, like=Y), Y, "Y")
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        raise NotImplementedError("a, b: gradients of the GW value w.r.t. the weights are not implemented (only "
-                                  "w.r.t. the points and features); detach the weights")
+        raise NotImplementedError(
+            "a, b: gradients of the GW value w.r.t. the weights are not implemented (only "
+            "w.r.t. the points and features); detach the weights"
+        )
     ma, mb = float(a.detach().double().sum()), float(b.detach().double().sum())
     if not semirelaxed and abs(ma - mb) > 1e-3 * max(ma, mb):
-        raise ValueError(f"a and b: Gromov-Wasserstein couples measures of equal total mass, got {ma:.6g} and "
-                         f"{mb:.6g}; normalise the weights")
+        raise ValueError(
+            f"a and b: Gromov-Wasserstein couples measures of equal total mass, got {ma:.6g} and "
+            f"{mb:.6g}; normalise the weights"
+        )
     return X, Y, a, b, FX, FY, is_np
+
 
 @dataclass(frozen=True)
 class SROptions:
@@ -133,5 +158,12 @@ class SROptions:
     def checked(self) -> SROptions:
         """A copy with validated values (the checks of :class:`Options`)."""
         reg = Options(self.reg, self.loss_fun, 1, 1.0, 1, 1.0, True, self.backend, False, self.G0, "PGD").checked().reg
-        return SROptions(reg, self.loss_fun, check_int("max_iter", self.max_iter),
-                          check_positive("tol", self.tol), self.backend, check_bool("verbose", self.verbose), None)
+        return SROptions(
+            reg,
+            self.loss_fun,
+            check_int("max_iter", self.max_iter),
+            check_positive("tol", self.tol),
+            self.backend,
+            check_bool("verbose", self.verbose),
+            None,
+        )

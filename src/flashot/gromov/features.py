@@ -23,6 +23,7 @@ SMALL_CHANGE = 1e-3
 # problems) is below this fraction of |T - T'|^2 (or the second-order form's error is the larger)
 NOISE_RTOL = 0.1
 
+
 def embed(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(E, R)`` for a centred cloud x (n, d): dimensionless features ``E = [1, |x|^2 / L^2, x / L]`` (n, d + 2)
     and ``R`` with ``|x_i - x_k|^2 = (E R E^T)_ik`` (``R`` carries the units: ``L^2``).
@@ -86,9 +87,11 @@ def stop_threshold(tol: float, floor: float, norm: float) -> float | None:
 def unresolved(name: str, dtype: torch.dtype, rel_floor: float, ratio: float) -> str:
     """The warning of a loop whose rounding floor kept it from converging."""
     f64 = "" if dtype == torch.float64 else "float64 inputs or "
-    return (f"{name}: {str(dtype).replace('torch.', '')} rounding moves the coupling by ~{rel_floor:.2g} of its "
-            f"norm (largest cost / reg = {ratio:.3g}): the change of the coupling cannot be resolved, the result is "
-            f"not converged; use {f64}a larger reg")
+    return (
+        f"{name}: {str(dtype).replace('torch.', '')} rounding moves the coupling by ~{rel_floor:.2g} of its "
+        f"norm (largest cost / reg = {ratio:.3g}): the change of the coupling cannot be resolved, the result is "
+        f"not converged; use {f64}a larger reg"
+    )
 
 
 def quadratic_form(w: Tensor, R: Tensor, cdt: torch.dtype) -> tuple[float, float]:

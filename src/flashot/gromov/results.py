@@ -69,8 +69,10 @@ class GWResult:
         gradient is (detached; streamed, one plan product).  ``NotImplementedError`` for the semi-relaxed solvers
         (mirror descent on the unregularised loss: no entropic objective)."""
         if self._entropic is None:
-            raise NotImplementedError("value_entropic: the semi-relaxed solvers minimise the unregularised loss "
-                                      "by mirror descent (reg is a step size); use value")
+            raise NotImplementedError(
+                "value_entropic: the semi-relaxed solvers minimise the unregularised loss "
+                "by mirror descent (reg is a step size); use value"
+            )
         return self._entropic()
 
     @property

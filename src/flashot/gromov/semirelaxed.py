@@ -61,13 +61,17 @@ class SRProblem:
         self.Psi = torch.cat([self.Ey, self.G], -1) if self.fused else self.Ey
         P, Q = self.Phi.shape[1], self.Psi.shape[1]
         zero = torch.zeros(1, P, Q, dtype=torch.float64, device=self.dev)
-        cost0, xs, ys = FeatureBilinearCost.pair(torch.zeros(1, self.n, dtype=torch.float64, device=self.dev),
-                                                 self.Phi.unsqueeze(0),
-                                                 torch.zeros(1, self.m, dtype=torch.float64, device=self.dev),
-                                                 self.Psi.unsqueeze(0), zero)
+        cost0, xs, ys = FeatureBilinearCost.pair(
+            torch.zeros(1, self.n, dtype=torch.float64, device=self.dev),
+            self.Phi.unsqueeze(0),
+            torch.zeros(1, self.m, dtype=torch.float64, device=self.dev),
+            self.Psi.unsqueeze(0),
+            zero,
+        )
         self.xs, self.ys = xs.to(self.cdt), ys.to(self.cdt)
-        self.engine = get_engine(o.backend, device=self.dev, dtype=self.cdt, cost=cost0,
-                                 size=(1, self.n, self.m, self.xs.shape[-1]))
+        self.engine = get_engine(
+            o.backend, device=self.dev, dtype=self.cdt, cost=cost0, size=(1, self.n, self.m, self.xs.shape[-1])
+        )
         self.a_c = a.detach().to(self.cdt).unsqueeze(0)
         self.b_c = self.w_y.to(self.cdt).unsqueeze(0)
         self.a_log, self.b_log = log_weights(self.a_c), log_weights(self.b_c)
@@ -94,8 +98,20 @@ class SRProblem:
         """The iterate of cumulated ``(M, g)``; ``f`` (the row normaliser) is one softmin when not given."""
         cost = FeatureBilinearCost(FeatureBilinearCost.block(M.unsqueeze(0)).to(self.cdt))
         bound = bilinear_bound(self.Phi, M, self.Psi, self.p, self.q) + float(g.abs().max())
-        mm = Measures(self.xs, self.ys, self.a_c, self.b_c, self.a_log, self.b_log, cost, self.engine, False,
-                      self.cdt, torch.zeros(1, 1, self.xs.shape[-1], dtype=self.cdt, device=self.dev), bound)
+        mm = Measures(
+            self.xs,
+            self.ys,
+            self.a_c,
+            self.b_c,
+            self.a_log,
+            self.b_log,
+            cost,
+            self.engine,
+            False,
+            self.cdt,
+            torch.zeros(1, 1, self.xs.shape[-1], dtype=self.cdt, device=self.dev),
+            bound,
+        )
         if f is None:  # rows of T sum to a: f_i = -reg log sum_j exp(g_j / reg + log(1 / m) - C_ij / reg)
             with torch.no_grad():
                 f = self.engine.softmin(self.xs, self.ys, (g / self.reg).to(self.cdt) + self.b_log, self.reg, cost)
@@ -117,10 +133,10 @@ class SRProblem:
     def loss(self, Ex, hx, hy, F, G, Q, q) -> tuple[Tensor, Tensor]:
         """``(A, value)``: ``A = E_x^T T E_y`` and POT's ``srgw_dist`` (``srfgw_dist`` when fused) from ``Q``, ``q``
         and ``h_y = sum_l q_l |y_j - y_l|^4``: ``<h_x, a> + <h_y, q> - 2 <A, R_x A R_y>`` (``T 1 = a``)."""
-        A = Ex.T @ Q[:, :self.q]
+        A = Ex.T @ Q[:, : self.q]
         val = hx @ self.a64 + hy @ q - 2.0 * (A * (self.Rx @ A @ self.Ry.T)).sum()
         if self.fused:  # (1 - alpha) <|F_i - G_j|^2, T> + alpha srGW
-            feat = (F * F).sum(-1) @ self.a64 + (G * G).sum(-1) @ q - 2.0 * (F * Q[:, self.q:]).sum()
+            feat = (F * F).sum(-1) @ self.a64 + (G * G).sum(-1) @ q - 2.0 * (F * Q[:, self.q :]).sum()
             val = self.alpha * val + (1.0 - self.alpha) * feat
         return A, val
 
@@ -130,10 +146,12 @@ class SRProblem:
         ``(next iterate, dM)``."""
         al = self.alpha
         dM = torch.zeros_like(it.M)
-        dM[:self.p, :self.q] = (-4.0 * al) * self.Rx @ A @ self.Ry.T
+        dM[: self.p, : self.q] = (-4.0 * al) * self.Rx @ A @ self.Ry.T
         dv = 2.0 * al * hy
         if self.fused:
-            dM[self.p:, self.q:] = -2.0 * (1.0 - al) * torch.eye(self.F.shape[1], dtype=torch.float64, device=self.dev)
+            dM[self.p :, self.q :] = (
+                -2.0 * (1.0 - al) * torch.eye(self.F.shape[1], dtype=torch.float64, device=self.dev)
+            )
             dv = dv + (1.0 - al) * (self.G * self.G).sum(-1)
         return self.iterate(it.M + dM, it.g - dv), dM
 
@@ -155,11 +173,18 @@ class SRProblem:
         to relative order ``d^2 / 12``, one plan product of ``T1 T2`` (the mean cost at ``reg / 2``) with
         ``z (x) z``; no cancellation."""
         reg, dev = self.reg, self.dev
-        w = torch.cat([((i2.f - i1.f)[0].double() / reg).unsqueeze(-1), torch.ones(self.n, 1, dtype=torch.float64,
-                                                                                    device=dev),
-                       -(self.Phi @ dM) / reg], -1)
-        z = torch.cat([torch.ones(self.m, 1, dtype=torch.float64, device=dev),
-                       ((i2.g - i1.g)[0] / reg).unsqueeze(-1), self.Psi], -1)
+        w = torch.cat(
+            [
+                ((i2.f - i1.f)[0].double() / reg).unsqueeze(-1),
+                torch.ones(self.n, 1, dtype=torch.float64, device=dev),
+                -(self.Phi @ dM) / reg,
+            ],
+            -1,
+        )
+        z = torch.cat(
+            [torch.ones(self.m, 1, dtype=torch.float64, device=dev), ((i2.g - i1.g)[0] / reg).unsqueeze(-1), self.Psi],
+            -1,
+        )
         k = z.shape[1]
         Z2 = (z.unsqueeze(-1) * z.unsqueeze(-2)).reshape(1, self.m, k * k).to(self.cdt).contiguous()
         (a1, b1), (a2, b2) = self.logs(i1), self.logs(i2)
@@ -188,8 +213,10 @@ class SRProblem:
 
     def value(self, it: SRIterate, plan: GWPlan, q: Tensor, Q: Tensor) -> Tensor:
         """The loss of the final coupling, differentiable w.r.t. the points and features (coupling fixed)."""
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                for t in (self.X, self.Y, self.FX, self.FY))):
+        if not (
+            torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (self.X, self.Y, self.FX, self.FY))
+        ):
             return self.loss(self.Ex, self.hx, quartic(self.Yc, q), self.F, self.G, Q, q)[1]
         Ex, hx, _, Ey, _, Yc, F, G = self.features(True)
         Qg = plan.apply(torch.cat([Ey] + ([G] if self.fused else []), -1).to(self.cdt)).double()
@@ -202,9 +229,11 @@ def solve_semirelaxed(X, Y, a, FX, FY, alpha: float, opts: SROptions) -> GWResul
     X, Y, a, _, FX, FY, is_np = check_inputs(X, Y, a, None, FX, FY, semirelaxed=True)
     pb = SRProblem(X, Y, a, FX, FY, alpha, o)
     P, Q0 = pb.Phi.shape[1], pb.Psi.shape[1]
-    it = pb.iterate(torch.zeros(P, Q0, dtype=torch.float64, device=pb.dev),
-                    torch.zeros(1, pb.m, dtype=torch.float64, device=pb.dev),
-                    torch.zeros(1, pb.n, dtype=pb.cdt, device=pb.dev))  # T = a 1^T / m
+    it = pb.iterate(
+        torch.zeros(P, Q0, dtype=torch.float64, device=pb.dev),
+        torch.zeros(1, pb.m, dtype=torch.float64, device=pb.dev),
+        torch.zeros(1, pb.n, dtype=pb.cdt, device=pb.dev),
+    )  # T = a 1^T / m
     q, Q = pb.marginal_and_products(it)
     log = {"err": [], "value": [], "n_inner": []}
     err, converged, cpt, t0 = None, False, 0, time.perf_counter()
@@ -225,16 +254,25 @@ def solve_semirelaxed(X, Y, a, FX, FY, alpha: float, opts: SROptions) -> GWResul
         log["n_inner"].append(1)
         if o.verbose:
             e = f"  err {err:.3e}" if cpt % CHECK_EVERY == 0 else ""
-            print(f"{name}: outer {cpt + 1}/{o.max_iter}  value {float(val):.10g}{e}  "
-                  f"({time.perf_counter() - t0:.2f}s)", file=sys.stderr, flush=True)
+            print(
+                f"{name}: outer {cpt + 1}/{o.max_iter}  value {float(val):.10g}{e}  ({time.perf_counter() - t0:.2f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
         cpt += 1
         if cpt % CHECK_EVERY == 1 and stop_at is not None and err <= stop_at:
             converged = True
             break
     if not converged and stop_at is None:
         warnings.warn(unresolved(name, pb.cdt, floor / norm, it.mm.cmax / o.reg), RuntimeWarning, stacklevel=3)
-    plan = GWPlan(it.mm, it.f, it.g.to(pb.cdt), o.reg, (X.detach().to(pb.cdt).unsqueeze(0),
-                                                        Y.detach().to(pb.cdt).unsqueeze(0)), numpy=is_np)
+    plan = GWPlan(
+        it.mm,
+        it.f,
+        it.g.to(pb.cdt),
+        o.reg,
+        (X.detach().to(pb.cdt).unsqueeze(0), Y.detach().to(pb.cdt).unsqueeze(0)),
+        numpy=is_np,
+    )
     value = pb.value(it, plan, q, Q).to(X.dtype)
     f, g = it.f[0].to(X.dtype), it.g[0].to(X.dtype)
     return GWResult(

@@ -36,8 +36,16 @@ class _Terms:
         if pts is None or s is None:
             return cls(c, r, m)
         lm = linear_model(cl, pts, f)
-        return cls(c, r, m, lm.alpha + lm.rho, lm.beta, (lm.beta * lm.beta).sum(-1), (lm.beta * c).sum(-1),
-                   c - lm.beta / (2 * s))
+        return cls(
+            c,
+            r,
+            m,
+            lm.alpha + lm.rho,
+            lm.beta,
+            (lm.beta * lm.beta).sum(-1),
+            (lm.beta * c).sum(-1),
+            c - lm.beta / (2 * s),
+        )
 
 
 def _linear_dense(X: _Terms, Y: _Terms, s: float) -> Tensor:
@@ -83,15 +91,23 @@ class BlockBounds:
     no block below that margin is missed).  :meth:`keep` thresholds them: in the C++ kernels
     (``prune.h``) where they load, else in PyTorch."""
 
-    def __init__(self, X: _Terms, Y: _Terms, cost, s: float | None, coarse: Tensor | None,
-                 parents: Hierarchy | None):
+    def __init__(self, X: _Terms, Y: _Terms, cost, s: float | None, coarse: Tensor | None, parents: Hierarchy | None):
         self.X, self.Y, self.cost, self.s, self.coarse, self.parents = X, Y, cost, s, coarse, parents
         self.Kx, self.Ky = X.c.shape[0], Y.c.shape[0]
 
     @classmethod
-    def compute(cls, cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, cost, x: Tensor | None = None,
-                y: Tensor | None = None, parents: Hierarchy | None = None,
-                margin: float = float("inf")) -> BlockBounds:
+    def compute(
+        cls,
+        cx: Clusters,
+        cy: Clusters,
+        f: Tensor,
+        g: Tensor,
+        cost,
+        x: Tensor | None = None,
+        y: Tensor | None = None,
+        parents: Hierarchy | None = None,
+        margin: float = float("inf"),
+    ) -> BlockBounds:
         s = cost.scale if cost.is_dot and x is not None and y is not None else None
         X, Y = _Terms.build(cx, f, x, s), _Terms.build(cy, g, y, s)
         coarse = None
@@ -112,8 +128,9 @@ class BlockBounds:
             keep[B.argmin(0), torch.arange(self.Ky, device=B.device)] = True
             return keep
         I, J = _children(self.coarse, self.parents.px, self.parents.py)
-        bound = torch.cat([self._pairs(I[k:k + PRUNE_CHUNK], J[k:k + PRUNE_CHUNK])
-                           for k in range(0, I.numel(), PRUNE_CHUNK)])
+        bound = torch.cat(
+            [self._pairs(I[k : k + PRUNE_CHUNK], J[k : k + PRUNE_CHUNK]) for k in range(0, I.numel(), PRUNE_CHUNK)]
+        )
         keep = torch.zeros(self.Kx, self.Ky, dtype=torch.bool, device=bound.device)
         ok = bound <= margin
         keep[I[ok], J[ok]] = True
@@ -129,10 +146,12 @@ class BlockBounds:
         K, D = T.c.shape
         if self.s is None:
             z = T.c.new_zeros(K)
-            return torch.cat([T.r[:, None], T.m[:, None], z[:, None], z[:, None], z[:, None], T.c,
-                              T.c.new_zeros(K, 2 * D)], 1).contiguous()
-        return torch.cat([T.r[:, None], T.m[:, None], T.base[:, None], T.bb[:, None], T.bc[:, None], T.c, T.beta,
-                          T.shifted], 1).contiguous()
+            return torch.cat(
+                [T.r[:, None], T.m[:, None], z[:, None], z[:, None], z[:, None], T.c, T.c.new_zeros(K, 2 * D)], 1
+            ).contiguous()
+        return torch.cat(
+            [T.r[:, None], T.m[:, None], T.base[:, None], T.bb[:, None], T.bc[:, None], T.c, T.beta, T.shifted], 1
+        ).contiguous()
 
     def _keep_native(self, lib, margin: float) -> Tensor:
         Kx, Ky, dev = self.Kx, self.Ky, self.X.c.device
@@ -156,9 +175,24 @@ class BlockBounds:
             kind, lin, sc, minsq = 1, 0, float(self.cost.scale), 0.0
         else:
             kind, lin, sc, minsq = 0, 0, 1.0, float(self.cost.min_sqdist)
-        args = abi.PruneArgs(X.data_ptr(), Y.data_ptr(), cptr.data_ptr(), ccols.data_ptr(), px.data_ptr(),
-                             py.data_ptr(), keep.data_ptr(), Ky, Kcx, sc, minsq, float(margin), self.X.c.shape[1], kind,
-                             lin, torch.get_num_threads())
+        args = abi.PruneArgs(
+            X.data_ptr(),
+            Y.data_ptr(),
+            cptr.data_ptr(),
+            ccols.data_ptr(),
+            px.data_ptr(),
+            py.data_ptr(),
+            keep.data_ptr(),
+            Ky,
+            Kcx,
+            sc,
+            minsq,
+            float(margin),
+            self.X.c.shape[1],
+            kind,
+            lin,
+            torch.get_num_threads(),
+        )
         rc = abi.call(lib.flashot_block_keep, args)
         if rc != 0:
             raise RuntimeError(f"multiscale: block pruning kernel returned {rc}")
@@ -199,8 +233,18 @@ def _children(kept: Tensor, px: Tensor, py: Tensor) -> tuple[Tensor, Tensor]:
     return px[Ic][pair] + t // ny[pair], py[Jc][pair] + t % ny[pair]
 
 
-def prune(cx: Clusters, cy: Clusters, f: Tensor, g: Tensor, eps: float, truncate: float | None, cost,
-          x: Tensor | None = None, y: Tensor | None = None, parents: Hierarchy | None = None) -> Tensor:
+def prune(
+    cx: Clusters,
+    cy: Clusters,
+    f: Tensor,
+    g: Tensor,
+    eps: float,
+    truncate: float | None,
+    cost,
+    x: Tensor | None = None,
+    y: Tensor | None = None,
+    parents: Hierarchy | None = None,
+) -> Tensor:
     """(Kx, Ky) kept blocks: a lower bound of ``C(x_i, y_j) - f_i - g_j`` over the block (see
     :class:`BlockBounds`) at most ``truncate * eps``, plus each row's and column's best block."""
     if truncate is None:

@@ -19,18 +19,29 @@ from .fine import SUB_LEVELS, FineBlocks, fine_measures, with_patterns
 from .scales import cluster_scales, coarse_pays, jump_index, jump_threshold
 
 
-def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleConfig, *, debias: bool,
-                    diameter: float, labels: tuple[Tensor | None, Tensor | None] = (None, None),
-                    verbose: bool = False, group: Any = None,
-                    rho: tuple[float | None, float | None] = (None, None)) -> MultiscaleRun:
+def multiscale_loop(
+    m: Measures,
+    eps_list: list[float],
+    p: int,
+    cfg: MultiscaleConfig,
+    *,
+    debias: bool,
+    diameter: float,
+    labels: tuple[Tensor | None, Tensor | None] = (None, None),
+    verbose: bool = False,
+    group: Any = None,
+    rho: tuple[float | None, float | None] = (None, None),
+) -> MultiscaleRun:
     """Run GeomLoss' symmetric, debiased-or-not schedule ``eps_list`` coarse-to-fine on ``m`` (B = 1); with a
     ``torch.distributed`` ``group``, over its ranks (replicated mode: every rank passes the same ``m``).
     ``rho = (rho_x, rho_y)``: KL marginal penalties (unbalanced OT, GeomLoss' ``reach**p``; None: strict),
     applied at every temperature, coarse and fine, and in the extrapolation (``f = lam_x softmin``, as
     GeomLoss' multiscale does); debiasing needs ``rho_x == rho_y`` here."""
     if debias and rho[0] != rho[1]:
-        raise NotImplementedError("backend='multiscale': debiasing with different marginal penalties (reach_x != "
-                                  "reach_y) is not implemented; use backend='auto'")
+        raise NotImplementedError(
+            "backend='multiscale': debiasing with different marginal penalties (reach_x != "
+            "reach_y) is not implemented; use backend='auto'"
+        )
     rx, ry = rho
     x, y = m.x[0], m.y[0]
     scale, bs = cluster_scales(m, eps_list[-1], cfg, diameter, labels)
@@ -39,37 +50,51 @@ def multiscale_loop(m: Measures, eps_list: list[float], p: int, cfg: MultiscaleC
     on_points = not coarse_pays(cx, cy)
     if not on_points:
         mc = coarse_measures(m, cx, cy, group)
-        st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, rho_x=rx, rho_y=ry,
-                           verbose=verbose)
+        st = sinkhorn_loop(mc, eps_list[: jump + 1], symmetric=True, debias=debias, rho_x=rx, rho_y=ry, verbose=verbose)
     if bs != scale:
         cx, cy = cluster(x, m.a[0], bs, sub_levels=SUB_LEVELS), cluster(y, m.b[0], bs, sub_levels=SUB_LEVELS)
     fine = fine_measures(m, cx, cy)
     hier = FineBlocks.build(fine, cx, cy, debias)
     eps = eps_list[jump]  # the last coarse temperature (eps_list[-1] when no fine iteration follows)
     if on_points:  # single scale's iterations on the (dense) points: no extrapolation step
-        st = sinkhorn_loop(points_measures(fine, group), eps_list[: jump + 1], symmetric=True, debias=debias,
-                           rho_x=rx, rho_y=ry, verbose=verbose)
+        st = sinkhorn_loop(
+            points_measures(fine, group),
+            eps_list[: jump + 1],
+            symmetric=True,
+            debias=debias,
+            rho_x=rx,
+            rho_y=ry,
+            verbose=verbose,
+        )
     else:
         st = extrapolated_state(fine, mc, cx, cy, st, eps, debias, group, rho, (scale, cfg.truncate))
     state = replace(st, eps=eps)
     kept: list[float] = []
-    tail = eps_list[jump + 1:]
+    tail = eps_list[jump + 1 :]
     if not tail:  # extrapolation only: the final step reads the potentials at this temperature
         bounds = _bounds(fine, hier, state, eps, cfg.truncate)
         fine = with_patterns(fine, hier, _keeps(bounds, eps, cfg.truncate), kept, debias, group, cfg.truncate)
-        return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate,
-                             group)
+        return MultiscaleRun(
+            fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate, group
+        )
     bounds = _bounds(fine, hier, state, max(tail), cfg.truncate)
     for level in sorted(set(tail), reverse=True):
         steps = [e for e in tail if e == level]
 
         def loop(fine_, st, steps=steps):
-            return sinkhorn_loop(fine_, steps, symmetric=True, debias=debias, rho_x=rx, rho_y=ry, init=(st.f, st.g),
-                                 init_self=(st.f_aa, st.g_bb) if debias else None)
+            return sinkhorn_loop(
+                fine_,
+                steps,
+                symmetric=True,
+                debias=debias,
+                rho_x=rx,
+                rho_y=ry,
+                init=(st.f, st.g),
+                init_self=(st.f_aa, st.g_bb) if debias else None,
+            )
 
         fine, state, bounds = _fine_level(fine, hier, state, bounds, level, loop, cfg.truncate, debias, kept, group)
-    return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate,
-                         group)
+    return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate, group)
 
 
 def continue_fine(run: MultiscaleRun, loop) -> MultiscaleRun:
@@ -77,13 +102,24 @@ def continue_fine(run: MultiscaleRun, loop) -> MultiscaleRun:
     new state (e.g. the ordinary solver run to a tolerance), with the same a-posteriori check of the pruning
     as every temperature of :func:`multiscale_loop`."""
     eps, kept = run.state.eps, list(run.kept)
-    fine, state, bounds = _fine_level(run.m, run.hier, run.state, run.bounds, eps, loop, run.truncate,
-                                      run.state.f_aa is not None, kept, run.group)
+    fine, state, bounds = _fine_level(
+        run.m, run.hier, run.state, run.bounds, eps, loop, run.truncate, run.state.f_aa is not None, kept, run.group
+    )
     return replace(run, m=fine, state=replace(state, eps=eps), kept=kept, bounds=bounds)
 
 
-def _fine_level(fine: Measures, hier: FineBlocks, state: SinkhornState, bounds, level: float, loop, truncate,
-                debias: bool, kept: list[float], group: Any = None):
+def _fine_level(
+    fine: Measures,
+    hier: FineBlocks,
+    state: SinkhornState,
+    bounds,
+    level: float,
+    loop,
+    truncate,
+    debias: bool,
+    kept: list[float],
+    group: Any = None,
+):
     """``loop(fine, state)`` (iterations at temperature ``level``) on the blocks whose ``bounds`` (from the
     potentials of ``state``) are within ``truncate * level``.  The bounds are then recomputed from the new
     potentials; where they keep a block that was dropped, the iterations run again on the union (once), so

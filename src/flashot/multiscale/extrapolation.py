@@ -24,8 +24,9 @@ def coarse_measures(m: Measures, cx: Clusters, cy: Clusters, group: Any = None) 
     if group is not None:
         from ..distributed import distribute_measures
 
-        distribute_measures(mc, group, names=("centroids of x", "centroids of y", "cluster weights of x",
-                                              "cluster weights of y"))
+        distribute_measures(
+            mc, group, names=("centroids of x", "centroids of y", "cluster weights of x", "cluster weights of y")
+        )
     return mc
 
 
@@ -40,8 +41,17 @@ def points_measures(fine: Measures, group: Any = None) -> Measures:
     return distribute_measures(replace(fine), group)
 
 
-def _extrapolate(pts: Tensor, centroids: Tensor, w_log: Tensor, pot: Tensor, eps: float, lam: float, cost,
-                 group: Any = None, pruned: _ExtrapolationPruning | None = None) -> Tensor:
+def _extrapolate(
+    pts: Tensor,
+    centroids: Tensor,
+    w_log: Tensor,
+    pot: Tensor,
+    eps: float,
+    lam: float,
+    cost,
+    group: Any = None,
+    pruned: _ExtrapolationPruning | None = None,
+) -> Tensor:
     """Fine potential from a coarse one: ``lam * softmin_J (log w_J + pot_J / eps)`` at the points (B = 1
     tensors); with ``group``, each rank computes its slice of the points (the same engine call as
     :func:`flashot.ops.softmin` on those rows) and all-gathers the rest.  With ``pruned`` (CPU), over the
@@ -78,8 +88,9 @@ EXTRAPOLATION_TRUNCATE = 2.0  # its margin, in units of truncate * eps (5 gave e
 EXTRAPOLATION_PROBES = 3  # groups whose centroids give each cluster's upper bound U_I
 
 
-def _extrapolate_pruned(pts: Tensor, centroids: Tensor, h: Tensor, eps: float, cost,
-                        pr: _ExtrapolationPruning) -> Tensor | None:
+def _extrapolate_pruned(
+    pts: Tensor, centroids: Tensor, h: Tensor, eps: float, cost, pr: _ExtrapolationPruning
+) -> Tensor | None:
     r"""``softmin_J (h_J - C(x_i, c_J) / eps)`` over the centroid groups ``G`` (cells of
     ``EXTRAPOLATION_GROUP x scale``) that a bound keeps for the points' fine cluster ``I``, on the block-sparse
     CPU kernels; None where it would not pay (few centroids, not the CPU kernels, mixed dtypes).
@@ -90,8 +101,12 @@ def _extrapolate_pruned(pts: Tensor, centroids: Tensor, h: Tensor, eps: float, c
     truncate``: then every dropped term is below ``e^{-m}`` times the row's sum.  The block of the centroid
     that gives ``U_I`` is always kept."""
     c0, h0 = centroids[0], h[0]
-    if (c0.shape[0] < EXTRAPOLATION_MIN_CENTROIDS or pts.device.type != "cpu" or h.dtype != pts.dtype
-            or c0.dtype != pts.dtype):
+    if (
+        c0.shape[0] < EXTRAPOLATION_MIN_CENTROIDS
+        or pts.device.type != "cpu"
+        or h.dtype != pts.dtype
+        or c0.dtype != pts.dtype
+    ):
         return None
     from ..ops.blocksparse_cpu import cpu_lib as load
 
@@ -118,9 +133,18 @@ def _extrapolate_pruned(pts: Tensor, centroids: Tensor, h: Tensor, eps: float, c
     return eng.softmin(pts, cs[None], hs[None], eps, cost)
 
 
-def extrapolated_state(fine: Measures, mc: Measures, cx, cy, st: SinkhornState, eps: float,
-                        debias: bool, group: Any = None, rho: tuple = (None, None),
-                        prune: tuple[float, float | None] | None = None) -> SinkhornState:
+def extrapolated_state(
+    fine: Measures,
+    mc: Measures,
+    cx,
+    cy,
+    st: SinkhornState,
+    eps: float,
+    debias: bool,
+    group: Any = None,
+    rho: tuple = (None, None),
+    prune: tuple[float, float | None] | None = None,
+) -> SinkhornState:
     """Coarse potentials (cluster centroids) carried to the sorted points (one damped softmin each:
     ``f = lam_x softmin_J(log b_J + g_J / eps)``, ``lam = 1 / (1 + eps / rho)``, 1 on a strict side); with
     ``prune = (coarse cell side, truncate)``, over the centroids a bound keeps (:func:`_extrapolate_pruned`)."""

@@ -46,15 +46,24 @@ def fine_measures(m: Measures, cx: Clusters, cy: Clusters) -> Measures:
     return replace(m, x=x, y=y, a=a, b=b, a_log=log_weights(a), b_log=log_weights(b))
 
 
-def with_patterns(fine: Measures, h: FineBlocks, keeps: list[Tensor] | None, kept: list[float],
-                   debias: bool, group: Any = None, truncate: float | None = None) -> Measures:
+def with_patterns(
+    fine: Measures,
+    h: FineBlocks,
+    keeps: list[Tensor] | None,
+    kept: list[float],
+    debias: bool,
+    group: Any = None,
+    truncate: float | None = None,
+) -> Measures:
     """``fine`` on a block-sparse engine over the kept blocks ``keeps`` (None: all),
     sharded by whole row clusters over the ranks of ``group`` when given; with ``truncate``, its fused steps
     also skip the tiles inside kept blocks that the same rule drops (:class:`TilePruning`)."""
     x, y = fine.x.detach(), fine.y.detach()
     if keeps is None:
-        keeps = [torch.ones(u.n_clusters, v.n_clusters, dtype=torch.bool, device=x.device)
-                 for u, v in ((h.cx, h.cy), (h.cx, h.cx), (h.cy, h.cy))]
+        keeps = [
+            torch.ones(u.n_clusters, v.n_clusters, dtype=torch.bool, device=x.device)
+            for u, v in ((h.cx, h.cy), (h.cx, h.cx), (h.cy, h.cy))
+        ]
     pxy = BlockPattern(h.cx.offsets, h.cy.offsets, keeps[0])
     pats = [(x, y, pxy), (y, x, pxy.T)]
     if debias:  # symmetric (keep or its transpose): softmin_sym then computes half the blocks

@@ -15,8 +15,7 @@ FIT_CHUNK = 1 << 16  # points per chunk of the linear-model fits (temporaries of
 def segment_max(v: Tensor, c: Clusters) -> Tensor:
     """(K,) maximum of the sorted values ``v`` (N,) over each cluster."""
     cid = torch.repeat_interleave(torch.arange(c.n_clusters, device=v.device), c.sizes)
-    return torch.full((c.n_clusters,), float("-inf"), dtype=v.dtype, device=v.device).scatter_reduce_(
-        0, cid, v, "amax")
+    return torch.full((c.n_clusters,), float("-inf"), dtype=v.dtype, device=v.device).scatter_reduce_(0, cid, v, "amax")
 
 
 @dataclass(frozen=True)
@@ -38,12 +37,11 @@ def _design(c: Clusters, pts: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Ten
     if key not in cache:
         K, D = c.n_clusters, pts.shape[-1]
         cid = torch.repeat_interleave(torch.arange(K, device=pts.device), c.sizes)
-        A = torch.cat([torch.ones_like(pts[:, :1], dtype=torch.float64),
-                       pts.double() - c.centroids.double()[cid]], -1)
+        A = torch.cat([torch.ones_like(pts[:, :1], dtype=torch.float64), pts.double() - c.centroids.double()[cid]], -1)
         G = torch.zeros(K, D + 1, D + 1, dtype=torch.float64, device=pts.device)
         for lo in range(0, A.shape[0], FIT_CHUNK):  # outer products by chunks: no (N, D + 1, D + 1) temporary
-            Ac = A[lo:lo + FIT_CHUNK]
-            G.index_add_(0, cid[lo:lo + FIT_CHUNK], Ac.unsqueeze(-1) * Ac.unsqueeze(-2))
+            Ac = A[lo : lo + FIT_CHUNK]
+            G.index_add_(0, cid[lo : lo + FIT_CHUNK], Ac.unsqueeze(-1) * Ac.unsqueeze(-2))
         G = G + torch.diag_embed(1e-9 * (1.0 + G.diagonal(dim1=-2, dim2=-1)))  # singular blocks (few points)
         cache.clear()  # one points tensor at a time (the fine stage's)
         cache[key] = (cid, A, torch.linalg.lu_factor(G))

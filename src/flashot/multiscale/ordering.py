@@ -26,8 +26,7 @@ class InputOrderEngine(ForwardingEngine):
 
     name = "multiscale"
 
-    def __init__(self, inner: Engine, x: Tensor, y: Tensor, xs: Tensor, ys: Tensor, px: Tensor,
-                 py: Tensor):
+    def __init__(self, inner: Engine, x: Tensor, y: Tensor, xs: Tensor, ys: Tensor, px: Tensor, py: Tensor):
         super().__init__(inner, frozenset())
         inv = [torch.empty_like(p).scatter_(0, p, torch.arange(p.numel(), device=p.device)) for p in (px, py)]
         key = BlockSparseEngine.cloud_key
@@ -39,8 +38,10 @@ class InputOrderEngine(ForwardingEngine):
     def _side(self, t: Tensor):
         hit = self._sides.get(BlockSparseEngine.cloud_key(t))
         if hit is None:
-            raise RuntimeError("multiscale engine: called on a cloud of another problem (it is bound to one problem; "
-                               "this is a flashot bug, please report it)")
+            raise RuntimeError(
+                "multiscale engine: called on a cloud of another problem (it is bound to one problem; "
+                "this is a flashot bug, please report it)"
+            )
         return hit
 
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:

@@ -32,12 +32,14 @@ def jump_threshold(cost, scale: float, p: int) -> float:
     ``|x - y|^2 / 2`` gives ``scale^2``), ``scale`` for ``|x - y|``."""
     return scale**p * (2.0 * cost.scale if cost.is_dot else 1.0)
 
+
 def prune_radius(cost, eps: float, truncate: float | None) -> float:
     """Distance below which a pair is never pruned at temperature ``eps`` (``C <= truncate * eps``)."""
     if truncate is None:
         return float("inf")
     c = truncate * eps
     return (c / cost.scale) ** 0.5 if cost.is_dot else c
+
 
 # the coarse stage runs on the centroids only where that problem is at least this many times smaller than the
 # points' (see coarse_pays)
@@ -53,6 +55,7 @@ def coarse_pays(cx: Clusters, cy: Clusters, min_gain: float = COARSE_MIN_GAIN) -
     n, m = int(cx.offsets[-1]), int(cy.offsets[-1])
     return cx.n_clusters * cy.n_clusters * min_gain <= n * m
 
+
 def schedule(cost, diameter: float, reg: float, scaling: float = 0.5) -> list[float]:
     """GeomLoss' epsilon-scaling down to ``reg`` in the units of ``cost``: for ``s |x - y|^2`` the schedule of
     ``|x - y|^2 / 2`` at ``blur = sqrt(reg / 2s)`` scaled by ``2 s``; for ``|x - y|`` the one of ``p = 1``."""
@@ -63,8 +66,9 @@ def schedule(cost, diameter: float, reg: float, scaling: float = 0.5) -> list[fl
     return [e * k for e in epsilon_scaling(2, max(diameter, blur), blur, scaling)]
 
 
-def cluster_scales(m: Measures, eps: float, cfg: MultiscaleConfig, diameter: float,
-                   labels: tuple[Tensor | None, Tensor | None]) -> tuple[float, float]:
+def cluster_scales(
+    m: Measures, eps: float, cfg: MultiscaleConfig, diameter: float, labels: tuple[Tensor | None, Tensor | None]
+) -> tuple[float, float]:
     """The cell sides ``(coarse, fine)`` of the clusterings of ``m``'s clouds (B = 1) for a schedule ending at
     ``eps``.  The fine stage prunes blocks that can be smaller than GeomLoss' clusters (given ``labels``: the
     same); by default the coarse stage runs on those blocks too (and jumps at their scale)."""

@@ -45,14 +45,25 @@ class Refinement:
 def check_pair(m: Measures) -> None:
     """``backend="multiscale"`` clusters one pair of clouds: a batch raises ``NotImplementedError``."""
     if m.batched:
-        raise NotImplementedError("backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; "
-                                  "use backend='auto' for batches")
+        raise NotImplementedError(
+            "backend='multiscale' takes one pair of clouds (N, D), (M, D), not a batch; use backend='auto' for batches"
+        )
 
 
-def solve(m: Measures, eps_list: list[float], cfg: MultiscaleConfig, *, p: int, diameter: float,
-          debias: bool = False, rho: tuple[float | None, float | None] = (None, None),
-          labels: tuple[Tensor | None, Tensor | None] = (None, None), refine: Refinement | None = None,
-          verbose: bool = False, group: Any = None) -> MultiscaleRun:
+def solve(
+    m: Measures,
+    eps_list: list[float],
+    cfg: MultiscaleConfig,
+    *,
+    p: int,
+    diameter: float,
+    debias: bool = False,
+    rho: tuple[float | None, float | None] = (None, None),
+    labels: tuple[Tensor | None, Tensor | None] = (None, None),
+    refine: Refinement | None = None,
+    verbose: bool = False,
+    group: Any = None,
+) -> MultiscaleRun:
     """GeomLoss' symmetric schedule ``eps_list`` coarse-to-fine on the pair ``m`` (B = 1; cost ``|x - y|^p / p``
     up to the cost's scale, marginal penalties ``rho``, debiased or not, over the ranks of ``group``: see
     :func:`~flashot.multiscale.coarse_to_fine.multiscale_loop`), then the iterations of ``refine`` on the
@@ -60,23 +71,44 @@ def solve(m: Measures, eps_list: list[float], cfg: MultiscaleConfig, *, p: int, 
     (:func:`~flashot.multiscale.config.truncate_for`): the pruning then stays within the tolerance the
     refinement promises.  The returned run holds the fine measures (sorted clouds) and their state."""
     tol = None if refine is None else refine.tol
-    run = multiscale_loop(m, eps_list, p, replace(cfg, truncate=truncate_for(cfg.truncate, tol)), debias=debias,
-                          diameter=diameter, labels=labels, verbose=verbose, group=group, rho=rho)
+    run = multiscale_loop(
+        m,
+        eps_list,
+        p,
+        replace(cfg, truncate=truncate_for(cfg.truncate, tol)),
+        debias=debias,
+        diameter=diameter,
+        labels=labels,
+        verbose=verbose,
+        group=group,
+        rho=rho,
+    )
     if refine is None:
         return run
 
     def loop(fine: Measures, st: SinkhornState) -> SinkhornState:
         eps = st.eps if refine.eps is None else refine.eps
-        return sinkhorn_loop(fine, Schedule(eps, refine.max_iter), symmetric=refine.symmetric, debias=debias,
-                             rho_x=rho[0], rho_y=rho[1], tol=refine.tol, init=(st.f, st.g),
-                             init_self=None if st.f_aa is None else (st.f_aa, st.g_bb), callback=refine.callback,
-                             inner_iterations=refine.inner_iterations, verbose=verbose)
+        return sinkhorn_loop(
+            fine,
+            Schedule(eps, refine.max_iter),
+            symmetric=refine.symmetric,
+            debias=debias,
+            rho_x=rho[0],
+            rho_y=rho[1],
+            tol=refine.tol,
+            init=(st.f, st.g),
+            init_self=None if st.f_aa is None else (st.f_aa, st.g_bb),
+            callback=refine.callback,
+            inner_iterations=refine.inner_iterations,
+            verbose=verbose,
+        )
 
     return continue_fine(run, loop)
 
 
-def solve_measures(m: Measures, o: SolveOptions, cfg: MultiscaleConfig, *, group: Any = None,
-                   numpy: bool = False) -> OTResult:
+def solve_measures(
+    m: Measures, o: SolveOptions, cfg: MultiscaleConfig, *, group: Any = None, numpy: bool = False
+) -> OTResult:
     """``solve_sample(backend="multiscale")`` on its checked pair ``m``: GeomLoss' coarse-to-fine schedule
     down to ``o.reg`` (:func:`~flashot.multiscale.scales.schedule`), then the ordinary loop (``o``'s updates,
     ``tol``, ``max_iter``, callback) on the pruned points, through :func:`solve`; the result in the inputs'
@@ -85,13 +117,29 @@ def solve_measures(m: Measures, o: SolveOptions, cfg: MultiscaleConfig, *, group
     if group is not None:
         from ..distributed import distribute_solve
 
-        o = distribute_solve(m, o, group, options={"backend": "multiscale", "cluster_scale": cfg.cluster_scale,
-                                                   "truncate": cfg.truncate})
+        o = distribute_solve(
+            m, o, group, options={"backend": "multiscale", "cluster_scale": cfg.cluster_scale, "truncate": cfg.truncate}
+        )
     diameter = m.bbox_diameter()
-    refine = Refinement(o.tol, o.max_iter, eps=o.reg, symmetric=METHODS[o.method], callback=o.callback,
-                        inner_iterations=o.inner_iterations)
-    run = solve(m, schedule(m.cost, diameter, o.reg), cfg, p=2 if m.cost.is_dot else 1, diameter=diameter,
-                rho=(o.rho_a, o.rho_b), refine=refine, verbose=o.verbose, group=group)
+    refine = Refinement(
+        o.tol,
+        o.max_iter,
+        eps=o.reg,
+        symmetric=METHODS[o.method],
+        callback=o.callback,
+        inner_iterations=o.inner_iterations,
+    )
+    run = solve(
+        m,
+        schedule(m.cost, diameter, o.reg),
+        cfg,
+        p=2 if m.cost.is_dot else 1,
+        diameter=diameter,
+        rho=(o.rho_a, o.rho_b),
+        refine=refine,
+        verbose=o.verbose,
+        group=group,
+    )
     mo, st = in_input_order(m, run)
     res = make_result(mo, st, o, numpy)
     res.multiscale = run

@@ -149,8 +149,10 @@ def _no_grad_inputs(**tensors: Tensor) -> None:
         return
     for name, t in tensors.items():
         if isinstance(t, Tensor) and t.requires_grad:
-            raise ValueError(f"{name}: requires grad, but plan_product is differentiable w.r.t. V only; "
-                             f"detach {name} (or use SamplesLoss / solve_sample for gradients in the points)")
+            raise ValueError(
+                f"{name}: requires grad, but plan_product is differentiable w.r.t. V only; "
+                f"detach {name} (or use SamplesLoss / solve_sample for gradients in the points)"
+            )
 
 
 def _values(name: str, V, lead, batched: bool) -> tuple[Tensor, bool]:

@@ -25,8 +25,17 @@ from .base import Capability, Engine, self_softmin
 
 class SoftminFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, engine: Engine,
-                value: Tensor | None = None, bary: Tensor | None = None):
+    def forward(
+        ctx,
+        x: Tensor,
+        y: Tensor,
+        h: Tensor,
+        eps: float,
+        cost: CostLike,
+        engine: Engine,
+        value: Tensor | None = None,
+        bary: Tensor | None = None,
+    ):
         # value: computed by the caller (a fused step): only the backward is ours.  bary (dot-product costs):
         # the caller's soft-argmin barycentres sum_j w_ij y_j, so the x-gradient needs no plan product
         if value is not None:
@@ -48,8 +57,14 @@ class SoftminFn(torch.autograd.Function):
         gx = gy = gh = None
         alpha = out / eps
         if getattr(cost, "bilinear", False):
-            return (*_bilinear_grads(x, y, h, alpha, G, eps, cost, engine, (need_x, need_y, need_h)), None, None, None,
-                    None, None)
+            return (
+                *_bilinear_grads(x, y, h, alpha, G, eps, cost, engine, (need_x, need_y, need_h)),
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
         D = x.shape[-1]
         ones = torch.ones_like(y[..., :1])
         if need_x and bary is not None:  # rows with no kept mass (non-finite barycentre): gradient 0
@@ -92,15 +107,25 @@ def plan_grad_x(x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, c
     :class:`~flashot.costs.FeatureBilinearCost` ``grad_x C(x_i, y_j) = [1, S y'_j]``, linear in ``y_j``."""
     D = x.shape[-1]
     if getattr(cost, "bilinear", False):
-        P = engine.plan_product(x, y, alpha, beta, eps, torch.cat([torch.ones_like(y[..., :1]), y[..., 1:]], -1),
-                                cost, "plan")
+        P = engine.plan_product(
+            x, y, alpha, beta, eps, torch.cat([torch.ones_like(y[..., :1]), y[..., 1:]], -1), cost, "plan"
+        )
         return torch.cat([P[..., :1], torch.bmm(P[..., 1:], cost.S.to(device=x.device, dtype=x.dtype))], -1)
     S = engine.plan_product(x, y, alpha, beta, eps, torch.cat([y, torch.ones_like(y[..., :1])], -1), cost, "dcost")
     return x * S[..., D:] - S[..., :D]
 
 
-def _bilinear_grads(x: Tensor, y: Tensor, h: Tensor, alpha: Tensor, G: Tensor, eps: float, cost, engine: Engine,
-                    need: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+def _bilinear_grads(
+    x: Tensor,
+    y: Tensor,
+    h: Tensor,
+    alpha: Tensor,
+    G: Tensor,
+    eps: float,
+    cost,
+    engine: Engine,
+    need: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """VJPs of the softmin for a :class:`~flashot.costs.FeatureBilinearCost` ``C(x, y) = x_0 + y_0 + <x', S y'>``:
     ``grad_x C(x_i, y_j) = [1, S y'_j]`` is linear in ``y_j``, so each side is one plan product
     (``gx_i = G_i [1, S sum_j w_ij y'_j]`` with the row-normalised weights ``w``)."""
@@ -126,8 +151,14 @@ def softmin_fn(x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, engi
     """Softmin that is differentiable w.r.t. ``x``, ``y`` and ``h`` (batched tensors)."""
     if plain_autograd(x, y, h, cost, engine):
         return engine.softmin(x, y, h, eps, cost)
-    if (engine.supports(Capability.SOFTMIN_SYM_BARY) and torch.is_grad_enabled() and x.requires_grad and x.shape == y.shape
-            and x.data_ptr() == y.data_ptr() and x.stride() == y.stride()):
+    if (
+        engine.supports(Capability.SOFTMIN_SYM_BARY)
+        and torch.is_grad_enabled()
+        and x.requires_grad
+        and x.shape == y.shape
+        and x.data_ptr() == y.data_ptr()
+        and x.stride() == y.stride()
+    ):
         with torch.no_grad():  # softmin(x, x, h) and its barycentres from one (half) pass
             res = engine.softmin_sym_bary(x.detach(), h.detach(), eps, cost)
         if res is not None:
@@ -139,12 +170,17 @@ def plain_autograd(x: Tensor, y: Tensor, h: Tensor, cost: CostLike, engine: Engi
     """Does :func:`softmin_fn` let autograd see the engine's own torch code?  The dense engine is plain
     torch, so double backward works through it; not for ``|x - y|``, whose autograd derivative at
     ``x = y`` is NaN."""
-    return engine.name == "dense" and cost.is_dot and torch.is_grad_enabled() and (
-        x.requires_grad or y.requires_grad or h.requires_grad)
+    return (
+        engine.name == "dense"
+        and cost.is_dot
+        and torch.is_grad_enabled()
+        and (x.requires_grad or y.requires_grad or h.requires_grad)
+    )
 
 
-def softmin_pair_fn(x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike,
-                    engine: Engine) -> tuple[Tensor, Tensor]:
+def softmin_pair_fn(
+    x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike, engine: Engine
+) -> tuple[Tensor, Tensor]:
     """``(softmin_fn(x, y.detach(), hy), softmin_fn(y, x.detach(), hx))``: each potential differentiable w.r.t.
     its own points and its log-weights (the final step of a symmetric solve).  The values come from the
     engine's fused ``softmin_pair`` (one pass for both) where the engine asks for it (``Capability.FUSED_FINAL_STEP``:
@@ -161,10 +197,10 @@ def softmin_pair_fn(x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, co
     bary = (need_x or need_y) and engine.supports(Capability.SOFTMIN_PAIR_BARY)
     with torch.no_grad():
         res = engine.softmin_pair_bary(xd, yd, hx.detach(), hy.detach(), eps, cost, cols=need_y) if bary else None
-        f, g, bx, by = res if res is not None else (*engine.softmin_pair(xd, yd, hx.detach(), hy.detach(), eps, cost),
-                                                     None, None)
-    return (SoftminFn.apply(x, yd, hy, eps, cost, engine, f, bx),
-            SoftminFn.apply(y, xd, hx, eps, cost, engine, g, by))
+        f, g, bx, by = (
+            res if res is not None else (*engine.softmin_pair(xd, yd, hx.detach(), hy.detach(), eps, cost), None, None)
+        )
+    return (SoftminFn.apply(x, yd, hy, eps, cost, engine, f, bx), SoftminFn.apply(y, xd, hx, eps, cost, engine, g, by))
 
 
 class PlanVFn(torch.autograd.Function):
@@ -176,8 +212,18 @@ class PlanVFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, V: Tensor, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: CostLike,
-                engine: Engine, weight: str):
+    def forward(
+        ctx,
+        V: Tensor,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        cost: CostLike,
+        engine: Engine,
+        weight: str,
+    ):
         ctx.save_for_backward(x, y, alpha, beta)
         ctx.args = (eps, cost, engine, weight)
         return engine.plan_product(x, y, alpha, beta, eps, V.detach().contiguous(), cost, weight)
@@ -189,8 +235,17 @@ class PlanVFn(torch.autograd.Function):
         return gV, None, None, None, None, None, None, None, None
 
 
-def plan_apply(V: Tensor, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: CostLike,
-               engine: Engine, weight: str = "plan") -> Tensor:
+def plan_apply(
+    V: Tensor,
+    x: Tensor,
+    y: Tensor,
+    alpha: Tensor,
+    beta: Tensor,
+    eps: float,
+    cost: CostLike,
+    engine: Engine,
+    weight: str = "plan",
+) -> Tensor:
     """``(K ⊙ W) V`` on batched tensors (``x``, ``y``, ``alpha``, ``beta`` detached): differentiable
     w.r.t. ``V`` when it requires grad (:class:`PlanVFn`), a plain no-grad engine call otherwise."""
     if torch.is_grad_enabled() and V.requires_grad:

@@ -67,8 +67,16 @@ from ..costs import CostLike
 Weight = Literal["plan", "cost", "dcost"]
 WEIGHTS = ("plan", "cost", "dcost")
 
-__all__ = ["Capability", "Engine", "ForwardingEngine", "ForeignEngine", "Weight", "WEIGHTS", "self_softmin",
-           "exp_floor"]
+__all__ = [
+    "Capability",
+    "Engine",
+    "ForwardingEngine",
+    "ForeignEngine",
+    "Weight",
+    "WEIGHTS",
+    "self_softmin",
+    "exp_floor",
+]
 
 
 class Capability(enum.Enum):
@@ -114,8 +122,10 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
 
 
 def _missing(engine: object, cap: Capability) -> NotImplementedError:
-    return NotImplementedError(f"engine {type(engine).__name__} does not declare Capability.{cap.name}; "
-                               f"check engine.supports(Capability.{cap.name}) before calling it")
+    return NotImplementedError(
+        f"engine {type(engine).__name__} does not declare Capability.{cap.name}; "
+        f"check engine.supports(Capability.{cap.name}) before calling it"
+    )
 
 
 def _defines(cls: type, name: str, base: type) -> bool:
@@ -189,8 +199,17 @@ class Engine(abc.ABC):
         """``out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps)``: (B, N, D), (B, M, D), (B, M) -> (B, N)."""
 
     @abc.abstractmethod
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: CostLike,
-                     weight: Weight = "plan") -> Tensor:
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: CostLike,
+        weight: Weight = "plan",
+    ) -> Tensor:
         """``out_i = sum_j exp(alpha_i + beta_j - C(x_i, y_j) / eps) W_ij V_j``: V (B, M, K) -> (B, N, K).
 
         ``W_ij`` is 1 (``weight="plan"``), ``C(x_i, y_j)`` (``"cost"``) or ``w`` such that
@@ -198,13 +217,15 @@ class Engine(abc.ABC):
         """
 
     # -- optional fused steps (Capability members; see the module docstring) -------------------
-    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
-                     cost: CostLike) -> tuple[Tensor, Tensor]:
+    def softmin_pair(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike
+    ) -> tuple[Tensor, Tensor]:
         """``(softmin(x, y, hy), softmin(y, x, hx))`` in one pass (``Capability.SOFTMIN_PAIR``)."""
         raise _missing(self, Capability.SOFTMIN_PAIR)
 
-    def softmin_alt(self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike,
-                    lam: float = 1.0) -> tuple[Tensor, Tensor]:
+    def softmin_alt(
+        self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike, lam: float = 1.0
+    ) -> tuple[Tensor, Tensor]:
         """``(f, softmin(y, x, ha + lam f / eps))``, ``f = softmin(x, y, hy)`` (``Capability.SOFTMIN_ALT``)."""
         raise _missing(self, Capability.SOFTMIN_ALT)
 
@@ -212,8 +233,9 @@ class Engine(abc.ABC):
         """``softmin(x, x, h)`` (``Capability.SOFTMIN_SYM``)."""
         raise _missing(self, Capability.SOFTMIN_SYM)
 
-    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike,
-                          cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    def softmin_pair_bary(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike, cols: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         """``softmin_pair`` and the barycentres, or None (``Capability.SOFTMIN_PAIR_BARY``)."""
         raise _missing(self, Capability.SOFTMIN_PAIR_BARY)
 
@@ -269,8 +291,10 @@ class ForwardingEngine(Engine):
         for cap in caps:
             forwarded = [m for m in cap.methods if not _defines(type(self), m, ForwardingEngine)]
             if forwarded and not inner.supports(cap):
-                raise ValueError(f"{type(self).__name__}: declares Capability.{cap.name}, which neither it "
-                                 f"(methods {cap.methods}) nor its inner engine {inner.name!r} implements")
+                raise ValueError(
+                    f"{type(self).__name__}: declares Capability.{cap.name}, which neither it "
+                    f"(methods {cap.methods}) nor its inner engine {inner.name!r} implements"
+                )
         self.capabilities = frozenset(caps)
 
     def __repr__(self) -> str:
@@ -287,23 +311,36 @@ class ForwardingEngine(Engine):
     def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, **kw: Any) -> Tensor:
         return self.inner.softmin(x, y, h, eps, cost, **kw)  # kw: rows= (Capability.ROW_RANGES)
 
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost: CostLike,
-                     weight: Weight = "plan", **kw: Any) -> Tensor:
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: CostLike,
+        weight: Weight = "plan",
+        **kw: Any,
+    ) -> Tensor:
         return self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, **kw)
 
-    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
-                     cost: CostLike) -> tuple[Tensor, Tensor]:
+    def softmin_pair(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike
+    ) -> tuple[Tensor, Tensor]:
         return self._forward(Capability.SOFTMIN_PAIR).softmin_pair(x, y, hx, hy, eps, cost)
 
-    def softmin_alt(self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike,
-                    lam: float = 1.0) -> tuple[Tensor, Tensor]:
+    def softmin_alt(
+        self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike, lam: float = 1.0
+    ) -> tuple[Tensor, Tensor]:
         return self._forward(Capability.SOFTMIN_ALT).softmin_alt(x, y, ha, hy, eps, cost, lam)
 
     def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
         return self._forward(Capability.SOFTMIN_SYM).softmin_sym(x, h, eps, cost)
 
-    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike,
-                          cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    def softmin_pair_bary(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike, cols: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         return self._forward(Capability.SOFTMIN_PAIR_BARY).softmin_pair_bary(x, y, hx, hy, eps, cost, cols=cols)
 
     def softmin_sym_bary(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> tuple[Tensor, Tensor] | None:

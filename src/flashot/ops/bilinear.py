@@ -174,20 +174,32 @@ class BilinearAdapter(ForwardingEngine):
         if not getattr(cost, "bilinear", False):
             return self.inner.softmin_alt(x, y, ha, hy, eps, cost, lam)
         sp = self.split(x, y, cost)
-        f, g = self.inner.softmin_alt(sp.xh, sp.yh, _shift(ha, (1.0 - lam) * sp.ox, eps), _shift(hy, sp.oy, eps),
-                                      eps, SQ, lam)
+        f, g = self.inner.softmin_alt(
+            sp.xh, sp.yh, _shift(ha, (1.0 - lam) * sp.ox, eps), _shift(hy, sp.oy, eps), eps, SQ, lam
+        )
         return _add(f, sp.ox), _add(g, sp.oy)
 
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
-                     cost: Cost, weight: Weight = "plan") -> Tensor:
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: Cost,
+        weight: Weight = "plan",
+    ) -> Tensor:
         """``out_i = sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j`` on the split; ``W = C`` is
         ``|xh - yh|^2`` plus the offsets, i.e. ``P_sq^C V + ox P_sq V + P_sq (oy V)``."""
         if not getattr(cost, "bilinear", False):
             return self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight)
         if weight == "dcost":
-            raise NotImplementedError("a feature-bilinear cost has no gradient of the form w (x - y) "
-                                      "(weight='dcost'): gradients of value_linear w.r.t. its "
-                                      "augmented points are not implemented (those of value and of the potentials are)")
+            raise NotImplementedError(
+                "a feature-bilinear cost has no gradient of the form w (x - y) "
+                "(weight='dcost'): gradients of value_linear w.r.t. its "
+                "augmented points are not implemented (those of value and of the potentials are)"
+            )
         sp = self.split(x, y, cost)
         a2, b2 = _shift(alpha, sp.ox, eps), _shift(beta, sp.oy, eps)
         if weight == "plan":

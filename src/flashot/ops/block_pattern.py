@@ -60,9 +60,11 @@ class BlockPattern:
         """Square with the same clusters on both sides and ``keep == keep.T`` (the patterns of ``(x, x)``
         pairs; :meth:`BlockSparseEngine.softmin_sym` then computes half the blocks).  Cached."""
         if "_symmetric" not in self.__dict__:
-            self._symmetric = bool(self.keep.shape[0] == self.keep.shape[1]
-                                   and torch.equal(self.row_offsets, self.col_offsets)
-                                   and torch.equal(self.keep, self.keep.T))
+            self._symmetric = bool(
+                self.keep.shape[0] == self.keep.shape[1]
+                and torch.equal(self.row_offsets, self.col_offsets)
+                and torch.equal(self.keep, self.keep.T)
+            )
         return self._symmetric
 
     @property
@@ -100,10 +102,13 @@ class BlockPattern:
             ro = self.row_offsets.cpu()
             k0, k1 = (int(torch.searchsorted(ro, torch.tensor([v]))[0]) for v in (lo, hi))
             if not (0 <= lo < hi <= self.n_rows) or int(ro[k0]) != lo or int(ro[k1]) != hi:
-                raise ValueError(f"rows: [{lo}, {hi}) is not a non-empty range of whole row clusters of this pattern "
-                                 f"({self.keep.shape[0]} clusters over {self.n_rows} rows)")
-            cache[(lo, hi)] = BlockPattern(self.row_offsets[k0:k1 + 1] - lo, self.col_offsets, self.keep[k0:k1],
-                                           self.tile_elems)
+                raise ValueError(
+                    f"rows: [{lo}, {hi}) is not a non-empty range of whole row clusters of this pattern "
+                    f"({self.keep.shape[0]} clusters over {self.n_rows} rows)"
+                )
+            cache[(lo, hi)] = BlockPattern(
+                self.row_offsets[k0 : k1 + 1] - lo, self.col_offsets, self.keep[k0:k1], self.tile_elems
+            )
         return cache[(lo, hi)]
 
     def clusters_of(self, rows: Tensor) -> tuple[BlockPattern, Tensor]:
@@ -165,7 +170,7 @@ class BlockPattern:
         cols = torch.full((len(group), k_max), -1, dtype=torch.long, device=dev)
         for g, I in enumerate(group):
             rows[g, : ro[I + 1] - ro[I]] = torch.arange(ro[I], ro[I + 1], device=dev)
-            cols[g, : ptr[I + 1] - ptr[I]] = self._cols[ptr[I]:ptr[I + 1]]
+            cols[g, : ptr[I + 1] - ptr[I]] = self._cols[ptr[I] : ptr[I + 1]]
         return rows, cols
 
 

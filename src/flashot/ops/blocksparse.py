@@ -103,11 +103,24 @@ class BlockSparseEngine(Engine):
     name = "multiscale"
     # FUSED_FINAL_STEP: the solver's final step takes softmin_pair (ops.autograd.softmin_pair_fn), since the fine
     # stage runs few iterations; ROW_RANGES: row_bounds / digest and rows= (a distributed solve's slices)
-    capabilities = frozenset({Capability.SOFTMIN_PAIR, Capability.SOFTMIN_SYM, Capability.SOFTMIN_PAIR_BARY,
-                              Capability.SOFTMIN_SYM_BARY, Capability.FUSED_FINAL_STEP, Capability.ROW_RANGES})
+    capabilities = frozenset(
+        {
+            Capability.SOFTMIN_PAIR,
+            Capability.SOFTMIN_SYM,
+            Capability.SOFTMIN_PAIR_BARY,
+            Capability.SOFTMIN_SYM_BARY,
+            Capability.FUSED_FINAL_STEP,
+            Capability.ROW_RANGES,
+        }
+    )
 
-    def __init__(self, patterns: list[tuple[Tensor, Tensor, BlockPattern]], *, native: bool | str = True,
-                 tiles: TilePruning | None = None):
+    def __init__(
+        self,
+        patterns: list[tuple[Tensor, Tensor, BlockPattern]],
+        *,
+        native: bool | str = True,
+        tiles: TilePruning | None = None,
+    ):
         self._patterns = {(self.cloud_key(u), self.cloud_key(v)): p for u, v, p in patterns}
         self._tiles = tiles
         self.tile_pairs = [0]  # pairs the fused C++ steps evaluated with sub-tile pruning (padded columns included)
@@ -130,8 +143,10 @@ class BlockSparseEngine(Engine):
     def pattern(self, x: Tensor, y: Tensor) -> BlockPattern:
         p = self._patterns.get((self.cloud_key(x), self.cloud_key(y)))
         if p is None:
-            raise RuntimeError("multiscale engine: called on a pair of clouds it has no block pattern for "
-                               "(it is bound to one problem; this is a flashot bug, please report it)")
+            raise RuntimeError(
+                "multiscale engine: called on a pair of clouds it has no block pattern for "
+                "(it is bound to one problem; this is a flashot bug, please report it)"
+            )
         return p
 
     def row_bounds(self, x: Tensor, y: Tensor, parts: int) -> list[tuple[int, int]]:
@@ -161,8 +176,9 @@ class BlockSparseEngine(Engine):
         hg = torch.where(cols >= 0, _gather(h[0], cols), torch.full_like(cols, float("-inf"), dtype=h.dtype))
         return hg.unsqueeze(-2) - C / eps, C
 
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost,
-                rows: tuple[int, int] | None = None) -> Tensor:
+    def softmin(
+        self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost, rows: tuple[int, int] | None = None
+    ) -> Tensor:
         """``out_i = -eps log sum_{j in kept(I(i))} exp(h_j - C_ij / eps)``, (1, N); with ``rows=(lo, hi)``
         (whole row clusters) only those rows, (1, hi - lo)."""
         pat, x, _ = self._select(x, y, rows)
@@ -183,8 +199,9 @@ class BlockSparseEngine(Engine):
     def _native(self, *ts: Tensor) -> bool:
         return self._lib is not None and all(t.dtype == ts[0].dtype for t in ts)
 
-    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
-                     cost: Cost) -> tuple[Tensor, Tensor]:
+    def softmin_pair(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost
+    ) -> tuple[Tensor, Tensor]:
         """``(softmin(x, y, hy), softmin(y, x, hx))`` over the kept blocks; on the CPU kernels one exponential
         per kept pair gives both (``s_ij = hx_i + hy_j - C_ij / eps``: ``softmin(x, y, hy)_i = -eps (log sum_j
         e^{s_ij} - hx_i)``, the same for the columns), as :meth:`flashot.ops.cpu.CpuEngine.softmin_pair`: rows
@@ -193,8 +210,18 @@ class BlockSparseEngine(Engine):
         if not self._native(x, y, hx, hy):
             return self.softmin(x, y, hy, eps, cost), self.softmin(y, x, hx, eps, cost)
         self.stats["pair"] += 1
-        rsum, csum, _, _ = pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False,
-                                     tiles=self._tile_args(x, y, hx, hy, eps, cost))
+        rsum, csum, _, _ = pair_cpu(
+            self._lib,
+            pat,
+            x,
+            y,
+            hx.contiguous(),
+            hy.contiguous(),
+            eps,
+            cost,
+            sym=False,
+            tiles=self._tile_args(x, y, hx, hy, eps, cost),
+        )
         return self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
 
     def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: Cost) -> Tensor:
@@ -205,8 +232,18 @@ class BlockSparseEngine(Engine):
         if not (self._native(x, h) and pat.symmetric):
             return self.softmin(x, x, h, eps, cost)
         self.stats["sym"] += 1
-        rsum, csum, _, _ = pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True,
-                                     tiles=self._tile_args(x, x, h, h, eps, cost))
+        rsum, csum, _, _ = pair_cpu(
+            self._lib,
+            pat,
+            x,
+            x,
+            h.contiguous(),
+            h.contiguous(),
+            eps,
+            cost,
+            sym=True,
+            tiles=self._tile_args(x, x, h, h, eps, cost),
+        )
         return self._from_sums(rsum + csum, h, eps, x, x, h, cost)
 
     def _tile_args(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost) -> TileArgs | None:
@@ -221,15 +258,17 @@ class BlockSparseEngine(Engine):
         if la is None or lb is None:
             return None
         back = None if x is y else self._patterns.get((self.cloud_key(y), self.cloud_key(x)))
-        return tile_args(self._lib, self.pattern(x, y), back, x, y, hx, hy, la, lb, eps, cost, t.truncate,
-                         self.tile_pairs)
+        return tile_args(
+            self._lib, self.pattern(x, y), back, x, y, hx, hy, la, lb, eps, cost, t.truncate, self.tile_pairs
+        )
 
     def _bary_ok(self, x: Tensor, h: Tensor, cost: Cost) -> bool:
         """Can the CPU kernels give barycentres here (squared-Euclidean-type cost, D <= 3)?"""
         return self._native(x, h) and cost.is_dot and not getattr(cost, "bilinear", False) and x.shape[-1] <= 3
 
-    def softmin_pair_bary(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
-                          cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    def softmin_pair_bary(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost, cols: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         """:meth:`softmin_pair` ``(f, g)`` and, from the same exponentials, the soft-argmin barycentres ``bx_i =
         sum_j w_ij y_j`` (1, N, D) of ``f = softmin(x, y, hy)`` (``w_ij = exp(hy_j - C_ij / eps + f_i / eps)``)
         and, with ``cols``, ``by`` (1, M, D) of ``g``: the final step's gradient ``2 s (x_i - bx_i)`` per unit
@@ -239,8 +278,19 @@ class BlockSparseEngine(Engine):
             return None
         pat = self.pattern(x, y)
         self.stats["pair_bary"] += 1
-        rsum, csum, rb, cb = pair_cpu(self._lib, pat, x, y, hx.contiguous(), hy.contiguous(), eps, cost, sym=False,
-                                       bary=2 if cols else 1, tiles=self._tile_args(x, y, hx, hy, eps, cost))
+        rsum, csum, rb, cb = pair_cpu(
+            self._lib,
+            pat,
+            x,
+            y,
+            hx.contiguous(),
+            hy.contiguous(),
+            eps,
+            cost,
+            sym=False,
+            bary=2 if cols else 1,
+            tiles=self._tile_args(x, y, hx, hy, eps, cost),
+        )
         f, g = self._from_sums(rsum, hx, eps, x, y, hy, cost), self._from_sums(csum, hy, eps, y, x, hx, cost)
         bx = self._bary(rsum, rb, f, eps, x, y, hy, cost)
         return f, g, bx, (self._bary(csum, cb, g, eps, y, x, hx, cost) if cols else None)
@@ -252,14 +302,34 @@ class BlockSparseEngine(Engine):
         if not (self._bary_ok(x, h, cost) and pat.symmetric):
             return None
         self.stats["sym_bary"] += 1
-        rsum, csum, rb, cb = pair_cpu(self._lib, pat, x, x, h.contiguous(), h.contiguous(), eps, cost, sym=True,
-                                       bary=2, tiles=self._tile_args(x, x, h, h, eps, cost))
+        rsum, csum, rb, cb = pair_cpu(
+            self._lib,
+            pat,
+            x,
+            x,
+            h.contiguous(),
+            h.contiguous(),
+            eps,
+            cost,
+            sym=True,
+            bary=2,
+            tiles=self._tile_args(x, x, h, h, eps, cost),
+        )
         sums = rsum + csum
         out = self._from_sums(sums, h, eps, x, x, h, cost)
         return out, self._bary(sums, rb + cb, out, eps, x, x, h, cost)
 
-    def _bary(self, sums: Tensor, num: Tensor, out: Tensor, eps: float, pts: Tensor, other: Tensor,
-              h_other: Tensor, cost: Cost) -> Tensor:
+    def _bary(
+        self,
+        sums: Tensor,
+        num: Tensor,
+        out: Tensor,
+        eps: float,
+        pts: Tensor,
+        other: Tensor,
+        h_other: Tensor,
+        cost: Cost,
+    ) -> Tensor:
         """``num / sums`` (1, N, D); rows whose sum is unusable (as in :meth:`_from_sums`) are redone by the plan
         product ``sum_j exp(out_i / eps + h_j - C_ij / eps) [other_j, 1]`` on their row clusters.  Rows with
         no kept mass stay non-finite (their gradient is zero)."""
@@ -271,14 +341,25 @@ class BlockSparseEngine(Engine):
             self.stats["bary_fixup"] += int(bad.sum())
             sub, idx = self.pattern(pts, other).clusters_of(bad)
             V = torch.cat([other, torch.ones_like(other[..., :1])], -1).contiguous()
-            S = plan_cpu(self._lib, sub, pts[:, idx].contiguous(), other, (out[:, idx] / eps).contiguous(),
-                          h_other.contiguous(), eps, V, cost, "plan")[0]
+            S = plan_cpu(
+                self._lib,
+                sub,
+                pts[:, idx].contiguous(),
+                other,
+                (out[:, idx] / eps).contiguous(),
+                h_other.contiguous(),
+                eps,
+                V,
+                cost,
+                "plan",
+            )[0]
             sel = bad[idx]
             b[idx[sel]] = S[sel, :-1] / S[sel, -1:]
         return b.unsqueeze(0)
 
-    def _from_sums(self, sums: Tensor, h: Tensor, eps: float, pts: Tensor, other: Tensor, h_other: Tensor,
-                   cost: Cost) -> Tensor:
+    def _from_sums(
+        self, sums: Tensor, h: Tensor, eps: float, pts: Tensor, other: Tensor, h_other: Tensor, cost: Cost
+    ) -> Tensor:
         """``-eps (log sums - h)``, (1, N); rows whose sum is unusable are recomputed by the block-sparse
         softmin on the row clusters that hold them."""
         from .cpu.engine import PAIR_MIN_SUM
@@ -293,17 +374,19 @@ class BlockSparseEngine(Engine):
             out[0, idx[sel]] = redo[0, sel]
         return out
 
-    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan",
-                     rows: tuple[int, int] | None = None):
+    def plan_product(
+        self, x, y, alpha, beta, eps, V, cost, weight: Weight = "plan", rows: tuple[int, int] | None = None
+    ):
         """``out_i = sum_{j in kept(I(i))} exp(alpha_i + beta_j - C_ij / eps) W_ij V_j``, (1, N, K); with
         ``rows=(lo, hi)`` (whole row clusters) only those rows, (1, hi - lo, K)."""
         pat, x, lo = self._select(x, y, rows)
-        alpha = alpha[:, lo:lo + x.shape[1]]
+        alpha = alpha[:, lo : lo + x.shape[1]]
         if pat is None:
             return V.new_zeros((1, 0, V.shape[-1]))
         if self._triton is not None:
-            return self._triton.plan_product_blocks(x, y, alpha, beta, eps, V, cost, _lists(pat, x.device),
-                                                    weight).to(V.dtype)
+            return self._triton.plan_product_blocks(x, y, alpha, beta, eps, V, cost, _lists(pat, x.device), weight).to(
+                V.dtype
+            )
         if self._lib is not None and 1 <= V.shape[-1] <= NARROW_K and V.dtype == x.dtype == alpha.dtype == beta.dtype:
             return plan_cpu(self._lib, pat, x, y, alpha, beta, eps, V.contiguous(), cost, weight)
         out = torch.zeros(1, x.shape[1], V.shape[-1], dtype=x.dtype, device=x.device)

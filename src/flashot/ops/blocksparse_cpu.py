@@ -35,7 +35,6 @@ class TileArgs(NamedTuple):
     counter: list
 
 
-
 def cpu_lib():
     """The compiled block-sparse CPU kernels, or None where they cannot be built (the PyTorch path then
     runs)."""
@@ -49,20 +48,36 @@ def cpu_lib():
         return None
 
 
-def _stream(x: Tensor, yT: Tensor, yy: Tensor, hs: Tensor, width: int, kind: int, kcoef: float, minsq: float
-            ) -> abi.Stream:
+def _stream(
+    x: Tensor, yT: Tensor, yy: Tensor, hs: Tensor, width: int, kind: int, kcoef: float, minsq: float
+) -> abi.Stream:
     """The kernels' ``flashot_stream`` for the rows ``x`` (1, N, D) against the padded columns (B = 1)."""
     from .cpu.engine import LARGE_D_CFG, SMALL_D
 
     N, D = x.shape[-2], x.shape[-1]
-    return abi.Stream(x.data_ptr(), yT.data_ptr(), yy.data_ptr(), hs.data_ptr(), N, width, 0, kcoef, minsq, 1, D,
-                      kind, 0 if D <= SMALL_D else LARGE_D_CFG, torch.get_num_threads())
+    return abi.Stream(
+        x.data_ptr(),
+        yT.data_ptr(),
+        yy.data_ptr(),
+        hs.data_ptr(),
+        N,
+        width,
+        0,
+        kcoef,
+        minsq,
+        1,
+        D,
+        kind,
+        0 if D <= SMALL_D else LARGE_D_CFG,
+        torch.get_num_threads(),
+    )
 
 
 def _blocks(lay, tasks: Tensor) -> abi.Blocks:
     """The kernels' ``flashot_blocks`` of a padded layout, for the row tasks ``tasks``."""
-    return abi.Blocks(tasks.data_ptr(), lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(),
-                      tasks.numel() // 3)
+    return abi.Blocks(
+        tasks.data_ptr(), lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(), tasks.numel() // 3
+    )
 
 
 def padded_y(lib, pat: BlockPattern, y: Tensor, h: Tensor, kind: int):
@@ -88,8 +103,17 @@ def padded_y(lib, pat: BlockPattern, y: Tensor, h: Tensor, kind: int):
     return lay, yT, yy, hs
 
 
-def softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: Cost,
-                 base2: bool = False, tasks: Tensor | None = None) -> Tensor:
+def softmin_cpu(
+    lib,
+    pat: BlockPattern,
+    x: Tensor,
+    y: Tensor,
+    h: Tensor,
+    eps: float,
+    cost: Cost,
+    base2: bool = False,
+    tasks: Tensor | None = None,
+) -> Tensor:
     """The block-sparse softmin by the C++ kernels (B = 1, CPU, float32 / float64); ``base2``: the row
     LSE in base 2 instead (the plan product's first pass); ``tasks``: other rows than the pattern's (``(first row,
     end row, row cluster)`` per row cluster, as :class:`PaddedColumns`)."""
@@ -102,17 +126,29 @@ def softmin_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, h: Tensor, eps: fl
     out = torch.empty(N, dtype=x.dtype)
     tasks = lay.tasks if tasks is None else tasks
     fn = lib.flashot_softmin_bs_f32 if x.dtype == torch.float32 else lib.flashot_softmin_bs_f64
-    lse = abi.LseArgs(_stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq), out.data_ptr(),
-                      1.0 if base2 else -eps * LN2)
+    lse = abi.LseArgs(
+        _stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq), out.data_ptr(), 1.0 if base2 else -eps * LN2
+    )
     rc = abi.call(fn, abi.LseBsArgs(lse, _blocks(lay, tasks)))
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse softmin kernel returned {rc}")
     return out.unsqueeze(0)
 
 
-def pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
-              sym: bool, bary: int = 0, tiles: TileArgs | None = None, tasks: Tensor | None = None
-              ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+def pair_cpu(
+    lib,
+    pat: BlockPattern,
+    x: Tensor,
+    y: Tensor,
+    hx: Tensor,
+    hy: Tensor,
+    eps: float,
+    cost: Cost,
+    sym: bool,
+    bary: int = 0,
+    tiles: TileArgs | None = None,
+    tasks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """``flashot_pair_bs``: ``(rsum (N,), csum (M,), rb, cb)``, the row and column sums of ``exp(s_ij)``, ``s_ij =
     hx_i + hy_j - C_ij / eps``, over the kept blocks, one exponential per pair.  ``sym`` (``y`` is ``x``, a
     symmetric pattern): the blocks right of the diagonal give both sums and the diagonal ones the row sums only,
@@ -143,20 +179,49 @@ def pair_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, hx: Tensor, hy: Tenso
     tasks = lay.tasks if tasks is None else tasks
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     fn = lib.flashot_pair_bs_f32 if x.dtype == torch.float32 else lib.flashot_pair_bs_f64
-    rowcol = abi.RowColArgs(_stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq), hx2.data_ptr(), rows.data_ptr(),
-                            cols.data_ptr(), 0.0, int(sym))
-    rc = abi.call(fn, abi.PairBsArgs(rowcol, _blocks(lay, tasks), ptr(rb), ptr(fx), ptr(gy), ptr(fxo), ptr(gyo),
-                                     done.data_ptr(), thr, int(bary == 2)))
+    rowcol = abi.RowColArgs(
+        _stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq),
+        hx2.data_ptr(),
+        rows.data_ptr(),
+        cols.data_ptr(),
+        0.0,
+        int(sym),
+    )
+    rc = abi.call(
+        fn,
+        abi.PairBsArgs(
+            rowcol,
+            _blocks(lay, tasks),
+            ptr(rb),
+            ptr(fx),
+            ptr(gy),
+            ptr(fxo),
+            ptr(gyo),
+            done.data_ptr(),
+            thr,
+            int(bary == 2),
+        ),
+    )
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse pair kernel returned {rc}")
     if tiles is not None:
         tiles.counter[0] += int(done)
-    cb = cols[lay.width:].view(D, lay.width)[:, lay.pos].T if bary == 2 else None
-    return rows, cols[:lay.width][lay.pos], rb, cb
+    cb = cols[lay.width :].view(D, lay.width)[:, lay.pos].T if bary == 2 else None
+    return rows, cols[: lay.width][lay.pos], rb, cb
 
 
-def plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
-              cost: Cost, weight: Weight) -> Tensor:
+def plan_cpu(
+    lib,
+    pat: BlockPattern,
+    x: Tensor,
+    y: Tensor,
+    alpha: Tensor,
+    beta: Tensor,
+    eps: float,
+    V: Tensor,
+    cost: Cost,
+    weight: Weight,
+) -> Tensor:
     """The block-sparse plan product by the C++ kernels (V of at most ``NARROW_K`` columns, B = 1).  One pass:
     the weights are the plan entries ``exp(alpha_i + beta_j - C_ij / eps)`` themselves (as the ``cpu``
     engine's plan product), which neither overflow nor lose the row when its plan mass is between
@@ -178,8 +243,20 @@ def plan_cpu(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: 
     return out
 
 
-def plan_call(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
-               cost: Cost, weight: Weight, lse: Tensor | None, tasks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def plan_call(
+    lib,
+    pat: BlockPattern,
+    x: Tensor,
+    y: Tensor,
+    alpha: Tensor,
+    beta: Tensor,
+    eps: float,
+    V: Tensor,
+    cost: Cost,
+    weight: Weight,
+    lse: Tensor | None,
+    tasks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """One ``flashot_plan_bs`` call: ``(out (1, N, K), plan mass per row (N,))``; two-pass mode when the row
     LSE ``lse`` (base 2) is given, one-pass otherwise; ``tasks`` as in :func:`softmin_cpu`."""
     from .cpu.engine import KIND_DOT, W_COST, W_INV, W_ONE, CpuEngine
@@ -199,9 +276,19 @@ def plan_call(lib, pat: BlockPattern, x: Tensor, y: Tensor, alpha: Tensor, beta:
     mass = torch.empty(N, dtype=x.dtype)
     tasks = lay.tasks if tasks is None else tasks
     fn = lib.flashot_plan_bs_f32 if x.dtype == torch.float32 else lib.flashot_plan_bs_f64
-    plan = abi.PlanArgs(_stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq), (al if lse is None else lse).data_ptr(),
-                        al.data_ptr(), VTk.data_ptr(), out.data_ptr(), mass.data_ptr(), wconst, K, int(lse is None), wk,
-                        1)
+    plan = abi.PlanArgs(
+        _stream(xc, yT, yy, hs, lay.width, kind, kcoef, minsq),
+        (al if lse is None else lse).data_ptr(),
+        al.data_ptr(),
+        VTk.data_ptr(),
+        out.data_ptr(),
+        mass.data_ptr(),
+        wconst,
+        K,
+        int(lse is None),
+        wk,
+        1,
+    )
     rc = abi.call(fn, abi.PlanBsArgs(plan, _blocks(lay, tasks)))
     if rc != 0:
         raise RuntimeError(f"multiscale engine: block-sparse plan kernel returned {rc}")

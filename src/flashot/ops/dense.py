@@ -93,7 +93,8 @@ def check_dense_budget(B: int, N: int, M: int, dtype: torch.dtype, device: torch
             f"backend='dense' (GeomLoss' 'tensorized') would materialise a {B} x {N} x {M} {dtype} matrix "
             f"({need:,} bytes, several alive at once), above its budget of {budget:,} bytes; raise it with "
             f"{DENSE_MAX_BYTES_ENV}=<bytes>, or use a streaming engine (memory O(N + M)): backend='auto' "
-            f"(SamplesLoss: 'online'), 'cpu', 'tiled' or 'triton'")
+            f"(SamplesLoss: 'online'), 'cpu', 'tiled' or 'triton'"
+        )
 
 
 def _exp_shifted(S: Tensor, m: Tensor) -> Tensor:

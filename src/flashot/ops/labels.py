@@ -36,7 +36,7 @@ def _row_groups(lx: Tensor):
     keys, counts = torch.unique_consecutive(lx[order], return_counts=True)
     start = 0
     for k, c in zip(keys.tolist(), counts.tolist()):
-        yield k, order[start:start + c]
+        yield k, order[start : start + c]
         start += c
 
 
@@ -75,22 +75,33 @@ class LabelAdapter(ForwardingEngine):
             return self.inner.softmin(x, y, h, eps, cost, **kw)
         out = h.new_empty(x.shape[:2])
         for b, rows, xk, yb, lt in self._passes(x, y, eps, cost, h.dtype):
-            out[b, rows] = self.inner.softmin(xk, yb, (h[b:b + 1] - lt / eps).contiguous(), eps, cost.features)[0]
+            out[b, rows] = self.inner.softmin(xk, yb, (h[b : b + 1] - lt / eps).contiguous(), eps, cost.features)[0]
         return out
 
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor, cost,
-                     weight: Weight = "plan", **kw) -> Tensor:
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost,
+        weight: Weight = "plan",
+        **kw,
+    ) -> Tensor:
         """``out_i = sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j`` per row class, on the shifted ``beta``."""
         if not _labelled(cost):
             return self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, **kw)
         feat, K = cost.features, V.shape[-1]
         out = V.new_empty(x.shape[0], x.shape[1], K)
         for b, rows, xk, yb, lt in self._passes(x, y, eps, cost, beta.dtype):
-            ak, bk, Vb = alpha[b:b + 1, rows].contiguous(), (beta[b:b + 1] - lt / eps).contiguous(), V[b:b + 1]
+            ak, bk, Vb = alpha[b : b + 1, rows].contiguous(), (beta[b : b + 1] - lt / eps).contiguous(), V[b : b + 1]
             if weight == "cost":  # C = w_f |x - y|^2 + w_l T: the feature-cost product plus the plan of w_l T V
                 LV = lt.unsqueeze(-1).to(V.dtype) * Vb
-                r = (self.inner.plan_product(xk, yb, ak, bk, eps, Vb.contiguous(), feat, "cost")
-                     + self.inner.plan_product(xk, yb, ak, bk, eps, LV.contiguous(), feat, "plan"))
+                r = self.inner.plan_product(
+                    xk, yb, ak, bk, eps, Vb.contiguous(), feat, "cost"
+                ) + self.inner.plan_product(xk, yb, ak, bk, eps, LV.contiguous(), feat, "plan")
             else:  # "plan", or "dcost": 2 w_f times the plan, the feature cost's own dcost weight
                 r = self.inner.plan_product(xk, yb, ak, bk, eps, Vb.contiguous(), feat, weight)
             out[b, rows] = r[0]

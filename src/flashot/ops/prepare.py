@@ -132,8 +132,11 @@ def prepare_pair(
     bilinear = getattr(cost, "bilinear", False)  # FeatureBilinearCost: augmented points, no centring
     labelled = getattr(cost, "labelled", False)  # LabelCost: features and a label column, features centred
     if not isinstance(cost, (str, Cost)) and not (bilinear or labelled):
-        hint = ("; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...) (POT's ot.solve)"
-                if hasattr(cost, "shape") else "")
+        hint = (
+            "; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...) (POT's ot.solve)"
+            if hasattr(cost, "shape")
+            else ""
+        )
         raise TypeError(f"cost: expected a cost name (string) or a flashot.Cost, got {type(cost).__name__}{hint}")
     cost = cost if bilinear or labelled else get_cost(cost)
     batched = x.dim() == 3
@@ -149,8 +152,9 @@ def prepare_pair(
         c = torch.zeros_like(x[:, :1]) if bilinear else common_center(x, y)
     x, y = (x - c).contiguous(), (y - c).contiguous()
     B, N, D = x.shape
-    eng = get_engine(backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D),
-                     allow_dense=allow_dense)
+    eng = get_engine(
+        backend, device=x.device, dtype=cdt, cost=cost, size=(B, N, y.shape[1], D), allow_dense=allow_dense
+    )
     return PreparedPair(x, y, cost, eng, batched, out_dtype, c, cmax)
 
 

@@ -40,8 +40,16 @@ from ..costs import CostLike
 from .base import Engine, as_engine
 from .dense import check_dense_budget, dense_bytes, dense_max_bytes
 
-__all__ = ["EngineUnavailable", "register_engine", "get_engine", "engine_names", "DENSE_AUTO_LIMIT",
-           "CPU_DENSE_LIMIT", "CPU_DENSE_LIMIT_1T", "CPU_DENSE_MAX_D_1T"]
+__all__ = [
+    "EngineUnavailable",
+    "register_engine",
+    "get_engine",
+    "engine_names",
+    "DENSE_AUTO_LIMIT",
+    "CPU_DENSE_LIMIT",
+    "CPU_DENSE_LIMIT_1T",
+    "CPU_DENSE_MAX_D_1T",
+]
 
 # ``auto`` on non-CPU devices uses the dense engine when B * N * M is at most this (8 MiB of float32).
 DENSE_AUTO_LIMIT = 2**21
@@ -227,8 +235,7 @@ def get_engine(
             raise ValueError(f"backend: expected 'auto' or one of {engine_names()}, got {backend!r}")
         eng, why = _try(backend, device, dtype, cost)
         if eng is None:
-            raise ValueError(f"backend={backend!r} cannot run this problem: {why}. "
-                             f"Use backend='auto' or 'tiled'.")
+            raise ValueError(f"backend={backend!r} cannot run this problem: {why}. Use backend='auto' or 'tiled'.")
         if backend == "dense":
             check_dense_budget(B, N, M, dtype, device)  # before any work
         return eng

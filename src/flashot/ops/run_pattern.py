@@ -30,8 +30,16 @@ class RunPattern(BlockPattern):
             (``softmin_sym`` then computes the blocks on and right of the diagonal only).
     """
 
-    def __init__(self, row_offsets: Tensor, col_offsets: Tensor, lo: Tensor, hi: Tensor, *, symmetric: bool = False,
-                 tile_elems: int = TILE_ELEMS):
+    def __init__(
+        self,
+        row_offsets: Tensor,
+        col_offsets: Tensor,
+        lo: Tensor,
+        hi: Tensor,
+        *,
+        symmetric: bool = False,
+        tile_elems: int = TILE_ELEMS,
+    ):
         self.row_offsets, self.col_offsets, self.lo, self.hi = row_offsets, col_offsets, lo, hi
         self.tile_elems = int(tile_elems)
         self.n_rows, self.n_cols = int(row_offsets[-1]), int(col_offsets[-1])

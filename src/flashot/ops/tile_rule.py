@@ -63,8 +63,21 @@ class TilePruning:
     truncate: float
 
 
-def tile_args(lib, pat, back, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, la: Tensor, lb: Tensor, eps: float,
-              cost: Cost, truncate: float, counter: list) -> TileArgs:
+def tile_args(
+    lib,
+    pat,
+    back,
+    x: Tensor,
+    y: Tensor,
+    hx: Tensor,
+    hy: Tensor,
+    la: Tensor,
+    lb: Tensor,
+    eps: float,
+    cost: Cost,
+    truncate: float,
+    counter: list,
+) -> TileArgs:
     """:class:`TileArgs` of a fused call on ``(x, y)`` with log-weights ``hx = la + f / eps``, ``hy = lb + g / eps``
     (1, N) and (1, M): ``pat`` the pattern of ``(x, y)``, ``back`` that of ``(y, x)`` (None: ``pat.T``); ``y is x``
     for a symmetric step (one potential: ``gyo = fxo``).  The output bounds are computed only where a probe (the
@@ -109,12 +122,14 @@ class _Runs:
         ok = torch.isfinite(v)
         n = torch.zeros((self.count,) + v.shape[1:], dtype=torch.float64).index_add_(0, self.run, ok.double())
         tot = torch.zeros((self.count,) + v.shape[1:], dtype=torch.float64).index_add_(
-            0, self.run, torch.where(ok, v, 0.0))
+            0, self.run, torch.where(ok, v, 0.0)
+        )
         return tot / n.clamp_min(1)
 
 
-def _sampled_outputs(lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
-                     runs: _Runs) -> tuple[Tensor, Tensor, Tensor | None]:
+def _sampled_outputs(
+    lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost, runs: _Runs
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """The sample points ``c_k`` (S, D) (the means of the runs, rounded to the clouds' dtype, float64), and the
     outputs ``f'(c_k) / eps`` (S,) and (dot costs) barycentres ``b_k`` (S, D) over the kept blocks of their
     clusters, float64 (``+inf`` where a sum cannot be had: no kept mass, or a sum out of the fused kernel's
@@ -127,8 +142,7 @@ def _sampled_outputs(lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps
     # the sums' scale: the runs' mean log-weight keeps them near the fused call's own
     alpha = runs.mean(hx[0, runs.rows].double()).to(x.dtype)[None].contiguous()
     hy = hy.contiguous()
-    mass, _, num, _ = pair_cpu(lib, pat, xs, y, alpha, hy, eps, cost, sym=False, bary=1 if dot else 0,
-                                tasks=runs.tasks)
+    mass, _, num, _ = pair_cpu(lib, pat, xs, y, alpha, hy, eps, cost, sym=False, bary=1 if dot else 0, tasks=runs.tasks)
     S = torch.cat([num, mass[:, None]], -1) if dot else mass[:, None]
     if not bool((torch.isfinite(mass) & (mass >= PAIR_MIN_SUM)).all()):  # rare: all of them in two passes
         ones = torch.ones_like(y[..., :1])
@@ -152,8 +166,9 @@ def _probe_pays(lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, fx: Tens
     return shift.numel() > 0 and float(shift.median()) >= PROBE_MIN_SHIFT
 
 
-def output_bounds(lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost,
-                  stride: int | None = None) -> Tensor:
+def output_bounds(
+    lib, pat, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost, stride: int | None = None
+) -> Tensor:
     r"""(N,) float64 upper bounds of :math:`f'_i / \varepsilon`, :math:`f' = \mathrm{softmin}(x, y, h_y)` over the
     kept blocks of ``pat`` (rows ``x`` (1, N, D), columns ``y`` (1, M, D), ``hy`` (1, M)): the tangent (dot costs)
     or Lipschitz (``|x - y|``) bounds of the module docstring at the mean ``c_k`` of each run of ``stride`` rows of

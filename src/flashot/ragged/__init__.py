@@ -11,5 +11,16 @@ from .api import RaggedResult, problem_diameters, ragged_samples_loss, ragged_so
 from .inputs import RaggedInput, RaggedLayout, is_ragged_call, ragged_input
 from .measures import RaggedMeasures, ragged_engine, ragged_measures
 
-__all__ = ["RaggedResult", "RaggedInput", "RaggedLayout", "RaggedMeasures", "is_ragged_call", "problem_diameters",
-           "ragged_engine", "ragged_input", "ragged_measures", "ragged_samples_loss", "ragged_solve_sample"]
+__all__ = [
+    "RaggedResult",
+    "RaggedInput",
+    "RaggedLayout",
+    "RaggedMeasures",
+    "is_ragged_call",
+    "problem_diameters",
+    "ragged_engine",
+    "ragged_input",
+    "ragged_measures",
+    "ragged_samples_loss",
+    "ragged_solve_sample",
+]

@@ -43,8 +43,14 @@ from .measures import RaggedMeasures, ragged_measures
 
 __all__ = ["RaggedResult", "ragged_samples_loss", "ragged_solve_sample", "problem_diameters"]
 
-_LOSS_BACKENDS = {"auto": "auto", "online": "auto", "tensorized": "tiled", "cpu": "cpu", "tiled": "tiled",
-                  "triton": "triton"}
+_LOSS_BACKENDS = {
+    "auto": "auto",
+    "online": "auto",
+    "tensorized": "tiled",
+    "cpu": "cpu",
+    "tiled": "tiled",
+    "triton": "triton",
+}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
 
 
@@ -64,8 +70,10 @@ def problem_diameters(inp: RaggedInput) -> Tensor:
 def _refuse(what: str, items: list[tuple[str, bool]]) -> None:
     bad = [name for name, cond in items if cond]
     if bad:
-        raise NotImplementedError(f"{what} on a ragged batch (lists of clouds / x_batch) does not support "
-                                  f"{', '.join(bad)}; solve the problems one by one for those")
+        raise NotImplementedError(
+            f"{what} on a ragged batch (lists of clouds / x_batch) does not support "
+            f"{', '.join(bad)}; solve the problems one by one for those"
+        )
 
 
 def _loss_args(L, args) -> tuple:
@@ -86,9 +94,12 @@ def _unequal(m: RaggedMeasures) -> tuple[int | None, Tensor, Tensor]:
 def _warn_masses(m: RaggedMeasures) -> None:
     k, ma, mb = _unequal(m)
     if k is not None:
-        warnings.warn(f"α and β: total masses of problem {k} differ ({float(ma[k]):.6g} vs {float(mb[k]):.6g}): "
-                      "balanced OT assumes equal masses; normalise the weights, or use reach= (unbalanced OT)",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"α and β: total masses of problem {k} differ ({float(ma[k]):.6g} vs {float(mb[k]):.6g}): "
+            "balanced OT assumes equal masses; normalise the weights, or use reach= (unbalanced OT)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def ragged_samples_loss(L, args: tuple, x_batch=None, y_batch=None, *, implicit_given: bool = False):
@@ -99,10 +110,17 @@ def ragged_samples_loss(L, args: tuple, x_batch=None, y_batch=None, *, implicit_
     debiased or not, GeomLoss' schedule and ``tol``; the value of problem ``k`` is the one ``L`` gives on that
     problem alone with the same ``diameter`` (see the module docstring for the schedule).  ``implicit_given``:
     ``L`` was built with ``implicit=`` (refused)."""
-    _refuse("SamplesLoss", [(f"loss={L.loss!r}", L.loss != "sinkhorn"), ("cost / kernel functions", L.cost is not None
-                            or L.kernel is not None), ("backend='multiscale'", L.backend == "multiscale"),
-                           ("group=", L.group is not None), ("warm_start=", L.warm_start is not None),
-                           ("implicit=", implicit_given)])
+    _refuse(
+        "SamplesLoss",
+        [
+            (f"loss={L.loss!r}", L.loss != "sinkhorn"),
+            ("cost / kernel functions", L.cost is not None or L.kernel is not None),
+            ("backend='multiscale'", L.backend == "multiscale"),
+            ("group=", L.group is not None),
+            ("warm_start=", L.warm_start is not None),
+            ("implicit=", implicit_given),
+        ],
+    )
     if L.backend not in _LOSS_BACKENDS and L.backend != "multiscale":
         raise ValueError(f"backend: a ragged batch runs on {sorted(_LOSS_BACKENDS)}, got {L.backend!r}")
     a, x, b, y = _loss_args(L, args)
@@ -132,8 +150,9 @@ def _loss_value(m: RaggedMeasures, st: SinkhornState, debias: bool, potentials: 
         f_aa, g_aa, f_bb, g_bb = self_terms_final(m, st, rx, ry)
         if potentials:
             return f - 0.5 * (f_aa + g_aa), g - 0.5 * (f_bb + g_bb)
-        return warn_on_second_order(debiased_dual_value_two_sided(m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb, st.eps,
-                                                                  rx, ry, m.sums))
+        return warn_on_second_order(
+            debiased_dual_value_two_sided(m.a, m.b, f, g, f_aa, g_aa, f_bb, g_bb, st.eps, rx, ry, m.sums)
+        )
     f, g, f_aa, g_bb = final_step(m, st, rho_x=rx, rho_y=ry)
     if potentials:
         return (f - f_aa, g - g_bb) if debias else (f, g)
@@ -190,8 +209,15 @@ class RaggedResult:
         inp, m, cost, backend, numpy, f, g = self._problem
         ox, oy = m.layout.x_offsets.tolist(), m.layout.y_offsets.tolist()
         sx, sy = slice(ox[k], ox[k + 1]), slice(oy[k], oy[k + 1])
-        mk = Measures.build(inp.x[sx].detach(), inp.y[sy].detach(), m.a[0, sx].detach(), m.b[0, sy].detach(),
-                            cost=cost, backend=backend, names=(f"a[{k}]", f"X_a[{k}]", f"b[{k}]", f"X_b[{k}]"))
+        mk = Measures.build(
+            inp.x[sx].detach(),
+            inp.y[sy].detach(),
+            m.a[0, sx].detach(),
+            m.b[0, sy].detach(),
+            cost=cost,
+            backend=backend,
+            names=(f"a[{k}]", f"X_a[{k}]", f"b[{k}]", f"X_b[{k}]"),
+        )
         return LazyPlan(mk, f[:, sx], g[:, sy], self.reg, numpy=numpy)
 
     @property
@@ -202,8 +228,23 @@ class RaggedResult:
 
 def _pot_kwargs(kw: dict) -> dict:
     """``solve_sample``'s POT options, for :func:`~flashot.driver.solve_options`."""
-    keys = ("reg_type", "unbalanced", "unbalanced_type", "lazy", "batch_size", "method", "n_threads", "max_iter",
-            "tol", "grad", "callback", "inner_iterations", "verbose", "implicit", "eps_scaling")
+    keys = (
+        "reg_type",
+        "unbalanced",
+        "unbalanced_type",
+        "lazy",
+        "batch_size",
+        "method",
+        "n_threads",
+        "max_iter",
+        "tol",
+        "grad",
+        "callback",
+        "inner_iterations",
+        "verbose",
+        "implicit",
+        "eps_scaling",
+    )
     return {k: kw[k] for k in keys if k in kw}
 
 
@@ -219,15 +260,20 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
         if cost != "sqeuclidean" and metric != cost:
             raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
         cost = metric
-    _refuse("solve_sample", [("group=", kw.get("group") is not None),
-                             ("shard='points'", kw.get("shard", "replicated") != "replicated"),
-                             ("backend='multiscale'", backend == "multiscale"),
-                             ("cluster_scale=", kw.get("cluster_scale") is not None),
-                             ("truncate=", kw.get("truncate", 5.0) != 5.0),
-                             ("potentials_init=", kw.get("potentials_init") is not None),
-                             ("implicit=", kw.get("implicit") is not None),
-                             ("acceleration=", kw.get("acceleration", "auto") not in (None, "auto")),
-                             ("labels= (a LabelCost)", kw.get("labels") is not None)])
+    _refuse(
+        "solve_sample",
+        [
+            ("group=", kw.get("group") is not None),
+            ("shard='points'", kw.get("shard", "replicated") != "replicated"),
+            ("backend='multiscale'", backend == "multiscale"),
+            ("cluster_scale=", kw.get("cluster_scale") is not None),
+            ("truncate=", kw.get("truncate", 5.0) != 5.0),
+            ("potentials_init=", kw.get("potentials_init") is not None),
+            ("implicit=", kw.get("implicit") is not None),
+            ("acceleration=", kw.get("acceleration", "auto") not in (None, "auto")),
+            ("labels= (a LabelCost)", kw.get("labels") is not None),
+        ],
+    )
     o = solve_options(reg, exact_hint="POT's ot.solve_sample", **_pot_kwargs(kw))
     a, b = (None if pot_uniform(w) else w for w in (a, b))  # POT's a=[]: uniform
     numpy = isinstance(X_a, (list, tuple)) and len(X_a) > 0 and isinstance(X_a[0], np.ndarray)
@@ -237,21 +283,32 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
     if not o.unbalanced:
         _check_masses(m)
     symmetric = METHODS[o.method]
-    st = sinkhorn_loop(m, Schedule(o.reg, o.max_iter, scaling_head(m, o.reg, o.eps_scaling, None, symmetric)),
-                       symmetric=symmetric, tol=o.tol, callback=o.callback, rho_x=o.rho_a, rho_y=o.rho_b,
-                       inner_iterations=o.inner_iterations, verbose=o.verbose)
+    st = sinkhorn_loop(
+        m,
+        Schedule(o.reg, o.max_iter, scaling_head(m, o.reg, o.eps_scaling, None, symmetric)),
+        symmetric=symmetric,
+        tol=o.tol,
+        callback=o.callback,
+        rho_x=o.rho_a,
+        rho_y=o.rho_b,
+        inner_iterations=o.inner_iterations,
+        verbose=o.verbose,
+    )
     return _result(inp, m, st, o, cost, backend, numpy)
 
 
 def _check_masses(m: RaggedMeasures) -> None:
     k, ma, mb = _unequal(m)
     if k is not None:
-        raise ValueError(f"a and b: balanced OT needs equal total masses, got {float(ma[k]):.6g} and "
-                         f"{float(mb[k]):.6g} in problem {k}; normalise the weights, or use unbalanced=")
+        raise ValueError(
+            f"a and b: balanced OT needs equal total masses, got {float(ma[k]):.6g} and "
+            f"{float(mb[k]):.6g} in problem {k}; normalise the weights, or use unbalanced="
+        )
 
 
-def _result(inp: RaggedInput, m: RaggedMeasures, st: SinkhornState, o, cost: str, backend: str,
-            numpy: bool) -> RaggedResult:
+def _result(
+    inp: RaggedInput, m: RaggedMeasures, st: SinkhornState, o, cost: str, backend: str, numpy: bool
+) -> RaggedResult:
     f, g, _, _ = final_step(m, st, rho_x=o.rho_a, rho_y=o.rho_b)
     sx, sy = m.sums
     if o.unbalanced:
@@ -268,7 +325,17 @@ def _result(inp: RaggedInput, m: RaggedMeasures, st: SinkhornState, o, cost: str
         return t.detach().cpu().numpy() if numpy else t
 
     pots = list(zip((out(t) for t in m.layout.split(f[0], "x")), (out(t) for t in m.layout.split(g[0], "y"))))
-    res = RaggedResult(out(value), out(value_dual), pots, st.n_iter, st.converged, st.error, o.reg, m.engine.name,
-                       st.stopped, (o.rho_a, o.rho_b) if o.unbalanced else None,
-                       (inp, m, cost, backend, numpy, f.detach(), g.detach()))
+    res = RaggedResult(
+        out(value),
+        out(value_dual),
+        pots,
+        st.n_iter,
+        st.converged,
+        st.error,
+        o.reg,
+        m.engine.name,
+        st.stopped,
+        (o.rho_a, o.rho_b) if o.unbalanced else None,
+        (inp, m, cost, backend, numpy, f.detach(), g.detach()),
+    )
     return res

@@ -123,8 +123,9 @@ def _from_lists(a, xs, b, ys, names) -> RaggedInput:
     an, xn, bn, yn = names
     for n, v in ((xn, xs), (yn, ys)):
         if not isinstance(v, (list, tuple)):
-            raise TypeError(f"{n}: a ragged batch takes lists of clouds for both {xn} and {yn}, got "
-                            f"{type(v).__name__} for {n}")
+            raise TypeError(
+                f"{n}: a ragged batch takes lists of clouds for both {xn} and {yn}, got {type(v).__name__} for {n}"
+            )
     if len(xs) == 0:
         raise ValueError(f"{xn}: the list of clouds is empty")
     if len(ys) != len(xs):
@@ -139,12 +140,19 @@ def _from_lists(a, xs, b, ys, names) -> RaggedInput:
             ws.append(None)
             continue
         if not isinstance(w, (list, tuple)):
-            raise TypeError(f"{wn}: with lists of clouds, give the weights as a list too (or None), got "
-                            f"{type(w).__name__}")
+            raise TypeError(
+                f"{wn}: with lists of clouds, give the weights as a list too (or None), got {type(w).__name__}"
+            )
         if len(w) != len(pts):
             raise ValueError(f"{wn}: expected {len(pts)} weight vectors (one per cloud of {pn}), got {len(w)}")
-        ws.append(torch.cat([check_weights(f"{wn}[{k}]", to_tensor(f"{wn}[{k}]", v, like=p), p, f"{pn}[{k}]")
-                             .reshape(-1) for k, (v, p) in enumerate(zip(w, pts))]))
+        ws.append(
+            torch.cat(
+                [
+                    check_weights(f"{wn}[{k}]", to_tensor(f"{wn}[{k}]", v, like=p), p, f"{pn}[{k}]").reshape(-1)
+                    for k, (v, p) in enumerate(zip(w, pts))
+                ]
+            )
+        )
     x, y = torch.cat(xs), torch.cat(ys)
     _finite(xn, x, layout, "x", True)
     _finite(yn, y, layout, "y", True)
@@ -158,15 +166,18 @@ def _batch_vector(name: str, v, n: int, pts_name: str) -> Tensor:
     if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor of problem indices, got {v.dtype}")
     if tuple(v.shape) != (n,):
-        raise ValueError(f"{name}: expected shape ({n},) (one problem index per point of {pts_name}), got "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"{name}: expected shape ({n},) (one problem index per point of {pts_name}), got {tuple(v.shape)}"
+        )
     v = v.detach().cpu().long()
     if n and int(v.min()) < 0:
         raise ValueError(f"{name}: problem indices must be >= 0, got {int(v.min())}")
     if n > 1 and bool((v[1:] < v[:-1]).any()):
         i = int((v[1:] < v[:-1]).nonzero()[0, 0])
-        raise ValueError(f"{name}: must be sorted (the points of each problem contiguous, as torch_geometric's "
-                         f"batch vectors), but entry {i + 1} ({int(v[i + 1])}) follows {int(v[i])}")
+        raise ValueError(
+            f"{name}: must be sorted (the points of each problem contiguous, as torch_geometric's "
+            f"batch vectors), but entry {i + 1} ({int(v[i + 1])}) follows {int(v[i])}"
+        )
     return v
 
 
@@ -187,8 +198,10 @@ def _from_batch(a, x, b, y, x_batch, y_batch, names) -> RaggedInput:
     for n, c, other in (("x_batch", cx, "y_batch"), ("y_batch", cy, "x_batch")):
         if bool((c == 0).any()):
             k = int((c == 0).nonzero()[0, 0])
-            raise ValueError(f"{n}: problem {k} has no points (the indices run 0..{B - 1} over x_batch and y_batch "
-                             f"together, and every problem needs points on both sides; out of range of {other}?)")
+            raise ValueError(
+                f"{n}: problem {k} has no points (the indices run 0..{B - 1} over x_batch and y_batch "
+                f"together, and every problem needs points on both sides; out of range of {other}?)"
+            )
     layout = RaggedLayout(_offsets(cx.tolist()), _offsets(cy.tolist()))
     ws = []
     for wn, w, pts, pn, side in ((an, a, x, xn, "x"), (bn, b, y, yn, "y")):

@@ -138,8 +138,9 @@ class RaggedEngine(BlockSparseEngine):
                     return super().pattern(u, v)
                 except RuntimeError:  # equal clouds: the pair may be registered the other way
                     continue
-        raise RuntimeError("ragged engine: called on a cloud of another problem (this is a flashot bug, please "
-                           "report it)")
+        raise RuntimeError(
+            "ragged engine: called on a cloud of another problem (this is a flashot bug, please report it)"
+        )
 
 
 def ragged_engine(x: Tensor, y: Tensor, lay: RaggedLayout, backend: str, debias: bool) -> BlockSparseEngine:
@@ -177,8 +178,9 @@ def uniform_weights(lay: RaggedLayout, side: str, like: Tensor) -> Tensor:
     return w.to(device=like.device, dtype=compute_dtype(like.dtype))
 
 
-def ragged_measures(inp: RaggedInput, cost: str, backend: str, debias: bool,
-                    names: tuple[str, str, str, str] = ("a", "x", "b", "y")) -> RaggedMeasures:
+def ragged_measures(
+    inp: RaggedInput, cost: str, backend: str, debias: bool, names: tuple[str, str, str, str] = ("a", "x", "b", "y")
+) -> RaggedMeasures:
     """The :class:`RaggedMeasures` of a checked batch: each problem centred, the clouds and weights concatenated,
     on :func:`ragged_engine` (``debias``: with the ``(x, x)`` and ``(y, y)`` patterns)."""
     cx, cy = _centres(inp)

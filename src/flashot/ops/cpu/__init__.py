@@ -17,8 +17,11 @@ def load_engine():
         from ..tiled import TiledEngine
 
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(f"flashot: compiled CPU engine unavailable ({first[:300]}); using the 'tiled' engine",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"flashot: compiled CPU engine unavailable ({first[:300]}); using the 'tiled' engine",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return TiledEngine()
     from .engine import CpuEngine
 

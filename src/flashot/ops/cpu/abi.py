@@ -46,9 +46,23 @@ class AbiError(RuntimeError):
 class Stream(ctypes.Structure):
     """``flashot_stream``: the streamed point clouds (pointers are data addresses, or None)."""
 
-    _fields_ = [("x", _P), ("yT", _P), ("yy", _P), ("hs", _P), ("N", _L), ("Mp", _L), ("l2", _L),
-                ("kcoef", _D), ("minsq", _D), ("B", _I), ("D", _I), ("kind", _I), ("cfg", _I), ("nth", _I),
-                ("pad_", _I)]
+    _fields_ = [
+        ("x", _P),
+        ("yT", _P),
+        ("yy", _P),
+        ("hs", _P),
+        ("N", _L),
+        ("Mp", _L),
+        ("l2", _L),
+        ("kcoef", _D),
+        ("minsq", _D),
+        ("B", _I),
+        ("D", _I),
+        ("kind", _I),
+        ("cfg", _I),
+        ("nth", _I),
+        ("pad_", _I),
+    ]
 
 
 class LseArgs(ctypes.Structure):
@@ -66,22 +80,55 @@ class RowColArgs(ctypes.Structure):
 class PlanArgs(ctypes.Structure):
     """``flashot_plan_args``: ``flashot_plan``."""
 
-    _fields_ = [("s", Stream), ("lse", _P), ("alpha", _P), ("V", _P), ("out", _P), ("mass", _P), ("wconst", _D),
-                ("K", _I), ("single", _I), ("wk", _I), ("narrow", _I)]
+    _fields_ = [
+        ("s", Stream),
+        ("lse", _P),
+        ("alpha", _P),
+        ("V", _P),
+        ("out", _P),
+        ("mass", _P),
+        ("wconst", _D),
+        ("K", _I),
+        ("single", _I),
+        ("wk", _I),
+        ("narrow", _I),
+    ]
 
 
 class CachedArgs(ctypes.Structure):
     """``flashot_cached_args``: ``flashot_rows_lse``, ``flashot_cols_lse``, ``flashot_cached_alt``."""
 
-    _fields_ = [("C", _P), ("h", _P), ("ha", _P), ("out", _P), ("cols", _P), ("N", _L), ("M", _L), ("k", _D),
-                ("oscale", _D), ("lam", _D), ("B", _I), ("nth", _I)]
+    _fields_ = [
+        ("C", _P),
+        ("h", _P),
+        ("ha", _P),
+        ("out", _P),
+        ("cols", _P),
+        ("N", _L),
+        ("M", _L),
+        ("k", _D),
+        ("oscale", _D),
+        ("lam", _D),
+        ("B", _I),
+        ("nth", _I),
+    ]
 
 
 class WeightsArgs(ctypes.Structure):
     """``flashot_weights_args``: ``flashot_cached_weights``."""
 
-    _fields_ = [("C", _P), ("rb", _P), ("cb", _P), ("P", _P), ("R", _L), ("M", _L), ("k", _D), ("wthr", _D),
-                ("wk", _I), ("nth", _I)]
+    _fields_ = [
+        ("C", _P),
+        ("rb", _P),
+        ("cb", _P),
+        ("P", _P),
+        ("R", _L),
+        ("M", _L),
+        ("k", _D),
+        ("wthr", _D),
+        ("wk", _I),
+        ("nth", _I),
+    ]
 
 
 class Blocks(ctypes.Structure):
@@ -99,8 +146,19 @@ class LseBsArgs(ctypes.Structure):
 class PairBsArgs(ctypes.Structure):
     """``flashot_pair_bs_args``: ``flashot_pair_bs``."""
 
-    _fields_ = [("a", RowColArgs), ("b", Blocks), ("rb", _P), ("fx", _P), ("gy", _P), ("fxo", _P), ("gyo", _P),
-                ("evaluated", _P), ("thr", _D), ("cb", _I), ("pad_", _I)]
+    _fields_ = [
+        ("a", RowColArgs),
+        ("b", Blocks),
+        ("rb", _P),
+        ("fx", _P),
+        ("gy", _P),
+        ("fxo", _P),
+        ("gyo", _P),
+        ("evaluated", _P),
+        ("thr", _D),
+        ("cb", _I),
+        ("pad_", _I),
+    ]
 
 
 class PlanBsArgs(ctypes.Structure):
@@ -112,32 +170,72 @@ class PlanBsArgs(ctypes.Structure):
 class PruneArgs(ctypes.Structure):
     """``flashot_prune_args``: ``flashot_block_keep``."""
 
-    _fields_ = [("X", _P), ("Y", _P), ("cptr", _P), ("ccols", _P), ("px", _P), ("py", _P), ("keep", _P),
-                ("Ky", _L), ("Kcx", _L), ("s", _D), ("minsq", _D), ("margin", _D), ("D", _I), ("kind", _I),
-                ("linear", _I), ("nth", _I)]
+    _fields_ = [
+        ("X", _P),
+        ("Y", _P),
+        ("cptr", _P),
+        ("ccols", _P),
+        ("px", _P),
+        ("py", _P),
+        ("keep", _P),
+        ("Ky", _L),
+        ("Kcx", _L),
+        ("s", _D),
+        ("minsq", _D),
+        ("margin", _D),
+        ("D", _I),
+        ("kind", _I),
+        ("linear", _I),
+        ("nth", _I),
+    ]
 
 
 # C name -> mirror, in abi.h's FLASHOT_ABI_LAYOUT order
 STRUCTS: dict[str, type[ctypes.Structure]] = {
-    "flashot_stream": Stream, "flashot_lse_args": LseArgs, "flashot_rowcol_args": RowColArgs,
-    "flashot_plan_args": PlanArgs, "flashot_cached_args": CachedArgs, "flashot_weights_args": WeightsArgs,
-    "flashot_blocks": Blocks, "flashot_lse_bs_args": LseBsArgs, "flashot_pair_bs_args": PairBsArgs,
-    "flashot_plan_bs_args": PlanBsArgs, "flashot_prune_args": PruneArgs}
+    "flashot_stream": Stream,
+    "flashot_lse_args": LseArgs,
+    "flashot_rowcol_args": RowColArgs,
+    "flashot_plan_args": PlanArgs,
+    "flashot_cached_args": CachedArgs,
+    "flashot_weights_args": WeightsArgs,
+    "flashot_blocks": Blocks,
+    "flashot_lse_bs_args": LseBsArgs,
+    "flashot_pair_bs_args": PairBsArgs,
+    "flashot_plan_bs_args": PlanBsArgs,
+    "flashot_prune_args": PruneArgs,
+}
 
 # entry point (without _f32 / _f64) -> its argument struct; block_keep has no dtype suffix
 _KERNELS = {
-    "core": {"flashot_softmin": LseArgs, "flashot_pair": RowColArgs, "flashot_alt": RowColArgs,
-             "flashot_plan": PlanArgs, "flashot_rows_lse": CachedArgs, "flashot_cols_lse": CachedArgs,
-             "flashot_cached_alt": CachedArgs, "flashot_cached_weights": WeightsArgs},
+    "core": {
+        "flashot_softmin": LseArgs,
+        "flashot_pair": RowColArgs,
+        "flashot_alt": RowColArgs,
+        "flashot_plan": PlanArgs,
+        "flashot_rows_lse": CachedArgs,
+        "flashot_cols_lse": CachedArgs,
+        "flashot_cached_alt": CachedArgs,
+        "flashot_cached_weights": WeightsArgs,
+    },
     "blocksparse": {"flashot_softmin_bs": LseBsArgs, "flashot_pair_bs": PairBsArgs, "flashot_plan_bs": PlanBsArgs},
 }
 _PLAIN = {  # entry points with plain arguments: name -> argtypes (restype int)
-    "core": {"flashot_abi_version": [], "flashot_fp_probe": [ctypes.c_int], "flashot_fp_probe_read": [_P, ctypes.c_int],
-             "flashot_fp_bits": [], "flashot_fp_bits_workers": [_P, ctypes.c_int], "flashot_isa": [],
-             "flashot_vector_bytes": [], "flashot_vexp_f32": [_P, _P, _L, ctypes.c_int],
-             "flashot_vexp_f64": [_P, _P, _L, ctypes.c_int]},
-    "blocksparse": {"flashot_bs_abi_version": [], "flashot_bs_vector_bytes": [],
-                    "flashot_block_keep": [ctypes.POINTER(PruneArgs)]},
+    "core": {
+        "flashot_abi_version": [],
+        "flashot_fp_probe": [ctypes.c_int],
+        "flashot_fp_probe_read": [_P, ctypes.c_int],
+        "flashot_fp_bits": [],
+        "flashot_fp_bits_workers": [_P, ctypes.c_int],
+        "flashot_isa": [],
+        "flashot_vector_bytes": [],
+        "flashot_vexp_f32": [_P, _P, _L, ctypes.c_int],
+        "flashot_vexp_f64": [_P, _P, _L, ctypes.c_int],
+    },
+    "blocksparse": {
+        "flashot_bs_abi_version": [],
+        "flashot_bs_vector_bytes": [],
+        "flashot_block_keep": [ctypes.POINTER(PruneArgs)],
+    },
 }
 _LAYOUT_FN = {"core": "flashot_abi_layout", "blocksparse": "flashot_bs_abi_layout"}
 _VERSION_FN = {"core": "flashot_abi_version", "blocksparse": "flashot_bs_abi_version"}
@@ -160,19 +258,24 @@ def layout_text(structs: dict[str, type[ctypes.Structure]] | None = None) -> str
     return ";".join(parts)
 
 
-def check_layout(lib: ctypes.CDLL, library: str, path: str = "",
-                 structs: dict[str, type[ctypes.Structure]] | None = None) -> None:
+def check_layout(
+    lib: ctypes.CDLL, library: str, path: str = "", structs: dict[str, type[ctypes.Structure]] | None = None
+) -> None:
     """Raise :class:`AbiError` unless ``lib``'s argument structs are laid out as the ctypes mirrors."""
     fn = getattr(lib, _LAYOUT_FN[library])
     fn.argtypes, fn.restype = [], ctypes.c_char_p
     theirs = fn().decode().split(";")
     ours = layout_text(structs).split(";")
     if theirs != ours:
-        diff = next(((t, o) for t, o in zip(theirs, ours) if t != o), (";".join(theirs[len(ours):]) or "(none)",
-                                                                          ";".join(ours[len(theirs):]) or "(none)"))
-        raise AbiError(f"{path or library}: the compiled argument structs differ from flashot/ops/cpu/abi.py "
-                       f"(library: {diff[0]!r}; abi.py: {diff[1]!r}). The library was built from other sources: "
-                       f"rebuild it (delete it, or clear the cache directory: flashot.ops.cpu.build.cache_dir())")
+        diff = next(
+            ((t, o) for t, o in zip(theirs, ours) if t != o),
+            (";".join(theirs[len(ours) :]) or "(none)", ";".join(ours[len(theirs) :]) or "(none)"),
+        )
+        raise AbiError(
+            f"{path or library}: the compiled argument structs differ from flashot/ops/cpu/abi.py "
+            f"(library: {diff[0]!r}; abi.py: {diff[1]!r}). The library was built from other sources: "
+            f"rebuild it (delete it, or clear the cache directory: flashot.ops.cpu.build.cache_dir())"
+        )
 
 
 def check_version(lib: ctypes.CDLL, library: str, path: str = "") -> None:
@@ -181,9 +284,11 @@ def check_version(lib: ctypes.CDLL, library: str, path: str = "") -> None:
     fn.argtypes, fn.restype = [], ctypes.c_int
     have, want = fn(), abi_version()
     if have != want:
-        raise AbiError(f"{path or library}: ABI version {have}, this package's abi.h is {want}: the library was "
-                       f"built from other sources; rebuild it (delete it, or clear the cache directory: "
-                       f"flashot.ops.cpu.build.cache_dir())")
+        raise AbiError(
+            f"{path or library}: ABI version {have}, this package's abi.h is {want}: the library was "
+            f"built from other sources; rebuild it (delete it, or clear the cache directory: "
+            f"flashot.ops.cpu.build.cache_dir())"
+        )
 
 
 def bind(lib: ctypes.CDLL, library: str = "core") -> None:

@@ -43,13 +43,17 @@ def cache_dir() -> str:
 def _check_owner_mode(path: str, st: os.stat_result, what: str) -> None:
     uid = _uid()
     if uid is not None and st.st_uid != uid:
-        raise CacheDirError(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {uid}): refusing to "
-                            f"use it (another user could plant code there). Set FLASHOT_CACHE_DIR to a "
-                            f"directory of your own.")
+        raise CacheDirError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {uid}): refusing to "
+            f"use it (another user could plant code there). Set FLASHOT_CACHE_DIR to a "
+            f"directory of your own."
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise CacheDirError(f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
-                            f"refusing to use it (another user could plant code there). Remove it, or "
-                            f"'chmod 700' it if you trust its contents.")
+        raise CacheDirError(
+            f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"refusing to use it (another user could plant code there). Remove it, or "
+            f"'chmod 700' it if you trust its contents."
+        )
 
 
 def _ensure_private(d: str) -> str:

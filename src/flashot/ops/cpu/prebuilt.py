@@ -27,8 +27,18 @@ import os
 import stat
 from collections.abc import Callable
 
-__all__ = ["DIRNAME", "VARIANTS", "X86_LEVELS", "PrebuiltError", "check_package_file", "find", "package_dir",
-           "runs_on", "select_variant", "status"]
+__all__ = [
+    "DIRNAME",
+    "VARIANTS",
+    "X86_LEVELS",
+    "PrebuiltError",
+    "check_package_file",
+    "find",
+    "package_dir",
+    "runs_on",
+    "select_variant",
+    "status",
+]
 
 DIRNAME = "prebuilt"
 MANIFEST = "manifest.json"
@@ -64,7 +74,7 @@ def arch(machine: str) -> str | None:
 def level_flags(variant: str) -> list[str]:
     """The CPU flags an x86-64 level needs (its own and the lower levels')."""
     levels = list(X86_LEVELS)
-    return [f for lvl in levels[:levels.index(variant) + 1] for f in X86_LEVELS[lvl]]
+    return [f for lvl in levels[: levels.index(variant) + 1] for f in X86_LEVELS[lvl]]
 
 
 def runs_on(variant: str, flags: set[str], machine: str) -> bool:
@@ -98,8 +108,9 @@ def check_package_file(path: str, root: str | None = None) -> None:
     root = os.path.realpath(root or package_dir())
     real = os.path.realpath(path)
     if os.path.commonpath([real, root]) != root:
-        raise PrebuiltError(f"prebuilt library {path} is not inside the installed package ({root}): refusing "
-                            f"to load it")
+        raise PrebuiltError(
+            f"prebuilt library {path} is not inside the installed package ({root}): refusing to load it"
+        )
     if not stat.S_ISREG(os.lstat(path).st_mode):
         raise PrebuiltError(f"prebuilt library {path} is not a regular file (a symlink?): refusing to load it")
     ref = os.stat(os.path.abspath(__file__))
@@ -108,11 +119,16 @@ def check_package_file(path: str, root: str | None = None) -> None:
     while True:
         st = os.stat(p)
         mode = stat.S_IMODE(st.st_mode)
-        if (st.st_mode & stat.S_IWOTH or (uid is not None and st.st_uid not in (0, uid, ref.st_uid))
-                or (st.st_mode & stat.S_IWGRP and not (ref.st_mode & stat.S_IWGRP and ref.st_gid == st.st_gid))):
-            raise PrebuiltError(f"prebuilt library {path}: {p} (owner uid {st.st_uid}, mode {mode:o}) can be "
-                                f"written by others than the owner of flashot's own code: refusing to load it; "
-                                f"reinstall flashot, or set FLASHOT_CPU_MARCH=native to compile the kernels")
+        if (
+            st.st_mode & stat.S_IWOTH
+            or (uid is not None and st.st_uid not in (0, uid, ref.st_uid))
+            or (st.st_mode & stat.S_IWGRP and not (ref.st_mode & stat.S_IWGRP and ref.st_gid == st.st_gid))
+        ):
+            raise PrebuiltError(
+                f"prebuilt library {path}: {p} (owner uid {st.st_uid}, mode {mode:o}) can be "
+                f"written by others than the owner of flashot's own code: refusing to load it; "
+                f"reinstall flashot, or set FLASHOT_CPU_MARCH=native to compile the kernels"
+            )
         if p == root:
             return
         p = os.path.dirname(p)
@@ -133,8 +149,9 @@ def _manifest(root: str) -> dict | None:
     return man
 
 
-def status(key_of: Callable[[str], str], flags: set[str], machine: str, target: str | None = None,
-           root: str | None = None) -> dict:
+def status(
+    key_of: Callable[[str], str], flags: set[str], machine: str, target: str | None = None, root: str | None = None
+) -> dict:
     """What the prebuilt libraries offer here: ``shipped`` (variants in the package), ``runs`` (those this
     CPU runs), ``selected`` (the variant to load, or None), ``reason`` (why none, when none) and
     ``compiler`` (the selected one's).
@@ -146,8 +163,14 @@ def status(key_of: Callable[[str], str], flags: set[str], machine: str, target: 
     root = root or package_dir()
     man = _manifest(root)
     shipped = [v for v in (man or {}).get("variants", {}) if any(v in vs for vs in VARIANTS.values())]
-    out = {"dir": root, "shipped": shipped, "runs": [v for v in shipped if runs_on(v, flags, machine)],
-           "selected": None, "reason": None, "compiler": None}
+    out = {
+        "dir": root,
+        "shipped": shipped,
+        "runs": [v for v in shipped if runs_on(v, flags, machine)],
+        "selected": None,
+        "reason": None,
+        "compiler": None,
+    }
     if man is None:
         out["reason"] = "no prebuilt kernels in this install (a source or editable install)"
     elif target == "native":
@@ -165,8 +188,14 @@ def status(key_of: Callable[[str], str], flags: set[str], machine: str, target: 
     return out
 
 
-def find(library: str, key_of: Callable[[str], str], flags: set[str], machine: str, target: str | None = None,
-         root: str | None = None) -> tuple[str, dict] | None:
+def find(
+    library: str,
+    key_of: Callable[[str], str],
+    flags: set[str],
+    machine: str,
+    target: str | None = None,
+    root: str | None = None,
+) -> tuple[str, dict] | None:
     """The prebuilt ``library`` to load -> (path, its facts for ``BUILD_INFO``), or None (compile instead).
 
     Arguments as in :func:`status`.  Raises :class:`PrebuiltError` for a file that is unsafe to load."""

@@ -56,14 +56,16 @@ def wheel_variants(plat: str, setting: str | None) -> tuple[list[str], list[str]
     allowed = variants_for_platform(plat)
     if setting == "auto":
         have = [v for v in allowed if compiler_for(v)]
-        notes = [f"no compiler for the prebuilt {v} kernels of a {plat} wheel: left out" for v in allowed
-                 if v not in have]
+        notes = [
+            f"no compiler for the prebuilt {v} kernels of a {plat} wheel: left out" for v in allowed if v not in have
+        ]
         return have, notes
     asked = [v.strip() for v in setting.split(",") if v.strip()]
     bad = [v for v in asked if v not in allowed]
     if bad:
-        raise build.BuildError(f"FLASHOT_WHEEL_KERNELS: {', '.join(bad)} not a variant of {plat} "
-                               f"({', '.join(allowed) or 'none'})")
+        raise build.BuildError(
+            f"FLASHOT_WHEEL_KERNELS: {', '.join(bad)} not a variant of {plat} ({', '.join(allowed) or 'none'})"
+        )
     return asked, []
 
 
@@ -88,7 +90,10 @@ def build_variants(out: str, variants: list[str], log=print) -> dict[str, dict]:
             dest = os.path.join(out, v, f"{library}.so")
             shutil.copyfile(path, dest)
             os.chmod(dest, 0o755)
-            log(f"flashot: prebuilt {v} {library}: " + ("from the kernel cache" if cached else f"compiled in {secs:.0f} s"))
+            log(
+                f"flashot: prebuilt {v} {library}: "
+                + ("from the kernel cache" if cached else f"compiled in {secs:.0f} s")
+            )
         ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
         entries[v] = {"key": build.source_key(sources, v), "compiler": (ver.splitlines() or [cxx])[0].strip()}
     prebuilt.write_manifest(out, entries, build.ABI_VERSION)

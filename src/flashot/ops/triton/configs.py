@@ -40,8 +40,7 @@ class KernelConfig:
             raise ValueError(f"num_stages: expected 1..8, got {self.num_stages!r}")
 
     def __str__(self) -> str:
-        return (f"BLOCK_N={self.block_n},BLOCK_M={self.block_m},"
-                f"num_warps={self.num_warps},num_stages={self.num_stages}")
+        return f"BLOCK_N={self.block_n},BLOCK_M={self.block_m},num_warps={self.num_warps},num_stages={self.num_stages}"
 
 
 def parse_config(spec: str | KernelConfig) -> KernelConfig:
@@ -49,7 +48,9 @@ def parse_config(spec: str | KernelConfig) -> KernelConfig:
     if isinstance(spec, KernelConfig):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"config: expected a string like 'BLOCK_N=64,BLOCK_M=64,num_warps=4', got {type(spec).__name__}")
+        raise TypeError(
+            f"config: expected a string like 'BLOCK_N=64,BLOCK_M=64,num_warps=4', got {type(spec).__name__}"
+        )
     kw: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, val = part.partition("=")
@@ -83,15 +84,27 @@ INTERPRET_CONFIG = KernelConfig(32, 32, 4, 1)
 # float32 strict mode for the softmin kernel, except (128, 64, 8) on the d = 64
 # dot path (152 B stack), kept because it may still win.  Larger tiles (128 x 128,
 # or 64 x 64 with 4 warps on the dot path) spill hundreds of bytes: left out.
-_DIRECT = [KernelConfig(64, 64, 8, 2), KernelConfig(128, 64, 8, 2),
-           KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)]
-_DOT_SMALL = [KernelConfig(64, 64, 8, 2), KernelConfig(64, 32, 4, 2),
-              KernelConfig(32, 64, 4, 2), KernelConfig(128, 64, 8, 2)]
+_DIRECT = [
+    KernelConfig(64, 64, 8, 2),
+    KernelConfig(128, 64, 8, 2),
+    KernelConfig(32, 64, 4, 2),
+    KernelConfig(64, 32, 4, 2),
+]
+_DOT_SMALL = [
+    KernelConfig(64, 64, 8, 2),
+    KernelConfig(64, 32, 4, 2),
+    KernelConfig(32, 64, 4, 2),
+    KernelConfig(128, 64, 8, 2),
+]
 # The plan-product kernel also holds a (BLOCK_N, 32) accumulator: on the one-chunk
 # dot path only these two stay spill-free.
 _DOT_SMALL_PLAN = [KernelConfig(64, 64, 8, 2), KernelConfig(64, 32, 4, 2)]
-_DOT_LARGE = [KernelConfig(64, 64, 8, 2), KernelConfig(128, 64, 8, 2),
-              KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)]
+_DOT_LARGE = [
+    KernelConfig(64, 64, 8, 2),
+    KernelConfig(128, 64, 8, 2),
+    KernelConfig(32, 64, 4, 2),
+    KernelConfig(64, 32, 4, 2),
+]
 
 
 def candidates(d: int, direct: bool, plan: bool = False) -> list[KernelConfig]:

@@ -100,8 +100,13 @@ class TritonEngine(Engine):
     name = "triton"
     capabilities = frozenset({Capability.SOFTMIN_PAIR})
 
-    def __init__(self, config: str | KernelConfig | None = None, allow_tf32: bool | None = None,
-                 fold: bool | None = None, direct_max_d: int = 8):
+    def __init__(
+        self,
+        config: str | KernelConfig | None = None,
+        allow_tf32: bool | None = None,
+        fold: bool | None = None,
+        direct_max_d: int = 8,
+    ):
         self.config = parse_config(config) if config is not None else None
         self.allow_tf32 = allow_tf32
         self.fold = fold
@@ -112,9 +117,13 @@ class TritonEngine(Engine):
     # -- contract -----------------------------------------------------------------
     def unsupported(self, device: torch.device, dtype: torch.dtype, cost: Cost) -> str | None:
         if dtype not in _DTYPES:
-            return f"backend='triton' supports float16/bfloat16/float32/float64 points, got {dtype}; use backend='tiled'"
+            return (
+                f"backend='triton' supports float16/bfloat16/float32/float64 points, got {dtype}; use backend='tiled'"
+            )
         if getattr(cost, "bilinear", False):
-            return "backend='triton' has no kernels for feature-bilinear costs (Gromov-Wasserstein); use backend='tiled'"
+            return (
+                "backend='triton' has no kernels for feature-bilinear costs (Gromov-Wasserstein); use backend='tiled'"
+            )
         if device.type == "cuda":
             return None
         if device.type == "cpu" and interpret_enabled():
@@ -127,13 +136,23 @@ class TritonEngine(Engine):
         """out_i = -eps log sum_j exp(h_j - C(x_i, y_j) / eps), (B, N)."""
         return self._softmin(x, y, h, eps, cost)
 
-    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float,
-                     cost: Cost) -> tuple[Tensor, Tensor]:
+    def softmin_pair(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: Cost
+    ) -> tuple[Tensor, Tensor]:
         """Symmetric Sinkhorn step in one launch: ``(softmin(x, y, hy), softmin(y, x, hx))``."""
         return self._softmin(x, y, hy, eps, cost, hx=hx)
 
-    def plan_product(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
-                     cost: Cost, weight: Weight = "plan") -> Tensor:
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: Cost,
+        weight: Weight = "plan",
+    ) -> Tensor:
         """out_i = sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j, (B, N, K)."""
         if weight not in _WEIGHT_CODES:
             raise ValueError(f"weight: expected one of {tuple(_WEIGHT_CODES)}, got {weight!r}")
@@ -159,10 +178,26 @@ class TritonEngine(Engine):
 
         def launch(cfg: KernelConfig) -> None:
             grid = (triton_cdiv(N, cfg.block_n), triton_cdiv(K, block_k), B)
-            kern.plan_kernel[grid](x, y, hb, ha, Vc, out, prm, N, M, D, K,
-                                   BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=block_k,
-                                   WEIGHT=_WEIGHT_CODES[weight], num_warps=cfg.num_warps,
-                                   num_stages=cfg.num_stages, **cx)
+            kern.plan_kernel[grid](
+                x,
+                y,
+                hb,
+                ha,
+                Vc,
+                out,
+                prm,
+                N,
+                M,
+                D,
+                K,
+                BLOCK_N=cfg.block_n,
+                BLOCK_M=cfg.block_m,
+                BLOCK_K=block_k,
+                WEIGHT=_WEIGHT_CODES[weight],
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                **cx,
+            )
 
         self._run(("plan", weight, min(K, 64)), x, N, M, D, cx, launch)
         return out
@@ -184,14 +219,37 @@ class TritonEngine(Engine):
             tiles = lists.tiles(cfg.block_n)
             if tiles.numel():
                 kern.softmin_bs_kernel[(tiles.numel() // 3,)](
-                    x, y, hy, out, prm, tiles, lists.cptr, lists.ranges, D, BLOCK_N=cfg.block_n,
-                    BLOCK_M=cfg.block_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cx)
+                    x,
+                    y,
+                    hy,
+                    out,
+                    prm,
+                    tiles,
+                    lists.cptr,
+                    lists.ranges,
+                    D,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_M=cfg.block_m,
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    **cx,
+                )
 
         self._run(("softmin_bs",), x, N, y.shape[1], D, cx, launch)
         return out
 
-    def plan_product_blocks(self, x: Tensor, y: Tensor, alpha: Tensor, beta: Tensor, eps: float, V: Tensor,
-                            cost: Cost, lists, weight: Weight = "plan") -> Tensor:
+    def plan_product_blocks(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: Cost,
+        lists,
+        weight: Weight = "plan",
+    ) -> Tensor:
         """out_i = sum_{j in kept(I(i))} exp(alpha_i + beta_j - C_ij / eps) W_ij V_j over the kept column
         ranges of ``lists``, (1, N, K); B = 1."""
         if weight not in _WEIGHT_CODES:
@@ -215,10 +273,27 @@ class TritonEngine(Engine):
             tiles = lists.tiles(cfg.block_n)
             if tiles.numel():
                 grid = (tiles.numel() // 3, triton_cdiv(K, block_k))
-                kern.plan_bs_kernel[grid](x, y, hb, ha, Vc, out, prm, tiles, lists.cptr, lists.ranges, D, K,
-                                          BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=block_k,
-                                          WEIGHT=_WEIGHT_CODES[weight], num_warps=cfg.num_warps,
-                                          num_stages=cfg.num_stages, **cx)
+                kern.plan_bs_kernel[grid](
+                    x,
+                    y,
+                    hb,
+                    ha,
+                    Vc,
+                    out,
+                    prm,
+                    tiles,
+                    lists.cptr,
+                    lists.ranges,
+                    D,
+                    K,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_K=block_k,
+                    WEIGHT=_WEIGHT_CODES[weight],
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    **cx,
+                )
 
         self._run(("plan_bs", weight, min(K, 64)), x, N, M, D, cx, launch)
         return out
@@ -245,9 +320,21 @@ class TritonEngine(Engine):
 
             def launch(cfg: KernelConfig) -> None:
                 grid = (triton_cdiv(N, cfg.block_n), B)
-                kern.softmin_kernel[grid](x, y, hy, f, prm, N, M, D,
-                                          BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-                                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cx)
+                kern.softmin_kernel[grid](
+                    x,
+                    y,
+                    hy,
+                    f,
+                    prm,
+                    N,
+                    M,
+                    D,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_M=cfg.block_m,
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    **cx,
+                )
 
             self._run(("softmin",), x, N, M, D, cx, launch)
             return f
@@ -259,9 +346,24 @@ class TritonEngine(Engine):
         def launch_pair(cfg: KernelConfig) -> None:
             tiles_x = triton_cdiv(N, cfg.block_n)
             grid = (tiles_x + triton_cdiv(M, cfg.block_n), B)
-            kern.softmin_pair_kernel[grid](x, y, hy, hxc, f, g, prm, N, M, D, tiles_x,
-                                           BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cx)
+            kern.softmin_pair_kernel[grid](
+                x,
+                y,
+                hy,
+                hxc,
+                f,
+                g,
+                prm,
+                N,
+                M,
+                D,
+                tiles_x,
+                BLOCK_N=cfg.block_n,
+                BLOCK_M=cfg.block_m,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                **cx,
+            )
 
         self._run(("pair",), x, N, M, D, cx, launch_pair)
         return f, g
@@ -277,8 +379,10 @@ class TritonEngine(Engine):
         if why:
             raise ValueError(why)
         if x.shape[0] > MAX_BATCH:
-            raise ValueError(f"x: backend='triton' launches the batch on a grid axis limited to {MAX_BATCH}, "
-                             f"got B = {x.shape[0]}; split the batch or use backend='tiled'")
+            raise ValueError(
+                f"x: backend='triton' launches the batch on a grid axis limited to {MAX_BATCH}, "
+                f"got B = {x.shape[0]}; split the batch or use backend='tiled'"
+            )
         from .loader import kernels_for_device
 
         return x.contiguous(), y.contiguous(), kernels_for_device(x.device)
@@ -300,8 +404,16 @@ class TritonEngine(Engine):
         prec = "tf32" if (tf32 and x.dtype == torch.float32) else "ieee"
         # The interpreter's bfloat16 tl.dot is broken (Triton 3.9): upcast there only.
         upcast = x.dtype == torch.bfloat16 and (interpret_enabled() or x.device.type != "cuda")
-        return dict(BLOCK_D=block_d, D_STATIC=D if (direct and D <= 16) else 0, DIRECT=direct,
-                    ONE_CHUNK=one_chunk, FOLD=fold, COST=0 if cost.is_dot else 1, PREC=prec, UPCAST=upcast)
+        return dict(
+            BLOCK_D=block_d,
+            D_STATIC=D if (direct and D <= 16) else 0,
+            DIRECT=direct,
+            ONE_CHUNK=one_chunk,
+            FOLD=fold,
+            COST=0 if cost.is_dot else 1,
+            PREC=prec,
+            UPCAST=upcast,
+        )
 
     def _params(self, eps: float, cost: Cost, acc: torch.dtype, device: torch.device) -> Tensor:
         """Per-launch scalars on the device, cached so a Sinkhorn loop does no host-to-device copy."""
@@ -311,13 +423,13 @@ class TritonEngine(Engine):
         if prm is None:
             if len(self._prm_cache) >= 256:
                 self._prm_cache.clear()
-            prm = torch.tensor([LOG2E / eps, s, eps * LN2, cost.min_sqdist, 2.0 * s, LOG2E],
-                               dtype=acc, device=device)
+            prm = torch.tensor([LOG2E / eps, s, eps * LN2, cost.min_sqdist, 2.0 * s, LOG2E], dtype=acc, device=device)
             self._prm_cache[key] = prm
         return prm
 
-    def _run(self, kind: tuple, x: Tensor, N: int, M: int, D: int, cx: dict,
-             launch: Callable[[KernelConfig], None]) -> None:
+    def _run(
+        self, kind: tuple, x: Tensor, N: int, M: int, D: int, cx: dict, launch: Callable[[KernelConfig], None]
+    ) -> None:
         cfg = self.config or pinned_config()
         if cfg is None and (x.device.type != "cuda" or interpret_enabled()):
             cfg = INTERPRET_CONFIG

@@ -50,13 +50,13 @@ W_PLAN, W_COST, W_DCOST = 0, 1, 2
 @triton.jit
 def _load_x_tile(x_ptr, rows, row_ok, D, BLOCK_D: tl.constexpr):
     kk = tl.arange(0, BLOCK_D)
-    return tl.load(x_ptr + rows[:, None] * D + kk[None, :],
-                   mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
+    return tl.load(x_ptr + rows[:, None] * D + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
 
 
 @triton.jit
-def _row_sqnorm(x_ptr, xt, rows, row_ok, D, acc_ref,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def _row_sqnorm(
+    x_ptr, xt, rows, row_ok, D, acc_ref, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr
+):
     """|x_i|^2 for the row tile, in the accumulation dtype of ``acc_ref``."""
     if ONE_CHUNK:
         xf = xt.to(acc_ref.dtype)
@@ -66,21 +66,35 @@ def _row_sqnorm(x_ptr, xt, rows, row_ok, D, acc_ref,
         xsq = tl.zeros((BLOCK_N,), dtype=acc_ref.dtype)
         for k0 in range(0, D, BLOCK_D):
             k = k0 + kk
-            xf = tl.load(x_ptr + rows[:, None] * D + k[None, :],
-                         mask=row_ok[:, None] & (k[None, :] < D), other=0.0).to(acc_ref.dtype)
+            xf = tl.load(x_ptr + rows[:, None] * D + k[None, :], mask=row_ok[:, None] & (k[None, :] < D), other=0.0).to(
+                acc_ref.dtype
+            )
             xsq += tl.sum(xf * xf, axis=1)
     return xsq
 
 
 @triton.jit
-def _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, acc_ref,
-              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-              ONE_CHUNK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _dot_tile(
+    x_ptr,
+    y_ptr,
+    xt,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    D,
+    acc_ref,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """(<x_i, y_j> tile via tl.dot, |y_j|^2 of the column tile), in the accumulation dtype."""
     kk = tl.arange(0, BLOCK_D)
     if ONE_CHUNK:
-        yt = tl.load(y_ptr + cols[None, :] * D + kk[:, None],
-                     mask=col_ok[None, :] & (kk[:, None] < D), other=0.0)
+        yt = tl.load(y_ptr + cols[None, :] * D + kk[:, None], mask=col_ok[None, :] & (kk[:, None] < D), other=0.0)
         yf = yt.to(acc_ref.dtype)
         ysq = tl.sum(yf * yf, axis=0)
         if UPCAST:
@@ -92,10 +106,8 @@ def _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, acc_ref,
         ysq = tl.zeros((BLOCK_M,), dtype=acc_ref.dtype)
         for k0 in range(0, D, BLOCK_D):
             k = k0 + kk
-            xc = tl.load(x_ptr + rows[:, None] * D + k[None, :],
-                         mask=row_ok[:, None] & (k[None, :] < D), other=0.0)
-            yc = tl.load(y_ptr + cols[None, :] * D + k[:, None],
-                         mask=col_ok[None, :] & (k[:, None] < D), other=0.0)
+            xc = tl.load(x_ptr + rows[:, None] * D + k[None, :], mask=row_ok[:, None] & (k[None, :] < D), other=0.0)
+            yc = tl.load(y_ptr + cols[None, :] * D + k[:, None], mask=col_ok[None, :] & (k[:, None] < D), other=0.0)
             yf = yc.to(acc_ref.dtype)
             ysq += tl.sum(yf * yf, axis=0)
             if UPCAST:
@@ -106,18 +118,40 @@ def _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, acc_ref,
 
 
 @triton.jit
-def _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
-            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-            D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-            FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _scores(
+    x_ptr,
+    y_ptr,
+    xt,
+    xsq,
+    hb,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    D,
+    k2,
+    s,
+    min_sq,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """(t, C): scores t_ij = hb_j - k2 C_ij (log2 units; hb = log2(e) h) and the cost tile C_ij.
 
     With ``FOLD`` the returned ``C`` is a dummy and ``t`` lacks the row term
     ``-k2 s |x_i|^2`` (added back by the caller).
     """
     if FOLD:
-        dot, ysq = _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, k2,
-                             BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC, UPCAST)
+        dot, ysq = _dot_tile(
+            x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, k2, BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC, UPCAST
+        )
         sk2 = s * k2
         t = dot * (2.0 * sk2) + (hb - sk2 * ysq)[None, :]
         c = t
@@ -137,8 +171,9 @@ def _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min
                     diff = xk[:, None] - yk[None, :]
                     d2 += diff * diff
         else:
-            dot, ysq = _dot_tile(x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, k2,
-                                 BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC, UPCAST)
+            dot, ysq = _dot_tile(
+                x_ptr, y_ptr, xt, rows, cols, row_ok, col_ok, D, k2, BLOCK_N, BLOCK_M, BLOCK_D, ONE_CHUNK, PREC, UPCAST
+            )
             d2 = tl.maximum(xsq[:, None] + ysq[None, :] - 2.0 * dot, 0.0)
         if COST == 0:
             c = d2 * s  # dead code (removed by the compiler) unless W_ij = C_ij
@@ -150,8 +185,17 @@ def _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min
 
 
 @triton.jit
-def _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def _row_setup(
+    x_ptr,
+    rows,
+    row_ok,
+    D,
+    k2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+):
     """(x tile kept on chip or a dummy, |x_i|^2 or zeros) for one row tile."""
     if ONE_CHUNK:
         xt = _load_x_tile(x_ptr, rows, row_ok, D, BLOCK_D)
@@ -165,41 +209,153 @@ def _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _tile_probs(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j0, j_hi, D, k2, s, min_sq, log2e, m_i,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _tile_probs(
+    x_ptr,
+    y_ptr,
+    h_ptr,
+    xt,
+    xsq,
+    rows,
+    row_ok,
+    j0,
+    j_hi,
+    D,
+    k2,
+    s,
+    min_sq,
+    log2e,
+    m_i,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One streamed column tile [j0, min(j0 + BLOCK_M, j_hi)): (cols, col_ok, p_ij = exp2(t_ij - m_new_i),
     cost tile, new running max, factor exp2(m_i - m_new_i) that rescales the sums so far)."""
     cols = j0 + tl.arange(0, BLOCK_M)
     col_ok = cols < j_hi
     hb = tl.load(h_ptr + cols, mask=col_ok, other=float("-inf")) * log2e
-    t, c = _scores(x_ptr, y_ptr, xt, xsq, hb, rows, cols, row_ok, col_ok, D, k2, s, min_sq,
-                   BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+    t, c = _scores(
+        x_ptr,
+        y_ptr,
+        xt,
+        xsq,
+        hb,
+        rows,
+        cols,
+        row_ok,
+        col_ok,
+        D,
+        k2,
+        s,
+        min_sq,
+        BLOCK_N,
+        BLOCK_M,
+        BLOCK_D,
+        D_STATIC,
+        DIRECT,
+        ONE_CHUNK,
+        FOLD,
+        COST,
+        PREC,
+        UPCAST,
+    )
     m_new = tl.maximum(m_i, tl.max(t, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     return cols, col_ok, tl.exp2(t - m_safe[:, None]), c, m_new, tl.exp2(m_i - m_safe)
 
 
 @triton.jit
-def _lse_range(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j_lo, j_hi, D, k2, s, min_sq, log2e, m_i, l_i,
-               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-               FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _lse_range(
+    x_ptr,
+    y_ptr,
+    h_ptr,
+    xt,
+    xsq,
+    rows,
+    row_ok,
+    j_lo,
+    j_hi,
+    D,
+    k2,
+    s,
+    min_sq,
+    log2e,
+    m_i,
+    l_i,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """The online (max m_i, sum l_i) of the row tile's scores, updated over the columns [j_lo, j_hi)."""
     for j0 in range(j_lo, j_hi, BLOCK_M):
         cols, col_ok, p, c, m_i, rescale = _tile_probs(
-            x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j0, j_hi, D, k2, s, min_sq, log2e, m_i,
-            BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+            x_ptr,
+            y_ptr,
+            h_ptr,
+            xt,
+            xsq,
+            rows,
+            row_ok,
+            j0,
+            j_hi,
+            D,
+            k2,
+            s,
+            min_sq,
+            log2e,
+            m_i,
+            BLOCK_N,
+            BLOCK_M,
+            BLOCK_D,
+            D_STATIC,
+            DIRECT,
+            ONE_CHUNK,
+            FOLD,
+            COST,
+            PREC,
+            UPCAST,
+        )
         l_i = l_i * rescale + tl.sum(p, axis=1)
     return m_i, l_i
 
 
 @triton.jit
-def _softmin_rows(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, N, M, D, pid_n, pid_b,
-                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                  FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _softmin_rows(
+    x_ptr,
+    y_ptr,
+    h_ptr,
+    out_ptr,
+    prm_ptr,
+    N,
+    M,
+    D,
+    pid_n,
+    pid_b,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """out_i = -eps ln2 (m_i + log2 sum_j exp2(t_ij - m_i)) for one tile of rows."""
     b = pid_b.to(tl.int64)
     x_ptr += b * N * D
@@ -216,8 +372,34 @@ def _softmin_rows(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, N, M, D, pid_n, pid_b,
     xt, xsq = _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N, BLOCK_D, DIRECT, ONE_CHUNK)
     m_i = tl.full((BLOCK_N,), float("-inf"), dtype=k2.dtype)
     l_i = tl.zeros((BLOCK_N,), dtype=k2.dtype)
-    m_i, l_i = _lse_range(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, 0, M, D, k2, s, min_sq, log2e, m_i, l_i,
-                          BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+    m_i, l_i = _lse_range(
+        x_ptr,
+        y_ptr,
+        h_ptr,
+        xt,
+        xsq,
+        rows,
+        row_ok,
+        0,
+        M,
+        D,
+        k2,
+        s,
+        min_sq,
+        log2e,
+        m_i,
+        l_i,
+        BLOCK_N,
+        BLOCK_M,
+        BLOCK_D,
+        D_STATIC,
+        DIRECT,
+        ONE_CHUNK,
+        FOLD,
+        COST,
+        PREC,
+        UPCAST,
+    )
     out = -eps_ln2 * (m_i + tl.log2(l_i))
     if FOLD:
         out += s * xsq
@@ -225,21 +407,75 @@ def _softmin_rows(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, N, M, D, pid_n, pid_b,
 
 
 @triton.jit
-def softmin_kernel(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, N, M, D,
-                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                   D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                   FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def softmin_kernel(
+    x_ptr,
+    y_ptr,
+    h_ptr,
+    out_ptr,
+    prm_ptr,
+    N,
+    M,
+    D,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Grid (cdiv(N, BLOCK_N), B): out[b, i] = softmin_j over y[b] of h[b, j] - C_ij / eps."""
-    _softmin_rows(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, N, M, D,
-                  tl.program_id(0), tl.program_id(1),
-                  BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+    _softmin_rows(
+        x_ptr,
+        y_ptr,
+        h_ptr,
+        out_ptr,
+        prm_ptr,
+        N,
+        M,
+        D,
+        tl.program_id(0),
+        tl.program_id(1),
+        BLOCK_N,
+        BLOCK_M,
+        BLOCK_D,
+        D_STATIC,
+        DIRECT,
+        ONE_CHUNK,
+        FOLD,
+        COST,
+        PREC,
+        UPCAST,
+    )
 
 
 @triton.jit
-def softmin_pair_kernel(x_ptr, y_ptr, hy_ptr, hx_ptr, f_ptr, g_ptr, prm_ptr, N, M, D, TILES_X,
-                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                        D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                        FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def softmin_pair_kernel(
+    x_ptr,
+    y_ptr,
+    hy_ptr,
+    hx_ptr,
+    f_ptr,
+    g_ptr,
+    prm_ptr,
+    N,
+    M,
+    D,
+    TILES_X,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Both halves of a symmetric Sinkhorn step in one launch.
 
     Grid (cdiv(N, BLOCK_N) + cdiv(M, BLOCK_N), B): programs below ``TILES_X``
@@ -247,39 +483,147 @@ def softmin_pair_kernel(x_ptr, y_ptr, hy_ptr, hx_ptr, f_ptr, g_ptr, prm_ptr, N, 
     """
     pid = tl.program_id(0)
     if pid < TILES_X:
-        _softmin_rows(x_ptr, y_ptr, hy_ptr, f_ptr, prm_ptr, N, M, D, pid, tl.program_id(1),
-                      BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+        _softmin_rows(
+            x_ptr,
+            y_ptr,
+            hy_ptr,
+            f_ptr,
+            prm_ptr,
+            N,
+            M,
+            D,
+            pid,
+            tl.program_id(1),
+            BLOCK_N,
+            BLOCK_M,
+            BLOCK_D,
+            D_STATIC,
+            DIRECT,
+            ONE_CHUNK,
+            FOLD,
+            COST,
+            PREC,
+            UPCAST,
+        )
     else:
-        _softmin_rows(y_ptr, x_ptr, hx_ptr, g_ptr, prm_ptr, M, N, D, pid - TILES_X, tl.program_id(1),
-                      BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+        _softmin_rows(
+            y_ptr,
+            x_ptr,
+            hx_ptr,
+            g_ptr,
+            prm_ptr,
+            M,
+            N,
+            D,
+            pid - TILES_X,
+            tl.program_id(1),
+            BLOCK_N,
+            BLOCK_M,
+            BLOCK_D,
+            D_STATIC,
+            DIRECT,
+            ONE_CHUNK,
+            FOLD,
+            COST,
+            PREC,
+            UPCAST,
+        )
 
 
 @triton.jit
-def _plan_range(x_ptr, y_ptr, beta_ptr, v_ptr, xt, xsq, rows, row_ok, kc, k_ok, j_lo, j_hi, D, K,
-                k2, s, min_sq, log2e, m_i, acc,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr, FOLD: tl.constexpr,
-                COST: tl.constexpr, WEIGHT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _plan_range(
+    x_ptr,
+    y_ptr,
+    beta_ptr,
+    v_ptr,
+    xt,
+    xsq,
+    rows,
+    row_ok,
+    kc,
+    k_ok,
+    j_lo,
+    j_hi,
+    D,
+    K,
+    k2,
+    s,
+    min_sq,
+    log2e,
+    m_i,
+    acc,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """The online max m_i and the rescaled (BLOCK_N, BLOCK_K) sums of exp2(t_ij - m_i) W_ij V_j, updated
     over the columns [j_lo, j_hi)."""
     for j0 in range(j_lo, j_hi, BLOCK_M):
         cols, col_ok, p, c, m_i, rescale = _tile_probs(
-            x_ptr, y_ptr, beta_ptr, xt, xsq, rows, row_ok, j0, j_hi, D, k2, s, min_sq, log2e, m_i,
-            BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST, PREC, UPCAST)
+            x_ptr,
+            y_ptr,
+            beta_ptr,
+            xt,
+            xsq,
+            rows,
+            row_ok,
+            j0,
+            j_hi,
+            D,
+            k2,
+            s,
+            min_sq,
+            log2e,
+            m_i,
+            BLOCK_N,
+            BLOCK_M,
+            BLOCK_D,
+            D_STATIC,
+            DIRECT,
+            ONE_CHUNK,
+            FOLD,
+            COST,
+            PREC,
+            UPCAST,
+        )
         if WEIGHT == 1:
             p = p * c
         if WEIGHT == 2:
             if COST == 1:
                 p = tl.where(c > 0.0, p / tl.where(c > 0.0, c, 1.0), 0.0)
-        v = tl.load(v_ptr + cols[:, None] * K + kc[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + cols[:, None] * K + kc[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
     return m_i, acc
 
 
 @triton.jit
-def _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2, s, dcost, log2e,
-                FOLD: tl.constexpr, COST: tl.constexpr, WEIGHT: tl.constexpr):
+def _plan_store(
+    alpha_ptr,
+    out_ptr,
+    rows,
+    row_ok,
+    kc,
+    k_ok,
+    K,
+    m_i,
+    acc,
+    xsq,
+    k2,
+    s,
+    dcost,
+    log2e,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    WEIGHT: tl.constexpr,
+):
     """out_i = exp2(m_i + log2(e) alpha_i) acc_i (the row terms the streaming left out), stored."""
     alpha = tl.load(alpha_ptr + rows, mask=row_ok, other=float("-inf"))
     row = m_i + alpha * log2e
@@ -293,11 +637,31 @@ def _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2
 
 
 @triton.jit
-def plan_kernel(x_ptr, y_ptr, beta_ptr, alpha_ptr, v_ptr, out_ptr, prm_ptr, N, M, D, K,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_K: tl.constexpr, D_STATIC: tl.constexpr, DIRECT: tl.constexpr,
-                ONE_CHUNK: tl.constexpr, FOLD: tl.constexpr, COST: tl.constexpr,
-                WEIGHT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def plan_kernel(
+    x_ptr,
+    y_ptr,
+    beta_ptr,
+    alpha_ptr,
+    v_ptr,
+    out_ptr,
+    prm_ptr,
+    N,
+    M,
+    D,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Grid (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K), B): out_i = sum_j exp(alpha_i + beta_j - C_ij/eps) W_ij V_j.
 
     The online max rescales the (BLOCK_N, BLOCK_K) accumulator; alpha enters at the end.
@@ -323,11 +687,40 @@ def plan_kernel(x_ptr, y_ptr, beta_ptr, alpha_ptr, v_ptr, out_ptr, prm_ptr, N, M
     xt, xsq = _row_setup(x_ptr, rows, row_ok, D, k2, BLOCK_N, BLOCK_D, DIRECT, ONE_CHUNK)
     m_i = tl.full((BLOCK_N,), float("-inf"), dtype=k2.dtype)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=k2.dtype)
-    m_i, acc = _plan_range(x_ptr, y_ptr, beta_ptr, v_ptr, xt, xsq, rows, row_ok, kc, k_ok, 0, M, D, K,
-                           k2, s, min_sq, log2e, m_i, acc, BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT,
-                           ONE_CHUNK, FOLD, COST, WEIGHT, PREC, UPCAST)
-    _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2, s, dcost, log2e,
-                FOLD, COST, WEIGHT)
+    m_i, acc = _plan_range(
+        x_ptr,
+        y_ptr,
+        beta_ptr,
+        v_ptr,
+        xt,
+        xsq,
+        rows,
+        row_ok,
+        kc,
+        k_ok,
+        0,
+        M,
+        D,
+        K,
+        k2,
+        s,
+        min_sq,
+        log2e,
+        m_i,
+        acc,
+        BLOCK_N,
+        BLOCK_M,
+        BLOCK_D,
+        D_STATIC,
+        DIRECT,
+        ONE_CHUNK,
+        FOLD,
+        COST,
+        WEIGHT,
+        PREC,
+        UPCAST,
+    )
+    _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2, s, dcost, log2e, FOLD, COST, WEIGHT)
 
 
 # -- block-sparse versions (the multiscale engine; B = 1) ------------------------------------------------
@@ -348,10 +741,27 @@ def _bs_tile(tiles_ptr, cptr_ptr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def softmin_bs_kernel(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, tiles_ptr, cptr_ptr, ranges_ptr, D,
-                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                      D_STATIC: tl.constexpr, DIRECT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                      FOLD: tl.constexpr, COST: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def softmin_bs_kernel(
+    x_ptr,
+    y_ptr,
+    h_ptr,
+    out_ptr,
+    prm_ptr,
+    tiles_ptr,
+    cptr_ptr,
+    ranges_ptr,
+    D,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Grid (number of row tiles,): out_i = -eps log sum_{j in kept(I(i))} exp(h_j - C_ij / eps)."""
     k2 = tl.load(prm_ptr + 0)
     s = tl.load(prm_ptr + 1)
@@ -365,9 +775,34 @@ def softmin_bs_kernel(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, tiles_ptr, cptr_ptr
     for q in range(q0, q1):
         j_lo = tl.load(ranges_ptr + 2 * q)
         j_hi = tl.load(ranges_ptr + 2 * q + 1)
-        m_i, l_i = _lse_range(x_ptr, y_ptr, h_ptr, xt, xsq, rows, row_ok, j_lo, j_hi, D, k2, s, min_sq, log2e,
-                              m_i, l_i, BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT, ONE_CHUNK, FOLD, COST,
-                              PREC, UPCAST)
+        m_i, l_i = _lse_range(
+            x_ptr,
+            y_ptr,
+            h_ptr,
+            xt,
+            xsq,
+            rows,
+            row_ok,
+            j_lo,
+            j_hi,
+            D,
+            k2,
+            s,
+            min_sq,
+            log2e,
+            m_i,
+            l_i,
+            BLOCK_N,
+            BLOCK_M,
+            BLOCK_D,
+            D_STATIC,
+            DIRECT,
+            ONE_CHUNK,
+            FOLD,
+            COST,
+            PREC,
+            UPCAST,
+        )
     out = -eps_ln2 * (m_i + tl.log2(l_i))
     if FOLD:
         out += s * xsq
@@ -375,11 +810,32 @@ def softmin_bs_kernel(x_ptr, y_ptr, h_ptr, out_ptr, prm_ptr, tiles_ptr, cptr_ptr
 
 
 @triton.jit
-def plan_bs_kernel(x_ptr, y_ptr, beta_ptr, alpha_ptr, v_ptr, out_ptr, prm_ptr, tiles_ptr, cptr_ptr, ranges_ptr,
-                   D, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_K: tl.constexpr, D_STATIC: tl.constexpr, DIRECT: tl.constexpr,
-                   ONE_CHUNK: tl.constexpr, FOLD: tl.constexpr, COST: tl.constexpr,
-                   WEIGHT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def plan_bs_kernel(
+    x_ptr,
+    y_ptr,
+    beta_ptr,
+    alpha_ptr,
+    v_ptr,
+    out_ptr,
+    prm_ptr,
+    tiles_ptr,
+    cptr_ptr,
+    ranges_ptr,
+    D,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    D_STATIC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    FOLD: tl.constexpr,
+    COST: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Grid (number of row tiles, cdiv(K, BLOCK_K)): out_i = sum_{j in kept(I(i))} exp(alpha_i + beta_j -
     C_ij / eps) W_ij V_j."""
     k2 = tl.load(prm_ptr + 0)
@@ -396,8 +852,37 @@ def plan_bs_kernel(x_ptr, y_ptr, beta_ptr, alpha_ptr, v_ptr, out_ptr, prm_ptr, t
     for q in range(q0, q1):
         j_lo = tl.load(ranges_ptr + 2 * q)
         j_hi = tl.load(ranges_ptr + 2 * q + 1)
-        m_i, acc = _plan_range(x_ptr, y_ptr, beta_ptr, v_ptr, xt, xsq, rows, row_ok, kc, k_ok, j_lo, j_hi, D, K,
-                               k2, s, min_sq, log2e, m_i, acc, BLOCK_N, BLOCK_M, BLOCK_D, D_STATIC, DIRECT,
-                               ONE_CHUNK, FOLD, COST, WEIGHT, PREC, UPCAST)
-    _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2, s, dcost, log2e,
-                FOLD, COST, WEIGHT)
+        m_i, acc = _plan_range(
+            x_ptr,
+            y_ptr,
+            beta_ptr,
+            v_ptr,
+            xt,
+            xsq,
+            rows,
+            row_ok,
+            kc,
+            k_ok,
+            j_lo,
+            j_hi,
+            D,
+            K,
+            k2,
+            s,
+            min_sq,
+            log2e,
+            m_i,
+            acc,
+            BLOCK_N,
+            BLOCK_M,
+            BLOCK_D,
+            D_STATIC,
+            DIRECT,
+            ONE_CHUNK,
+            FOLD,
+            COST,
+            WEIGHT,
+            PREC,
+            UPCAST,
+        )
+    _plan_store(alpha_ptr, out_ptr, rows, row_ok, kc, k_ok, K, m_i, acc, xsq, k2, s, dcost, log2e, FOLD, COST, WEIGHT)
