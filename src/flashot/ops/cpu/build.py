@@ -50,13 +50,22 @@ from . import abi
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
 
 __all__ = ["BuildError", "build", "load", "load_blocksparse", "BUILD_INFO", "cxxflags", "march", "SOURCES",
-           "ISA_BITS", "LIBRARIES", "cache_dir"]
+           "ISA_BITS", "LIBRARIES", "UNIT_FLAGS", "cache_dir"]
 
-# the libraries and their translation units (compiled in parallel), balanced by compile time
-LIBRARIES = {"core": ("core_abi.cpp", "core_lse_f32.cpp", "core_lse_f64.cpp", "core_pairplan_f32.cpp",
-                      "core_pairplan_f64.cpp"),
-             "blocksparse": ("bs_abi.cpp", "bs_pair_f32.cpp", "bs_pair_f64.cpp", "bs_lseplan_f32.cpp",
-                             "bs_lseplan_f64.cpp")}
+# The libraries and their translation units, linked in this order.  All units of a library are compiled at
+# once, so the wall time is about max(total compiler CPU / cores, largest unit): the kernel units (by family
+# and dtype) keep the largest under half the total, and splitting them further would only add the ~1 s of
+# header parsing that every unit pays.
+LIBRARIES = {"core": ("core_lse_f32.cpp", "core_lse_f64.cpp", "core_pairplan_f32.cpp", "core_pairplan_f64.cpp",
+                      "core_vexp.cpp", "core_abi.cpp"),
+             "blocksparse": ("bs_pair_f32.cpp", "bs_pair_f64.cpp", "bs_lseplan_f32.cpp", "bs_lseplan_f64.cpp",
+                             "bs_prune.cpp", "bs_abi.cpp")}
+# Flags added after cxxflags() for some units (a later -O wins).  The *_abi.cpp units hold no kernel (the
+# ABI's version and layout text, the build's facts, the floating-point probes; the exp2 helpers and the
+# block pruning have units of their own): -O1 about halves their compile time, most of it the layout
+# text's string code.  They come last in LIBRARIES, so last on the link line: of the inline helpers that
+# several units emit (the thread team's, ...), the linker keeps the first copy, a kernel unit's (-O3).
+UNIT_FLAGS = {"core_abi.cpp": ("-O1",), "bs_abi.cpp": ("-O1",)}
 HEADERS = ("abi.h", "vecmath.h", "panel.h", "colsum.h", "dense.h", "cached.h", "blocksparse.h", "fpenv.h",
            "parallel.h", "prune.h")
 SOURCES = (*HEADERS, *(u for units in LIBRARIES.values() for u in units))
@@ -160,7 +169,7 @@ def _hash(*parts: str, n: int = 16) -> str:
 
 def _base_key(sources: dict[str, str], target: str) -> str:
     """Everything but the compiler: sources, flags, target, CPU, ABI."""
-    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), repr(LIBRARIES),
+    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), repr(LIBRARIES), repr(UNIT_FLAGS),
                  platform.machine(), " ".join(sorted(_cpu_flags())) or platform.processor(), str(ABI_VERSION))
 
 
@@ -213,7 +222,9 @@ def _object(unit: str) -> str:
 
 
 def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[str, ...], env: dict) -> list[str]:
-    procs = [subprocess.Popen([cxx, *flags, "-c", unit, "-o", _object(unit)],
+    """Compile the units ``parts`` in ``work``, all at once (the OS shares the cores; the wall time is about
+    max(total CPU / cores, largest unit)) -> the compiler's error output of each unit that failed."""
+    procs = [subprocess.Popen([cxx, *flags, *UNIT_FLAGS.get(unit, ()), "-c", unit, "-o", _object(unit)],
                               cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for unit in parts]
     errs = []
