@@ -265,9 +265,10 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, 
         shutil.rmtree(work, ignore_errors=True)
 
 
-# compiler CPU seconds of each library and of its largest unit (g++ 12 -O3, AMD EPYC Zen 3; BENCHMARKS.md,
-# "First-use compile of the CPU kernels")
-_COMPILE_CPU_S = {"core": (28.0, 8.0), "blocksparse": (44.0, 15.0)}
+# compiler CPU seconds of each library and of its largest unit, for the message's estimate: g++ 12.2
+# -march=native on an AVX-512 AMD EPYC with 2 vCPUs shared with other jobs, each unit compiled alone (the
+# larger side: a quiet AVX2 Zen 3 took about 0.7x as much, BENCHMARKS.md "First-use compile of the CPU kernels")
+_COMPILE_CPU_S = {"core": (40.0, 12.0), "blocksparse": (60.0, 20.0)}
 
 
 def _estimate_seconds(library: str) -> int:
