@@ -1,4 +1,4 @@
-"""Static checks: ruff's lint over the source, tests, benchmarks and examples (rules: ``[tool.ruff.lint]`` in
+"""Static checks: ruff's lint and format check over the source, tests, benchmarks and examples (rules: ``[tool.ruff.lint]`` in
 pyproject.toml), and mypy over the core (modules and options: ``[tool.mypy]``)."""
 
 from __future__ import annotations
@@ -23,7 +23,19 @@ def _ruff() -> list[str]:
 
 def test_ruff_check_is_clean():
     r = subprocess.run(
-        _ruff() + ["check", "--no-cache", "src", "tests", "benchmarks", "examples"],
+        _ruff() + ["check", "--no-cache", "src", "tests", "benchmarks", "examples", "setup.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_ruff_format_is_clean():
+    """The code is as ``ruff format`` writes it (``[tool.ruff.format]``): run ``ruff format`` to fix."""
+    r = subprocess.run(
+        _ruff() + ["format", "--check", "--no-cache", "src", "tests", "benchmarks", "examples", "setup.py"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -81,7 +81,7 @@ def _blocks(lay, tasks: Tensor) -> abi.Blocks:
 
 
 def padded_y(lib, pat: BlockPattern, y: Tensor, h: Tensor, kind: int):
-    """The kernels' layout of the columns (engine.py ``_prep_y``, cluster by cluster): ``(layout, yT, yy, hs)``."""
+    """The kernels' layout of the columns (cpu/streamed.py ``prep_y``, cluster by cluster): ``(layout, yT, yy, hs)``."""
     from .cpu.engine import KIND_DOT, LOG2E, encode_zero_weights
 
     D = y.shape[-1]

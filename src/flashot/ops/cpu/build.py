@@ -53,17 +53,67 @@ from importlib import resources
 from . import abi, prebuilt
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
 
-__all__ = ["BuildError", "build", "load", "load_blocksparse", "BUILD_INFO", "cxxflags", "march", "SOURCES",
-           "ISA_BITS", "LIBRARIES", "cache_dir", "build_in_cache", "cpu_flags", "find_compiler", "prebuilt_status",
-           "read_sources", "source_key"]
+__all__ = [
+    "BuildError",
+    "build",
+    "load",
+    "load_blocksparse",
+    "BUILD_INFO",
+    "cxxflags",
+    "march",
+    "SOURCES",
+    "ISA_BITS",
+    "LIBRARIES",
+    "UNIT_FLAGS",
+    "cache_dir",
+    "build_in_cache",
+    "cpu_flags",
+    "find_compiler",
+    "prebuilt_status",
+    "read_sources",
+    "source_key",
+]
 
-# the libraries and their translation units (compiled in parallel), balanced by compile time
-LIBRARIES = {"core": ("core_abi.cpp", "core_lse_f32.cpp", "core_lse_f64.cpp", "core_pairplan_f32.cpp",
-                      "core_pairplan_f64.cpp"),
-             "blocksparse": ("bs_abi.cpp", "bs_pair_f32.cpp", "bs_pair_f64.cpp", "bs_lseplan_f32.cpp",
-                             "bs_lseplan_f64.cpp")}
-HEADERS = ("abi.h", "vecmath.h", "panel.h", "colsum.h", "dense.h", "cached.h", "blocksparse.h", "fpenv.h",
-           "parallel.h", "prune.h")
+# The libraries and their translation units, linked in this order.  All units of a library are compiled at
+# once, so the wall time is about max(total compiler CPU / cores, largest unit): the kernel units (by family
+# and dtype) keep the largest under half the total, and splitting them further would only add the ~1 s of
+# header parsing that every unit pays.
+LIBRARIES = {
+    "core": (
+        "core_lse_f32.cpp",
+        "core_lse_f64.cpp",
+        "core_pairplan_f32.cpp",
+        "core_pairplan_f64.cpp",
+        "core_vexp.cpp",
+        "core_abi.cpp",
+    ),
+    "blocksparse": (
+        "bs_pair_f32.cpp",
+        "bs_pair_f64.cpp",
+        "bs_lseplan_f32.cpp",
+        "bs_lseplan_f64.cpp",
+        "bs_prune.cpp",
+        "bs_abi.cpp",
+    ),
+}
+# Flags added after cxxflags() for some units (a later -O wins).  The *_abi.cpp units hold no kernel (the
+# ABI's version and layout text, the build's facts, the floating-point probes; the exp2 helpers and the
+# block pruning have units of their own): -O1 about halves their compile time, most of it the layout
+# text's string code.  They come last in LIBRARIES, so last on the link line: of the inline helpers that
+# several units emit (the thread team's, ...), the linker keeps the first copy, a kernel unit's (-O3).
+UNIT_FLAGS = {"core_abi.cpp": ("-O1",), "bs_abi.cpp": ("-O1",)}
+HEADERS = (
+    "abi.h",
+    "vecmath.h",
+    "panel.h",
+    "colsum.h",
+    "dense.h",
+    "cached.h",
+    "blocksparse.h",
+    "fpenv.h",
+    "parallel.h",
+    "prune.h",
+)
 SOURCES = (*HEADERS, *(u for units in LIBRARIES.values() for u in units))
 BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno", "-pthread"]
 ABI_VERSION = abi.abi_version()  # a hash of abi.h (the libraries report it; abi.py checks it at load)
@@ -74,10 +124,24 @@ ISA_BITS = {"sse4.2": 1, "avx": 2, "avx2": 4, "fma": 8, "avx512f": 16, "aarch64"
 # x86-64 micro-architecture levels: the /proc/cpuinfo flags each one needs (cumulative)
 _X86_LEVELS = prebuilt.X86_LEVELS
 # environment variables that change what g++ / clang++ compile or link
-_BUILD_ENV = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "LIBRARY_PATH",
-              "GCC_EXEC_PREFIX", "COMPILER_PATH", "DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES",
-              "CCC_OVERRIDE_OPTIONS", "GCC_COMPARE_DEBUG", "CXXFLAGS", "CPPFLAGS", "LDFLAGS",
-              "SOURCE_DATE_EPOCH", "LD_PRELOAD")
+_BUILD_ENV = (
+    "CPATH",
+    "C_INCLUDE_PATH",
+    "CPLUS_INCLUDE_PATH",
+    "OBJC_INCLUDE_PATH",
+    "LIBRARY_PATH",
+    "GCC_EXEC_PREFIX",
+    "COMPILER_PATH",
+    "DEPENDENCIES_OUTPUT",
+    "SUNPRO_DEPENDENCIES",
+    "CCC_OVERRIDE_OPTIONS",
+    "GCC_COMPARE_DEBUG",
+    "CXXFLAGS",
+    "CPPFLAGS",
+    "LDFLAGS",
+    "SOURCE_DATE_EPOCH",
+    "LD_PRELOAD",
+)
 _MARCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 
 # Filled by :func:`load`: {"path", "seconds" (compile wall time, 0 when cached),
@@ -101,8 +165,9 @@ def march() -> str:
     """The ``-march`` target: ``FLASHOT_CPU_MARCH`` or ``native``."""
     m = (os.environ.get("FLASHOT_CPU_MARCH") or "native").strip()
     if not _MARCH_RE.match(m):
-        raise BuildError(f"FLASHOT_CPU_MARCH: expected a -march value such as 'native', 'x86-64-v3' or "
-                         f"'armv8-a', got {m!r}")
+        raise BuildError(
+            f"FLASHOT_CPU_MARCH: expected a -march value such as 'native', 'x86-64-v3' or 'armv8-a', got {m!r}"
+        )
     return m
 
 
@@ -131,12 +196,17 @@ def _check_cpu_runs(target: str) -> None:
     have = _cpu_flags()
     if not have:
         return
-    need = [f for lvl, fs in _X86_LEVELS.items() for f in fs if list(_X86_LEVELS).index(lvl)
-            <= list(_X86_LEVELS).index(target)]
+    need = [
+        f
+        for lvl, fs in _X86_LEVELS.items()
+        for f in fs
+        if list(_X86_LEVELS).index(lvl) <= list(_X86_LEVELS).index(target)
+    ]
     missing = [f for f in need if f not in have]
     if missing:
-        raise BuildError(f"FLASHOT_CPU_MARCH={target}: this CPU lacks {', '.join(missing)}; use a lower level "
-                         f"or 'native'")
+        raise BuildError(
+            f"FLASHOT_CPU_MARCH={target}: this CPU lacks {', '.join(missing)}; use a lower level or 'native'"
+        )
 
 
 def _find_compiler() -> str | None:
@@ -160,8 +230,15 @@ def _hash(*parts: str, n: int = 16) -> str:
 
 def _base_key(sources: dict[str, str], target: str) -> str:
     """Everything but the compiler: sources, flags, target, CPU, ABI."""
-    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), repr(LIBRARIES),
-                 platform.machine(), " ".join(sorted(_cpu_flags())) or platform.processor(), str(ABI_VERSION))
+    return _hash(
+        *(sources[k] for k in SOURCES),
+        " ".join(cxxflags(target)),
+        repr(LIBRARIES),
+        repr(UNIT_FLAGS),
+        platform.machine(),
+        " ".join(sorted(_cpu_flags())) or platform.processor(),
+        str(ABI_VERSION),
+    )
 
 
 def _compiler_key(cxx: str) -> str:
@@ -193,8 +270,9 @@ class _DirLock:
             except BlockingIOError:
                 if time.monotonic() - t0 > LOCK_TIMEOUT_S:
                     os.close(self.fd)
-                    raise BuildError(f"timed out after {LOCK_TIMEOUT_S} s waiting for another process's build "
-                                     f"({self.path})") from None
+                    raise BuildError(
+                        f"timed out after {LOCK_TIMEOUT_S} s waiting for another process's build ({self.path})"
+                    ) from None
                 time.sleep(0.2)
 
     def __exit__(self, *exc):
@@ -209,13 +287,23 @@ def _remove_stale(d: str) -> None:
 
 
 def _object(unit: str) -> str:
-    return unit[:-len(".cpp")] + ".o"
+    return unit[: -len(".cpp")] + ".o"
 
 
 def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[str, ...], env: dict) -> list[str]:
-    procs = [subprocess.Popen([cxx, *flags, "-c", unit, "-o", _object(unit)],
-                              cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for unit in parts]
+    """Compile the units ``parts`` in ``work``, all at once (the OS shares the cores; the wall time is about
+    max(total CPU / cores, largest unit)) -> the compiler's error output of each unit that failed."""
+    procs = [
+        subprocess.Popen(
+            [cxx, *flags, *UNIT_FLAGS.get(unit, ()), "-c", unit, "-o", _object(unit)],
+            cwd=work,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for unit in parts
+    ]
     errs = []
     for pr in procs:
         try:
@@ -254,9 +342,10 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, 
         shutil.rmtree(work, ignore_errors=True)
 
 
-# compiler CPU seconds of each library and of its largest unit (g++ 12 -O3, AMD EPYC Zen 3; BENCHMARKS.md,
-# "First-use compile of the CPU kernels")
-_COMPILE_CPU_S = {"core": (28.0, 8.0), "blocksparse": (44.0, 15.0)}
+# compiler CPU seconds of each library and of its largest unit, for the message's estimate: g++ 12.2
+# -march=native on an AVX-512 AMD EPYC with 2 vCPUs shared with other jobs, each unit compiled alone (the
+# larger side: a quiet AVX2 Zen 3 took about 0.7x as much, BENCHMARKS.md "First-use compile of the CPU kernels")
+_COMPILE_CPU_S = {"core": (40.0, 12.0), "blocksparse": (60.0, 20.0)}
 
 
 def _estimate_seconds(library: str) -> int:
@@ -291,8 +380,15 @@ def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bo
     return path, secs, cached, cxx
 
 
-def build_in_cache(library: str, target: str, cxx: str, sources: dict[str, str] | None = None,
-                   d: str | None = None, *, quiet: bool = True) -> tuple[str, float, bool]:
+def build_in_cache(
+    library: str,
+    target: str,
+    cxx: str,
+    sources: dict[str, str] | None = None,
+    d: str | None = None,
+    *,
+    quiet: bool = True,
+) -> tuple[str, float, bool]:
     """Compile ``library`` for ``-march=target`` with ``cxx`` into the cache directory ``d`` (default: the
     private cache), or find it there -> (path, compile wall seconds, was cached).
 
@@ -316,8 +412,12 @@ def build_in_cache(library: str, target: str, cxx: str, sources: dict[str, str] 
         _remove_stale(d)
         if not quiet:
             what = "" if library == "core" else "the block-sparse ones, for multiscale; "
-            print(f"flashot: compiling the CPU kernels once for this machine ({what}-march={target}, about "
-                  f"{_estimate_seconds(library)} s) into {d}", file=sys.stderr, flush=True)
+            print(
+                f"flashot: compiling the CPU kernels once for this machine ({what}-march={target}, about "
+                f"{_estimate_seconds(library)} s) into {d}",
+                file=sys.stderr,
+                flush=True,
+            )
         t0 = time.perf_counter()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         _compile(cxx, sources, target, path, d, parts)
@@ -354,7 +454,7 @@ def source_key(sources: dict[str, str], target: str) -> str:
 
     The key of a prebuilt library (:mod:`.prebuilt`): unlike the cache key, no CPU and no compiler,
     since the target names the instruction set and the wheel was compiled elsewhere."""
-    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), repr(LIBRARIES))
+    return _hash(*(sources[k] for k in SOURCES), " ".join(cxxflags(target)), repr(LIBRARIES), repr(UNIT_FLAGS))
 
 
 def _explicit_target() -> str | None:
@@ -365,8 +465,9 @@ def _explicit_target() -> str | None:
 def prebuilt_status() -> dict:
     """What the installed package's prebuilt kernels offer this CPU (:func:`.prebuilt.status`)."""
     try:  # the sources are read only where a manifest names a variant for this CPU
-        return prebuilt.status(lambda v: source_key(_read_sources(), v), _cpu_flags(), platform.machine(),
-                               _explicit_target())
+        return prebuilt.status(
+            lambda v: source_key(_read_sources(), v), _cpu_flags(), platform.machine(), _explicit_target()
+        )
     except prebuilt.PrebuiltError as e:
         raise BuildError(str(e)) from e
 
@@ -379,8 +480,9 @@ def _prebuilt(library: str) -> tuple[str, dict] | None:
     if target is not None:
         _check_cpu_runs(target)
     try:
-        return prebuilt.find(library, lambda v: source_key(_read_sources(), v), _cpu_flags(), platform.machine(),
-                             target)
+        return prebuilt.find(
+            library, lambda v: source_key(_read_sources(), v), _cpu_flags(), platform.machine(), target
+        )
     except prebuilt.PrebuiltError as e:
         raise BuildError(str(e)) from e
 

@@ -1,5 +1,6 @@
 // flashot CPU kernels, core library: the ABI's version and layout, the build's facts (vector width,
-// instruction set), the floating-point environment probes and the raw exp2 throughput helper.
+// instruction set) and the floating-point environment probes.  No kernel lives here: build.py compiles this
+// unit at a lower optimisation level (UNIT_FLAGS) and links it last.
 #include "abi.h"
 #include "fpenv.h"
 #include "parallel.h"
@@ -77,32 +78,4 @@ int flashot_isa() {
   m |= 64;
   return m;
 }
-
-// Raw vectorised exp2 throughput helper (benchmarks): out[i] = 2^a[i].
-int flashot_vexp_f32(const float* a, float* out, int64_t n, int nth) {
-  typedef VT<float>::v v;
-  constexpr int L = VT<float>::L;
-  Tasks tasks(n / L, std::max<int64_t>(1, (n / L) / (8 * (int64_t)nth)));
-  run_team(nth, [&](int tid) {
-    FpScope fp(tid);
-    for (int64_t b_, e_; tasks.next(b_, e_);)
-      for (int64_t i = b_; i < e_; ++i) vstore(out + i * L, vexp2(vload<v>(a + i * L)));
-  });
-  for (int64_t i = (n / L) * L; i < n; ++i) out[i] = std::exp2(a[i]);
-  return 0;
-}
-
-int flashot_vexp_f64(const double* a, double* out, int64_t n, int nth) {
-  typedef VT<double>::v v;
-  constexpr int L = VT<double>::L;
-  Tasks tasks(n / L, std::max<int64_t>(1, (n / L) / (8 * (int64_t)nth)));
-  run_team(nth, [&](int tid) {
-    FpScope fp(tid);
-    for (int64_t b_, e_; tasks.next(b_, e_);)
-      for (int64_t i = b_; i < e_; ++i) vstore(out + i * L, vexp2(vload<v>(a + i * L)));
-  });
-  for (int64_t i = (n / L) * L; i < n; ++i) out[i] = std::exp2(a[i]);
-  return 0;
-}
-
 }  // extern "C"
