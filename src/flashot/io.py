@@ -554,8 +554,10 @@ def _ply_check_line(path: str, no: int, name: str, props: list, tok: list[str]) 
 
 
 def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message, without object addresses (``<ast.Compare object at
+    0x7f...>`` from numpy's header parser): the same bad file gives the same message on every run."""
     s = str(e).strip().splitlines()
-    return s[0][:200] if s else type(e).__name__
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", s[0])[:200] if s else type(e).__name__
 
 
 def _column(path: str, spec: str, names: list[str] | None, ncol: int) -> int:

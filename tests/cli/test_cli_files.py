@@ -628,3 +628,18 @@ def test_no_traceback_in_a_real_process(tmp_path):
         )
         assert r.returncode == 1 and r.stdout == ""
         assert r.stderr.count("\n") == 1 and frag in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_damaged_npy_header_gives_the_same_message_every_time(tmp_path):
+    """numpy's header parser names an AST node with its address; the error keeps the message, not the address
+    (found by tests/cli/test_cli_fuzz.py::test_npy_reader, which compares two reads of one file)."""
+    header = b"{'descr': '<f8', 'fortran_order': False, 'shape': (1, 1), }<0"
+    blob = b"\x93NUMPY\x01\x00v\x00" + header + b" " * (118 - len(header) - 1) + b"\n" + bytes(8)
+    path = tmp_path / "p.npy"
+    path.write_bytes(blob)
+    messages = set()
+    for _ in range(3):
+        with pytest.raises(fio.InputError, match="not a valid .npy file") as e:
+            fio.read_points(str(path))
+        messages.add(str(e.value))
+    assert len(messages) == 1 and " at 0x" not in messages.pop()
