@@ -204,17 +204,7 @@ def solve_sample(
         return ragged_solve_sample(**locals())
     with rank_checks(group):  # local checks only: with a group, a rank's rejection raises on every rank
         a, b = (None if pot_uniform(w) else w for w in (a, b))
-        if metric is not None:
-            if not isinstance(metric, str):
-                hint = (
-                    f"; POT's order is (X_a, X_b, a, b, metric, reg): did you mean reg={metric!r}?"
-                    if isinstance(metric, (int, float)) and not isinstance(metric, bool)
-                    else ""
-                )
-                raise TypeError(f"metric: expected a cost name (string), got {type(metric).__name__}{hint}")
-            if cost != "sqeuclidean" and metric != cost:
-                raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
-            cost = metric
+        cost = _metric_cost(metric, cost)
         _check_positional_scalars(a, b, reg)
         if group is not None or shard != "replicated":
             from .distributed import check_shard
@@ -240,14 +230,7 @@ def solve_sample(
             eps_scaling=eps_scaling,
             exact_hint="POT's ot.solve_sample",
         )
-        is_np = isinstance(X_a, np.ndarray)
-        if is_np != isinstance(X_b, np.ndarray):
-            raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
-        X_a, X_b = to_tensor("X_a", X_a), to_tensor("X_b", X_b)
-        if a is not None:
-            a = to_tensor("a", a, like=X_a)
-        if b is not None:
-            b = to_tensor("b", b, like=X_b)
+        is_np, X_a, X_b, a, b = _as_tensors(X_a, X_b, a, b)
         if labels is not None or getattr(cost, "labelled", False):
             X_a, X_b = _label_points(X_a, X_b, cost, labels, backend, group)
         if shard == "points" and backend == "multiscale":
@@ -284,6 +267,35 @@ def solve_sample(
 
         opts = distribute_solve(m, opts, group, potentials_init)
     return solve_measures(m, opts, potentials_init, numpy=is_np)
+
+
+def _metric_cost(metric, cost):
+    """POT's ``metric`` name, checked against ``cost`` (one of them names the cost): the cost to use."""
+    if metric is not None:
+        if not isinstance(metric, str):
+            hint = (
+                f"; POT's order is (X_a, X_b, a, b, metric, reg): did you mean reg={metric!r}?"
+                if isinstance(metric, (int, float)) and not isinstance(metric, bool)
+                else ""
+            )
+            raise TypeError(f"metric: expected a cost name (string), got {type(metric).__name__}{hint}")
+        if cost != "sqeuclidean" and metric != cost:
+            raise ValueError(f"cost={cost!r} and metric={metric!r} disagree; give one of them")
+        cost = metric
+    return cost
+
+
+def _as_tensors(X_a, X_b, a, b):
+    """``(numpy?, X_a, X_b, a, b)``: the clouds and weights as tensors (both clouds of one kind)."""
+    is_np = isinstance(X_a, np.ndarray)
+    if is_np != isinstance(X_b, np.ndarray):
+        raise TypeError("X_a and X_b: give both as torch tensors or both as numpy arrays")
+    X_a, X_b = to_tensor("X_a", X_a), to_tensor("X_b", X_b)
+    if a is not None:
+        a = to_tensor("a", a, like=X_a)
+    if b is not None:
+        b = to_tensor("b", b, like=X_b)
+    return is_np, X_a, X_b, a, b
 
 
 def rank_checks(group):

@@ -159,6 +159,67 @@ def _warn_unequal_masses(m: Measures) -> None:
         )
 
 
+def _check_loss_and_p(loss: str, p: int) -> int:
+    """``loss`` one of :data:`LOSSES`, ``p`` 1 or 2 (returned as an int)."""
+    if not isinstance(loss, str):
+        raise TypeError(f"loss: expected a string ('sinkhorn'), got {type(loss).__name__}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {LOSSES}, got {loss!r}")
+    if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"p: expected the integer 1 or 2, got {type(p).__name__}")
+    if p not in (1, 2):
+        raise ValueError(f"p: expected 1 or 2, got {p!r}")
+    return int(p)
+
+
+def _check_multiscale(backend, loss, cost, implicit, warm_start, debias, cluster_scale, rho_x, rho_y) -> None:
+    """The options ``backend="multiscale"`` runs with (and ``cluster_scale`` only with it)."""
+    multiscale = backend == "multiscale"
+    if cluster_scale is not None and not multiscale:
+        raise ValueError("cluster_scale: used by backend='multiscale' only (GeomLoss' clustering scale)")
+    if multiscale and (
+        loss != "sinkhorn"
+        or cost is not None
+        or implicit is not None
+        or (warm_start is not False and warm_start is not None)
+    ):
+        raise NotImplementedError(
+            "backend='multiscale' runs loss='sinkhorn' with the built-in costs (p=1 or 2), "
+            "without implicit= or warm_start=; use backend='auto' for the others"
+        )
+    if multiscale and debias and rho_x != rho_y:
+        raise NotImplementedError(
+            "backend='multiscale': debiasing with reach_x != reach_y (two-sided self "
+            "problems) is not implemented; use backend='auto', or reach= for both sides"
+        )
+
+
+def _check_scaling(scaling: float) -> None:
+    """GeomLoss' eps-scaling ratio: a number in (0, 1)."""
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scaling: expected a number in (0, 1), got {type(scaling).__name__}")
+    if not 0 < scaling < 1:
+        raise ValueError(f"scaling: expected a number in (0, 1), got {scaling!r}")
+
+
+def _check_group(group, shard: str, loss: str, cost, multiscale: bool) -> None:
+    """The options of a distributed loss (``group`` / ``shard``)."""
+    if multiscale and shard == "points":
+        raise NotImplementedError(
+            "backend='multiscale' with shard='points': the clustering needs the whole clouds "
+            "on every rank; use shard='replicated' (the default: every rank passes all the "
+            "points)"
+        )
+    if group is not None and (loss != "sinkhorn" or cost is not None):
+        raise NotImplementedError(
+            "group: distributed solves support loss='sinkhorn' with the built-in costs "
+            "(p=1 or 2), not cost functions or kernel norms"
+        )
+    from .distributed import check_shard
+
+    check_shard(shard, group)
+
+
 class SamplesLoss(torch.nn.Module):
     """Sinkhorn divergence between sampled measures (GeomLoss' arguments and defaults).
 
@@ -296,15 +357,7 @@ class SamplesLoss(torch.nn.Module):
         self.label_cost, cost = (cost, None) if getattr(cost, "labelled", False) else (None, cost)
         if self.label_cost is not None:
             _check_label_cost(loss, debias, backend, group, self.label_cost)
-        if not isinstance(loss, str):
-            raise TypeError(f"loss: expected a string ('sinkhorn'), got {type(loss).__name__}")
-        if loss not in LOSSES:
-            raise ValueError(f"loss: expected one of {LOSSES}, got {loss!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
-            raise TypeError(f"p: expected the integer 1 or 2, got {type(p).__name__}")
-        if p not in (1, 2):
-            raise ValueError(f"p: expected 1 or 2, got {p!r}")
-        p = int(p)
+        p = _check_loss_and_p(loss, p)
         for name, v in (("reach", reach), ("reach_x", reach_x), ("reach_y", reach_y)):
             if (
                 isinstance(v, (int, float, np.integer, np.floating))
@@ -317,33 +370,15 @@ class SamplesLoss(torch.nn.Module):
         if loss == "hausdorff" and (reach is not None or reach_x is not None or reach_y is not None):
             raise NotImplementedError("reach: loss='hausdorff' is implemented for reach=None only")
         multiscale = backend == "multiscale"
-        if cluster_scale is not None and not multiscale:
-            raise ValueError("cluster_scale: used by backend='multiscale' only (GeomLoss' clustering scale)")
-        if multiscale and (
-            loss != "sinkhorn"
-            or cost is not None
-            or implicit is not None
-            or (warm_start is not False and warm_start is not None)
-        ):
-            raise NotImplementedError(
-                "backend='multiscale' runs loss='sinkhorn' with the built-in costs (p=1 or 2), "
-                "without implicit= or warm_start=; use backend='auto' for the others"
-            )
-        if multiscale and debias and self.rho_x != self.rho_y:
-            raise NotImplementedError(
-                "backend='multiscale': debiasing with reach_x != reach_y (two-sided self "
-                "problems) is not implemented; use backend='auto', or reach= for both sides"
-            )
+        if multiscale or cluster_scale is not None:
+            _check_multiscale(backend, loss, cost, implicit, warm_start, debias, cluster_scale, self.rho_x, self.rho_y)
         self.cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
         self.blur = check_positive("blur", blur)
         check_power("blur", self.blur, p)  # eps = blur^p: neither 0 nor inf in float64
         if diameter is not None:
             diameter = check_positive("diameter", diameter)
             check_power("diameter", diameter, p)
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float, np.integer, np.floating)):
-            raise TypeError(f"scaling: expected a number in (0, 1), got {type(scaling).__name__}")
-        if not 0 < scaling < 1:
-            raise ValueError(f"scaling: expected a number in (0, 1), got {scaling!r}")
+        _check_scaling(scaling)
         truncate = check_positive("truncate", truncate, allow_none=True)  # multiscale pruning margin (x eps)
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
@@ -361,21 +396,8 @@ class SamplesLoss(torch.nn.Module):
                 "implicit= and warm_start= support balanced OT only; use reach=None (reach_x/reach_y=None) "
                 "or drop implicit/warm_start"
             )
-        if multiscale and shard == "points":
-            raise NotImplementedError(
-                "backend='multiscale' with shard='points': the clustering needs the whole clouds "
-                "on every rank; use shard='replicated' (the default: every rank passes all the "
-                "points)"
-            )
-        if group is not None and (loss != "sinkhorn" or cost is not None):
-            raise NotImplementedError(
-                "group: distributed solves support loss='sinkhorn' with the built-in costs "
-                "(p=1 or 2), not cost functions or kernel norms"
-            )
         if group is not None or shard != "replicated":
-            from .distributed import check_shard
-
-            check_shard(shard, group)
+            _check_group(group, shard, loss, cost, multiscale)
         self.group, self.shard = group, shard
         self.tol = check_positive("tol", tol, allow_none=True)
         self.max_iter = check_int("max_iter", max_iter, minimum=1)
