@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
-from .implicit import sinkhorn_value, with_hot_value
 from .measures import Measures
 from .plan import LazyPlan
 from .solver import SinkhornState, final_step
 from .unbalanced import dual_value, primal_value, warn_on_second_order
+from .values import sinkhorn_value, with_hot_value
 
 if TYPE_CHECKING:  # annotations only
     import numpy as np
@@ -92,7 +92,7 @@ class OTResult:
 
         Differentiable like ``value`` (torch inputs that
         require grad, ``grad`` not ``"detach"``): implicit differentiation through the fixed point
-        (:func:`flashot.implicit.linear_value`, the ``implicit=`` settings); balanced problems only, an
+        (:func:`flashot.values.linear_value`, the ``implicit=`` settings); balanced problems only, an
         unbalanced one's backward raises ``NotImplementedError``.
 
         Example:
@@ -104,7 +104,7 @@ class OTResult:
             >>> bool(torch.allclose(res.value_linear, (torch.cdist(x, y) ** 2 * P).sum()))
             True
         """
-        from .implicit import linear_value
+        from .values import linear_value
 
         p = self.plan
         if isinstance(self.value, Tensor) and self.value.requires_grad:

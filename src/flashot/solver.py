@@ -533,7 +533,7 @@ class Barycentres:
     """Soft-argmin barycentres of the final step's softmins, ``b_i = sum_j w_ij z_j`` (B, N, D) with each
     softmin's row-normalised weights ``w`` (None: not computed): ``xy`` for ``f`` (``z = y``), ``yx`` for
     ``g``, ``xx`` for ``f_aa``, ``yy`` for ``g_bb``.  With them the envelope gradient of a dot-product cost
-    ``s |x - y|^2`` is ``2 s a_i (x_i - b_i)``: no plan-product pass (:class:`~flashot.implicit.OTValueFn`)."""
+    ``s |x - y|^2`` is ``2 s a_i (x_i - b_i)``: no plan-product pass (:class:`~flashot.values.OTValueFn`)."""
 
     xy: Tensor | None = None
     yx: Tensor | None = None
@@ -544,7 +544,7 @@ class Barycentres:
 def final_values(
     m: Measures, st: SinkhornState
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Barycentres | None]:
-    """The balanced final step's values for :func:`flashot.implicit.sinkhorn_value` (which uses their values
+    """The balanced final step's values for :func:`flashot.values.sinkhorn_value` (which uses their values
     only) and, where the engine computes them in the same pass (the block-sparse engine's fused steps:
     ``softmin_pair_bary`` / ``softmin_sym_bary``) and a gradient w.r.t. the points is wanted, the
     :class:`Barycentres` of the sides that need them.  Otherwise :func:`final_step`'s values and None."""

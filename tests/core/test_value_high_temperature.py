@@ -7,7 +7,7 @@ In float64 a log-domain softmin ``-eps log sum_j b_j exp((g_j - C_ij) / eps)`` r
 
 Oracle: Sinkhorn in 80-digit arithmetic (mpmath) on the same float64 costs and weights, the
 weights normalised to mass 1 (masses within rounding of 1 are 1: see
-:func:`flashot.implicit.hot_value`), iterated until the potentials move by less than 1e-60, value
+:func:`flashot.values.hot_value`), iterated until the potentials move by less than 1e-60, value
 ``<a, f> + <b, g>``; and the limit ``<M, a b^T>`` at reg -> inf.  Tolerance 1e-12 relative to the
 cost scale (the stable value is accurate to a few rounding units of ``cmax``).
 """

@@ -1,4 +1,4 @@
-"""``OTResult.value_linear`` = <C, P> is differentiable (implicit differentiation, flashot.implicit.LinearValueFn).
+"""``OTResult.value_linear`` = <C, P> is differentiable (implicit differentiation, flashot.values.LinearValueFn).
 
 References: POT's ``ot.solve_sample`` / ``ot.solve`` with ``grad="autodiff"`` (backprop through its
 log-domain Sinkhorn iterations, run to convergence) on float64 torch tensors, and central finite

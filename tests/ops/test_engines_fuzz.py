@@ -1065,7 +1065,7 @@ def test_solve_matrix(p, form, backend, hot, log_reg, blocks):
     float64 reference (tolerances above)."""
     import tempfile
 
-    from flashot import implicit, matrix_cost
+    from flashot import matrix_cost, values
     from flashot.ops import tiled
 
     C, a, b, n, m = p["C"], p["a"], p["b"], p["n"], p["m"]
@@ -1081,7 +1081,7 @@ def test_solve_matrix(p, form, backend, hot, log_reg, blocks):
         _patched(
             (tiled, "COL_BLOCK", blocks[0]),
             (matrix_cost, "SCAN_ROWS", blocks[1]),
-            (implicit, "HOT_VALUE_BLOCK", blocks[2]),
+            (values, "HOT_VALUE_BLOCK", blocks[2]),
         ),
     ):
         M = _as_form(C, form, tmp)
@@ -1097,7 +1097,7 @@ def test_solve_matrix(p, form, backend, hot, log_reg, blocks):
         f_ref, g_ref, want = ref_matrix_sinkhorn(C, a64, b64, eps)
         Pref = (a64[:, None] * b64[None, :] * ((f_ref[:, None] + g_ref[None, :] - C) / eps).exp()).numpy()
         assert np.abs(P - Pref).max() <= 1e-7 * Pref.max(), np.abs(P - Pref).max() / Pref.max()
-    # flashot's value below 100 cmax (implicit.HOT_VALUE_RATIO) and the ordinary reference: ~ eps 2^-53 each
+    # flashot's value below 100 cmax (values.HOT_VALUE_RATIO) and the ordinary reference: ~ eps 2^-53 each
     tol = 1e-11 * spread + 1e-13 * (min(eps, 100 * cmax) if hot else eps) + 1e-14 * cmax
     target(abs(value - want) / tol, label="solve(M) value err/tol")
     assert abs(value - want) <= tol, (value, want, tol)

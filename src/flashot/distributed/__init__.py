@@ -73,7 +73,7 @@ GeomLoss' updates) is ONE ring pass: each y block travels with its partial colum
 rank updates with its rows, and comes home complete after W hops (``M (D + 2)`` numbers received).  The potentials stay sliced: the solver's error,
 rounding floor, finiteness check and masses are all-reduced (:meth:`PointsMeasures.reduce`), so every
 rank takes the same stopping decision.  Balanced values are the ranks' partial sums ``<a_r, f_r> + <b_r,
-g_r>`` all-reduced (:func:`flashot.implicit.sinkhorn_value`), unbalanced ones are computed from
+g_r>`` all-reduced (:func:`flashot.values.sinkhorn_value`), unbalanced ones are computed from
 all-gathered ``O(N + M)`` vectors (:meth:`PointsMeasures.full`, differentiable: each rank's backward gets
 its own slice); the same on every rank.  Potentials, marginals, ``plan @ V`` and the gradients w.r.t.
 points and weights are this rank's slices (the single-process results' slices up to float

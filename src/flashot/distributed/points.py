@@ -22,7 +22,7 @@ from .ring import RingEngine
 class _GatherFn(torch.autograd.Function):
     """All-gather of per-rank (B, n_r) slices into whole vectors; backward: this rank's slice of the
     gradient (every rank computes the same function of the gathered vectors).  The unbalanced
-    points-sharded values go through it (the balanced ones through :func:`flashot.implicit.sinkhorn_value`),
+    points-sharded values go through it (the balanced ones through :func:`flashot.values.sinkhorn_value`),
     so its backward refuses ``create_graph=True``: those values have first derivatives only (the final
     step's envelope gradients)."""
 

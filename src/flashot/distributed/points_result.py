@@ -128,7 +128,7 @@ class PointsPlan(LazyPlan):
 
 class PointsOTResult(OTResult):
     """:class:`~flashot.OTResult` of a points-sharded solve: ``value_linear`` is ``<C, P>`` summed over all
-    ranks; its gradient (:class:`flashot.implicit.LinearValueFn`: ring plan products, the conjugate
+    ranks; its gradient (:class:`flashot.values.LinearValueFn`: ring plan products, the conjugate
     gradients' inner products all-reduced) gives each rank the gradients w.r.t. its own points and
     weights.  Both are collectives: call them on every rank."""
 
