@@ -5,7 +5,7 @@ over couplings of ``a`` and ``b``, with ``C(x, y) = |x - y|^2`` by default and
 ``reg`` :math:`= \varepsilon`.  The value is POT's (balanced problems); at convergence it
 equals :math:`\langle f, a\rangle + \langle g, b\rangle`, computed in increment form above
 ``100 x`` the largest cost, where log-domain potentials round to ``~ eps 2^-53``
-(:func:`flashot.implicit.hot_value`: accurate at any ``reg``, tending to
+(:func:`flashot.values.hot_value`: accurate at any ``reg``, tending to
 :math:`\langle C, a b^\top\rangle`).  With ``unbalanced=`` the marginal constraints become KL
 penalties (:mod:`flashot.unbalanced`), on one side only for ``unbalanced=(rho, None)``, and the
 value is the objective with generalised KL terms at the returned plan (POT 0.9 drops the KL

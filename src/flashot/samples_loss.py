@@ -19,8 +19,17 @@ from torch import Tensor
 
 from . import multiscale as ms
 from ._checks import check_bool, check_eps_scale, check_int, check_positive, check_power
-from .implicit import check_implicit, sinkhorn_value
+from .implicit import check_implicit
 from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_loss
+from .loss_options import (
+    check_custom,
+    check_group,
+    check_label_cost,
+    check_labels,
+    check_loss_and_p,
+    check_multiscale,
+    check_scaling,
+)
 from .matrix_cost import function_measures
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
 from .ot_samples import rank_checks
@@ -35,9 +44,9 @@ from .unbalanced import (
     self_terms_final,
     warn_on_second_order,
 )
+from .values import sinkhorn_value
 from .warmstart import check_warm_start, warm_loop
 
-LOSSES = ("sinkhorn", "hausdorff", *KERNELS)
 AUTO_MULTISCALE_PAIRS = 10_000**2  # GeomLoss' threshold; multiscale is faster from here (BENCHMARKS.md)
 
 
@@ -90,60 +99,6 @@ _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto", "
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
 
 
-_FUNCTION_BACKENDS = ("auto", "tensorized", "dense", "tiled")
-
-
-def _check_custom(loss: str, cost, kernel, backend, implicit, warm_start) -> None:
-    """GeomLoss' ``cost`` / ``kernel`` functions (tensorized backend); KeOps formula strings are refused."""
-    for name, v, losses in (("cost", cost, ("sinkhorn", "hausdorff")), ("kernel", kernel, KERNELS)):
-        if v is None:
-            continue
-        if isinstance(v, str):
-            raise NotImplementedError(
-                f"{name}: KeOps formula strings are not supported (they belong to GeomLoss' "
-                f"online backend); pass a python function {name}(x, y) -> (B, N, M) tensor"
-            )
-        if not callable(v):
-            hint = "; for a precomputed cost matrix use flashot.solve(M, a, b, reg=...)" if hasattr(v, "shape") else ""
-            raise TypeError(f"{name}: expected a function (x, y) -> (B, N, M) tensor, got {type(v).__name__}{hint}")
-        if loss not in losses:
-            raise ValueError(f"{name}: applies to loss in {losses}, not loss={loss!r}")
-        if backend not in _FUNCTION_BACKENDS:
-            raise ValueError(
-                f"{name}: a {name} function materialises its matrices (GeomLoss' 'tensorized' backend); "
-                f"use backend='auto' or 'tensorized', not {backend!r}"
-            )
-        if implicit is not None or (warm_start is not False and warm_start is not None):
-            raise NotImplementedError(f"implicit= and warm_start= are not implemented with a {name} function")
-
-
-def _check_labels(name: str, lab, x: Tensor) -> Tensor:
-    """Cluster labels of the six-argument call: an integer tensor with one label per point."""
-    if not isinstance(lab, Tensor) or lab.is_floating_point() or lab.is_complex() or lab.dtype == torch.bool:
-        raise TypeError(
-            f"{name}: expected an integer tensor of cluster labels, got "
-            f"{type(lab).__name__ if not isinstance(lab, Tensor) else lab.dtype}"
-        )
-    if tuple(lab.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"{name}: expected shape {tuple(x.shape[:-1])} (one label per point), got {tuple(lab.shape)}")
-    return lab
-
-
-def _check_label_cost(loss: str, debias, backend, group, cost) -> None:
-    """A :class:`~flashot.LabelCost` as ``cost``: ``loss="sinkhorn"`` on one process, single-scale; debiasing needs
-    a square, symmetric ``W`` (the self problems' class costs)."""
-    if loss != "sinkhorn" or backend == "multiscale" or group is not None:
-        raise NotImplementedError(
-            "cost=LabelCost(...) runs loss='sinkhorn' on one process, single-scale (not backend='multiscale' or group)"
-        )
-    if debias is True and not cost.symmetric:
-        what = "not symmetric" if cost.W.shape[0] == cost.W.shape[1] else f"of shape {tuple(cost.W.shape)}"
-        raise ValueError(
-            f"cost=LabelCost(W) with debias=True: the self problems need a square, symmetric W (one "
-            f"label set), got W {what}; use debias=False"
-        )
-
-
 def _warn_unequal_masses(m: Measures) -> None:
     """Balanced OT between measures of different total masses has no coupling: GeomLoss returns a
     number anyway (its symmetric iterations stop after a fixed schedule), and so do we, with a
@@ -157,67 +112,6 @@ def _warn_unequal_masses(m: Measures) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-def _check_loss_and_p(loss: str, p: int) -> int:
-    """``loss`` one of :data:`LOSSES`, ``p`` 1 or 2 (returned as an int)."""
-    if not isinstance(loss, str):
-        raise TypeError(f"loss: expected a string ('sinkhorn'), got {type(loss).__name__}")
-    if loss not in LOSSES:
-        raise ValueError(f"loss: expected one of {LOSSES}, got {loss!r}")
-    if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
-        raise TypeError(f"p: expected the integer 1 or 2, got {type(p).__name__}")
-    if p not in (1, 2):
-        raise ValueError(f"p: expected 1 or 2, got {p!r}")
-    return int(p)
-
-
-def _check_multiscale(backend, loss, cost, implicit, warm_start, debias, cluster_scale, rho_x, rho_y) -> None:
-    """The options ``backend="multiscale"`` runs with (and ``cluster_scale`` only with it)."""
-    multiscale = backend == "multiscale"
-    if cluster_scale is not None and not multiscale:
-        raise ValueError("cluster_scale: used by backend='multiscale' only (GeomLoss' clustering scale)")
-    if multiscale and (
-        loss != "sinkhorn"
-        or cost is not None
-        or implicit is not None
-        or (warm_start is not False and warm_start is not None)
-    ):
-        raise NotImplementedError(
-            "backend='multiscale' runs loss='sinkhorn' with the built-in costs (p=1 or 2), "
-            "without implicit= or warm_start=; use backend='auto' for the others"
-        )
-    if multiscale and debias and rho_x != rho_y:
-        raise NotImplementedError(
-            "backend='multiscale': debiasing with reach_x != reach_y (two-sided self "
-            "problems) is not implemented; use backend='auto', or reach= for both sides"
-        )
-
-
-def _check_scaling(scaling: float) -> None:
-    """GeomLoss' eps-scaling ratio: a number in (0, 1)."""
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scaling: expected a number in (0, 1), got {type(scaling).__name__}")
-    if not 0 < scaling < 1:
-        raise ValueError(f"scaling: expected a number in (0, 1), got {scaling!r}")
-
-
-def _check_group(group, shard: str, loss: str, cost, multiscale: bool) -> None:
-    """The options of a distributed loss (``group`` / ``shard``)."""
-    if multiscale and shard == "points":
-        raise NotImplementedError(
-            "backend='multiscale' with shard='points': the clustering needs the whole clouds "
-            "on every rank; use shard='replicated' (the default: every rank passes all the "
-            "points)"
-        )
-    if group is not None and (loss != "sinkhorn" or cost is not None):
-        raise NotImplementedError(
-            "group: distributed solves support loss='sinkhorn' with the built-in costs "
-            "(p=1 or 2), not cost functions or kernel norms"
-        )
-    from .distributed import check_shard
-
-    check_shard(shard, group)
 
 
 class SamplesLoss(torch.nn.Module):
@@ -356,8 +250,8 @@ class SamplesLoss(torch.nn.Module):
         super().__init__()
         self.label_cost, cost = (cost, None) if getattr(cost, "labelled", False) else (None, cost)
         if self.label_cost is not None:
-            _check_label_cost(loss, debias, backend, group, self.label_cost)
-        p = _check_loss_and_p(loss, p)
+            check_label_cost(loss, debias, backend, group, self.label_cost)
+        p = check_loss_and_p(loss, p)
         for name, v in (("reach", reach), ("reach_x", reach_x), ("reach_y", reach_y)):
             if (
                 isinstance(v, (int, float, np.integer, np.floating))
@@ -366,19 +260,19 @@ class SamplesLoss(torch.nn.Module):
             ):
                 check_power(name, v, p)  # rho = reach^p: neither 0 nor inf in float64
         self.rho_x, self.rho_y = parse_reach(reach, reach_x, reach_y, p)
-        _check_custom(loss, cost, kernel, backend, implicit, warm_start)
+        check_custom(loss, cost, kernel, backend, implicit, warm_start)
         if loss == "hausdorff" and (reach is not None or reach_x is not None or reach_y is not None):
             raise NotImplementedError("reach: loss='hausdorff' is implemented for reach=None only")
         multiscale = backend == "multiscale"
         if multiscale or cluster_scale is not None:
-            _check_multiscale(backend, loss, cost, implicit, warm_start, debias, cluster_scale, self.rho_x, self.rho_y)
+            check_multiscale(backend, loss, cost, implicit, warm_start, debias, cluster_scale, self.rho_x, self.rho_y)
         self.cluster_scale = check_positive("cluster_scale", cluster_scale, allow_none=True)
         self.blur = check_positive("blur", blur)
         check_power("blur", self.blur, p)  # eps = blur^p: neither 0 nor inf in float64
         if diameter is not None:
             diameter = check_positive("diameter", diameter)
             check_power("diameter", diameter, p)
-        _check_scaling(scaling)
+        check_scaling(scaling)
         truncate = check_positive("truncate", truncate, allow_none=True)  # multiscale pruning margin (x eps)
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a string, got {type(backend).__name__}")
@@ -397,7 +291,7 @@ class SamplesLoss(torch.nn.Module):
                 "or drop implicit/warm_start"
             )
         if group is not None or shard != "replicated":
-            _check_group(group, shard, loss, cost, multiscale)
+            check_group(group, shard, loss, cost, multiscale)
         self.group, self.shard = group, shard
         self.tol = check_positive("tol", tol, allow_none=True)
         self.max_iter = check_int("max_iter", max_iter, minimum=1)
@@ -439,7 +333,7 @@ class SamplesLoss(torch.nn.Module):
                     "cluster labels (six-argument call) belong to backend='multiscale'; call L(a, x, b, y)"
                 )
             lx, a, x, ly, b, y = args
-            self._labels = (_check_labels("labels_x", lx, x), _check_labels("labels_y", ly, y))
+            self._labels = (check_labels("labels_x", lx, x), check_labels("labels_y", ly, y))
             return a, x, b, y
         raise ValueError(f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments")
 
