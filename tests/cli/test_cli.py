@@ -87,7 +87,7 @@ def test_demo_default_png_path_and_no_png(tmp_path):
 
 def test_demo_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    assert flashot.cli._demo_png(str(tmp_path / "x.png"), "dense", 0) == 0
+    assert flashot.cli.demo_png(str(tmp_path / "x.png"), "dense", 0) == 0
     out = capsys.readouterr().out
     assert "matplotlib is not installed: pip install matplotlib" in out and not (tmp_path / "x.png").exists()
 
@@ -95,7 +95,7 @@ def test_demo_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_pat
 def test_demo_png_unwritable_is_one_line_error(capsys, tmp_path):
     if not _has_matplotlib():
         pytest.skip("matplotlib is not installed (it is in the test extra)")
-    assert flashot.cli._demo_png(str(tmp_path / "no" / "x.png"), "dense", 0) == 1
+    assert flashot.cli.demo_png(str(tmp_path / "no" / "x.png"), "dense", 0) == 1
     err = capsys.readouterr().err
     assert err.startswith("flashot demo: error: cannot write") and err.count("\n") == 1
 
