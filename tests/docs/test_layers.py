@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "flashot.acceleration": 1,
     "flashot.unbalanced": 1,
     "flashot.implicit": 1,
+    "flashot.values": 1,
     "flashot.plan": 1,
     "flashot.warmstart": 1,
     "flashot.results": 1,
@@ -54,6 +55,7 @@ LAYERS: dict[str, int] = {
     # barycenters, kernel losses) and the package namespace that re-exports them.
     "flashot": 3,
     "flashot.samples_loss": 3,
+    "flashot.loss_options": 3,
     "flashot.kernel_losses": 3,
     "flashot.ot_samples": 3,
     "flashot.ot_matrix": 3,
@@ -62,6 +64,7 @@ LAYERS: dict[str, int] = {
     "flashot.barycenter": 3,
     # 4 CLI: the command line, its file formats, demo data and the benchmark harness.
     "flashot.cli": 4,
+    "flashot.demo_picture": 4,
     "flashot.io": 4,
     "flashot.data": 4,
     "flashot.bench": 4,
