@@ -63,28 +63,8 @@ def test_wheel_in_a_fresh_venv_finds_its_kernels_and_runs(tmp_path, shared_build
     shutil.copy(lib, cache / os.path.basename(lib))
     os.chmod(cache / os.path.basename(lib), 0o700)
     whl = _build("wheel", str(tmp_path / "dist"))
+    py = _venv_with_wheel(tmp_path, whl)  # flashot only from the wheel
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    py = str(venv / "bin" / "python")
-    # (no PYTHONPATH: a source tree on it, with its *.egg-info, would look to pip like flashot installed)
-    r = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", whl],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    # torch and numpy from this environment (a path entry: its .pth files, e.g. an editable
-    # flashot, are not processed), flashot itself only from the wheel
-    site = subprocess.run(
-        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    with open(os.path.join(site, "_deps.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")
     code = textwrap.dedent("""
         import os, sys, torch, flashot
         assert flashot.__file__.startswith(sys.argv[1]), flashot.__file__
