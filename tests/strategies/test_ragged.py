@@ -299,3 +299,34 @@ def test_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tiled"])
+def test_each_problem_against_the_dense_oracle(backend):
+    """Independent of flashot's per-problem solvers: every problem's debiased divergence (|x - y|^2 / 2,
+    eps = blur^2) and solve_sample value (|x - y|^2, eps = reg) against the dense float64 oracle of
+    tests/references.py run to convergence, and the divergence's x-gradient against central finite
+    differences of that oracle."""
+    import references as ref
+
+    xs, ys = clouds(seed=3, n=[5, 9, 3], m=[7, 4, 6])
+    uniform = [torch.full((len(c),), 1.0 / len(c), dtype=F64) for c in xs + ys]
+    a_s, b_s = uniform[: len(xs)], uniform[len(xs) :]
+    blur, reg = 0.7, 0.3
+    S = flashot.SamplesLoss(blur=blur, tol=1e-12, max_iter=100_000, backend=backend)(xs, ys)
+    grads = torch.autograd.grad(S.sum(), xs)
+    S = S.detach()
+    res = flashot.solve_sample(
+        [x.detach() for x in xs], [y.detach() for y in ys], reg=reg, tol=1e-12, max_iter=100_000, backend=backend
+    )
+    g = torch.Generator().manual_seed(5)
+    for k, (x, y, a, b) in enumerate(zip(xs, ys, a_s, b_s)):
+        x, y = x.detach(), y.detach()
+        want = ref.divergence(x, y, a, b, blur**2)
+        assert abs(float(S[k]) - want) <= 1e-9 * abs(want), (k, float(S[k]), want)
+        want = ref.ot_value(x, y, a, b, reg, 2, half=False)
+        assert abs(float(res.value[k]) - want) <= 1e-9 * abs(want), (k, float(res.value[k]), want)
+        d = torch.randn(x.shape, generator=g, dtype=F64)
+        fd = ref.finite_difference(lambda t, y=y, a=a, b=b: ref.divergence(t, y, a, b, blur**2), x, d)
+        got = float((grads[k] * d).sum())
+        assert abs(got - fd) <= 1e-6 * max(1.0, abs(fd)), (k, got, fd)
