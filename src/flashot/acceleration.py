@@ -230,6 +230,13 @@ class Accelerator:
     over its entries of the potentials (points-sharded mode, :meth:`flashot.measures.Measures.reduce`):
     Anderson's Gram matrix ``dR^T dR`` and right-hand side ``dR^T r`` are sums over all the potentials,
     and a candidate is finite only if it is finite everywhere, so every process takes the same steps.
+
+    ``batch`` is the number of problems.  Where the iterates' rows are the problems (a (B, n) batch) the
+    methods take ``seg=None``; a ragged batch (:mod:`flashot.ragged`) is ONE (1, n) row holding every
+    problem's potentials end to end, and ``seg`` (n,) gives the problem of each entry: the errors, the
+    safeguards and the factors stay (B,) per problem, Anderson's Gram matrices and right-hand sides are
+    segment sums (one small system per problem), and :meth:`spread` gives each entry its problem's
+    factor.  Each problem thus takes the steps it would take alone (up to the order of the sums).
     """
 
     def __init__(
@@ -340,16 +347,44 @@ class Accelerator:
         self.prev_acc = ok & (w != 1.0)
         return torch.where(ok.unsqueeze(-1), self.w, torch.ones_like(self.w))
 
-    def _finite(self, t: Tensor) -> Tensor:
-        """(B,) mask: problems whose (B, n) ``t`` has no NaN / Inf on any process."""
-        bad = (~_finite_rows(t)).to(torch.float64)
+    @staticmethod
+    def spread(t: Tensor, seg: Tensor | None) -> Tensor:
+        """Per-problem values ``t`` (B,) or (B, 1) on the iterate's entries: (B, 1) (``seg`` None), else (1, n)
+        with each entry's problem's value."""
+        if seg is None:
+            return t if t.dim() == 2 else t.unsqueeze(-1)
+        return t.reshape(-1)[seg].unsqueeze(0)
+
+    def _finite(self, t: Tensor, seg: Tensor | None = None) -> Tensor:
+        """(B,) mask: problems whose entries of ``t`` hold no NaN / Inf on any process."""
+        if seg is None:
+            bad = (~_finite_rows(t)).to(torch.float64)
+        else:
+            per = (~torch.isfinite(t[0])).to(torch.float64)
+            bad = torch.zeros(self.prev_acc.shape[0], dtype=torch.float64, device=t.device).index_add_(0, seg, per)
         return self._reduce(bad, "max") == 0
 
-    def momentum_guard(self, cand: Tensor, plain: Tensor) -> Tensor:
-        """Replace non-finite rows of an over-relaxed candidate by the plain step."""
-        return torch.where(self._finite(cand).unsqueeze(-1), cand, plain)
+    def momentum_guard(self, cand: Tensor, plain: Tensor, seg: Tensor | None = None) -> Tensor:
+        """Replace the problems of an over-relaxed candidate that hold NaN / Inf by the plain step."""
+        return torch.where(self.spread(self._finite(cand, seg), seg), cand, plain)
 
-    def extrapolate(self, z: Tensor, tz: Tensor, err: Tensor, eps: float, weights: Tensor | None = None) -> Tensor:
+    def _gram(self, A: Tensor, C: Tensor, seg: Tensor | None) -> Tensor:
+        """``A^T C`` per problem, (B, p, q), for (B, n, p) and (B, n, q) (ragged: sums over each problem's
+        entries of the one (1, n) row, one segment sum per column of ``C``)."""
+        if seg is None:
+            return A.transpose(-1, -2) @ C
+        P = self.prev_acc.shape[0]
+        cols = [
+            torch.zeros(P, A.shape[-1], dtype=A.dtype, device=A.device).index_add_(0, seg, A[0] * C[0, :, j, None])
+            for j in range(C.shape[-1])
+        ]
+        return torch.stack(cols, -1)
+
+    def extrapolate(
+        self, z: Tensor, tz: Tensor, err: Tensor, eps: float, weights: Tensor | None = None, seg: Tensor | None = None
+    ) -> Tensor:
+        """Anderson's next iterate from the current one ``z`` and its plain image ``tz`` (see :class:`Anderson`),
+        each problem's history masked from its last restart; ``seg``: see the class."""
         assert isinstance(self.cfg, Anderson)
         ok, worse = self._accept(err, eps)
         if self.start is None or not self.X:
@@ -374,19 +409,23 @@ class Accelerator:
         # column i of the differences pairs the entries with global indices (j - 1, j)
         first = torch.arange(idx - k + 1, idx, device=z.device)  # (k-1,) index j - 1
         valid = (first.unsqueeze(0) >= self.start.unsqueeze(-1)).to(z.dtype)  # (B, k-1)
-        dR = (R[..., 1:] - R[..., :-1]) * valid.unsqueeze(1)
-        dT = (T[..., 1:] - T[..., :-1]) * valid.unsqueeze(1)
+        vmask = valid.unsqueeze(1) if seg is None else valid[seg].unsqueeze(0)  # on the entries
+        dR = (R[..., 1:] - R[..., :-1]) * vmask
+        dT = (T[..., 1:] - T[..., :-1]) * vmask
         r = R[..., -1:]
         if weights is not None:  # least squares in the norm the error uses: each potential by its weight
             sw = weights.sqrt().unsqueeze(-1)
             dR, r = dR * sw, r * sw
-        G = self._reduce(dR.transpose(-1, -2) @ dR)  # (B, k-1, k-1): inner products over all the potentials
+        G = self._reduce(self._gram(dR, dR, seg))  # (B, k-1, k-1): inner products over all the potentials
         scale = G.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(G.dtype).tiny)
         lam = (self.cfg.reg + 1e-14) * scale
         G = G + torch.diag_embed(lam.unsqueeze(-1) + (1.0 - valid))  # masked columns: gamma = 0
-        rhs = self._reduce(dR.transpose(-1, -2) @ r)
+        rhs = self._reduce(self._gram(dR, r, seg))
         gamma, _ = torch.linalg.solve_ex(G, rhs)  # (B, k-1, 1); never raises
-        cand = tz - (dT @ gamma)[..., 0]
-        good = ok & (valid.sum(-1) > 0) & self._finite(cand) & torch.isfinite(gamma).all(-1).all(-1)
+        if seg is None:
+            cand = tz - (dT @ gamma)[..., 0]
+        else:  # each entry mixed with its problem's coefficients
+            cand = tz - (dT[0] * gamma[seg, :, 0]).sum(-1).unsqueeze(0)
+        good = ok & (valid.sum(-1) > 0) & self._finite(cand, seg) & torch.isfinite(gamma).all(-1).all(-1)
         self.prev_acc = good
-        return torch.where(good.unsqueeze(-1), cand, tz)
+        return torch.where(self.spread(good, seg), cand, tz)

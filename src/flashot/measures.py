@@ -133,6 +133,16 @@ class Measures:
         sums each problem's segment, so that errors and masses stay per problem."""
         return t.sum(-1)
 
+    def per_problem_max(self, t: Tensor, side: str) -> Tensor:
+        """(B,) maxima of the per-point values ``t`` over each problem's points (as :meth:`per_problem_sum`)."""
+        return t.amax(-1)
+
+    def problem_ids(self, side: str) -> Tensor | None:
+        """None: the rows of the batch are its problems.  A ragged batch (one concatenated problem) gives the
+        (N,) problem of each point of ``side``, so that the acceleration's coefficients stay per problem
+        (:class:`~flashot.acceleration.Accelerator`)."""
+        return None
+
     def full(self, sides: str, *ts: Tensor | None) -> tuple:
         """The whole (B, N) / (B, M) vectors of ``ts`` (``sides[k]`` = ``"x"`` or ``"y"``: the cloud of
         ``ts[k]``); ``ts`` itself on one process (differentiable all-gather in points-sharded mode)."""

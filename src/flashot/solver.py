@@ -118,7 +118,7 @@ def _error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str, bal
     NaN / Inf potentials read as an infinite error."""
     if balanced:
         return _marginal_error(m, f_old, f_new, eps, side)
-    return m.reduce(_nan_as_inf((f_new - f_old).abs().amax(-1) / eps), "max")
+    return m.reduce(m.per_problem_max(_nan_as_inf((f_new - f_old).abs() / eps), side), "max")
 
 
 def _max_error(m: Measures, err: Tensor, balanced: bool, eps: float, *updates: tuple) -> Tensor:
@@ -227,6 +227,8 @@ class _Setup:
     anderson: bool
     wz: Tensor | None  # Anderson's weights of (f, g) (symmetric updates) and of g (alternating ones)
     wb: Tensor | None
+    # a ragged batch: the problem of each entry of f, g and (f, g) (None: the rows are the problems)
+    seg: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
 
 
 def _setup(
@@ -239,13 +241,16 @@ def _setup(
     acceleration,
 ) -> _Setup:
     a_log = m.a_log
-    acc = (
-        None if acceleration is None else Accelerator(acceleration, a_log.shape[0], a_log.device, a_log.dtype, m.reduce)
-    )
-    wz = wb = None
-    if acc is not None:  # Anderson's least squares weigh each potential by its point's weight (the error's norm)
+    acc = wz = wb = None
+    seg: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
+    if acceleration is not None:
+        n_problems = m.per_problem_sum(m.a.detach(), "x").shape[0]  # a ragged batch: its problems, not its rows
+        acc = Accelerator(acceleration, n_problems, a_log.device, a_log.dtype, m.reduce)
+        # Anderson's least squares weigh each potential by its point's weight (the error's norm)
         wb = m.b.detach().to(a_log.dtype)
         wz = torch.cat([m.a.detach().to(a_log.dtype), wb], -1)
+        sx, sy = m.problem_ids("x"), m.problem_ids("y")
+        seg = (sx, sy, None if sx is None or sy is None else torch.cat([sx, sy]))
     return _Setup(
         m,
         eps_list,
@@ -260,6 +265,7 @@ def _setup(
         isinstance(acceleration, Anderson),
         wz,
         wb,
+        seg,
     )
 
 
@@ -339,11 +345,12 @@ def _symmetric_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: bool)
     assert err_t is not None  # an accelerated loop reads the error at every step
     if s.momentum:
         w = acc.omega(err_t, eps, _left_at(s.eps_list, it))
-        z.f = acc.momentum_guard(z.f + w * (fp - z.f), fp)
-        z.g = acc.momentum_guard(z.g + w * (gp - z.g), gp)
+        seg_x, seg_y, _ = s.seg
+        z.f = acc.momentum_guard(z.f + acc.spread(w, seg_x) * (fp - z.f), fp, seg_x)
+        z.g = acc.momentum_guard(z.g + acc.spread(w, seg_y) * (gp - z.g), gp, seg_y)
     else:
         n = z.f.shape[-1]
-        zz = acc.extrapolate(torch.cat([z.f, z.g], -1), torch.cat([fp, gp], -1), err_t, eps, s.wz)
+        zz = acc.extrapolate(torch.cat([z.f, z.g], -1), torch.cat([fp, gp], -1), err_t, eps, s.wz, s.seg[2])
         z.f, z.g = zz[..., :n], zz[..., n:]
     return err_t
 
@@ -368,7 +375,7 @@ def _alternating_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: boo
         # the safeguard compares the row errors of (f, g) before each relaxed step
         # (at it == 1 the initial f is not a potential yet: plain step)
         w = acc.omega(err_x, eps, _left_at(s.eps_list, it))
-        fn = acc.momentum_guard(f + w * (fs - f), fs)
+        fn = acc.momentum_guard(f + acc.spread(w, s.seg[0]) * (fs - f), fs, s.seg[0])
         gs = ly * m.softmin_y(m.h_a(fn, eps), eps)
     else:
         fn = fs
@@ -381,10 +388,10 @@ def _alternating_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: boo
         err_t = err_y if it == 1 or s.anderson else torch.maximum(err_x, err_y)
     if relaxed:
         assert acc is not None
-        gn = acc.momentum_guard(g + w * (gs - g), gs)
+        gn = acc.momentum_guard(g + acc.spread(w, s.seg[1]) * (gs - g), gs, s.seg[1])
     elif s.anderson:
         assert acc is not None
-        gn = acc.extrapolate(g, gs, err_y, eps, s.wb)
+        gn = acc.extrapolate(g, gs, err_y, eps, s.wb, s.seg[1])
         z.g_plain = gs  # returned instead of gn: (fs, gs) is a plain, consistent pair
     else:
         gn = gs

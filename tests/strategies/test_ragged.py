@@ -330,3 +330,70 @@ def test_each_problem_against_the_dense_oracle(backend):
         fd = ref.finite_difference(lambda t, y=y, a=a, b=b: ref.divergence(t, y, a, b, blur**2), x, d)
         got = float((grads[k] * d).sum())
         assert abs(got - fd) <= 1e-6 * max(1.0, abs(fd)), (k, got, fd)
+
+
+# Accelerations (issue 38): per-problem coefficients.  A small eps (reg = 0.05, largest cost ~20) where plain
+# iterations are slow; eps_scaling off in the fixed-iteration comparisons (the batch's schedule starts at the
+# batch's largest cost, a single problem's at its own).
+ACC_REG = 0.05
+
+
+@pytest.mark.parametrize("acc", [flashot.Momentum(1.5), flashot.Momentum()], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("kw", [dict(), dict(method="symmetric"), dict(unbalanced=0.8)], ids=["alt", "sym", "unb"])
+def test_momentum_equals_loop(acc, kw):
+    """Momentum's omega is per problem (its safeguard, stall test and Young estimate read each problem's error):
+    the same iterations as each problem alone, so values and gradients agree at a fixed iteration count."""
+    xs, ys = clouds(seed=7)
+    opts = dict(reg=ACC_REG, tol=None, max_iter=100, eps_scaling=False, acceleration=acc, backend="cpu", **kw)
+    res = flashot.solve_sample(xs, ys, **opts)
+    refs = torch.stack([flashot.solve_sample(x, y, **opts).value for x, y in zip(xs, ys)])
+    assert close(res.value, refs)
+    for g, r in zip(grads(res.value, xs + ys), grads(refs, xs + ys)):
+        assert close(g, r, 1e-11)
+
+
+@pytest.mark.parametrize(
+    "backend, kw",
+    [("cpu", dict()), ("tiled", dict()), ("cpu", dict(method="symmetric")), ("cpu", dict(unbalanced=0.8))],
+    ids=["alt-cpu", "alt-tiled", "sym-cpu", "unb-cpu"],
+)
+def test_anderson_per_problem(backend, kw):
+    """Anderson mixes each problem's own history (a Gram system per problem, from segment sums).  Its
+    extrapolation amplifies rounding (the same problem on two engines differs by 0.1 after 20 steps at this
+    eps), so the comparison is at convergence: values against each problem's single Anderson solve and (balanced)
+    the dense float64 oracle, gradients against the single solves."""
+    import references as ref
+
+    xs, ys = clouds(seed=7)
+    opts = dict(reg=ACC_REG, tol=1e-12, max_iter=5000, acceleration=flashot.Anderson(), backend=backend, **kw)
+    res = flashot.solve_sample(xs, ys, **opts)
+    assert res.converged
+    singles = [flashot.solve_sample(x, y, **opts) for x, y in zip(xs, ys)]
+    refs = torch.stack([r.value for r in singles])
+    assert close(res.value, refs, 1e-10)
+    for g, r in zip(grads(res.value, xs + ys), grads(refs, xs + ys)):
+        assert close(g, r, 1e-9)
+    if not kw.get("unbalanced"):
+        for k, (x, y) in enumerate(zip(xs, ys)):
+            a, b = (torch.full((len(t),), 1.0 / len(t), dtype=F64) for t in (x, y))
+            want = ref.ot_value(x.detach(), y.detach(), a, b, ACC_REG, 2, half=False)
+            got = float(res.value[k].detach())
+            assert abs(got - want) <= 1e-10 * abs(want), (k, got, want)
+
+
+def test_acceleration_cuts_iterations():
+    """At small eps the accelerated batches stop in far fewer iterations than plain ones (each problem still
+    meets tol: the batch's error is the largest problem's); "auto" picks Anderson there, as for one problem."""
+    xs, ys = clouds(seed=7, grad=False)
+    opts = dict(reg=ACC_REG, tol=1e-9, max_iter=5000, eps_scaling=False)
+    n = {}
+    for name, acc in (("plain", None), ("anderson", flashot.Anderson()), ("momentum", flashot.Momentum())):
+        res = flashot.solve_sample(xs, ys, acceleration=acc, **opts)
+        assert res.converged and res.error < 1e-9
+        for k in range(len(xs)):
+            assert float((res.plan(k).row_sums() - 1.0 / N_SIZES[k]).abs().sum()) < 1e-8
+        n[name] = res.n_iter
+    assert n["anderson"] * 4 < n["plain"] and n["momentum"] * 2 < n["plain"], n
+    auto = flashot.solve_sample(xs, ys, reg=ACC_REG, tol=1e-9, max_iter=5000)
+    plain = flashot.solve_sample(xs, ys, reg=ACC_REG, tol=1e-9, max_iter=5000, acceleration=None)
+    assert auto.converged and auto.n_iter * 2 < plain.n_iter, (auto.n_iter, plain.n_iter)

@@ -9,6 +9,8 @@ Conventions shared by both:
   optional one at the largest cost bound of the batch.  A problem whose own diameter is smaller gets more
   temperatures than alone; pass ``diameter=`` (``SamplesLoss``) to fix it;
 * the batch stops when every problem's error is below ``tol`` (the error reported is the largest);
+* an ``acceleration`` acts per problem (:class:`~flashot.acceleration.Accelerator` with the problems' segments:
+  each problem's own omega, safeguard and Anderson mixing), as if it ran alone;
 * values are per problem, (B,), each a sum over its own points, so ``value[k]``'s gradient reaches problem
   ``k``'s points and weights only (envelope gradients through the final step, as one problem's).
 """
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_eps_scale
-from ..driver import METHODS, pot_uniform, scaling_head, solve_options
+from ..driver import METHODS, _acceleration, pot_uniform, scaling_head, solve_options
 from ..measures import MASS_RTOL, Measures
 from ..plan import LazyPlan
 from ..schedules import Schedule, continued, epsilon_scaling
@@ -244,6 +246,7 @@ def _pot_kwargs(kw: dict) -> dict:
         "verbose",
         "implicit",
         "eps_scaling",
+        "acceleration",
     )
     return {k: kw[k] for k in keys if k in kw}
 
@@ -251,8 +254,12 @@ def _pot_kwargs(kw: dict) -> dict:
 def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -> RaggedResult:
     """:func:`~flashot.solve_sample` on lists of clouds ``X_a[k]`` (N_k, D), ``X_b[k]`` (M_k, D) (weights: None
     or lists); takes ``solve_sample``'s arguments and returns a :class:`RaggedResult`.  Not supported here:
-    ``group`` / ``shard``, ``backend="multiscale"``, ``potentials_init``, ``implicit`` and an explicit
-    ``acceleration`` (``"auto"`` runs plain iterations)."""
+    ``group`` / ``shard``, ``backend="multiscale"``, ``potentials_init`` and ``implicit``.
+
+    ``acceleration`` as for one problem, with every coefficient per problem (:class:`~flashot.Momentum`'s omega
+    and safeguard, :class:`~flashot.Anderson`'s mixing from segment sums over each problem's potentials), so each
+    problem takes the steps it would take alone; ``"auto"`` decides once for the batch, by the rule of one
+    problem on the batch's largest cost bound (Anderson with alternating updates at ``reg < 3e-3 cmax``)."""
     cost, backend = kw.get("cost", "sqeuclidean"), kw.get("backend", "auto")
     if metric is not None:
         if not isinstance(metric, str):
@@ -270,7 +277,6 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
             ("truncate=", kw.get("truncate", 5.0) != 5.0),
             ("potentials_init=", kw.get("potentials_init") is not None),
             ("implicit=", kw.get("implicit") is not None),
-            ("acceleration=", kw.get("acceleration", "auto") not in (None, "auto")),
             ("labels= (a LabelCost)", kw.get("labels") is not None),
         ],
     )
@@ -292,6 +298,7 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
         rho_x=o.rho_a,
         rho_y=o.rho_b,
         inner_iterations=o.inner_iterations,
+        acceleration=_acceleration(m, o.reg, o.acceleration, symmetric),
         verbose=o.verbose,
     )
     return _result(inp, m, st, o, cost, backend, numpy)

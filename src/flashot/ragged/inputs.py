@@ -55,6 +55,12 @@ class RaggedLayout:
         t = t.reshape(-1)
         return torch.zeros(self.B, dtype=t.dtype, device=t.device).index_add(0, self.ids(side, t.device), t)
 
+    def amax(self, t: Tensor, side: str) -> Tensor:
+        """(B,) maxima of the per-point values ``t`` ((N,) or (1, N)) over each problem's points."""
+        t = t.reshape(-1)
+        out = torch.full((self.B,), -torch.inf, dtype=t.dtype, device=t.device)
+        return out.scatter_reduce(0, self.ids(side, t.device), t, "amax")
+
     def split(self, t: Tensor, side: str) -> list[Tensor]:
         """The per-point tensor ``t`` ((N, ...)) cut into the problems' pieces."""
         return list(torch.split(t, self.sizes(side).tolist()))

@@ -53,6 +53,12 @@ class RaggedMeasures(Measures):
     def per_problem_sum(self, t: Tensor, side: str) -> Tensor:
         return self.layout.sum(t, side)
 
+    def per_problem_max(self, t: Tensor, side: str) -> Tensor:
+        return self.layout.amax(t, side)
+
+    def problem_ids(self, side: str) -> Tensor:
+        return self.layout.ids(side, self.a.device)
+
     def log64(self, side: str) -> Tensor:
         """float64 log-weights of ``side`` (1, N), a problem's weights all equal to ``1 / N_k`` rounded to their
         dtype taken as exactly ``1 / N_k`` (:func:`~flashot.measures.log64`, per problem).  Cached."""
