@@ -13,7 +13,7 @@ label-augmented cost
 
 where ``W[c, c']`` is itself the entropic OT value between the points of class ``c`` in the
 first dataset and those of class ``c'`` in the second.  :func:`flashot.otdd` computes ``W``
-(one solve per class pair) and then the OT value under that cost, streamed: the ``N x M``
+(all the class pairs as one ragged batch) and then the OT value under that cost, streamed: the ``N x M``
 cost matrix is never built (:class:`flashot.LabelCost` adds the label term as a column bias
 inside the engines' kernels).
 

@@ -11,8 +11,8 @@ Following Alvarez-Melis and Fusi's OTDD, with entropic OT throughout (``eps = re
    the same value convention.
 
 Both stages stream (no N x M matrix): the label-cost stage visits every pair of points once over all the
-class pairs.  The value is differentiable w.r.t. the points through both stages: at fixed ``W`` by the
-envelope theorem (:func:`flashot.solve_sample`), and through ``W`` by ``d value / d W[c, c'] = label_weight
+class pairs, solved together as one ragged batch (:mod:`flashot.ragged`).  The value is differentiable
+w.r.t. the points through both stages: at fixed ``W`` by the envelope theorem (:func:`flashot.solve_sample`), and through ``W`` by ``d value / d W[c, c'] = label_weight
 * P(c, c')``, the plan's mass between the classes (one plan product).
 """
 
@@ -28,6 +28,7 @@ from torch import Tensor
 from ._checks import check_pair, check_points, check_positive, to_tensor
 from .costs import LabelCost, check_labels
 from .ot_samples import solve_sample
+from .ragged.measures import BACKENDS as RAGGED_BACKENDS
 from .results import OTResult
 
 __all__ = ["otdd", "OTDDResult"]
@@ -103,7 +104,9 @@ def otdd(
         X_b: (M, D) points, same dtype and device; labels_b: (M,) integer labels.
         reg: the entropic regularisation (> 0), the same in both stages.
         feature_weight, label_weight: the weights of the two terms of the cost (>= 0).
-        tol, max_iter, backend: as in :func:`~flashot.solve_sample`, for every solve.
+        tol, max_iter, backend: as in :func:`~flashot.solve_sample`, for every solve (the class pairs: one
+            ragged batch, its eps-scaling and ``acceleration="auto"`` decided from the batch's largest cost;
+            one solve per pair with ``backend="dense"``).
 
     Returns:
         :class:`OTDDResult` (``value``, ``label_cost``, the lazy ``plan``; numpy values for numpy points).
@@ -153,15 +156,20 @@ def _class_costs(clouds_a: list[Tensor], clouds_b: list[Tensor], **solve_kw) -> 
     """``W[c, c'] = solve_sample(clouds_a[c], clouds_b[c'], **solve_kw).value`` (uniform weights in each cloud),
     (C_a, C_b), differentiable w.r.t. the clouds; and whether every solve converged.
 
-    One solve per class pair for now: the pairs are independent problems of different sizes, which one ragged
-    (list) call of :func:`~flashot.solve_sample` can run together once it exists; the list of pairs below is
-    that call's input."""
+    The class pairs are independent problems of different sizes: on the backends of the ragged path
+    (:data:`flashot.ragged.measures.BACKENDS`) they run as ONE ragged batch (:func:`~flashot.solve_sample` on
+    lists of clouds: one block-diagonal problem, each pair's value, gradient and stopping test its own; the
+    batch's eps-scaling and ``acceleration="auto"`` decide once, from the largest cost bound of the batch), which
+    saves a solve's fixed overhead per pair; elsewhere (``backend="dense"``) one solve per pair."""
     pairs = [(c, d) for c in range(len(clouds_a)) for d in range(len(clouds_b))]
+    if solve_kw.get("backend", "auto") in RAGGED_BACKENDS:
+        r = solve_sample([clouds_a[c] for c, _ in pairs], [clouds_b[d] for _, d in pairs], **solve_kw)
+        return r.value.reshape(len(clouds_a), len(clouds_b)), bool(r.converged)
     values, ok = [], True
     for c, d in pairs:
-        r = solve_sample(clouds_a[c], clouds_b[d], **solve_kw)
-        values.append(r.value)
-        ok = ok and bool(r.converged)
+        one = solve_sample(clouds_a[c], clouds_b[d], **solve_kw)
+        values.append(one.value)
+        ok = ok and bool(one.converged)
     return torch.stack(values).reshape(len(clouds_a), len(clouds_b)), ok
 
 

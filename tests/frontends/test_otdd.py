@@ -2,7 +2,8 @@
 
 Oracles, float64: the formula ``C = w_f |x - y|^2 + w_l W[l, l']`` written out densely here (the primitives
 of every engine, both orders), POT computing the same definitions (``ot.solve`` on that dense matrix for
-the solves, ``ot.solve_sample`` per class pair for ``W``; tolerance 1e-8), central finite differences
+the solves, ``ot.solve_sample`` per class pair for ``W``; tolerance 1e-8), the dense float64 oracle of
+tests/references.py for ``W`` where POT's plain iterations do not converge, central finite differences
 for the gradients.  Bad inputs raise before any solve.
 """
 
@@ -215,6 +216,32 @@ def test_otdd_equals_pot(fw, lw):
     )
     assert isinstance(npres.value, np.floating) and isinstance(npres.label_cost, np.ndarray)
     _close(npres.value, value, 1e-8)
+
+
+@pytest.mark.parametrize("backend, reg", [("dense", 0.2), ("tiled", 0.1), ("cpu", 0.1)])
+def test_otdd_label_cost_ragged_and_loop(backend, reg):
+    """W from the one ragged batch of class pairs (tiled, cpu) and from the per-pair loop (dense) against the
+    dense float64 oracle of tests/references.py run to convergence (1e-10): the batch at a reg where it picks
+    eps-scaling and Anderson, where pair (1, 1) alone with plain iterations (the loop's, POT's) does not reach
+    1e-11 in 20000 iterations (POT's value there is 2e-7 off).  ``converged`` is False when a solve stops at
+    ``max_iter``."""
+    import references as ref
+
+    g = torch.Generator().manual_seed(6)
+    Xa = torch.randn(45, 2, generator=g, dtype=F64)
+    Xb = torch.randn(38, 2, generator=g, dtype=F64) + 1.0
+    la, lb = torch.arange(45) % 3, torch.arange(38) % 4
+    res = flashot.otdd(Xa, la, Xb, lb, reg=reg, tol=1e-11, max_iter=20000, backend=backend)
+    assert res.converged
+    for c in range(3):
+        for d in range(4):
+            x, y = Xa[la == c], Xb[lb == d]
+            a, b = (torch.full((len(t),), 1.0 / len(t), dtype=F64) for t in (x, y))
+            want = ref.ot_value(x, y, a, b, reg, 2, half=False)
+            assert abs(float(res.label_cost[c, d]) - want) <= 1e-10 * abs(want), (c, d)
+    with pytest.warns(RuntimeWarning, match="did not reach tol"):
+        short = flashot.otdd(Xa, la, Xb, lb, reg=reg, tol=1e-11, max_iter=3, backend=backend)
+    assert not short.converged
 
 
 def test_otdd_gradient_matches_finite_differences():
