@@ -140,7 +140,7 @@ def solve_measures(m: Measures, o: SolveOptions, potentials_init: Any = None, *,
         rho_x=o.rho_a,
         rho_y=o.rho_b,
         inner_iterations=o.inner_iterations,
-        acceleration=_acceleration(m, reg, o.acceleration, symmetric),
+        acceleration=auto_acceleration(m, reg, o.acceleration, symmetric),
         verbose=o.verbose,
     )
     return make_result(m, st, o, numpy)
@@ -228,7 +228,7 @@ def _small_eps(m: Measures, reg: float, symmetric: bool) -> bool:
     return not symmetric and reg < EPS_SCALING_AUTO * m.cmax
 
 
-def _acceleration(m: Measures, reg: float, acceleration, symmetric: bool):
+def auto_acceleration(m: Measures, reg: float, acceleration: Any, symmetric: bool) -> Momentum | Anderson | None:
     """``acceleration="auto"``: Anderson at small eps (alternating updates, ``reg < EPS_SCALING_AUTO * cmax``),
     none elsewhere: there it converged where plain iterations did not (docs/exactness.md)."""
     if not (isinstance(acceleration, str) and acceleration == "auto"):

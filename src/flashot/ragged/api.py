@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_eps_scale
-from ..driver import METHODS, _acceleration, pot_uniform, scaling_head, solve_options
+from ..driver import METHODS, auto_acceleration, pot_uniform, scaling_head, solve_options
 from ..measures import MASS_RTOL, Measures
 from ..plan import LazyPlan
 from ..schedules import Schedule, continued, epsilon_scaling
@@ -298,7 +298,7 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
         rho_x=o.rho_a,
         rho_y=o.rho_b,
         inner_iterations=o.inner_iterations,
-        acceleration=_acceleration(m, o.reg, o.acceleration, symmetric),
+        acceleration=auto_acceleration(m, o.reg, o.acceleration, symmetric),
         verbose=o.verbose,
     )
     return _result(inp, m, st, o, cost, backend, numpy)
