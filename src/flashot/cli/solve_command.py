@@ -9,13 +9,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..results import OTResult
 from .output import one_line, print_warnings
 from .solve_options import PROGRESS_MIN_PAIRS, check_options, solve_parser
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from ..results import OTResult
 
 _COST_TEXT = {"sqeuclidean": "|x-y|^2", "half_sqeuclidean": "|x-y|^2/2", "euclidean": "|x-y|"}
 
@@ -129,6 +128,7 @@ def _run_solve(
     except (ValueError, TypeError, FloatingPointError, MemoryError, NotImplementedError) as e:
         raise _CliError(one_line(e)) from None
     print_warnings("flashot solve", caught)
+    assert isinstance(res, OTResult)  # 2-D arrays: one problem, not a ragged batch (RaggedResult)
     return res
 
 

@@ -43,7 +43,7 @@ example:
   flashot solve source.ply target.csv --weights-column w --blur 0.05 --out result.npz --map"""
 
 
-def _unbalanced_arg(s: str) -> float | tuple[float | None, float | None]:
+def _unbalanced_arg(s: str) -> float | None | tuple[float | None, float | None]:
     """``--unbalanced``: one KL penalty rho for both sides, or two (``inf`` for a strict side)."""
     parts = [t.strip() for t in s.split(",")]
     if len(parts) not in (1, 2):
@@ -67,7 +67,7 @@ def _unbalanced_arg(s: str) -> float | tuple[float | None, float | None]:
         out.append(v)
     if all(v is None for v in out):
         raise argparse.ArgumentTypeError("both sides strict is balanced OT: leave out --unbalanced")
-    return out[0] if len(out) == 1 else tuple(out)
+    return out[0] if len(out) == 1 else (out[0], out[1])
 
 
 def solve_parser() -> argparse.ArgumentParser:
