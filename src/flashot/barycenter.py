@@ -30,6 +30,7 @@ from torch import Tensor
 from ._checks import FLOATS, check_bool, check_dtype, check_finite, check_int, check_positive, check_storage, to_tensor
 from .measures import MASS_RTOL
 from .ot_samples import solve_sample
+from .results import OTResult
 
 __all__ = ["free_support_barycenter", "BarycenterResult"]
 
@@ -147,10 +148,10 @@ def _check_inputs(measures_locations, measures_weights, X_init, b, weights):
 def free_support_barycenter(
     measures_locations: Sequence,
     measures_weights: Sequence | None,
-    X_init,
+    X_init: Tensor | np.ndarray,
     reg: float,
-    b=None,
-    weights=None,
+    b: Tensor | np.ndarray | None = None,
+    weights: Tensor | np.ndarray | Sequence[float] | None = None,
     numItermax: int = 100,
     numInnerItermax: int = 1000,
     stopThr: float = 1e-7,
@@ -159,7 +160,7 @@ def free_support_barycenter(
     *,
     inner_tol: float = 1e-6,
     backend: str = "auto",
-):
+) -> Tensor | np.ndarray | tuple[Tensor | np.ndarray, BarycenterResult]:
     """Entropic free-support barycenter of K weighted clouds (POT's argument names and order).
 
     Args:
@@ -213,7 +214,8 @@ def free_support_barycenter(
             RuntimeWarning,
             stacklevel=2,
         )
-    res.X = res.X.numpy() if is_np else res.X
+    if is_np and isinstance(res.X, Tensor):  # _iterate works on tensors
+        res.X = res.X.numpy()
     return (res.X, res) if log else res.X
 
 
@@ -252,6 +254,7 @@ def _iterate(
                     potentials_init=inits[gi],
                     backend=backend,
                 )
+                assert isinstance(r, OTResult)  # one batched problem (a RaggedResult is for lists of clouds)
                 inits[gi] = r.potentials
                 inner += r.n_iter
                 res.inner_converged &= bool(r.converged)
@@ -274,14 +277,15 @@ def _iterate(
     return res
 
 
-def _groups(Ys: list[Tensor], As: list[Tensor | None]):
+def _groups(Ys: list[Tensor], As: list[Tensor | None]) -> list[tuple[list[int], Tensor, Tensor | None]]:
     """Clouds of the same size (and weights given or not alike) stacked into batches: [(indices, Y, A)]."""
     by_key: dict[tuple, list[int]] = {}
     for k, (Y, A) in enumerate(zip(Ys, As)):
         by_key.setdefault((Y.shape[0], A is None), []).append(k)
-    out = []
+    out: list[tuple[list[int], Tensor, Tensor | None]] = []
     for (_, no_w), idx in by_key.items():
         Y = torch.stack([Ys[k] for k in idx])
-        A = None if no_w else torch.stack([As[k] for k in idx])
+        given = [w for w in (As[k] for k in idx) if w is not None]  # all of them, or none (the key)
+        A = None if no_w else torch.stack(given)
         out.append((idx, Y, A))
     return out

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .costs import CostLike
+
 # bits per coordinate of the Morton code: 3 * 21 = 63 bits in an int64
 MORTON_BITS = 21
 
@@ -110,7 +112,11 @@ def cluster(
                 fine_sorted, perm = torch.sort(fine, stable=True)
                 uniq, counts = torch.unique_consecutive(fine_sorted >> (x.shape[-1] * sub_levels), return_counts=True)
                 return _summaries(x[perm], a[perm], perm, counts, uniq)
-        lab, morton = _grid_codes(x, scale) if labels is None else (labels.to(x.device).long(), False)
+        if labels is not None:
+            lab, morton = labels.to(x.device).long(), False
+        else:
+            assert scale is not None, "cluster: give a scale or labels"
+            lab, morton = _grid_codes(x, scale)
         lab_sorted, perm = torch.sort(lab, stable=True)
         uniq, counts = torch.unique_consecutive(lab_sorted, return_counts=True)
         return _summaries(x[perm], a[perm], perm, counts, uniq if morton else None)
@@ -146,7 +152,7 @@ def coarsen(c: Clusters, xs: Tensor, as_: Tensor, levels: int) -> tuple[Clusters
         return _summaries(xs, as_, c.perm, counts, uniq), parent
 
 
-def block_cost_bounds(cx: Clusters, cy: Clusters, cost, rows: slice = slice(None)) -> Tensor:
+def block_cost_bounds(cx: Clusters, cy: Clusters, cost: CostLike, rows: slice = slice(None)) -> Tensor:
     """(Kx, Ky) lower bounds of ``C(x_i, y_j)`` over ``i`` in cluster ``I``, ``j`` in cluster ``J``:
     the cost of the gap ``max(0, |c_I - c_J| - r_I - r_J)`` (every supported cost increases with
     the distance); ``rows`` selects row clusters."""

@@ -8,7 +8,9 @@ import torch
 from torch import Tensor
 
 
-def two_moons_3d(n: int, m: int | None = None, *, seed: int = 0, dtype=torch.float32) -> tuple[Tensor, Tensor]:
+def two_moons_3d(
+    n: int, m: int | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """A noisy helix (n points) and a noisy torus knot (m points) in the unit box, 3-D."""
     m = n if m is None else m
     gen = torch.Generator().manual_seed(seed)

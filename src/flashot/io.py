@@ -28,6 +28,7 @@ import stat
 import zipfile
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -417,7 +418,8 @@ def _ply_header(f, path: str) -> tuple[str, list, int, int]:
         lines = _LINES.split(header[: m.start()].decode("ascii"))
     except UnicodeDecodeError:
         raise InputError(f"{path}: the .ply header is not ASCII") from None
-    fmt, elements = None, []
+    fmt: str | None = None
+    elements: list[list[Any]] = []  # [name, count, [(property, dtype or None for a list)]]
     for no, line in enumerate(lines[1:], 2):
         tok = line.split()
         if not tok or tok[0] in ("comment", "obj_info"):
@@ -505,10 +507,9 @@ def _ply_ascii(path: str, text: str, elements: list, vi: int, first_no: int) -> 
     """The vertex rows of an ASCII body whose line ``i`` is line ``first_no + i`` of the file; every
     element's lines are checked (count of values, list lengths, numbers), and nothing may follow."""
     lines = _LINES.split(text)
-    pos, out = 0, None
+    pos = 0
+    out = np.empty((elements[vi][1], len(elements[vi][2])), dtype=np.float64)
     for ei, (name, count, props) in enumerate(elements):
-        if ei == vi:
-            out = np.empty((count, len(props)), dtype=np.float64)
         for r in range(count):
             if pos == len(lines) or (pos == len(lines) - 1 and not lines[pos].strip(" \t")):
                 what = (
@@ -577,13 +578,16 @@ def _column(path: str, spec: str, names: list[str] | None, ncol: int) -> int:
 def read_points(path: str, limits: Limits = Limits(), weights_column: str | None = None) -> Cloud:
     """Points (and weights, from ``weights_column`` or a .npz ``weights`` array) of one file."""
     ext = _suffix(path)
-    weights, wsrc, names = None, "", None
+    weights, wsrc = None, ""
+    names: list[str] | None = None  # the columns' names (a header, or the .ply vertex properties)
+    ply_names: list[str] = []
     if ext == ".npy":
         arr = _read_npy(path, limits, "points")
     elif ext == ".npz":
         arr, weights, wsrc = _read_npz(path, limits, "points")
     elif ext == ".ply":
-        arr, names = _read_ply(path, limits)
+        arr, ply_names = _read_ply(path, limits)
+        names = ply_names
     else:
         arr, names = _read_text(path, limits, "points")
     arr = np.asarray(arr, dtype=np.float64)
@@ -592,12 +596,12 @@ def read_points(path: str, limits: Limits = Limits(), weights_column: str | None
             raise InputError(f"{path}: --weights-column needs at least two columns, the file has {arr.shape[1]}")
         j = _column(path, weights_column, names, arr.shape[1])
         weights, wsrc = arr[:, j].copy(), f"{path} column {names[j] if names else j}"
-        if ext == ".ply" and names[j] in ("x", "y", "z"):
+        if ext == ".ply" and ply_names[j] in ("x", "y", "z"):
             raise InputError(f"{path}: --weights-column {weights_column!r} is a coordinate")
         if ext != ".ply":
             arr = np.delete(arr, j, axis=1)
     if ext == ".ply":  # the coordinates are x, y, z; other vertex properties (colours, normals) are not
-        arr = arr[:, [names.index(c) for c in "xyz"]]
+        arr = arr[:, [ply_names.index(c) for c in "xyz"]]
     if arr.shape[0] == 0:
         raise InputError(f"{path}: no points")
     if arr.shape[1] == 0:

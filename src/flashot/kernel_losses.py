@@ -49,7 +49,7 @@ def _engine_for(name: str, m: Measures, backend: str):
     return get_engine("tiled", device=m.x.device, dtype=m.x.dtype, cost=m.cost)
 
 
-def kernel_loss(name: str, m: Measures, blur: float, backend: str, potentials: bool):
+def kernel_loss(name: str, m: Measures, blur: float, backend: str, potentials: bool) -> Tensor | tuple[Tensor, Tensor]:
     """GeomLoss' kernel norm ``1/2 |a - b|_k^2`` (B,), or its potentials ``(k ⋆ (a - b), k ⋆ (b - a))``."""
     spec = kernel_spec(name, blur)
     eng = _engine_for(name, m, backend)
@@ -78,7 +78,7 @@ def _hausdorff(x: Tensor, y: Tensor, a: Tensor, b: Tensor, eps: float, cost, eng
     return 0.5 * (a * (s_bx - s_ax)).sum(-1) + 0.5 * (b * (s_ay - s_by)).sum(-1)
 
 
-def hausdorff_loss(m: Measures, eps: float, potentials: bool):
+def hausdorff_loss(m: Measures, eps: float, potentials: bool) -> Tensor | tuple[Tensor, Tensor]:
     """The Hausdorff divergence ``H(a, b)`` (B,) at temperature ``eps``, or its weight gradients
     ``(dH/da, dH/db)`` (detached)."""
     x, y, a, b, eng, cost = m.x, m.y, m.a, m.b, m.engine, m.cost
@@ -93,12 +93,14 @@ def hausdorff_loss(m: Measures, eps: float, potentials: bool):
     return F.to(m.x.dtype), G.to(m.x.dtype)
 
 
-def kernel_matrix_loss(m: Measures, potentials: bool):
+def kernel_matrix_loss(m: Measures, potentials: bool) -> Tensor | tuple[Tensor, Tensor]:
     """GeomLoss' kernel norm for a user's kernel function, on its (B, N, M) matrices ``K_xy``, ``K_yx``,
     ``K_xx``, ``K_yy`` (``m.cost.graph``, with autograd history in both arguments):
     ``1/2 <a, K_xx a> + 1/2 <b, K_yy b> - <a, K_xy b>``, or its weight gradients
     ``(K_xx a - K_xy b, K_yy b - K_yx a)``."""
-    K, a, b = m.cost.graph, m.a, m.b
+    K: dict[str, Tensor] | None = getattr(m.cost, "graph", None)  # a MatrixCost built from the user's function
+    assert K is not None, "kernel_matrix_loss needs a cost with its matrices (flashot.matrix_cost)"
+    a, b = m.a, m.b
 
     def mv(side: str, w: Tensor) -> Tensor:
         return (K[side] @ w.unsqueeze(-1)).squeeze(-1)

@@ -82,7 +82,7 @@ def test_absurd_numbers_exit_2_before_solving(tmp_path, capsys, monkeypatch, arg
 
 def test_blur_range_edges_are_accepted(tmp_path, capsys):
     """The bounds are those of float64: blur^2 must be a positive normal float64."""
-    from flashot.cli import _blur
+    from flashot.cli.options import blur as _blur
 
     assert _blur("1e150") == 1e150 and _blur("1e-150") == 1e-150
     for bad in ("1e155", "1e-155"):

@@ -10,7 +10,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .limits import Limits
 from .peers import get_runner
@@ -217,8 +219,9 @@ class Planner:
             if est is not None and est > sb and repeats > 1:
                 repeats = 1
                 est = self.estimate(solver, prob, iters, repeats)
-            if est is not None and est > sb:
-                rate, overhead = self._rate(solver, prob)
+            known = self._rate(solver, prob)  # not None: est is not None
+            if est is not None and est > sb and known is not None:
+                rate, overhead = known
                 # Never below 1 iteration x 1 run: the per-solver budget trims, the total budget skips.
                 iters = max(1, min(iters, int((sb - overhead) / (rate * prob.pairs))))
         rem = self.remaining()
@@ -293,7 +296,13 @@ def _run_one(cfg: Config, planner: Planner, s: str, prob: Problem, row: Row, ite
     return True
 
 
-def run_bench(cfg: Config, *, progress: bool = True, log=None, rates: dict | None = None) -> BenchResult:
+def run_bench(
+    cfg: Config,
+    *,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+    rates: dict | None = None,
+) -> BenchResult:
     """Every active solver on every problem of ``cfg`` (flashot's first engine first: the reference whose
     iteration count caps the others'), within the time budget."""
     t_start = time.perf_counter()
@@ -339,7 +348,7 @@ def run_bench(cfg: Config, *, progress: bool = True, log=None, rates: dict | Non
     return BenchResult(cfg, rows, missing, limits, time.perf_counter() - t_start)
 
 
-def _tick(bar):
+def _tick(bar: Any) -> None:
     if bar is not None:
         bar.update(1)
 
@@ -353,19 +362,22 @@ def _short(row: Row) -> str:
 def _finish_cell(cell: list[Row], lim: Limits | None) -> None:
     """Ratios, agreement and hardware fraction against the cell's first flashot row."""
     ref = next((r for r in cell if r.is_ref), None)
-    ref_ok = ref is not None and ref.status == "ok"
+    ref_spi = ref.s_per_iter if ref is not None and ref.status == "ok" else None
     for row in cell:
-        if row.status != "ok":
+        spi = row.s_per_iter  # None unless the row is ok and timed
+        if row.status != "ok" or spi is None:
             continue
         p = row.problem
         if lim is not None:
-            row.hw_fraction = lim.per_iter(p.n, p.m, p.d) / row.s_per_iter
-        if not ref_ok:
+            row.hw_fraction = lim.per_iter(p.n, p.m, p.d) / spi
+        if ref is None or ref_spi is None:
             continue
-        row.ratio = row.s_per_iter / ref.s_per_iter
+        row.ratio = spi / ref_spi
         traj = ref.trajectory or []
+        if row.value is None:
+            continue
         if 1 <= row.iters <= len(traj):
             v_ref = traj[row.iters - 1]
             row.rel_diff = abs(row.value - v_ref) / max(abs(v_ref), 1e-300)
-        elif math.isfinite(row.value) and row.iters == ref.iters:
+        elif math.isfinite(row.value) and row.iters == ref.iters and ref.value is not None:
             row.rel_diff = abs(row.value - ref.value) / max(abs(ref.value), 1e-300)

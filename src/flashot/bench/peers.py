@@ -67,11 +67,14 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .problems import Problem
+
+if TYPE_CHECKING:
+    import torch
 
 # Rows per block for the batched peers (POT lazy, OTT online, torch-blocked): about 2**23 cost entries.
 BLOCK_ENTRIES = 2**23
@@ -140,24 +143,24 @@ class FlashotRunner(Runner):
     library = "flashot"
     modules = ("torch",)
 
-    def __init__(self, engine: str = "auto"):
+    def __init__(self, engine: str = "auto") -> None:
         self.engine = engine
         self.name = f"flashot:{engine}"
         self.note = "Measures.build + K x sinkhorn_loop(symmetric=False, tol=None)"
 
-    def missing(self):
+    def missing(self) -> str | None:
         from ..ops import engine_names
 
         if self.engine != "auto" and self.engine not in engine_names():
             return f"engine not registered (registered: {', '.join(engine_names())})"
         return None
 
-    def version(self):
+    def version(self) -> str:
         import flashot
 
         return flashot.__version__
 
-    def setup(self, prob, x, y):
+    def setup(self, prob: Problem, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         import torch
 
         a, b = prob.weights()
@@ -165,14 +168,14 @@ class FlashotRunner(Runner):
             x=torch.from_numpy(x), y=torch.from_numpy(y), a=torch.from_numpy(a), b=torch.from_numpy(b), eps=prob.eps
         )
 
-    def solve(self, st, iters, record=False):
+    def solve(self, st: dict[str, Any], iters: int, record: bool = False) -> Result:
         from ..measures import Measures
-        from ..solver import sinkhorn_loop
+        from ..solver import SinkhornState, sinkhorn_loop
 
         m = Measures.build(st["x"], st["y"], st["a"], st["b"], cost="sqeuclidean", backend=self.engine)
         if iters > 1:
             m.expect_reuse()  # what one sinkhorn_loop call with [eps] * K does first
-        s = None
+        s: SinkhornState | None = None
         traj = []
         for _ in range(iters):
             s = sinkhorn_loop(
@@ -180,9 +183,11 @@ class FlashotRunner(Runner):
             )
             if record:
                 traj.append((s.f, s.g))
+        assert s is not None, "iters >= 1"
         conv = lambda t: t[0].double().numpy()  # noqa: E731
-        traj = [(conv(f), conv(g)) for f, g in traj] if record else None
-        return Result(conv(s.f), conv(s.g), traj, engine=m.engine.name)
+        return Result(
+            conv(s.f), conv(s.g), [(conv(f), conv(g)) for f, g in traj] if record else None, engine=m.engine.name
+        )
 
 
 # ----------------------------------------------------------------------------- GeomLoss
@@ -193,7 +198,7 @@ class GeomLossTensorized(Runner):
     bytes_per_pair = 4 * 4.0  # C_xy, C_yx, and two (N, M) temporaries of the logsumexp
     note = "squared_distances (C_xy, C_yx) + K x (softmin_tensorized, softmin_tensorized), our loop"
 
-    def setup(self, prob, x, y):
+    def setup(self, prob: Problem, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         import torch
 
         a, b = prob.weights()
@@ -205,7 +210,7 @@ class GeomLossTensorized(Runner):
             eps=prob.eps,
         )
 
-    def solve(self, st, iters, record=False):
+    def solve(self, st: dict[str, Any], iters: int, record: bool = False) -> Result:
         import torch
         from geomloss._legacy.sinkhorn_samples import softmin_tensorized
         from geomloss._legacy.utils import squared_distances
@@ -232,7 +237,7 @@ class GeomLossOnline(Runner):
     modules = ("geomloss", "pykeops", "torch")
     note = "K x (softmin_online, softmin_online) with KeOps lse_genred('SqDist(X,Y)'), our loop"
 
-    def setup(self, prob, x, y):
+    def setup(self, prob: Problem, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         import torch
         from geomloss._legacy.sinkhorn_samples import lse_genred
 
@@ -246,7 +251,7 @@ class GeomLossOnline(Runner):
             lse=lse_genred("SqDist(X,Y)", prob.d),
         )
 
-    def solve(self, st, iters, record=False):
+    def solve(self, st: dict[str, Any], iters: int, record: bool = False) -> Result:
         import torch
         from geomloss._legacy.sinkhorn_samples import softmin_online
 
@@ -272,7 +277,7 @@ class PotDense(Runner):
     bytes_per_pair = 5 * 4.0  # M, -M/reg, the logsumexp argument and its exp, the returned plan
     note = "ot.dist + ot.sinkhorn(method='sinkhorn_log', stopThr=0), torch backend, clouds swapped"
 
-    def setup(self, prob, x, y):
+    def setup(self, prob: Problem, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         import torch
 
         a, b = prob.weights()
@@ -280,7 +285,7 @@ class PotDense(Runner):
             x=torch.from_numpy(x), y=torch.from_numpy(y), a=torch.from_numpy(a), b=torch.from_numpy(b), eps=prob.eps
         )
 
-    def solve(self, st, iters, record=False):
+    def solve(self, st: dict[str, Any], iters: int, record: bool = False) -> Result:
         import ot
         import torch
 
@@ -302,7 +307,7 @@ class PotLazy(Runner):
     modules = ("ot", "torch")
     note = "ot.bregman.empirical_sinkhorn(isLazy=True, stopThr=0, batchSize=2**23//m), torch backend"
 
-    def setup(self, prob, x, y):
+    def setup(self, prob: Problem, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         import torch
 
         a, b = prob.weights()
@@ -315,7 +320,7 @@ class PotLazy(Runner):
             bs=max(1, BLOCK_ENTRIES // max(prob.n, prob.m)),
         )
 
-    def solve(self, st, iters, record=False):
+    def solve(self, st: dict[str, Any], iters: int, record: bool = False) -> Result:
         import ot
 
         eps = st["eps"]
@@ -343,7 +348,7 @@ class _Ott(Runner):
     modules = ("ott", "jax")
     online = False
 
-    def setup(self, prob, x, y):
+    def setup(self, prob: Problem, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         import jax
 
         if prob.dtype == "float64":
@@ -357,7 +362,7 @@ class _Ott(Runner):
         )
         return st
 
-    def _compiled(self, st, iters):
+    def _compiled(self, st: dict[str, Any], iters: int) -> Any:
         if iters in st["compiled"]:
             return st["compiled"][iters]
         import jax
@@ -383,16 +388,16 @@ class _Ott(Runner):
         st["compiled"][iters] = fn
         return fn
 
-    def warmup(self, st):
+    def warmup(self, st: dict[str, Any]) -> None:
         import jax
 
         # The small problem: compiles and runs the 1-iteration program once (JAX/XLA start-up costs).
         jax.block_until_ready(self._compiled(st, 1)(st["x"], st["y"], st["a"], st["b"]))
 
-    def prepare(self, st, iters):
+    def prepare(self, st: dict[str, Any], iters: int) -> None:
         self._compiled(st, iters)
 
-    def solve(self, st, iters, record=False):
+    def solve(self, st: dict[str, Any], iters: int, record: bool = False) -> Result:
         import jax
 
         fn = self._compiled(st, iters)
@@ -424,7 +429,7 @@ class TorchBlocked(Runner):
         "-eps * logsumexp(S, 1); K alternating iterations"
     )
 
-    def setup(self, prob, x, y):
+    def setup(self, prob: Problem, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         import torch
 
         a, b = prob.weights()
@@ -437,7 +442,7 @@ class TorchBlocked(Runner):
         )
 
     @staticmethod
-    def softmin(x, y, h, eps):
+    def softmin(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
         """``out_i = -eps * log sum_j exp(h_j - |x_i - y_j|^2 / eps)``, row blocks of ~BLOCK_ENTRIES entries."""
         import torch
 
@@ -452,7 +457,7 @@ class TorchBlocked(Runner):
             out[i : i + rows] = -eps * torch.logsumexp(S, dim=1)
         return out
 
-    def solve(self, st, iters, record=False):
+    def solve(self, st: dict[str, Any], iters: int, record: bool = False) -> Result:
         import torch
 
         eps, x, y = st["eps"], st["x"], st["y"]
@@ -493,7 +498,7 @@ class FlashSinkhorn(Runner):
         "allow_tf32=False, potentials=True, debias=False) on CUDA"
     )
 
-    def missing(self):
+    def missing(self) -> str | None:
         """One line: which modules are absent and/or that there is no CUDA device (both when both)."""
         why = []
         mods = _missing_modules(*self.modules)
@@ -506,7 +511,7 @@ class FlashSinkhorn(Runner):
                 why.append("GPU only: needs CUDA (torch.cuda.is_available() is False)")
         return "; ".join(why) or None
 
-    def loss_kwargs(self, eps: float, iters: int) -> dict:
+    def loss_kwargs(self, eps: float, iters: int) -> dict[str, Any]:
         """Keyword arguments of ``flash_sinkhorn.SamplesLoss`` for K alternating iterations at eps on |x - y|^2."""
         return dict(
             loss="sinkhorn",
@@ -523,7 +528,7 @@ class FlashSinkhorn(Runner):
             threshold=None,
         )
 
-    def setup(self, prob, x, y):
+    def setup(self, prob: Problem, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         import torch
 
         a, b = prob.weights()
@@ -537,25 +542,25 @@ class FlashSinkhorn(Runner):
             losses={},
         )
 
-    def _sync(self):
+    def _sync(self) -> None:
         import torch
 
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize()
 
-    def _loss(self, st, iters):
+    def _loss(self, st: dict[str, Any], iters: int) -> Any:
         if iters not in st["losses"]:
             import flash_sinkhorn
 
             st["losses"][iters] = flash_sinkhorn.SamplesLoss(**self.loss_kwargs(st["eps"], iters))
         return st["losses"][iters]
 
-    def prepare(self, st, iters):
+    def prepare(self, st: dict[str, Any], iters: int) -> None:
         # Triton autotunes per (n, m) bucket and d: one untimed iteration on the full shape.
         self._loss(st, iters)
         self.solve(st, 1)
 
-    def solve(self, st, iters, record=False):
+    def solve(self, st: dict[str, Any], iters: int, record: bool = False) -> Result:
         import torch
 
         with torch.no_grad():

@@ -24,7 +24,7 @@ class Problem:
     eps: float = 0.1
     seed: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for k in ("n", "m", "d"):
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:

@@ -242,9 +242,10 @@ def plot(res: BenchResult, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     series: dict[str, list[tuple[int, float]]] = {}
     for r in res.rows:
-        if r.status == "ok":
+        spi = r.s_per_iter
+        if r.status == "ok" and spi is not None:
             key = f"{r.solver} (d={r.problem.d}, {r.problem.dtype})"
-            series.setdefault(key, []).append((r.problem.n, r.s_per_iter))
+            series.setdefault(key, []).append((r.problem.n, spi))
     for key, pts in sorted(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)

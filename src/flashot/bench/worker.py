@@ -65,6 +65,7 @@ def run(spec: dict) -> dict:
         res = runner.solve(st, iters, record=record and r == repeats - 1)
         times.append(time.perf_counter() - t0)
     out["cpu_s"] = time.process_time() - cpu0
+    assert res is not None, "repeats >= 1"
     out["times"] = times
     out["iters"] = iters
     out["value"] = ot_value(a, b, res.f, res.g)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.base import Capability, Engine, ForwardingEngine
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 MOD = 1 << 22  # header integers stay exact in float32
 
@@ -24,7 +27,7 @@ _SHARED_TYPES = {
 }
 
 
-def check_group(group) -> Any:
+def check_group(group: object) -> ProcessGroup:
     """``group`` must be a ``torch.distributed`` process group of an initialised default group."""
     if not dist.is_available():
         raise RuntimeError("group: torch.distributed is not available in this torch build")
@@ -73,7 +76,7 @@ def fold(v: int) -> int:
     return int.from_bytes(hashlib.blake2b(v.to_bytes(8, "little"), digest_size=8).digest(), "little") % MOD
 
 
-def shared(group, local_error: Exception | None, fields: dict[str, Any]) -> list[dict]:
+def shared(group: ProcessGroup, local_error: Exception | None, fields: dict[str, Any]) -> list[dict]:
     """All-gather this rank's error (or None) and ``fields``; if a rank rejected its input, raise on EVERY rank
     the same exception (type and message: the first such rank's, naming it), so that no rank is left waiting
     in a later collective and all ranks take the same branch.  Returns every rank's dict."""
@@ -106,7 +109,9 @@ def check_same_values(name: str, vals: list, what: str = "options") -> None:
         )
 
 
-def check_same(group, fields: dict[str, Any], error: Exception | None = None, what: str = "problem") -> list[dict]:
+def check_same(
+    group: ProcessGroup, fields: dict[str, Any], error: Exception | None = None, what: str = "problem"
+) -> list[dict]:
     """All-gather ``fields`` (name -> comparable value) and raise ``ValueError`` naming the first argument
     that differs across ranks, with the ranks and their values.  The all-gather is :func:`shared`'s: a rank
     that rejected its own arguments (:func:`shared_checks`, or ``error``) joins it with its error, and every
@@ -118,7 +123,7 @@ def check_same(group, fields: dict[str, Any], error: Exception | None = None, wh
     return got
 
 
-def reject(group, error: Exception) -> None:
+def reject(group: ProcessGroup, error: Exception) -> NoReturn:
     """Raise ``error`` (this rank's rejection of its arguments) on every rank of ``group``: one all-gather, the
     one that opens every distributed call (:func:`check_same`, :func:`~flashot.distributed.points_measures`), so
     that the ranks whose arguments passed raise at their first collective instead of waiting there for the
@@ -128,7 +133,7 @@ def reject(group, error: Exception) -> None:
 
 
 @contextmanager
-def shared_checks(group, collective: bool = False) -> Iterator[None]:
+def shared_checks(group: ProcessGroup | None, collective: bool = False) -> Iterator[None]:
     """Run a distributed call's LOCAL argument checks (no collective inside): an exception raised in the block
     is sent to the other ranks of ``group`` (:func:`reject`) and every rank raises the same one, naming this
     rank and the argument.  Without ``collective`` the ranks whose checks passed learn of it at the call's first
@@ -154,7 +159,7 @@ class GroupEngine(ForwardingEngine):
 
     label = "group"
 
-    def __init__(self, inner: Engine, capabilities: frozenset[Capability], group):
+    def __init__(self, inner: Engine, capabilities: frozenset[Capability], group: ProcessGroup) -> None:
         super().__init__(inner, capabilities)
         self.group = check_group(group)
         self.world = dist.get_world_size(group)
@@ -165,3 +170,10 @@ class GroupEngine(ForwardingEngine):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner.name!r}, rank {self.rank} of {self.world})"
+
+
+def refuse_keywords(engine: str, kw: dict[str, Any]) -> None:
+    """The primitives' keywords (``rows=``) are for engines that declare ``Capability.ROW_RANGES``; the group
+    engines do not (they accept them only to keep :class:`~flashot.ops.base.ForwardingEngine`'s signature)."""
+    if kw:
+        raise TypeError(f"{engine} engine: unexpected keyword arguments {sorted(kw)}")

@@ -4,19 +4,25 @@ of ONE problem over the ranks, built by :func:`points_measures` (see :mod:`flash
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..costs import Cost
 from ..measures import Measures, log64, log_weights
 from ..ops import max_cost
+from ..ops.base import Engine
 from .group import check_group, check_same
 from .ring import RingEngine
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class _GatherFn(torch.autograd.Function):
@@ -115,7 +121,7 @@ class PointsMeasures(Measures):
     def _b_log64(self) -> Tensor:
         return log64(self.b, self.sizes[1])
 
-    def float64_engine(self):
+    def float64_engine(self) -> Engine:
         eng = super().float64_engine()
         return eng if isinstance(eng, RingEngine) else RingEngine(eng, self.group)
 
@@ -135,8 +141,8 @@ def points_measures(
     a: Tensor | None,
     b: Tensor | None,
     *,
-    group,
-    build,
+    group: ProcessGroup,
+    build: Callable[[Tensor, Tensor, Tensor | None, Tensor | None], Measures],
     options: dict[str, Any] | None = None,
     names: tuple[str, str, str, str] = ("x", "y", "a", "b"),
 ) -> PointsMeasures:
@@ -176,6 +182,7 @@ def points_measures(
             f"{xn}, {yn}: rank {empty[0]} holds no points of one cloud ({xn}: {cx}, {yn}: {cy} per "
             "rank); shard='points' needs at least one point of each cloud on every rank"
         )
+    assert m is not None  # a rank whose build failed made check_same raise on every rank
     return _global_measures(m, x, y, a, b, group, (cx, cy))
 
 
@@ -188,7 +195,9 @@ def _global_measures(m: Measures, x, y, a, b, group, counts) -> PointsMeasures:
     lo, hi = _global_box(xb, yb, group)
     c = ((lo + hi) / 2).unsqueeze(-2)
     corners = torch.stack([lo, hi], -2)  # the bounding box of all points: max_cost checks overflow too
-    cmax = max_cost(corners, corners, m.cost, cdt)
+    cost = m.cost
+    assert isinstance(cost, Cost)  # Measures.build's: a built-in cost (points mode takes no other)
+    cmax = max_cost(corners, corners, cost, cdt)
     diameter = float((hi.amax(0) - lo.amin(0)).double().norm())
     fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(Measures)}
     fields.update(x=(xb - c).contiguous(), y=(yb - c).contiguous(), center=c, cmax=cmax)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NoReturn
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -14,6 +16,7 @@ from ..ops.dense import check_dense_budget
 from ..plan import DENSE_PLAN_LIMIT, LazyPlan
 from ..results import OTResult
 from .group import check_same
+from .points import PointsMeasures
 
 
 class PointsPlan(LazyPlan):
@@ -29,10 +32,17 @@ class PointsPlan(LazyPlan):
         return nm if not self._m.batched else (self._m.x.shape[0], *nm)
 
     @property
+    def _points(self) -> PointsMeasures:
+        """The plan's measures: a points-sharded plan is built on :class:`PointsMeasures` only."""
+        m = self._m
+        assert isinstance(m, PointsMeasures)
+        return m
+
+    @property
     def T(self) -> PointsPlan:
         return PointsPlan(self._m, self._f, self._g, self.eps, transposed=not self._t, numpy=self._numpy)
 
-    def sum(self, axis: int | None = None):
+    def sum(self, axis: int | None = None) -> Tensor | np.ndarray:
         """``sum_ij P_ij`` over all ranks (``axis=None``), else this rank's column / row sums."""
         if axis is None:
             return self._finish(self._m.reduce(self._apply_raw(self._ones())[..., 0].sum(-1)))
@@ -42,7 +52,7 @@ class PointsPlan(LazyPlan):
         """``<C, P>`` over all ranks, (B,)."""
         return self._m.reduce(super().cost_sum())
 
-    def __array__(self, dtype=None, copy=None):
+    def __array__(self, dtype: object = None, copy: bool | None = None) -> NoReturn:
         raise NotImplementedError(
             "np.asarray(plan): not available for a points-sharded plan (shard='points': "
             "each rank holds a slice of the rows); plan.to_dense() gives this rank's rows, "
@@ -51,15 +61,15 @@ class PointsPlan(LazyPlan):
 
     def _columns(self) -> tuple[int, list[int]]:
         """``(M, offsets)``: the columns of the plan (over all ranks) and where each rank's block starts."""
-        c = self._m.counts[0 if self._t else 1]
+        c = self._points.counts[0 if self._t else 1]
         return sum(c), [sum(c[:r]) for r in range(len(c))]
 
     def _agree(self, error: Exception | None, **fields) -> None:
         """Raise on every rank if one rank's arguments were rejected or ``fields`` differ (before a ring
         pass, which would otherwise wait for the rank that raised)."""
-        check_same(self._m.group, fields, error, what="options")
+        check_same(self._points.group, fields, error, what="options")
 
-    def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT):
+    def to_dense(self, max_elems: int = DENSE_PLAN_LIMIT) -> Tensor | np.ndarray:
         """THIS rank's rows of ``P`` over all columns: (n_r, M) (or (B, n_r, M)), ``P_ij = exp(alpha_i +
         beta_j - C(x_i, y_j) / eps)``, the single process's rows of this rank's points.  A collective (one
         ring pass of the column blocks: points and ``beta``): call it on every rank.  ``max_elems`` bounds
@@ -90,7 +100,7 @@ class PointsPlan(LazyPlan):
             parts = self._m.engine.ring_visit("to_dense", [y, beta.unsqueeze(-1)], block, lambda acc, o: acc + o)
         return self._finish(torch.cat([P for _, P in sorted(parts, key=lambda t: t[0])], -1))
 
-    def topk(self, k: int):
+    def topk(self, k: int) -> tuple[Tensor | np.ndarray, Tensor | np.ndarray]:
         """The ``k`` largest entries of each of THIS rank's rows over all columns, and their (global)
         column indices: (n_r, k) (or (B, n_r, k)), sorted in decreasing order (the single process's rows
         of this rank's points).  A collective: one ring pass of the column blocks, each rank keeping a

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.base import Capability, Engine
-from .group import MOD, GroupEngine, bits_checksum, check_group, check_same, fold
+from ..costs import CostLike
+from ..measures import Measures
+from ..ops.base import Capability, Engine, Weight
+from .group import MOD, GroupEngine, bits_checksum, check_group, check_same, fold, refuse_keywords
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _OPS = {"softmin": 1, "plan_product": 2, "softmin_pair": 3, "softmin_alt": 4, "softmin_sym": 5}
 _OP_NAMES = {v: k for k, v in _OPS.items()}
@@ -21,6 +26,29 @@ _HEADER = 3  # op, call number, input checksum
 
 # the fused steps that shard by even row slices (each kept when the inner engine declares it)
 _SHARDED_FUSED = frozenset({Capability.SOFTMIN_PAIR, Capability.SOFTMIN_ALT, Capability.EXPECT_REUSE})
+
+
+class _RowRanges(Protocol):
+    """The primitives of an engine that declares ``Capability.ROW_RANGES``: they also take ``rows=(lo, hi)``,
+    the output rows to compute (of the whole clouds)."""
+
+    def softmin(
+        self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, *, rows: tuple[int, int]
+    ) -> Tensor: ...
+
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: CostLike,
+        weight: Weight = "plan",
+        *,
+        rows: tuple[int, int],
+    ) -> Tensor: ...
 
 
 class ShardedEngine(GroupEngine):
@@ -41,12 +69,18 @@ class ShardedEngine(GroupEngine):
 
     label = "sharded"
 
-    def __init__(self, inner: Engine, group):
+    def __init__(self, inner: Engine, group: ProcessGroup) -> None:
         own_rows = inner.supports(Capability.ROW_RANGES)  # the inner engine picks the slices (whole row blocks)
         fused = frozenset() if own_rows else inner.capabilities & _SHARDED_FUSED  # fused forms: even slices
         super().__init__(inner, fused | {Capability.SOFTMIN_SYM}, group)
         self._slices: OrderedDict = OrderedDict()
         self._own_rows = own_rows
+
+    @property
+    def _own(self) -> _RowRanges:
+        """``inner`` with its ``rows=`` keyword: only where it declares ``Capability.ROW_RANGES`` (``_own_rows``)."""
+        assert self._own_rows
+        return cast(_RowRanges, self.inner)
 
     # -- slices ---------------------------------------------------------------------
     def bounds(self, n: int, rank: int | None = None) -> tuple[int, int]:
@@ -156,17 +190,31 @@ class ShardedEngine(GroupEngine):
         return -eps * torch.logsumexp(-parts / eps, dim=0)
 
     # -- the contract ---------------------------------------------------------------------
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, **kw: Any) -> Tensor:
+        refuse_keywords("sharded", kw)
         return self._softmin("softmin", x, y, h, eps, cost, (x, y, h))
 
-    def _softmin(self, op: str, x: Tensor, y: Tensor, h: Tensor, eps: float, cost, inputs: tuple) -> Tensor:
-        def even(xr):
+    def _softmin(self, op: str, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, inputs: tuple) -> Tensor:
+        def even(xr: Tensor | None) -> Tensor:
             return x.new_full((x.shape[0], 0), math.inf) if xr is None else self.inner.softmin(xr, y, h, eps, cost)
 
-        return self._row_call(op, x, y, inputs, even, lambda rows: self.inner.softmin(x, y, h, eps, cost, rows=rows))
+        return self._row_call(op, x, y, inputs, even, lambda rows: self._own.softmin(x, y, h, eps, cost, rows=rows))
 
-    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
-        def even(xr):
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: CostLike,
+        weight: Weight = "plan",
+        **kw: Any,
+    ) -> Tensor:
+        refuse_keywords("sharded", kw)
+
+        def even(xr: Tensor | None) -> Tensor:
             if xr is None:
                 return V.new_zeros((x.shape[0], 0, V.shape[-1]))
             return self.inner.plan_product(xr, y, self._vec(alpha), beta, eps, V, cost, weight)
@@ -177,7 +225,7 @@ class ShardedEngine(GroupEngine):
             y,
             (x, y, alpha, beta, V),
             even,
-            lambda rows: self.inner.plan_product(x, y, alpha, beta, eps, V, cost, weight, rows=rows),
+            lambda rows: self._own.plan_product(x, y, alpha, beta, eps, V, cost, weight, rows=rows),
         )
 
     def _fused(self, op: str, x, y, hx, hy, eps, call) -> tuple[Tensor, Tensor]:
@@ -190,28 +238,35 @@ class ShardedEngine(GroupEngine):
         f, parts = self._exchange(op, [(fr, self._spans(x.shape[1]))], [gp.contiguous()], (x, y, hx, hy))
         return f, self._lse_combine(parts, eps)
 
-    def softmin_pair(self, x, y, hx, hy, eps, cost):
+    def softmin_pair(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike
+    ) -> tuple[Tensor, Tensor]:
         return self._fused(
             "softmin_pair", x, y, hx, hy, eps, lambda xr, hr: self.inner.softmin_pair(xr, y, hr, hy, eps, cost)
         )
 
-    def softmin_alt(self, x, y, ha, hy, eps, cost, lam=1.0):
+    def softmin_alt(
+        self, x: Tensor, y: Tensor, ha: Tensor, hy: Tensor, eps: float, cost: CostLike, lam: float = 1.0
+    ) -> tuple[Tensor, Tensor]:
         return self._fused(
             "softmin_alt", x, y, ha, hy, eps, lambda xr, hr: self.inner.softmin_alt(xr, y, hr, hy, eps, cost, lam)
         )
 
-    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost) -> Tensor:
+    def softmin_sym(self, x: Tensor, h: Tensor, eps: float, cost: CostLike) -> Tensor:
         return self._softmin("softmin_sym", x, x, h, eps, cost, (x, h))
 
-    def expect_reuse(self, x: Tensor, y: Tensor, cost) -> None:
+    def expect_reuse(self, x: Tensor, y: Tensor, cost: CostLike) -> None:
         lo, hi = self.bounds(x.shape[1])
         if hi > lo and self.supports(Capability.EXPECT_REUSE):  # the inner engine takes it, even slices
             self.inner.expect_reuse(self._rows(x), y, cost)
 
 
 def distribute_measures(
-    m, group, options: dict[str, Any] | None = None, names: tuple[str, str, str, str] = ("x", "y", "α", "β")
-):
+    m: Measures,
+    group: ProcessGroup,
+    options: dict[str, Any] | None = None,
+    names: tuple[str, str, str, str] = ("x", "y", "α", "β"),
+) -> Measures:
     """Check that every rank of ``group`` holds the same problem, then shard ``m``'s engine (in place).
 
     Compared: the shapes, dtypes and bits of the (centred) points and of the weights, the cost, the

@@ -3,12 +3,19 @@ side's blocks travel around the ring of ranks (see :mod:`flashot.distributed`)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.base import Capability, Engine
-from .group import MOD, GroupEngine
+from ..costs import CostLike
+from ..ops.base import Capability, Engine, Weight
+from .group import MOD, GroupEngine, refuse_keywords
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _RING_OPS = {"softmin": 1, "plan_product": 2, "softmin_pair": 3, "to_dense": 4, "topk": 5}
 
@@ -35,7 +42,7 @@ class RingEngine(GroupEngine):
 
     label = "ring"
 
-    def __init__(self, inner: Engine, group):
+    def __init__(self, inner: Engine, group: ProcessGroup) -> None:
         super().__init__(inner, (inner.capabilities & {Capability.SOFTMIN_PAIR}) | {Capability.RING_VISIT}, group)
         self._next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
@@ -109,14 +116,16 @@ class RingEngine(GroupEngine):
             q.wait()
         self.stats["bytes"] += nxt.numel() * nxt.element_size()
 
-    def _ring(self, op: str, parts: list[Tensor], fn, combine) -> Tensor:
+    def _ring(
+        self, op: str, parts: list[Tensor], fn: Callable[..., Tensor], combine: Callable[[Tensor, Tensor], Tensor]
+    ) -> Tensor:
         """``combine`` over the ranks' blocks of ``fn(*block)``, ``parts`` = this rank's (B, m_r, w) block.
         Hop ``k`` sends the block held to rank + 1 and receives rank - k - 1's while ``fn`` runs."""
         lens = self._header(op, parts)
         if self.world == 1:
             return fn(*parts)
         buf, nxt, cap = self._packed(parts, lens)
-        acc = None
+        acc: Tensor | None = None
         for step in range(self.world):
             more = step < self.world - 1
             if more:
@@ -127,9 +136,12 @@ class RingEngine(GroupEngine):
             if more:
                 self._arrived(reqs, nxt)
                 buf, nxt = nxt, buf
+        assert acc is not None  # world >= 2 blocks combined
         return acc
 
-    def ring_visit(self, op: str, parts: list[Tensor], fn, combine):
+    def ring_visit(
+        self, op: str, parts: list[Tensor], fn: Callable[..., Tensor], combine: Callable[[Tensor, Tensor], Tensor]
+    ) -> Tensor:
         """:meth:`_ring` with ``fn(src, *block)``, ``src`` the rank whose block it is (the blocks arrive in
         the order rank, rank - 1, ..., rank + 1): for results that depend on the block's place (its
         global column indices)."""
@@ -137,15 +149,18 @@ class RingEngine(GroupEngine):
         return self._ring(op, parts, lambda *blk: fn((self.rank - next(steps)) % self.world, *blk), combine)
 
     # -- the contract ---------------------------------------------------------------------
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, **kw: Any) -> Tensor:
         """This rank's rows of ``-eps log sum_j exp(h_j - C(x_i, y_j) / eps)`` over every rank's block (y, h)."""
+        refuse_keywords("ring", kw)
 
         def part(yb, hb):
             return self.inner.softmin(x, yb, hb[..., 0], eps, cost)
 
         return self._ring("softmin", [y, h.unsqueeze(-1)], part, lambda acc, o: _lse2(acc, o, eps))
 
-    def softmin_pair(self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost) -> tuple[Tensor, Tensor]:
+    def softmin_pair(
+        self, x: Tensor, y: Tensor, hx: Tensor, hy: Tensor, eps: float, cost: CostLike
+    ) -> tuple[Tensor, Tensor]:
         """``(softmin(x, y, hy), softmin(y, x, hx))`` for this rank's rows of x and of y, in ONE ring pass:
         each y block travels with its potential and its partial column softmin, which every rank updates
         with its rows (the inner engine's fused ``softmin_pair``); after W hops each block is home, complete."""
@@ -168,8 +183,20 @@ class RingEngine(GroupEngine):
             self._slot(buf, parts, cap, 2)[:, :n, 0] = _lse2(acc[..., 0], gp, eps).to(buf.dtype)
         raise AssertionError("unreachable")
 
-    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: CostLike,
+        weight: Weight = "plan",
+        **kw: Any,
+    ) -> Tensor:
         """This rank's rows of ``sum_j exp(alpha_i + beta_j - C_ij / eps) W_ij V_j`` over every rank's block."""
+        refuse_keywords("ring", kw)
 
         def part(yb, bb, Vb):
             return self.inner.plan_product(x, yb, alpha, bb[..., 0], eps, Vb, cost, weight)

@@ -4,18 +4,22 @@ mode) and :func:`points_solve` (``shard="points"``), and the choice of the mode 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..driver import check_init, solve_measures
+from ..costs import Cost
+from ..driver import SolveOptions, check_init, solve_measures
 from ..measures import Measures
 from .group import bits_checksum, check_group
 from .points import points_measures
 from .points_result import PointsOTResult, points_result
 from .replicated import distribute_measures
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 SHARDS = ("replicated", "points")
 
@@ -28,7 +32,7 @@ def pick_shard(n: int, m: int, d: int, dtype: torch.dtype = torch.float32, budge
     return "replicated" if size <= budget_bytes else "points"
 
 
-def check_shard(shard: str, group) -> str:
+def check_shard(shard: str, group: ProcessGroup | None) -> str:
     """``shard`` must name a mode of :data:`SHARDS`; ``"points"`` needs a process group."""
     if not isinstance(shard, str) or shard not in SHARDS:
         raise ValueError(f"shard: expected one of {SHARDS}, got {shard!r}")
@@ -84,7 +88,13 @@ def _rank_options(opts, group):
     return replace(opts, callback=cb, verbose=opts.verbose and dist.get_rank(group) == 0)
 
 
-def distribute_solve(m, opts, group, potentials_init=None, options: dict[str, Any] | None = None):
+def distribute_solve(
+    m: Measures,
+    opts: SolveOptions,
+    group: ProcessGroup,
+    potentials_init: tuple[Any, Any] | None = None,
+    options: dict[str, Any] | None = None,
+) -> SolveOptions:
     """:func:`flashot.solve_sample`'s hook: check the problem and the options (plus ``options``, name ->
     value) across ranks, shard the engine, make the callback's stop decision collective and show the
     progress bar on rank 0 only.  Returns the options to solve with."""
@@ -101,7 +111,17 @@ def distribute_solve(m, opts, group, potentials_init=None, options: dict[str, An
 
 
 def points_solve(
-    X_a: Tensor, X_b: Tensor, a, b, *, cost, backend: str, opts, group, potentials_init=None, numpy: bool = False
+    X_a: Tensor,
+    X_b: Tensor,
+    a: Tensor | None,
+    b: Tensor | None,
+    *,
+    cost: str | Cost,
+    backend: str,
+    opts: SolveOptions,
+    group: ProcessGroup,
+    potentials_init: tuple[Any, Any] | None = None,
+    numpy: bool = False,
 ) -> PointsOTResult:
     """:func:`flashot.solve_sample` with ``shard="points"``: ONE problem whose points and weights are split
     over the ranks of ``group`` (this rank passes its slices); potentials, marginals and gradients are this
@@ -111,7 +131,9 @@ def points_solve(
     check_group(group)
     fields = {**_option_fields(opts), "potentials_init (given or not)": potentials_init is not None}
 
-    def build(x, y, a_, b_):  # inside points_measures: an error on one rank is raised on every rank
+    def build(
+        x: Tensor, y: Tensor, a_: Tensor | None, b_: Tensor | None
+    ) -> Measures:  # inside points_measures: an error on one rank is raised on every rank
         m = Measures.build(x, y, a_, b_, cost=cost, backend=backend, names=("a", "X_a", "b", "X_b"))
         if potentials_init is not None:  # this rank's slices of the potentials
             check_init(potentials_init, m)
@@ -119,5 +141,7 @@ def points_solve(
 
     m = points_measures(X_a, X_b, a, b, group=group, build=build, options=fields, names=("X_a", "X_b", "a", "b"))
     opts = _rank_options(opts, group)
-    m.implicit_diff = opts.implicit  # value_linear's gradient of an unbalanced solve (sinkhorn_value sets it else)
+    cast(
+        Any, m
+    ).implicit_diff = opts.implicit  # value_linear's gradient of an unbalanced solve (sinkhorn_value sets it else)
     return points_result(solve_measures(m, opts, potentials_init, numpy=numpy))

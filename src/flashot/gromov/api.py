@@ -4,16 +4,16 @@
 from __future__ import annotations
 
 from .balanced import solve_gw
-from .checks import Options, SROptions, check_alpha
+from .checks import ArrayLike, Options, SROptions, check_alpha
 from .results import GWResult
 from .semirelaxed import solve_semirelaxed
 
 
 def gromov_wasserstein(
-    X,
-    Y,
-    a=None,
-    b=None,
+    X: ArrayLike,
+    Y: ArrayLike,
+    a: ArrayLike | None = None,
+    b: ArrayLike | None = None,
     *,
     reg: float,
     loss_fun: str = "square_loss",
@@ -24,7 +24,7 @@ def gromov_wasserstein(
     warmstart: bool = True,
     backend: str = "auto",
     verbose: bool = False,
-    G0=None,
+    G0: ArrayLike | None = None,
     solver: str = "PGD",
 ) -> GWResult:
     r"""Entropic Gromov-Wasserstein between point clouds in different spaces, streamed.
@@ -83,12 +83,12 @@ def gromov_wasserstein(
 
 
 def fused_gromov_wasserstein(
-    X,
-    Y,
-    FX,
-    FY,
-    a=None,
-    b=None,
+    X: ArrayLike,
+    Y: ArrayLike,
+    FX: ArrayLike,
+    FY: ArrayLike,
+    a: ArrayLike | None = None,
+    b: ArrayLike | None = None,
     *,
     reg: float,
     alpha: float = 0.5,
@@ -100,7 +100,7 @@ def fused_gromov_wasserstein(
     warmstart: bool = True,
     backend: str = "auto",
     verbose: bool = False,
-    G0=None,
+    G0: ArrayLike | None = None,
     solver: str = "PGD",
 ) -> GWResult:
     r"""Entropic fused Gromov-Wasserstein, streamed: POT's ``ot.gromov.entropic_fused_gromov_wasserstein``.
@@ -131,9 +131,9 @@ def fused_gromov_wasserstein(
 
 
 def semirelaxed_gromov_wasserstein(
-    X,
-    Y,
-    a=None,
+    X: ArrayLike,
+    Y: ArrayLike,
+    a: ArrayLike | None = None,
     *,
     reg: float,
     loss_fun: str = "square_loss",
@@ -141,7 +141,7 @@ def semirelaxed_gromov_wasserstein(
     tol: float = 1e-9,
     backend: str = "auto",
     verbose: bool = False,
-    G0=None,
+    G0: ArrayLike | None = None,
 ) -> GWResult:
     r"""Entropic semi-relaxed Gromov-Wasserstein, streamed: POT's ``ot.gromov.entropic_semirelaxed_gromov_wasserstein``.
 
@@ -191,11 +191,11 @@ def semirelaxed_gromov_wasserstein(
 
 
 def semirelaxed_fused_gromov_wasserstein(
-    X,
-    Y,
-    FX,
-    FY,
-    a=None,
+    X: ArrayLike,
+    Y: ArrayLike,
+    FX: ArrayLike,
+    FY: ArrayLike,
+    a: ArrayLike | None = None,
     *,
     reg: float,
     alpha: float = 0.5,
@@ -204,7 +204,7 @@ def semirelaxed_fused_gromov_wasserstein(
     tol: float = 1e-9,
     backend: str = "auto",
     verbose: bool = False,
-    G0=None,
+    G0: ArrayLike | None = None,
 ) -> GWResult:
     r"""Entropic semi-relaxed fused GW, streamed: POT's ``ot.gromov.entropic_semirelaxed_fused_gromov_wasserstein``.
 

@@ -17,7 +17,7 @@ from ..costs import FeatureBilinearCost
 from ..driver import solve_measures, solve_options
 from ..measures import Measures, log_weights
 from ..ops import get_engine
-from .checks import Options, check_inputs
+from .checks import ArrayLike, Options, check_inputs
 from .features import (
     CHECK_EVERY,
     NOISE_RTOL,
@@ -37,7 +37,9 @@ from .results import GWPlan, GWResult
 class GWRun:
     """The state of the outer loop of :func:`solve_gw`."""
 
-    prev: tuple | None = None  # (measures, f, g, GW block of M) of the last coupling; None: a b^T
+    prev: tuple[Measures, Tensor, Tensor, Tensor] | None = (
+        None  # (measures, f, g, GW block of M) of the last coupling; None: a b^T
+    )
     res: Any = None  # the last inner OTResult
     cpt: int = 0
     n_inner: int = 0
@@ -53,18 +55,22 @@ class GWProblem:
     """The fixed parts of a balanced (fused) GW solve: features and biases (float64), the engine, the augmented
     points and the weights (compute dtype); ``FX = FY = None`` for plain GW."""
 
-    def __init__(self, X: Tensor, Y: Tensor, a: Tensor, b: Tensor, FX, FY, alpha: float, o: Options):
+    def __init__(
+        self, X: Tensor, Y: Tensor, a: Tensor, b: Tensor, FX: Tensor | None, FY: Tensor | None, alpha: float, o: Options
+    ) -> None:
         self.X, self.Y, self.FX, self.FY, self.alpha, self.reg = X, Y, FX, FY, alpha, o.reg
         self.fused = FX is not None
         self.cdt, self.dev = compute_dtype(X.dtype), X.device
         self.n, self.m = X.shape[0], Y.shape[0]
         self.a64, self.b64 = a.detach().double(), b.detach().double()
-        Ex, hx, Rx, Ey, hy, Ry, F, G = (None if t is None else t.detach() for t in self.features(False))
+        Ex, hx, Rx, Ey, hy, Ry, F, G = self.features(False)
+        Ex, hx, Rx, Ey, hy, Ry = Ex.detach(), hx.detach(), Rx.detach(), Ey.detach(), hy.detach(), Ry.detach()
+        F, G = (None, None) if F is None or G is None else (F.detach(), G.detach())
         self.Ex, self.hx, self.Rx, self.Ey, self.hy, self.Ry, self.F, self.G = Ex, hx, Rx, Ey, hy, Ry, F, G
         self.p, self.q = Ex.shape[1], Ey.shape[1]
         self.u, self.v = 2.0 * alpha * hx, 2.0 * alpha * hy  # biases of the linearised cost (POT: 2 constC)
         self.Phi, self.Psi = Ex, Ey  # the features of the cost
-        if self.fused:
+        if F is not None and G is not None:  # fused
             self.u, self.v = self.u + (1.0 - alpha) * (F * F).sum(-1), self.v + (1.0 - alpha) * (G * G).sum(-1)
             self.Phi, self.Psi = torch.cat([Ex, F], -1), torch.cat([Ey, G], -1)
         cost0, _, _ = self.make_cost(torch.zeros(self.p, self.q, dtype=torch.float64, device=self.dev))
@@ -83,7 +89,9 @@ class GWProblem:
         self.center = torch.zeros(1, 1, K, dtype=self.cdt, device=self.dev)
         self.Vy = self.right(Ey, hy, G).to(self.cdt).unsqueeze(0).contiguous()
 
-    def features(self, with_grad: bool) -> tuple:
+    def features(
+        self, with_grad: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
         """``(E_x, h_x, R_x, E_y, h_y, R_y, F, G)`` in float64 (small algebra and biases; the engines run in the
         compute dtype), differentiable w.r.t. the points and features when asked."""
         a64, b64 = self.a64, self.b64
@@ -93,12 +101,12 @@ class GWProblem:
             Yc = Y64 - (b64 @ Y64.detach() / b64.sum())
             Ex, hx, Rx = cloud_features(Xc, a64)
             Ey, hy, Ry = cloud_features(Yc, b64)
-            if self.fused:  # |F_i - G_j|^2 is translation invariant: a common centre for accuracy
-                F64, G64 = self.FX.double(), self.FY.double()
+            F: Tensor | None = None
+            G: Tensor | None = None
+            if self.FX is not None and self.FY is not None:  # fused: |F_i - G_j|^2 is translation invariant, a
+                F64, G64 = self.FX.double(), self.FY.double()  # common centre for accuracy
                 c = 0.5 * (a64 @ F64.detach() / a64.sum() + b64 @ G64.detach() / b64.sum())
                 F, G = F64 - c, G64 - c
-            else:
-                F = G = None
         return Ex, hx, Rx, Ey, hy, Ry, F, G
 
     def make_cost(self, A: Tensor) -> tuple[FeatureBilinearCost, Tensor, float]:
@@ -106,7 +114,7 @@ class GWProblem:
         p, q, alpha = self.p, self.q, self.alpha
         Mm = (-4.0 * alpha) * self.Rx @ A @ self.Ry.T  # the GW block (the only part that changes)
         Mf = Mm
-        if self.fused:
+        if self.F is not None:  # fused
             df = self.F.shape[1]
             Mf = torch.zeros(p + df, q + df, dtype=torch.float64, device=self.dev)
             Mf[:p, :q] = Mm
@@ -131,17 +139,17 @@ class GWProblem:
             bound,
         )
 
-    def right(self, Ey, hy, G) -> Tensor:
+    def right(self, Ey: Tensor, hy: Tensor, G: Tensor | None) -> Tensor:
         """``[E_y, h_y]`` (and ``[|G|^2, G]`` when fused): ``T @`` it gives ``A``, the value and the row sums."""
-        cols = [Ey, hy.unsqueeze(-1)] + ([(G * G).sum(-1, keepdim=True), G] if self.fused else [])
+        cols = [Ey, hy.unsqueeze(-1)] + ([(G * G).sum(-1, keepdim=True), G] if G is not None else [])
         return torch.cat(cols, -1)
 
-    def loss(self, Ex, hx, F, Q, r) -> tuple[Tensor, Tensor]:
+    def loss(self, Ex: Tensor, hx: Tensor, F: Tensor | None, Q: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
         """``(A, value)`` from ``Q = T @ right(...)`` and the row sums ``r = T 1``."""
         q = self.q
         A = Ex.T @ Q[:, :q]
         val = hx @ r + Q[:, q].sum() - 2.0 * (A * (self.Rx @ A @ self.Ry.T)).sum()
-        if self.fused:  # (1 - alpha) <|F_i - G_j|^2, T> + alpha GW
+        if F is not None:  # fused: (1 - alpha) <|F_i - G_j|^2, T> + alpha GW
             feat = (F * F).sum(-1) @ r + Q[:, q + 1].sum() - 2.0 * (F * Q[:, q + 2 :]).sum()
             val = self.alpha * val + (1.0 - self.alpha) * feat
         return A, val
@@ -162,7 +170,7 @@ class GWProblem:
         reg, a_log, b_log = self.reg, self.a_log, self.b_log
         return plan_inner(self.engine, self.xs, self.ys, 2 * (f / reg + a_log), 2 * (g / reg + b_log), reg / 2, mm.cost)
 
-    def dot(self, m1: Measures, f1, g1, m2: Measures, f2, g2) -> float:
+    def dot(self, m1: Measures, f1: Tensor, g1: Tensor, m2: Measures, f2: Tensor, g2: Tensor) -> float:
         """``<T1, T2>``: a plan product with the mean of the two (feature-bilinear) costs at eps / 2."""
         reg, a_log, b_log = self.reg, self.a_log, self.b_log
         return plan_inner(
@@ -175,7 +183,9 @@ class GWProblem:
             mean_cost(m1.cost, m2.cost),
         )
 
-    def small_change(self, mm: Measures, f, g, M1, f2, g2, M2) -> tuple[float, float]:
+    def small_change(
+        self, mm: Measures, f: Tensor, g: Tensor, M1: Tensor, f2: Tensor, g2: Tensor, M2: Tensor
+    ) -> tuple[float, float]:
         """``(sum_ij T_ij^2 d_ij^2, its rounding error)`` with ``T2 = T exp(d)``: ``|T2 - T|_F^2`` to second order
         in ``d``, one plan product of ``T^2`` with ``z (x) z``.  ``d_ij = (df_i + dg_j - <E_x,i dM, E_y,j>) / eps =
         <w_i, z_j>`` is written as ``alpha_i + beta_j + <p_i, zc_j>`` with ``zc`` the non-constant features of
@@ -183,7 +193,7 @@ class GWProblem:
         the potentials' gauge (a constant that one inner solve moves from ``g`` to ``f``) is taken out of both, so
         that the terms of the quadratic form cancel as little as they can (:func:`quadratic_form`)."""
         reg, n, m, dev = self.reg, self.n, self.m, self.dev
-        one = dict(dtype=torch.float64, device=dev)
+        one: dict[str, Any] = dict(dtype=torch.float64, device=dev)
         Wr = self.Ex @ (M2 - M1)  # (n, q): the cost's change is <Wr_i, E_y,j>, E_y = [1, |y|^2, y]
         zbar = self.b64 @ self.Ey[:, 1:] / self.b64.sum()
         zc = self.Ey[:, 1:] - zbar
@@ -200,7 +210,15 @@ class GWProblem:
             )
         return quadratic_form(w, R[0].double().reshape(n, k, k), self.cdt)
 
-    def change(self, mm: Measures, f: Tensor, g: Tensor, Mm: Tensor, bound: float, prev) -> tuple[float, float, float]:
+    def change(
+        self,
+        mm: Measures,
+        f: Tensor,
+        g: Tensor,
+        Mm: Tensor,
+        bound: float,
+        prev: tuple[Measures, Tensor, Tensor, Tensor] | None,
+    ) -> tuple[float, float, float]:
         """``(|T - T_prev|_F, floor, |T|_F)`` from plan products: ``|T|^2 + |T_prev|^2 - 2 <T, T_prev>``, or the second-order
         form (:meth:`small_change`) below ``SMALL_CHANGE |T|_F`` and wherever the expansion's estimated rounding
         error exceeds ``NOISE_RTOL`` of it and the second-order form's is the smaller (float32 at large n: the
@@ -246,7 +264,9 @@ class GWProblem:
             t is not None and t.requires_grad for t in (self.X, self.Y, self.FX, self.FY)
         ):
             Ex_g, hx_g, _, Ey_g, hy_g, _, F_g, G_g = self.features(True)
-            Q = plan.apply(self.right(Ey_g, hy_g, G_g).to(self.cdt)).double()  # differentiable in V (transposed)
+            Q = plan.apply(self.right(Ey_g, hy_g, G_g).to(self.cdt))  # differentiable in V (transposed)
+            assert isinstance(Q, Tensor)  # a torch V gives a tensor (numpy inputs never require grad)
+            Q = Q.double()
             return self.loss(Ex_g, hx_g, F_g, Q, Q[:, 0].detach())[1]  # Q[:, 0] = T 1, a constant
         return self.stats(mm, f, g)[1]
 
@@ -310,7 +330,8 @@ def gw_loop(pb: GWProblem, o: Options) -> GWRun:
                     flush=True,
                 )
             run.cpt += 1
-            if run.stop_at is not None and run.cpt % CHECK_EVERY == 1 and run.err <= run.stop_at:
+            stop_at, err = run.stop_at, run.err  # both set by the same check
+            if stop_at is not None and err is not None and run.cpt % CHECK_EVERY == 1 and err <= stop_at:
                 run.converged = True
                 break
     if not run.converged and run.stop_at is None and run.err is not None:
@@ -321,7 +342,16 @@ def gw_loop(pb: GWProblem, o: Options) -> GWRun:
     return run
 
 
-def solve_gw(X, Y, a, b, FX, FY, alpha: float, opts: Options) -> GWResult:
+def solve_gw(
+    X: ArrayLike,
+    Y: ArrayLike,
+    a: ArrayLike | None,
+    b: ArrayLike | None,
+    FX: ArrayLike | None,
+    FY: ArrayLike | None,
+    alpha: float,
+    opts: Options,
+) -> GWResult:
     """(Fused) GW with the options of the public functions; ``FX = FY = None`` for plain GW."""
     o = opts.checked()
     X, Y, a, b, FX, FY, is_np = check_inputs(X, Y, a, b, FX, FY)
@@ -336,6 +366,7 @@ def solve_gw(X, Y, a, b, FX, FY, alpha: float, opts: Options) -> GWResult:
             RuntimeWarning,
             stacklevel=2,
         )
+    assert run.prev is not None  # max_iter >= 1 outer steps ran
     mm, f, g, _ = run.prev
     plan = GWPlan(
         mm, f, g, o.reg, (X.detach().to(pb.cdt).unsqueeze(0), Y.detach().to(pb.cdt).unsqueeze(0)), numpy=is_np

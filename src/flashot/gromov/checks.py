@@ -20,15 +20,19 @@ from .._checks import (
     to_tensor,
 )
 
+# What the public GW functions take as points, features and weights: torch tensors or numpy arrays (results in kind)
+ArrayLike = Tensor | np.ndarray
 
-def check_alpha(alpha) -> float:
+
+def check_alpha(alpha: object) -> float:
     """``alpha`` of the fused solvers as a float in [0, 1] (the weight of the GW term)."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"alpha: expected a number in [0, 1] (the weight of the GW term), got {alpha!r}")
     return float(alpha)
 
 
-def check_cloud(name: str, x) -> Tensor:
+def check_cloud(name: str, x: object) -> Tensor:
+    """``x`` as a finite floating-point tensor of shape (N, D), N and D >= 1 (clear errors otherwise)."""
     x = to_tensor(name, x)
     if not isinstance(x, Tensor) or x.dtype not in FLOATS:
         raise TypeError(
@@ -97,7 +101,15 @@ class Options:
         )
 
 
-def check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
+def check_inputs(
+    X: ArrayLike,
+    Y: ArrayLike,
+    a: ArrayLike | None,
+    b: ArrayLike | None,
+    FX: ArrayLike | None,
+    FY: ArrayLike | None,
+    semirelaxed: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, bool]:
     """Validated ``(X, Y, a, b, FX, FY, is_np)`` (clear errors before any work); ``FX = FY = None`` for plain GW,
     ``b`` uniform when ``semirelaxed`` (no second marginal)."""
     is_np = isinstance(X, np.ndarray)
@@ -108,10 +120,12 @@ def check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
         raise TypeError(f"X and Y: expected the same dtype, got {X.dtype} and {Y.dtype}")
     if X.device != Y.device:
         raise ValueError(f"X and Y: are on different devices ({X.device} and {Y.device})")
+    Fx: Tensor | None = None  # the features, checked (None: plain GW)
+    Fy: Tensor | None = None
     if FX is not None:
         if isinstance(FX, np.ndarray) != is_np or isinstance(FY, np.ndarray) != is_np:
             raise TypeError("FX and FY: give them as the points (torch tensors or numpy arrays)")
-        FX, FY = check_cloud("FX", FX), check_cloud("FY", FY)
+        Fx, Fy = FX, FY = check_cloud("FX", FX), check_cloud("FY", FY)
         if FX.shape[0] != X.shape[0] or FY.shape[0] != Y.shape[0]:
             raise ValueError(
                 f"FX and FY: expected one feature vector per point ({X.shape[0]} and {Y.shape[0]}), "
@@ -140,7 +154,7 @@ def check_inputs(X, Y, a, b, FX, FY, semirelaxed: bool = False) -> tuple:
             f"a and b: Gromov-Wasserstein couples measures of equal total mass, got {ma:.6g} and "
             f"{mb:.6g}; normalise the weights"
         )
-    return X, Y, a, b, FX, FY, is_np
+    return X, Y, a, b, Fx, Fy, is_np
 
 
 @dataclass(frozen=True)

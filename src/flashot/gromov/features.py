@@ -11,7 +11,8 @@ import sys
 import torch
 from torch import Tensor
 
-from ..costs import FeatureBilinearCost
+from ..costs import CostLike, FeatureBilinearCost
+from ..ops.base import Engine
 from ..solver import FLOOR_CAP
 
 # POT reads the change of the coupling every CHECK_EVERY outer iterations (cpt % 10 == 0)
@@ -102,7 +103,9 @@ def quadratic_form(w: Tensor, R: Tensor, cdt: torch.dtype) -> tuple[float, float
     return float(torch.einsum("ik,ikl,il->", w, R, w)), torch.finfo(cdt).eps * float(b.norm())
 
 
-def plan_inner(engine, xs: Tensor, ys: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost) -> float:
+def plan_inner(
+    engine: Engine, xs: Tensor, ys: Tensor, alpha: Tensor, beta: Tensor, eps: float, cost: CostLike
+) -> float:
     """``sum_ij exp(alpha_i + beta_j - C_ij / eps)`` (one plan product with ones): with the summed log-weights of two
     plans at ``reg``, ``eps = reg / 2`` and their mean cost (:func:`mean_cost`) it is ``<T1, T2>``, and ``|T|_F^2``
     with doubled log-weights; both GW loops measure the change of the coupling from these."""
@@ -112,6 +115,8 @@ def plan_inner(engine, xs: Tensor, ys: Tensor, alpha: Tensor, beta: Tensor, eps:
     return float(r.double().sum())
 
 
-def mean_cost(c1: FeatureBilinearCost, c2: FeatureBilinearCost) -> FeatureBilinearCost:
-    """The mean of two feature-bilinear costs (itself feature-bilinear): ``T1 T2`` is a plan of it at ``reg / 2``."""
+def mean_cost(c1: CostLike, c2: CostLike) -> FeatureBilinearCost:
+    """The mean of two feature-bilinear costs (itself feature-bilinear): ``T1 T2`` is a plan of it at ``reg / 2``.
+    Typed as any cost because the GW loops pass their ``Measures.cost``, always a :class:`FeatureBilinearCost`."""
+    assert isinstance(c1, FeatureBilinearCost) and isinstance(c2, FeatureBilinearCost)
     return FeatureBilinearCost(0.5 * (c1.S + c2.S))

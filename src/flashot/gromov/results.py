@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from torch import Tensor
 
+from ..measures import Measures
 from ..plan import LazyPlan
 
 
@@ -64,7 +67,7 @@ class GWResult:
     _entropic: Any = field(default=None, repr=False)
 
     @property
-    def value_entropic(self):
+    def value_entropic(self) -> float:
         """``value + reg KL(T | a b^T)``: the entropic objective whose exact gradient ``value``'s
         gradient is (detached; streamed, one plan product).  ``NotImplementedError`` for the semi-relaxed solvers
         (mirror descent on the unregularised loss: no entropic objective)."""
@@ -86,7 +89,17 @@ class GWPlan(LazyPlan):
     Internally a plan over augmented feature points (:class:`~flashot.costs.FeatureBilinearCost`);
     :meth:`barycentric_map` maps onto the original coordinates of the other cloud."""
 
-    def __init__(self, m, f, g, eps, pts, *, transposed=False, numpy=False):
+    def __init__(
+        self,
+        m: Measures,
+        f: Tensor,
+        g: Tensor,
+        eps: float,
+        pts: tuple[Tensor, Tensor],
+        *,
+        transposed: bool = False,
+        numpy: bool = False,
+    ) -> None:
         super().__init__(m, f, g, eps, transposed=transposed, numpy=numpy)
         self._pts = pts  # (X, Y), (1, n, dx) / (1, m, dy), detached, compute dtype
 
@@ -94,7 +107,7 @@ class GWPlan(LazyPlan):
     def T(self) -> GWPlan:
         return GWPlan(self._m, self._f, self._g, self.eps, self._pts, transposed=not self._t, numpy=self._numpy)
 
-    def barycentric_map(self):
+    def barycentric_map(self) -> Tensor | np.ndarray:
         """``sum_j T_ij y_j / sum_j T_ij``: each point of ``X`` mapped into ``Y``'s space (N, dy) (``plan.T``:
         ``Y`` into ``X``'s space); rows of zero mass give NaN."""
         tgt = self._pts[0] if self._t else self._pts[1]

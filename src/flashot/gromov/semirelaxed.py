@@ -14,7 +14,7 @@ from torch import Tensor
 from ..costs import FeatureBilinearCost
 from ..measures import Measures, log_weights
 from ..ops import get_engine
-from .checks import SROptions, check_inputs
+from .checks import ArrayLike, SROptions, check_inputs
 from .features import (
     CHECK_EVERY,
     NOISE_RTOL,
@@ -46,7 +46,9 @@ class SRIterate:
 class SRProblem:
     """The fixed parts of a semi-relaxed (F)GW solve: features, engine, augmented points and weights."""
 
-    def __init__(self, X: Tensor, Y: Tensor, a: Tensor, FX, FY, alpha: float, o: SROptions):
+    def __init__(
+        self, X: Tensor, Y: Tensor, a: Tensor, FX: Tensor | None, FY: Tensor | None, alpha: float, o: SROptions
+    ) -> None:
         self.alpha, self.reg, self.fused = alpha, o.reg, FX is not None
         self.n, self.m = X.shape[0], Y.shape[0]
         # float64 whatever the inputs: the iterate's exponents accumulate every step's cost (|g| / reg grows
@@ -57,8 +59,8 @@ class SRProblem:
         self.X, self.Y, self.FX, self.FY = X, Y, FX, FY
         self.Ex, self.hx, self.Rx, self.Ey, self.Ry, self.Yc, self.F, self.G = self.features(False)
         self.p, self.q = self.Ex.shape[1], self.Ey.shape[1]
-        self.Phi = torch.cat([self.Ex, self.F], -1) if self.fused else self.Ex
-        self.Psi = torch.cat([self.Ey, self.G], -1) if self.fused else self.Ey
+        self.Phi = torch.cat([self.Ex, self.F], -1) if self.F is not None else self.Ex
+        self.Psi = torch.cat([self.Ey, self.G], -1) if self.G is not None else self.Ey
         P, Q = self.Phi.shape[1], self.Psi.shape[1]
         zero = torch.zeros(1, P, Q, dtype=torch.float64, device=self.dev)
         cost0, xs, ys = FeatureBilinearCost.pair(
@@ -75,10 +77,12 @@ class SRProblem:
         self.a_c = a.detach().to(self.cdt).unsqueeze(0)
         self.b_c = self.w_y.to(self.cdt).unsqueeze(0)
         self.a_log, self.b_log = log_weights(self.a_c), log_weights(self.b_c)
-        cols = [self.Ey] + ([self.G] if self.fused else [])
+        cols = [self.Ey] + ([self.G] if self.G is not None else [])
         self.Vy = torch.cat(cols, -1).to(self.cdt).unsqueeze(0).contiguous()  # T @ Vy: A (and T G)
 
-    def features(self, with_grad: bool) -> tuple:
+    def features(
+        self, with_grad: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
         """``(E_x, h_x, R_x, E_y, R_y, Y_c, F, G)`` in float64 (differentiable when asked): ``h_x`` with the weights
         ``a``; ``h_y`` depends on ``q`` and is computed per step (:func:`quartic` of ``Y_c``)."""
         with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
@@ -87,10 +91,11 @@ class SRProblem:
             Yc = Y64 - Y64.detach().mean(0)
             Ex, Rx = embed(Xc)
             Ey, Ry = embed(Yc)
-            F = G = None
-            if self.fused:  # |F_i - G_j|^2 is translation invariant: a common centre for accuracy
+            F: Tensor | None = None
+            G: Tensor | None = None
+            if self.FX is not None and self.FY is not None:  # fused: |F_i - G_j|^2 is translation invariant, a
                 F64, G64 = self.FX.double(), self.FY.double()
-                c = 0.5 * (self.a64 @ F64.detach() / self.a64.sum() + G64.detach().mean(0))
+                c = 0.5 * (self.a64 @ F64.detach() / self.a64.sum() + G64.detach().mean(0))  # common centre
                 F, G = F64 - c, G64 - c
             return Ex, quartic(Xc, self.a64), Rx, Ey, Ry, Yc, F, G
 
@@ -130,12 +135,14 @@ class SRProblem:
             Q = self.engine.plan_product(self.xs, self.ys, al, be, self.reg, self.Vy, it.mm.cost)[0].double()
         return q, Q
 
-    def loss(self, Ex, hx, hy, F, G, Q, q) -> tuple[Tensor, Tensor]:
+    def loss(
+        self, Ex: Tensor, hx: Tensor, hy: Tensor, F: Tensor | None, G: Tensor | None, Q: Tensor, q: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """``(A, value)``: ``A = E_x^T T E_y`` and POT's ``srgw_dist`` (``srfgw_dist`` when fused) from ``Q``, ``q``
         and ``h_y = sum_l q_l |y_j - y_l|^4``: ``<h_x, a> + <h_y, q> - 2 <A, R_x A R_y>`` (``T 1 = a``)."""
         A = Ex.T @ Q[:, : self.q]
         val = hx @ self.a64 + hy @ q - 2.0 * (A * (self.Rx @ A @ self.Ry.T)).sum()
-        if self.fused:  # (1 - alpha) <|F_i - G_j|^2, T> + alpha srGW
+        if F is not None and G is not None:  # fused: (1 - alpha) <|F_i - G_j|^2, T> + alpha srGW
             feat = (F * F).sum(-1) @ self.a64 + (G * G).sum(-1) @ q - 2.0 * (F * Q[:, self.q :]).sum()
             val = self.alpha * val + (1.0 - self.alpha) * feat
         return A, val
@@ -148,7 +155,7 @@ class SRProblem:
         dM = torch.zeros_like(it.M)
         dM[: self.p, : self.q] = (-4.0 * al) * self.Rx @ A @ self.Ry.T
         dv = 2.0 * al * hy
-        if self.fused:
+        if self.F is not None and self.G is not None:  # fused
             dM[self.p :, self.q :] = (
                 -2.0 * (1.0 - al) * torch.eye(self.F.shape[1], dtype=torch.float64, device=self.dev)
             )
@@ -219,11 +226,21 @@ class SRProblem:
         ):
             return self.loss(self.Ex, self.hx, quartic(self.Yc, q), self.F, self.G, Q, q)[1]
         Ex, hx, _, Ey, _, Yc, F, G = self.features(True)
-        Qg = plan.apply(torch.cat([Ey] + ([G] if self.fused else []), -1).to(self.cdt)).double()
+        Qg = plan.apply(torch.cat([Ey] + ([G] if G is not None else []), -1).to(self.cdt))
+        assert isinstance(Qg, Tensor)  # a torch V gives a tensor (numpy inputs never require grad)
+        Qg = Qg.double()
         return self.loss(Ex, hx, quartic(Yc, q), F, G, Qg, q)[1]
 
 
-def solve_semirelaxed(X, Y, a, FX, FY, alpha: float, opts: SROptions) -> GWResult:
+def solve_semirelaxed(
+    X: ArrayLike,
+    Y: ArrayLike,
+    a: ArrayLike | None,
+    FX: ArrayLike | None,
+    FY: ArrayLike | None,
+    alpha: float,
+    opts: SROptions,
+) -> GWResult:
     """Semi-relaxed (fused) GW: POT's mirror descent, each step one softmin and two plan products."""
     o = opts.checked()
     X, Y, a, _, FX, FY, is_np = check_inputs(X, Y, a, None, FX, FY, semirelaxed=True)
@@ -235,9 +252,11 @@ def solve_semirelaxed(X, Y, a, FX, FY, alpha: float, opts: SROptions) -> GWResul
         torch.zeros(1, pb.n, dtype=pb.cdt, device=pb.dev),
     )  # T = a 1^T / m
     q, Q = pb.marginal_and_products(it)
-    log = {"err": [], "value": [], "n_inner": []}
-    err, converged, cpt, t0 = None, False, 0, time.perf_counter()
-    stop_at, floor, norm = 0.0, 0.0, 1.0
+    log: dict[str, list] = {"err": [], "value": [], "n_inner": []}
+    err: float | None = None
+    converged, cpt, t0 = False, 0, time.perf_counter()
+    stop_at: float | None = 0.0
+    floor, norm = 0.0, 1.0
     name = "semirelaxed_fused_gromov_wasserstein" if pb.fused else "semirelaxed_gromov_wasserstein"
     while cpt < o.max_iter:
         hy = quartic(pb.Yc, q)
@@ -260,7 +279,7 @@ def solve_semirelaxed(X, Y, a, FX, FY, alpha: float, opts: SROptions) -> GWResul
                 flush=True,
             )
         cpt += 1
-        if cpt % CHECK_EVERY == 1 and stop_at is not None and err <= stop_at:
+        if cpt % CHECK_EVERY == 1 and stop_at is not None and err is not None and err <= stop_at:
             converged = True
             break
     if not converged and stop_at is None:

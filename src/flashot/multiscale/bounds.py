@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..clusters import Clusters
+from ..costs import CostLike
 from ..ops.cpu import abi
 from .hierarchies import Hierarchy
 from .linear import linear_model, segment_max
+
+
+class _Linear(NamedTuple):
+    """The linear-model terms of :class:`_Terms` (dot-product costs)."""
+
+    base: Tensor
+    beta: Tensor
+    bb: Tensor
+    bc: Tensor
+    shifted: Tensor
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,17 @@ class _Terms:
     bb: Tensor | None = None
     bc: Tensor | None = None
     shifted: Tensor | None = None
+
+    def linear(self) -> _Linear:
+        """The linear model's terms, present when :meth:`build` had the points and the dot-product scale."""
+        base, beta, bb, bc, shifted = self.base, self.beta, self.bb, self.bc, self.shifted
+        assert base is not None and beta is not None and bb is not None and bc is not None and shifted is not None
+        return _Linear(base, beta, bb, bc, shifted)
+
+    def rows(self, sel: slice) -> _Terms:
+        """The terms of the clusters ``sel``."""
+        rest = (None if t is None else t[sel] for t in (self.base, self.beta, self.bb, self.bc, self.shifted))
+        return _Terms(self.c[sel], self.r[sel], self.m[sel], *rest)
 
     @classmethod
     def build(cls, cl: Clusters, f: Tensor, pts: Tensor | None, s: float | None) -> _Terms:
@@ -55,26 +78,28 @@ def _linear_dense(X: _Terms, Y: _Terms, s: float) -> Tensor:
     + \langle\beta, d\rangle - |\beta|^2/4s - \langle\beta + \gamma, b\rangle`, bounded with ``|a - b| <=
     r_I + r_J`` and ``|b| <= r_J`` (and the same with the roles swapped; the larger bound is kept).
     Exact up to the radii for a transport by translation, where ``f`` and ``g`` are affine."""
-    bg = (X.bb[:, None] + Y.bb[None] + 2.0 * X.beta @ Y.beta.T).clamp_min(0.0).sqrt()  # |beta_I + gamma_J|
+    XL, YL = X.linear(), Y.linear()
+    bg = (XL.bb[:, None] + YL.bb[None] + 2.0 * XL.beta @ YL.beta.T).clamp_min(0.0).sqrt()  # |beta_I + gamma_J|
     rr = X.r[:, None] + Y.r[None]
-    gap1 = (torch.cdist(X.shifted, Y.c) - rr).clamp_min(0.0)
-    t1 = s * gap1 * gap1 + (X.bc[:, None] - X.beta @ Y.c.T) - (X.bb / (4 * s))[:, None] - bg * Y.r[None]
-    gap2 = (torch.cdist(X.c, Y.shifted) - rr).clamp_min(0.0)
-    t2 = s * gap2 * gap2 + (Y.bc[None] - X.c @ Y.beta.T) - (Y.bb / (4 * s))[None] - bg * X.r[:, None]
-    return -X.base[:, None] - Y.base[None] + torch.maximum(t1, t2)
+    gap1 = (torch.cdist(XL.shifted, Y.c) - rr).clamp_min(0.0)
+    t1 = s * gap1 * gap1 + (XL.bc[:, None] - XL.beta @ Y.c.T) - (XL.bb / (4 * s))[:, None] - bg * Y.r[None]
+    gap2 = (torch.cdist(X.c, YL.shifted) - rr).clamp_min(0.0)
+    t2 = s * gap2 * gap2 + (YL.bc[None] - X.c @ YL.beta.T) - (YL.bb / (4 * s))[None] - bg * X.r[:, None]
+    return -XL.base[:, None] - YL.base[None] + torch.maximum(t1, t2)
 
 
 def _linear_pairs(X: _Terms, Y: _Terms, s: float, I: Tensor, J: Tensor) -> Tensor:
     """:func:`_linear_dense` at the blocks ``(I[k], J[k])`` only."""
-    bI, gJ, cI, cJ = X.beta[I], Y.beta[J], X.c[I], Y.c[J]
+    XL, YL = X.linear(), Y.linear()
+    bI, gJ, cI, cJ = XL.beta[I], YL.beta[J], X.c[I], Y.c[J]
     bg = (bI + gJ).norm(dim=-1)
     rI, rJ = X.r[I], Y.r[J]
     rr = rI + rJ
-    gap1 = ((X.shifted[I] - cJ).norm(dim=-1) - rr).clamp_min(0.0)
-    t1 = s * gap1 * gap1 + X.bc[I] - (bI * cJ).sum(-1) - X.bb[I] / (4 * s) - bg * rJ
-    gap2 = ((cI - Y.shifted[J]).norm(dim=-1) - rr).clamp_min(0.0)
-    t2 = s * gap2 * gap2 + Y.bc[J] - (cI * gJ).sum(-1) - Y.bb[J] / (4 * s) - bg * rI
-    return -X.base[I] - Y.base[J] + torch.maximum(t1, t2)
+    gap1 = ((XL.shifted[I] - cJ).norm(dim=-1) - rr).clamp_min(0.0)
+    t1 = s * gap1 * gap1 + XL.bc[I] - (bI * cJ).sum(-1) - XL.bb[I] / (4 * s) - bg * rJ
+    gap2 = ((cI - YL.shifted[J]).norm(dim=-1) - rr).clamp_min(0.0)
+    t2 = s * gap2 * gap2 + YL.bc[J] - (cI * gJ).sum(-1) - YL.bb[J] / (4 * s) - bg * rI
+    return -XL.base[I] - YL.base[J] + torch.maximum(t1, t2)
 
 
 PRUNE_ROWS = 1024  # row clusters per chunk of dense bounds (memory O(PRUNE_ROWS Ky))
@@ -91,7 +116,9 @@ class BlockBounds:
     no block below that margin is missed).  :meth:`keep` thresholds them: in the C++ kernels
     (``prune.h``) where they load, else in PyTorch."""
 
-    def __init__(self, X: _Terms, Y: _Terms, cost, s: float | None, coarse: Tensor | None, parents: Hierarchy | None):
+    def __init__(
+        self, X: _Terms, Y: _Terms, cost: CostLike, s: float | None, coarse: Tensor | None, parents: Hierarchy | None
+    ) -> None:
         self.X, self.Y, self.cost, self.s, self.coarse, self.parents = X, Y, cost, s, coarse, parents
         self.Kx, self.Ky = X.c.shape[0], Y.c.shape[0]
 
@@ -102,7 +129,7 @@ class BlockBounds:
         cy: Clusters,
         f: Tensor,
         g: Tensor,
-        cost,
+        cost: CostLike,
         x: Tensor | None = None,
         y: Tensor | None = None,
         parents: Hierarchy | None = None,
@@ -120,7 +147,7 @@ class BlockBounds:
         lib = _cpu_lib() if self.X.c.device.type == "cpu" else None
         if lib is not None:
             return self._keep_native(lib, margin)
-        if self.coarse is None:
+        if self.coarse is None or self.parents is None:  # both given or neither (compute)
             rows = [self._dense(slice(r0, r0 + PRUNE_ROWS)) for r0 in range(0, self.Kx, PRUNE_ROWS)]
             B = torch.cat(rows)
             keep = B <= margin
@@ -149,13 +176,16 @@ class BlockBounds:
             return torch.cat(
                 [T.r[:, None], T.m[:, None], z[:, None], z[:, None], z[:, None], T.c, T.c.new_zeros(K, 2 * D)], 1
             ).contiguous()
+        L = T.linear()
         return torch.cat(
-            [T.r[:, None], T.m[:, None], T.base[:, None], T.bb[:, None], T.bc[:, None], T.c, T.beta, T.shifted], 1
+            [T.r[:, None], T.m[:, None], L.base[:, None], L.bb[:, None], L.bc[:, None], T.c, L.beta, L.shifted], 1
         ).contiguous()
 
     def _keep_native(self, lib, margin: float) -> Tensor:
         Kx, Ky, dev = self.Kx, self.Ky, self.X.c.device
-        if self.coarse is None:  # one coarse column over everything, coarse rows of FLAT_ROWS fine rows
+        if (
+            self.coarse is None or self.parents is None
+        ):  # one coarse column over everything, coarse rows of FLAT_ROWS fine rows
             px = torch.cat([torch.arange(0, Kx, FLAT_ROWS), torch.tensor([Kx])])
             py = torch.tensor([0, Ky])
             Kcx = px.numel() - 1
@@ -171,7 +201,7 @@ class BlockBounds:
         keep = torch.zeros(Kx, Ky, dtype=torch.uint8, device=dev)
         if self.s is not None:
             kind, lin, sc, minsq = 1, 1, float(self.s), 0.0
-        elif self.cost.is_dot:
+        elif self.cost.scale is not None:  # a dot-product cost (is_dot)
             kind, lin, sc, minsq = 1, 0, float(self.cost.scale), 0.0
         else:
             kind, lin, sc, minsq = 0, 0, 1.0, float(self.cost.min_sqdist)
@@ -199,7 +229,7 @@ class BlockBounds:
         return keep.bool()
 
     def _dense(self, rows: slice) -> Tensor:
-        Xr = _Terms(*(None if t is None else t[rows] for t in vars(self.X).values()))
+        Xr = self.X.rows(rows)
         Y = self.Y
         gap = (torch.cdist(Xr.c, Y.c) - Xr.r[:, None] - Y.r[None]).clamp_min(0.0)
         out = self.cost.from_sqdist(gap * gap) - Xr.m[:, None] - Y.m[None]
@@ -240,7 +270,7 @@ def prune(
     g: Tensor,
     eps: float,
     truncate: float | None,
-    cost,
+    cost: CostLike,
     x: Tensor | None = None,
     y: Tensor | None = None,
     parents: Hierarchy | None = None,

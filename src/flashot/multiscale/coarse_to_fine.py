@@ -4,6 +4,7 @@ that the bounds keep, re-pruned at every temperature (see :mod:`flashot.multisca
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -17,6 +18,9 @@ from .config import MultiscaleConfig, MultiscaleRun
 from .extrapolation import coarse_measures, extrapolated_state, points_measures
 from .fine import SUB_LEVELS, FineBlocks, fine_measures, with_patterns
 from .scales import cluster_scales, coarse_pays, jump_index, jump_threshold
+
+# iterations at one temperature on the fine measures: (measures, state) -> the new state
+FineLoop = Callable[[Measures, SinkhornState], SinkhornState]
 
 
 def multiscale_loop(
@@ -97,11 +101,12 @@ def multiscale_loop(
     return MultiscaleRun(fine, replace(state, eps=eps_list[-1]), cx, cy, kept, jump, hier, bounds, cfg.truncate, group)
 
 
-def continue_fine(run: MultiscaleRun, loop) -> MultiscaleRun:
+def continue_fine(run: MultiscaleRun, loop: FineLoop) -> MultiscaleRun:
     """More iterations at the last temperature on the pruned points: ``loop(fine_measures, state)`` -> the
     new state (e.g. the ordinary solver run to a tolerance), with the same a-posteriori check of the pruning
     as every temperature of :func:`multiscale_loop`."""
     eps, kept = run.state.eps, list(run.kept)
+    assert run.hier is not None  # multiscale_loop always leaves its fine blocks
     fine, state, bounds = _fine_level(
         run.m, run.hier, run.state, run.bounds, eps, loop, run.truncate, run.state.f_aa is not None, kept, run.group
     )
@@ -112,14 +117,14 @@ def _fine_level(
     fine: Measures,
     hier: FineBlocks,
     state: SinkhornState,
-    bounds,
+    bounds: list[BlockBounds] | None,
     level: float,
-    loop,
-    truncate,
+    loop: FineLoop,
+    truncate: float | None,
     debias: bool,
     kept: list[float],
     group: Any = None,
-):
+) -> tuple[Measures, SinkhornState, list[BlockBounds] | None]:
     """``loop(fine, state)`` (iterations at temperature ``level``) on the blocks whose ``bounds`` (from the
     potentials of ``state``) are within ``truncate * level``.  The bounds are then recomputed from the new
     potentials; where they keep a block that was dropped, the iterations run again on the union (once), so
@@ -133,7 +138,7 @@ def _fine_level(
             new = loop(fine, state)
         new_bounds = _bounds(fine, hier, new, level, truncate)
         after = _keeps(new_bounds, level, truncate)
-        if truncate is None or attempt == 1 or all(bool((a <= k).all()) for a, k in zip(after, keeps)):
+        if after is None or keeps is None or attempt == 1 or all(bool((a <= k).all()) for a, k in zip(after, keeps)):
             for w in caught:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             return fine, new, new_bounds
@@ -142,19 +147,21 @@ def _fine_level(
     raise AssertionError("unreachable")
 
 
-def _bounds(fine: Measures, h: FineBlocks, st: SinkhornState, eps: float, truncate) -> list[BlockBounds] | None:
+def _bounds(
+    fine: Measures, h: FineBlocks, st: SinkhornState, eps: float, truncate: float | None
+) -> list[BlockBounds] | None:
     """The :class:`BlockBounds` of the x-y problem and, when debiasing, of the x-x and y-y ones, from the
     potentials of ``st``, for margins up to ``truncate * eps`` (None: no pruning)."""
     if truncate is None:
         return None
     x0, y0, cost, margin = fine.x[0].detach(), fine.y[0].detach(), fine.cost, truncate * eps
     out = [BlockBounds.compute(h.cx, h.cy, st.f[0], st.g[0], cost, x0, y0, h.xy, margin)]
-    if st.f_aa is not None:
+    if st.f_aa is not None and st.g_bb is not None:  # debiasing: both or neither
         out.append(BlockBounds.compute(h.cx, h.cx, st.f_aa[0], st.f_aa[0], cost, x0, x0, h.xx, margin))
         out.append(BlockBounds.compute(h.cy, h.cy, st.g_bb[0], st.g_bb[0], cost, y0, y0, h.yy, margin))
     return out
 
 
-def _keeps(bounds: list[BlockBounds] | None, eps: float, truncate) -> list[Tensor] | None:
-    """The kept blocks at the margin ``truncate * eps`` (None: every block)."""
-    return None if bounds is None else [b.keep(truncate * eps) for b in bounds]
+def _keeps(bounds: list[BlockBounds] | None, eps: float, truncate: float | None) -> list[Tensor] | None:
+    """The kept blocks at the margin ``truncate * eps`` (None: every block; ``bounds`` is None without ``truncate``)."""
+    return None if bounds is None or truncate is None else [b.keep(truncate * eps) for b in bounds]

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..clusters import Clusters, cluster
+from ..costs import Cost
 from ..measures import Measures
 from ..ops import prepare_pair
 from ..ops import softmin as ops_softmin
@@ -20,7 +21,9 @@ from .linear import segment_max
 def coarse_measures(m: Measures, cx: Clusters, cy: Clusters, group: Any = None) -> Measures:
     """The centroids with the cluster weights, on the engine ``auto`` picks for their size (sharded over the
     ranks of ``group``, after checking that every rank has the same centroids)."""
-    mc = Measures.build(cx.centroids, cy.centroids, cx.weights, cy.weights, cost=m.cost, backend="auto")
+    cost = m.cost
+    assert isinstance(cost, Cost)  # multiscale runs the translation-invariant costs (check_multiscale)
+    mc = Measures.build(cx.centroids, cy.centroids, cx.weights, cy.weights, cost=cost, backend="auto")
     if group is not None:
         from ..distributed import distribute_measures
 
@@ -136,13 +139,13 @@ def _extrapolate_pruned(
 def extrapolated_state(
     fine: Measures,
     mc: Measures,
-    cx,
-    cy,
+    cx: Clusters,
+    cy: Clusters,
     st: SinkhornState,
     eps: float,
     debias: bool,
     group: Any = None,
-    rho: tuple = (None, None),
+    rho: tuple[float | None, float | None] = (None, None),
     prune: tuple[float, float | None] | None = None,
 ) -> SinkhornState:
     """Coarse potentials (cluster centroids) carried to the sorted points (one damped softmin each:
@@ -159,6 +162,7 @@ def extrapolated_state(
     g = _extrapolate(y, xc, mc.a_log, st.f, eps, ly, cost, group, py)
     f_aa = g_bb = None
     if debias:
+        assert st.f_aa is not None and st.g_bb is not None  # a debiased loop's state
         f_aa = _extrapolate(x, xc, mc.a_log, st.f_aa, eps, lx, cost, group, px)
         g_bb = _extrapolate(y, yc, mc.b_log, st.g_bb, eps, ly, cost, group, py)
     return replace(st, f=f, g=g, f_aa=f_aa, g_bb=g_bb)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..clusters import Clusters
 from ..measures import Measures, log_weights
+from ..ops.base import Engine
 from ..ops.blocksparse import BlockPattern, BlockSparseEngine
 from ..ops.tile_rule import TilePruning
 from .hierarchies import Hierarchy, hierarchy
@@ -74,7 +75,7 @@ def with_patterns(
     if truncate is not None and TILE_PRUNING:
         key = BlockSparseEngine.cloud_key
         tiles = TilePruning({key(x): fine.a_log[0].detach(), key(y): fine.b_log[0].detach()}, truncate)
-    engine = BlockSparseEngine(pats, tiles=tiles)
+    engine: Engine = BlockSparseEngine(pats, tiles=tiles)
     if group is not None:
         from ..distributed import ShardedEngine
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, overload
 
 import torch
 from torch import Tensor
 
+from ..costs import CostLike
 from ..measures import Measures
-from ..ops.base import Engine, ForwardingEngine
+from ..ops.base import Engine, ForwardingEngine, Weight
 from ..ops.blocksparse import BlockSparseEngine
 from ..solver import SinkhornState
 from .config import MultiscaleRun
@@ -32,10 +34,10 @@ class InputOrderEngine(ForwardingEngine):
         key = BlockSparseEngine.cloud_key
         self._sides = {key(x): (xs, px, inv[0]), key(y): (ys, py, inv[1])}
 
-    def unsupported(self, device, dtype, cost):
+    def unsupported(self, device: torch.device, dtype: torch.dtype, cost: CostLike) -> str | None:
         return None
 
-    def _side(self, t: Tensor):
+    def _side(self, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         hit = self._sides.get(BlockSparseEngine.cloud_key(t))
         if hit is None:
             raise RuntimeError(
@@ -44,15 +46,39 @@ class InputOrderEngine(ForwardingEngine):
             )
         return hit
 
-    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost) -> Tensor:
+    def softmin(self, x: Tensor, y: Tensor, h: Tensor, eps: float, cost: CostLike, **kw: Any) -> Tensor:
+        _no_row_ranges(kw)
         (xs, _, ix), (ys, py, _) = self._side(x), self._side(y)
         return self.inner.softmin(xs, ys, h[:, py], eps, cost)[:, ix]
 
-    def plan_product(self, x, y, alpha, beta, eps, V, cost, weight="plan"):
+    def plan_product(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        beta: Tensor,
+        eps: float,
+        V: Tensor,
+        cost: CostLike,
+        weight: Weight = "plan",
+        **kw: Any,
+    ) -> Tensor:
+        _no_row_ranges(kw)
         (xs, px, ix), (ys, py, _) = self._side(x), self._side(y)
         return self.inner.plan_product(xs, ys, alpha[:, px], beta[:, py], eps, V[:, py], cost, weight)[:, ix]
 
 
+def _no_row_ranges(kw: dict[str, Any]) -> None:
+    """The keywords of the primitives (``rows=``) are for engines that declare ``Capability.ROW_RANGES``; this
+    one does not."""
+    if kw:
+        raise TypeError(f"multiscale engine: unexpected keyword arguments {sorted(kw)}")
+
+
+@overload
+def unsort(t: Tensor, perm: Tensor) -> Tensor: ...
+@overload
+def unsort(t: None, perm: Tensor) -> None: ...
 def unsort(t: Tensor | None, perm: Tensor) -> Tensor | None:
     """Values of sorted points (B, N) back in the input order: ``out[:, perm] = t`` (None stays None)."""
     return None if t is None else torch.empty_like(t).index_copy_(-1, perm, t)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from ..clusters import Clusters, block_scale, coarse_scale, default_cluster_scale
+from ..costs import CostLike
 from ..measures import Measures
 from ..schedules import epsilon_scaling
 
@@ -27,18 +28,18 @@ def jump_index(eps_list: list[float], threshold: float) -> int:
     return max(len(eps_list) - 2, 0)
 
 
-def jump_threshold(cost, scale: float, p: int) -> float:
+def jump_threshold(cost: CostLike, scale: float, p: int) -> float:
     """GeomLoss' ``cluster_scale^p`` in the units of ``cost``: ``2 s scale^2`` for ``s |x - y|^2`` (GeomLoss'
     ``|x - y|^2 / 2`` gives ``scale^2``), ``scale`` for ``|x - y|``."""
-    return scale**p * (2.0 * cost.scale if cost.is_dot else 1.0)
+    return scale**p * (2.0 * cost.scale if cost.scale is not None else 1.0)  # scale is set <=> is_dot
 
 
-def prune_radius(cost, eps: float, truncate: float | None) -> float:
+def prune_radius(cost: CostLike, eps: float, truncate: float | None) -> float:
     """Distance below which a pair is never pruned at temperature ``eps`` (``C <= truncate * eps``)."""
     if truncate is None:
         return float("inf")
     c = truncate * eps
-    return (c / cost.scale) ** 0.5 if cost.is_dot else c
+    return (c / cost.scale) ** 0.5 if cost.scale is not None else c  # scale is set <=> is_dot
 
 
 # the coarse stage runs on the centroids only where that problem is at least this many times smaller than the
@@ -56,10 +57,10 @@ def coarse_pays(cx: Clusters, cy: Clusters, min_gain: float = COARSE_MIN_GAIN) -
     return cx.n_clusters * cy.n_clusters * min_gain <= n * m
 
 
-def schedule(cost, diameter: float, reg: float, scaling: float = 0.5) -> list[float]:
+def schedule(cost: CostLike, diameter: float, reg: float, scaling: float = 0.5) -> list[float]:
     """GeomLoss' epsilon-scaling down to ``reg`` in the units of ``cost``: for ``s |x - y|^2`` the schedule of
     ``|x - y|^2 / 2`` at ``blur = sqrt(reg / 2s)`` scaled by ``2 s``; for ``|x - y|`` the one of ``p = 1``."""
-    if not cost.is_dot:
+    if cost.scale is None:  # not is_dot
         return epsilon_scaling(1, max(diameter, reg), reg, scaling)
     k = 2.0 * cost.scale
     blur = (reg / k) ** 0.5

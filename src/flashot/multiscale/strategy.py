@@ -97,7 +97,7 @@ def solve(
             rho_y=rho[1],
             tol=refine.tol,
             init=(st.f, st.g),
-            init_self=None if st.f_aa is None else (st.f_aa, st.g_bb),
+            init_self=None if st.f_aa is None or st.g_bb is None else (st.f_aa, st.g_bb),
             callback=refine.callback,
             inner_iterations=refine.inner_iterations,
             verbose=verbose,
