@@ -354,26 +354,26 @@ template <typename T, int R, int NV, int KIND, int DS, int MODE>
 static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum, T* rb,
                          int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                          const int64_t* coff, const Args& a, const TileBounds<T>& tb, int64_t* evaluated, bool sym,
-                         int nth) {
+                         bool banded, int nth) {
   typedef typename VT<T>::v v;
   const int D = a.D;
   constexpr int RB = R * FL_TILE_MULT;  // rows per panel: the tiles' height
   constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;  // sum vectors per row
-  const int64_t per = (MODE == MODE_PAIRBC ? 1 + DS : 1) * Mp;
-  const int64_t G = col_groups(ntasks, per * (int64_t)sizeof(T));
+  constexpr int planes = MODE == MODE_PAIRBC ? 1 + DS : 1;  // column sums, then the columns' numerators
+  const int64_t per = planes * Mp;
   const bool tiles = tb.fx != nullptr && D <= 3;
   // dot costs at a static d <= 3: the folded panels (panel_local), in a frame centred on each row panel
   constexpr bool LOCAL = KIND == KIND_DOT && DS > 0 && NV == 1;
   constexpr int DL = DS > 0 ? DS : 1;
   const T kc = (T)a.kcoef;
   std::atomic<int64_t> count{0};
-  // scratch: column sums of diagonal blocks, discarded
-  col_group_pass<T>(G, (size_t)per, sym ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
+  // tasks tb0, tb0 + ts, ... < te into cacc (planes of stride ld); scratch: column sums of diagonal blocks, discarded
+  auto body = [&](int64_t tb0, int64_t te, int64_t ts, T* cacc, T* scratch, int64_t ld) {
     int64_t done = 0;
     double ball[TILE_STRIDE], ball_o[TILE_STRIDE];  // the panel's terms from fx and fxo (sub-tile pruning)
     T o[DL], u[LOCAL ? RB * DL : 1], A[LOCAL ? RB : 1];  // the row panel's origin and folded terms
     std::vector<T> zbuf;                                 // the folded columns' terms: z (DL rows), H
-    for (int64_t t = g; t < ntasks; t += G) {
+    for (int64_t t = tb0; t < te; t += ts) {
       const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
       const int64_t d0 = sym ? coff[k] : 0, d1 = sym ? coff[k + 1] : 0;
       for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
@@ -393,7 +393,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
             if ((int64_t)zbuf.size() < (DL + 1) * w) zbuf.resize((size_t)((DL + 1) * w));
             local_cols<T, DL>(yT, hs, Mp, c0, c1, o, kc, zbuf.data(), w, zbuf.data() + DL * w);
             panel_local_rows<T, R, DL, MODE>(nr, xb, u, A, zbuf.data(), zbuf.data() + DL * w, w, c0, c0, c1, sum,
-                                              cols, Mp);
+                                              cols, ld);
           } else {
             panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, c0, c1, a, m, sum, cols, 0);
           }
@@ -443,7 +443,22 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
       }
     }
     count += done;
-  });
+  };
+  if (banded) {  // runs of consecutive tasks, buffers over their columns only (ColSpans)
+    const ColSpans sp(ntasks, [&](int64_t t, int64_t& l, int64_t& h) {
+      const int64_t k = tasks[3 * t + 2];
+      l = std::numeric_limits<int64_t>::max();
+      h = 0;
+      for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) { l = std::min(l, cr[2 * q]); h = std::max(h, cr[2 * q + 1]); }
+    });
+    col_span_pass<T>(sp, planes, Mp, sym, csum, nth, [&](int64_t g, T* cacc, T* scratch, int64_t ld) {
+      body(sp.t0[g], sp.t0[g + 1], 1, cacc, scratch, ld);
+    });
+  } else {  // task t -> group t % G (col_group_pass)
+    const int64_t G = col_groups(ntasks, per * (int64_t)sizeof(T));
+    col_group_pass<T>(G, (size_t)per, sym ? (size_t)per : 0, csum, nth,
+                      [&](int64_t g, T* cacc, T* scratch) { body(g, ntasks, G, cacc, scratch, Mp); });
+  }
   if (evaluated) *evaluated += count.load();
 }
 
@@ -452,12 +467,12 @@ template <typename T, int KIND>
 static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb,
                             int cb, int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                             const int64_t* cr, const int64_t* coff, const Args& a, const TileBounds<T>& tb,
-                            int64_t* evaluated, bool sym, int cfg, int nth) {
+                            int64_t* evaluated, bool sym, bool banded, int cfg, int nth) {
   if (rb == nullptr)
     return with_lse_shape(cfg, a.D, [&](auto s) {
       using S = decltype(s);
       pair_bs_impl<T, S::R, S::NV, KIND, S::DS, MODE_PAIR>(x, yT, yy, hs, hx, rs, cs, nullptr, Mp, tasks, ntasks,
-                                                           cptr, cr, coff, a, tb, evaluated, sym, nth);
+                                                           cptr, cr, coff, a, tb, evaluated, sym, banded, nth);
     });
   // barycentres: dot costs (the only ones the engine asks them for), d <= 3, Shape::PV_R rows (their
   // accumulators: 1 + d vectors a row, as the narrow plan product's); sym with the columns' too (the entry
@@ -468,7 +483,7 @@ static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, c
     constexpr int R = Shape::PV_R;
 #define FL_BARY(DS, MODE) \
   pair_bs_impl<T, R, 1, KIND, DS, MODE>(x, yT, yy, hs, hx, rs, cs, rb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
-                                        evaluated, sym, nth)
+                                        evaluated, sym, banded, nth)
 #define FL_BARY_D(DS) { if (sym || cb) FL_BARY(DS, MODE_PAIRBC); else FL_BARY(DS, MODE_PAIRB); return 0; }
     switch (a.D) {
       case 1: FL_BARY_D(1)
@@ -490,7 +505,7 @@ static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, cons
                          const T* fx, const T* gy, const T* fxo, const T* gyo, double thr, int64_t* evaluated,
                          int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                          const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
-                         int nth) {
+                         bool banded, int nth) {
   Args a{D, Mp, kcoef, minsq};
   if (sym && coff == nullptr) return -3;
   if (sym && rb != nullptr && !cb) return -3;
@@ -506,7 +521,7 @@ static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, cons
   }
 #define FL_PAIR_BS(KD) \
   return pair_bs_dispatch<T, KD>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
-                                 evaluated, sym != 0, cfg, nth)
+                                 evaluated, sym != 0, banded, cfg, nth)
   if (kind == KIND_DOT) FL_PAIR_BS(KIND_DOT);
   if (kind == KIND_DIRECT) FL_PAIR_BS(KIND_DIRECT);
 #undef FL_PAIR_BS
@@ -591,7 +606,7 @@ static int pair_bs_call(const flashot_pair_bs_args* p) {
   return pair_bs_entry<T>(c.x, c.yT, c.yy, c.hs, (const T*)a.hx, (T*)a.rows, (T*)a.cols, (T*)p->rb, p->cb,
                           (const T*)p->fx, (const T*)p->gy, (const T*)p->fxo, (const T*)p->gyo, p->thr, p->evaluated,
                           s.Mp, s.D, b.tasks, b.ntasks, b.cptr, b.cr, b.coff, s.kcoef, s.minsq, s.kind, s.cfg, a.sym,
-                          s.nth);
+                          b.banded != 0, s.nth);
 }
 
 template <typename T>
