@@ -342,10 +342,12 @@ static inline bool tile_kept(const TileBounds<T>& tb, const double* p, const dou
 
 // Block-sparse symmetric step (pair_impl over softmin_bs_impl's kept ranges, B = 1): rsum[i] = sum_j E_ij
 // over row i's kept columns and csum[j] (padded layout) = sum_i E_ij, E_ij = 2^(hx_i + hs_j - k c_ij), one
-// exponential per pair.  Column partials per group of row clusters (cluster t -> group t % G), combined in
-// group order: the same bits for any thread count.  sym (y is x with the same clusters, a symmetric pattern,
-// coff (Kx + 1,) the clusters' padded column offsets): cluster k sums its own block for its rows only and
-// the kept columns right of it for rows and columns, skipping those left of it; the caller adds rsum + csum.
+// exponential per pair.  Column partials per group of row clusters (cluster t -> group t % G; banded: runs of
+// consecutive clusters, ColSpans), combined in group order: the same bits for any thread count.  sym (y is x
+// with the same clusters, a symmetric pattern, coff (Kx + 1,) the clusters' padded column offsets, one task per
+// cluster): each panel of RB rows of cluster k sums its own square of the diagonal block for its rows only and
+// the kept columns right of it for rows and columns, skipping those left of it (the earlier panels' and
+// clusters' columns: about half the pairs); the caller adds rsum + csum.
 // Barycentres (MODE_PAIRB / MODE_PAIRBC, static D = DS): rb[i * DS + d] = sum_j E_ij y_jd and, with
 // MODE_PAIRBC, csum[(1 + d) Mp + j] = sum_i E_ij x_id after csum's first Mp values (the solver's gradient
 // is then sum_j P_ij (x_i - y_j) = x_i - rb_i / rsum_i per unit of row mass: no plan-product pass).
@@ -360,6 +362,8 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   constexpr int RB = R * FL_TILE_MULT;  // rows per panel: the tiles' height
   constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;  // sum vectors per row
   constexpr int planes = MODE == MODE_PAIRBC ? 1 + DS : 1;  // column sums, then the columns' numerators
+  // sym: panels split their diagonal block at their own rows where RB is a whole number of column steps
+  constexpr bool TRI = RB % (VT<T>::L * NV) == 0;
   const int64_t per = planes * Mp;
   const bool tiles = tb.fx != nullptr && D <= 3;
   // dot costs at a static d <= 3: the folded panels (panel_local), in a frame centred on each row panel
@@ -374,10 +378,13 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
     T o[DL], u[LOCAL ? RB * DL : 1], A[LOCAL ? RB : 1];  // the row panel's origin and folded terms
     std::vector<T> zbuf;                                 // the folded columns' terms: z (DL rows), H
     for (int64_t t = tb0; t < te; t += ts) {
-      const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
+      const int64_t r0 = tasks[3 * t], i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
       const int64_t d0 = sym ? coff[k] : 0, d1 = sym ? coff[k + 1] : 0;
-      for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
+      for (int64_t i0 = r0; i0 < i1; i0 += RB) {
         const int nr = (int)std::min<int64_t>(RB, i1 - i0);
+        // sym: the panel's own square [p0, p1) of the diagonal block (row r of the cluster is its padded column
+        // d0 + r) for the rows only, the block's columns right of it for rows and columns, none left of it
+        const int64_t p0 = TRI ? d0 + (i0 - r0) : d0, p1 = TRI && i0 + nr < i1 ? d0 + (i0 + nr - r0) : d1;
         T m[RB];
         v sum[RB * SV];
         for (int r = 0; r < nr; ++r) {
@@ -425,11 +432,11 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
         for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
           int64_t lo = cr[2 * q];
           const int64_t hi = cr[2 * q + 1];
-          if (sym) {  // the diagonal block for the rows only; nothing left of it
-            if (hi <= d0) continue;
-            const int64_t dlo = std::max(lo, d0), dhi = std::min(hi, d1);
+          if (sym) {  // the panel's square for the rows only; nothing left of it
+            if (hi <= p0) continue;
+            const int64_t dlo = std::max(lo, p0), dhi = std::min(hi, p1);
             if (dlo < dhi) stream(dlo, dhi, scratch);
-            lo = std::max(lo, d1);
+            lo = std::max(lo, p1);
             if (lo >= hi) continue;
           }
           stream(lo, hi, cacc);
