@@ -97,7 +97,7 @@ def main() -> None:
     libs = []
     for path in (a.old, a.new):
         lib = ctypes.CDLL(path)
-        build._bind(lib)
+        build._bind(lib, "blocksparse")
         libs.append(lib)
     calls = capture(a.n)
     keep = set(a.calls.split(",")) if a.calls else None

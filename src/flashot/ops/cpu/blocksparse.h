@@ -364,7 +364,6 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   constexpr int planes = MODE == MODE_PAIRBC ? 1 + DS : 1;  // column sums, then the columns' numerators
   // sym: panels split their diagonal block at their own rows where RB is a whole number of column steps
   constexpr bool TRI = RB % (VT<T>::L * NV) == 0;
-  const int64_t per = planes * Mp;
   const bool tiles = tb.fx != nullptr && D <= 3;
   // dot costs at a static d <= 3: the folded panels (panel_local), in a frame centred on each row panel
   constexpr bool LOCAL = KIND == KIND_DOT && DS > 0 && NV == 1;
@@ -451,21 +450,13 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
     }
     count += done;
   };
-  if (banded) {  // runs of consecutive tasks, buffers over their columns only (ColSpans)
-    const ColSpans sp(ntasks, [&](int64_t t, int64_t& l, int64_t& h) {
-      const int64_t k = tasks[3 * t + 2];
-      l = std::numeric_limits<int64_t>::max();
-      h = 0;
-      for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) { l = std::min(l, cr[2 * q]); h = std::max(h, cr[2 * q + 1]); }
-    });
-    col_span_pass<T>(sp, planes, Mp, sym, csum, nth, [&](int64_t g, T* cacc, T* scratch, int64_t ld) {
-      body(sp.t0[g], sp.t0[g + 1], 1, cacc, scratch, ld);
-    });
-  } else {  // task t -> group t % G (col_group_pass)
-    const int64_t G = col_groups(ntasks, per * (int64_t)sizeof(T));
-    col_group_pass<T>(G, (size_t)per, sym ? (size_t)per : 0, csum, nth,
-                      [&](int64_t g, T* cacc, T* scratch) { body(g, ntasks, G, cacc, scratch, Mp); });
-  }
+  auto span = [&](int64_t t, int64_t& l, int64_t& h) {  // task t's columns (banded)
+    const int64_t k = tasks[3 * t + 2];
+    l = std::numeric_limits<int64_t>::max();
+    h = 0;
+    for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) { l = std::min(l, cr[2 * q]); h = std::max(h, cr[2 * q + 1]); }
+  };
+  col_pass<T>(banded, ntasks, span, planes, Mp, sym, csum, nth, body);
   if (evaluated) *evaluated += count.load();
 }
 

@@ -140,6 +140,23 @@ static void col_span_pass(const ColSpans& sp, int planes, int64_t Mp, bool scrat
   merge_span_sums(parts.get(), sp, planes, Mp, csum, nth);
 }
 
+// Column sums in a fixed order by either scheme: body(t0, t1, ts, cacc, scratch, ld) adds the tasks t0, t0 + ts,
+// ... < t1 into cacc (planes of stride ld; scratch alike, for sums to discard, when `scratch`): banded,
+// col_span_pass over ColSpans(nt, span); else col_group_pass (task t -> group t % G, planes rows of Mp).
+template <typename T, typename S, typename F>
+static void col_pass(bool banded, int64_t nt, S&& span, int planes, int64_t Mp, bool scratch, T* csum, int nth,
+                     F&& body) {
+  if (banded) {
+    const ColSpans sp(nt, span);
+    col_span_pass<T>(sp, planes, Mp, scratch, csum, nth,
+                     [&](int64_t g, T* cacc, T* s, int64_t ld) { body(sp.t0[g], sp.t0[g + 1], 1, cacc, s, ld); });
+    return;
+  }
+  const int64_t per = planes * Mp, G = col_groups(nt, per * (int64_t)sizeof(T));
+  col_group_pass<T>(G, (size_t)per, scratch ? (size_t)per : 0, csum, nth,
+                    [&](int64_t g, T* cacc, T* s) { body(g, nt, G, cacc, s, Mp); });
+}
+
 // Running column LSE states (base 2, lazy maximum as in cols_lse) += rows r < nr of P (costs,
 // row stride ldp) with row log-weights w[r]: score w_r - k P[r, j], j < M.
 template <typename T>
