@@ -70,7 +70,9 @@ def test_banded_pair_kernel_matches_masked_dense(dtype, tol, case, sym, bary):
     mask = _mask(lay, "x", "x" if sym else "y")
     xd, yd = x[0].double(), y[0].double()
     C = cost.matrix(x.double(), y.double())[0]
-    E = torch.where(mask, torch.exp(hx[0].double()[:, None] + hy[0].double()[None] - C / eps), torch.zeros((), dtype=F64))
+    E = torch.where(
+        mask, torch.exp(hx[0].double()[:, None] + hy[0].double()[None] - C / eps), torch.zeros((), dtype=F64)
+    )
     scale = float(C[mask].max()) / eps
     assert float((rows.double().log() - E.sum(1).log()).abs().max()) <= tol * scale
     if bary:
