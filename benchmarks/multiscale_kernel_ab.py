@@ -39,7 +39,7 @@ from flashot.ops.cpu import build
 
 def capture(n: int) -> dict:
     """The first tile-pruned fused call of each kind in a multiscale value + gradient at n = m."""
-    orig = blocksparse._pair_cpu
+    orig = blocksparse.pair_cpu  # the name the engine calls
     calls: dict = {}
 
     def wrapped(lib, pat, x, y, hx, hy, eps, cost, sym, bary=0, tiles=None, tasks=None):
@@ -47,7 +47,7 @@ def capture(n: int) -> dict:
             calls.setdefault(("sym" if sym else "pair") + str(bary), (pat, x, y, hx, hy, eps, cost, sym, bary, tiles))
         return orig(lib, pat, x, y, hx, hy, eps, cost, sym, bary, tiles, tasks)
 
-    blocksparse._pair_cpu = wrapped
+    blocksparse.pair_cpu = wrapped
     try:
         x, y = surfaces(n)
         pts = torch.cat([x, y])
@@ -56,7 +56,7 @@ def capture(n: int) -> dict:
         xg = x.clone().requires_grad_()
         torch.autograd.grad(loss(xg, y), xg)
     finally:
-        blocksparse._pair_cpu = orig
+        blocksparse.pair_cpu = orig
     return calls
 
 
@@ -97,7 +97,7 @@ def main() -> None:
     libs = []
     for path in (a.old, a.new):
         lib = ctypes.CDLL(path)
-        build._bind(lib)
+        build._bind(lib, "blocksparse")
         libs.append(lib)
     calls = capture(a.n)
     keep = set(a.calls.split(",")) if a.calls else None

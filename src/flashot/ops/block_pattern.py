@@ -179,11 +179,22 @@ class PaddedColumns:
     ``pos`` (M,) padded position of each column, ``width`` the padded number of columns, ``tasks``
     (3 Kx,) ``(first row, end row, row cluster)`` per row cluster, ``cptr`` (Kx + 1,) and ``ranges``
     (2 R,) the kept column ranges ``[start, end)`` of each row cluster, ``offsets`` (Ky + 1,) the padded
-    column offsets of the clusters."""
+    column offsets of the clusters.  ``banded``: the row clusters' column ranges move right with the cluster (a
+    ragged batch's block-diagonal pattern), so the C++ pair kernel sums the columns of runs of consecutive row
+    clusters over their own columns only (``ColSpans`` in ``cpu/colsum.h``) instead of in full-width buffers."""
 
-    def __init__(self, pos: Tensor, width: int, tasks: Tensor, cptr: Tensor, ranges: Tensor, offsets: Tensor):
+    def __init__(
+        self,
+        pos: Tensor,
+        width: int,
+        tasks: Tensor,
+        cptr: Tensor,
+        ranges: Tensor,
+        offsets: Tensor,
+        banded: bool = False,
+    ):
         self.pos, self.width, self.tasks, self.cptr, self.ranges = pos, width, tasks, cptr, ranges
-        self.offsets = offsets
+        self.offsets, self.banded = offsets, banded
         self.points = None  # (key, yT, yy, y): the column cloud in this layout (padded_y's cache)
 
     @classmethod

@@ -76,7 +76,12 @@ def _stream(
 def _blocks(lay, tasks: Tensor) -> abi.Blocks:
     """The kernels' ``flashot_blocks`` of a padded layout, for the row tasks ``tasks``."""
     return abi.Blocks(
-        tasks.data_ptr(), lay.cptr.data_ptr(), lay.ranges.data_ptr(), lay.offsets.data_ptr(), tasks.numel() // 3
+        tasks.data_ptr(),
+        lay.cptr.data_ptr(),
+        lay.ranges.data_ptr(),
+        lay.offsets.data_ptr(),
+        tasks.numel() // 3,
+        int(lay.banded),
     )
 
 

@@ -78,7 +78,8 @@ class RunPattern(BlockPattern):
         raise NotImplementedError("RunPattern.T: build the transposed runs explicitly")
 
     def padded(self, unit: int) -> PaddedColumns:
-        """The C++ kernels' layout (see :meth:`BlockPattern.padded`): one column range per row cluster."""
+        """The C++ kernels' layout (see :meth:`BlockPattern.padded`): one column range per row cluster; ``banded``
+        where the runs move right with the row cluster (a ragged batch's patterns)."""
         cache = self.__dict__.setdefault("_padded", {})
         if unit not in cache:
             co, ro = self.col_offsets.cpu(), self.row_offsets.cpu()
@@ -91,7 +92,10 @@ class RunPattern(BlockPattern):
             K = lo.numel()
             ranges = torch.stack([poff[lo], poff[hi]], -1).reshape(-1).contiguous()
             tasks = torch.stack([ro[:-1], ro[1:], torch.arange(K)], -1).reshape(-1).contiguous()
-            cache[unit] = PaddedColumns(pos, int(poff[-1]), tasks, torch.arange(K + 1), ranges, poff.contiguous())
+            banded = bool((lo[1:] >= lo[:-1]).all() and (hi[1:] >= hi[:-1]).all())
+            cache[unit] = PaddedColumns(
+                pos, int(poff[-1]), tasks, torch.arange(K + 1), ranges, poff.contiguous(), banded=banded
+            )
         return cache[unit]
 
     def clusters_of(self, rows: Tensor) -> tuple[RunPattern, Tensor]:

@@ -115,6 +115,8 @@ typedef struct flashot_blocks {
   const int64_t* cr;
   const int64_t* coff;  // (Kx + 1,) the clusters' padded column offsets (flashot_pair_bs with sym)
   int64_t ntasks;
+  int64_t banded;       // 1: the tasks' column ranges move right with the task (a ragged batch's block-diagonal
+                        // pattern): flashot_pair_bs sums columns per run of tasks over their columns only
 } flashot_blocks;
 
 // flashot_softmin_bs: flashot_softmin over the kept blocks (out (N,)).
@@ -184,7 +186,7 @@ typedef struct flashot_prune_args {
     FL_F(flashot_weights_args, M) FL_F(flashot_weights_args, k) FL_F(flashot_weights_args, wthr)                 \
     FL_F(flashot_weights_args, wk) FL_F(flashot_weights_args, nth)                                               \
   FL_S(flashot_blocks) FL_F(flashot_blocks, tasks) FL_F(flashot_blocks, cptr) FL_F(flashot_blocks, cr)           \
-    FL_F(flashot_blocks, coff) FL_F(flashot_blocks, ntasks)                                                      \
+    FL_F(flashot_blocks, coff) FL_F(flashot_blocks, ntasks) FL_F(flashot_blocks, banded)                         \
   FL_S(flashot_lse_bs_args) FL_F(flashot_lse_bs_args, a) FL_F(flashot_lse_bs_args, b)                            \
   FL_S(flashot_pair_bs_args) FL_F(flashot_pair_bs_args, a) FL_F(flashot_pair_bs_args, b)                         \
     FL_F(flashot_pair_bs_args, rb) FL_F(flashot_pair_bs_args, fx) FL_F(flashot_pair_bs_args, gy)                 \

@@ -132,9 +132,10 @@ class WeightsArgs(ctypes.Structure):
 
 
 class Blocks(ctypes.Structure):
-    """``flashot_blocks``: a block pattern (tasks, CSR of kept column ranges, the clusters' offsets)."""
+    """``flashot_blocks``: a block pattern (tasks, CSR of kept column ranges, the clusters' offsets, whether its
+    column ranges move right with the task)."""
 
-    _fields_ = [("tasks", _P), ("cptr", _P), ("cr", _P), ("coff", _P), ("ntasks", _L)]
+    _fields_ = [("tasks", _P), ("cptr", _P), ("cr", _P), ("coff", _P), ("ntasks", _L), ("banded", _L)]
 
 
 class LseBsArgs(ctypes.Structure):

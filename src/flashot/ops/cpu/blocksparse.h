@@ -342,10 +342,12 @@ static inline bool tile_kept(const TileBounds<T>& tb, const double* p, const dou
 
 // Block-sparse symmetric step (pair_impl over softmin_bs_impl's kept ranges, B = 1): rsum[i] = sum_j E_ij
 // over row i's kept columns and csum[j] (padded layout) = sum_i E_ij, E_ij = 2^(hx_i + hs_j - k c_ij), one
-// exponential per pair.  Column partials per group of row clusters (cluster t -> group t % G), combined in
-// group order: the same bits for any thread count.  sym (y is x with the same clusters, a symmetric pattern,
-// coff (Kx + 1,) the clusters' padded column offsets): cluster k sums its own block for its rows only and
-// the kept columns right of it for rows and columns, skipping those left of it; the caller adds rsum + csum.
+// exponential per pair.  Column partials per group of row clusters (cluster t -> group t % G; banded: runs of
+// consecutive clusters, ColSpans), combined in group order: the same bits for any thread count.  sym (y is x
+// with the same clusters, a symmetric pattern, coff (Kx + 1,) the clusters' padded column offsets, one task per
+// cluster): each panel of RB rows of cluster k sums its own square of the diagonal block for its rows only and
+// the kept columns right of it for rows and columns, skipping those left of it (the earlier panels' and
+// clusters' columns: about half the pairs); the caller adds rsum + csum.
 // Barycentres (MODE_PAIRB / MODE_PAIRBC, static D = DS): rb[i * DS + d] = sum_j E_ij y_jd and, with
 // MODE_PAIRBC, csum[(1 + d) Mp + j] = sum_i E_ij x_id after csum's first Mp values (the solver's gradient
 // is then sum_j P_ij (x_i - y_j) = x_i - rb_i / rsum_i per unit of row mass: no plan-product pass).
@@ -354,30 +356,34 @@ template <typename T, int R, int NV, int KIND, int DS, int MODE>
 static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rsum, T* csum, T* rb,
                          int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                          const int64_t* coff, const Args& a, const TileBounds<T>& tb, int64_t* evaluated, bool sym,
-                         int nth) {
+                         bool banded, int nth) {
   typedef typename VT<T>::v v;
   const int D = a.D;
   constexpr int RB = R * FL_TILE_MULT;  // rows per panel: the tiles' height
   constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;  // sum vectors per row
-  const int64_t per = (MODE == MODE_PAIRBC ? 1 + DS : 1) * Mp;
-  const int64_t G = col_groups(ntasks, per * (int64_t)sizeof(T));
+  constexpr int planes = MODE == MODE_PAIRBC ? 1 + DS : 1;  // column sums, then the columns' numerators
+  // sym: panels split their diagonal block at their own rows where RB is a whole number of column steps
+  constexpr bool TRI = RB % (VT<T>::L * NV) == 0;
   const bool tiles = tb.fx != nullptr && D <= 3;
   // dot costs at a static d <= 3: the folded panels (panel_local), in a frame centred on each row panel
   constexpr bool LOCAL = KIND == KIND_DOT && DS > 0 && NV == 1;
   constexpr int DL = DS > 0 ? DS : 1;
   const T kc = (T)a.kcoef;
   std::atomic<int64_t> count{0};
-  // scratch: column sums of diagonal blocks, discarded
-  col_group_pass<T>(G, (size_t)per, sym ? (size_t)per : 0, csum, nth, [&](int64_t g, T* cacc, T* scratch) {
+  // tasks tb0, tb0 + ts, ... < te into cacc (planes of stride ld); scratch: column sums of diagonal blocks, discarded
+  auto body = [&](int64_t tb0, int64_t te, int64_t ts, T* cacc, T* scratch, int64_t ld) {
     int64_t done = 0;
     double ball[TILE_STRIDE], ball_o[TILE_STRIDE];  // the panel's terms from fx and fxo (sub-tile pruning)
     T o[DL], u[LOCAL ? RB * DL : 1], A[LOCAL ? RB : 1];  // the row panel's origin and folded terms
     std::vector<T> zbuf;                                 // the folded columns' terms: z (DL rows), H
-    for (int64_t t = g; t < ntasks; t += G) {
-      const int64_t i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
+    for (int64_t t = tb0; t < te; t += ts) {
+      const int64_t r0 = tasks[3 * t], i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
       const int64_t d0 = sym ? coff[k] : 0, d1 = sym ? coff[k + 1] : 0;
-      for (int64_t i0 = tasks[3 * t]; i0 < i1; i0 += RB) {
+      for (int64_t i0 = r0; i0 < i1; i0 += RB) {
         const int nr = (int)std::min<int64_t>(RB, i1 - i0);
+        // sym: the panel's own square [p0, p1) of the diagonal block (row r of the cluster is its padded column
+        // d0 + r) for the rows only, the block's columns right of it for rows and columns, none left of it
+        const int64_t p0 = TRI ? d0 + (i0 - r0) : d0, p1 = TRI && i0 + nr < i1 ? d0 + (i0 + nr - r0) : d1;
         T m[RB];
         v sum[RB * SV];
         for (int r = 0; r < nr; ++r) {
@@ -393,7 +399,7 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
             if ((int64_t)zbuf.size() < (DL + 1) * w) zbuf.resize((size_t)((DL + 1) * w));
             local_cols<T, DL>(yT, hs, Mp, c0, c1, o, kc, zbuf.data(), w, zbuf.data() + DL * w);
             panel_local_rows<T, R, DL, MODE>(nr, xb, u, A, zbuf.data(), zbuf.data() + DL * w, w, c0, c0, c1, sum,
-                                              cols, Mp);
+                                              cols, ld);
           } else {
             panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, c0, c1, a, m, sum, cols, 0);
           }
@@ -425,11 +431,11 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
         for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
           int64_t lo = cr[2 * q];
           const int64_t hi = cr[2 * q + 1];
-          if (sym) {  // the diagonal block for the rows only; nothing left of it
-            if (hi <= d0) continue;
-            const int64_t dlo = std::max(lo, d0), dhi = std::min(hi, d1);
+          if (sym) {  // the panel's square for the rows only; nothing left of it
+            if (hi <= p0) continue;
+            const int64_t dlo = std::max(lo, p0), dhi = std::min(hi, p1);
             if (dlo < dhi) stream(dlo, dhi, scratch);
-            lo = std::max(lo, d1);
+            lo = std::max(lo, p1);
             if (lo >= hi) continue;
           }
           stream(lo, hi, cacc);
@@ -443,7 +449,14 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
       }
     }
     count += done;
-  });
+  };
+  auto span = [&](int64_t t, int64_t& l, int64_t& h) {  // task t's columns (banded)
+    const int64_t k = tasks[3 * t + 2];
+    l = std::numeric_limits<int64_t>::max();
+    h = 0;
+    for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) { l = std::min(l, cr[2 * q]); h = std::max(h, cr[2 * q + 1]); }
+  };
+  col_pass<T>(banded, ntasks, span, planes, Mp, sym, csum, nth, body);
   if (evaluated) *evaluated += count.load();
 }
 
@@ -452,12 +465,12 @@ template <typename T, int KIND>
 static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb,
                             int cb, int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                             const int64_t* cr, const int64_t* coff, const Args& a, const TileBounds<T>& tb,
-                            int64_t* evaluated, bool sym, int cfg, int nth) {
+                            int64_t* evaluated, bool sym, bool banded, int cfg, int nth) {
   if (rb == nullptr)
     return with_lse_shape(cfg, a.D, [&](auto s) {
       using S = decltype(s);
       pair_bs_impl<T, S::R, S::NV, KIND, S::DS, MODE_PAIR>(x, yT, yy, hs, hx, rs, cs, nullptr, Mp, tasks, ntasks,
-                                                           cptr, cr, coff, a, tb, evaluated, sym, nth);
+                                                           cptr, cr, coff, a, tb, evaluated, sym, banded, nth);
     });
   // barycentres: dot costs (the only ones the engine asks them for), d <= 3, Shape::PV_R rows (their
   // accumulators: 1 + d vectors a row, as the narrow plan product's); sym with the columns' too (the entry
@@ -468,7 +481,7 @@ static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, c
     constexpr int R = Shape::PV_R;
 #define FL_BARY(DS, MODE) \
   pair_bs_impl<T, R, 1, KIND, DS, MODE>(x, yT, yy, hs, hx, rs, cs, rb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
-                                        evaluated, sym, nth)
+                                        evaluated, sym, banded, nth)
 #define FL_BARY_D(DS) { if (sym || cb) FL_BARY(DS, MODE_PAIRBC); else FL_BARY(DS, MODE_PAIRB); return 0; }
     switch (a.D) {
       case 1: FL_BARY_D(1)
@@ -490,7 +503,7 @@ static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, cons
                          const T* fx, const T* gy, const T* fxo, const T* gyo, double thr, int64_t* evaluated,
                          int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                          const int64_t* cr, const int64_t* coff, double kcoef, double minsq, int kind, int cfg, int sym,
-                         int nth) {
+                         bool banded, int nth) {
   Args a{D, Mp, kcoef, minsq};
   if (sym && coff == nullptr) return -3;
   if (sym && rb != nullptr && !cb) return -3;
@@ -506,7 +519,7 @@ static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, cons
   }
 #define FL_PAIR_BS(KD) \
   return pair_bs_dispatch<T, KD>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
-                                 evaluated, sym != 0, cfg, nth)
+                                 evaluated, sym != 0, banded, cfg, nth)
   if (kind == KIND_DOT) FL_PAIR_BS(KIND_DOT);
   if (kind == KIND_DIRECT) FL_PAIR_BS(KIND_DIRECT);
 #undef FL_PAIR_BS
@@ -591,7 +604,7 @@ static int pair_bs_call(const flashot_pair_bs_args* p) {
   return pair_bs_entry<T>(c.x, c.yT, c.yy, c.hs, (const T*)a.hx, (T*)a.rows, (T*)a.cols, (T*)p->rb, p->cb,
                           (const T*)p->fx, (const T*)p->gy, (const T*)p->fxo, (const T*)p->gyo, p->thr, p->evaluated,
                           s.Mp, s.D, b.tasks, b.ntasks, b.cptr, b.cr, b.coff, s.kcoef, s.minsq, s.kind, s.cfg, a.sym,
-                          s.nth);
+                          b.banded != 0, s.nth);
 }
 
 template <typename T>

@@ -64,6 +64,99 @@ static void col_group_pass(int64_t G, size_t per, size_t scratch_n, T* csum, int
   merge_col_sums(parts.get(), G, per, csum, nth);
 }
 
+// Column sums of a banded block pattern (a ragged batch's block-diagonal one: the row tasks' column ranges move
+// right with the task) in a fixed order: the tasks are cut into G runs of consecutive tasks (G from the number of
+// tasks only, never from nth), and group g's buffer spans only the columns [lo[g], hi[g]) its tasks touch, so the
+// buffers hold about the columns once instead of G times (col_group_pass zeroes and merges G full rows of Mp).
+// Each buffer holds `planes` rows of width hi[g] - lo[g]; columns no group touches sum to zero.
+struct ColSpans {
+  int64_t G = 0;
+  std::vector<int64_t> t0, lo, hi, off;  // group g: tasks [t0[g], t0[g + 1]), columns [lo, hi), buffer offset
+  int64_t wmax = 0;                      // the widest span
+  // span(t, lo, hi): task t's columns (lo <= hi)
+  template <typename S>
+  ColSpans(int64_t nt, S&& span) : G(std::max<int64_t>(1, std::min<int64_t>(COL_GROUPS, nt))) {
+    t0.resize(G + 1);
+    lo.assign(G, 0);
+    hi.assign(G, 0);
+    off.assign(G + 1, 0);
+    for (int64_t g = 0; g <= G; ++g) t0[g] = g * nt / G;
+    for (int64_t g = 0; g < G; ++g) {
+      int64_t a = std::numeric_limits<int64_t>::max(), b = 0;
+      for (int64_t t = t0[g]; t < t0[g + 1]; ++t) {
+        int64_t l, h;
+        span(t, l, h);
+        if (l < h) { a = std::min(a, l); b = std::max(b, h); }
+      }
+      lo[g] = a < b ? a : 0;
+      hi[g] = a < b ? b : 0;
+      off[g + 1] = off[g] + (hi[g] - lo[g]);
+      wmax = std::max(wmax, hi[g] - lo[g]);
+    }
+  }
+};
+
+// out[p * ld + u] (p < planes, u < Mp) = sum over the groups g whose span holds u, in group order, of their
+// buffer's column u (parts + planes * off[g], rows of width hi[g] - lo[g]); in parallel over columns.
+template <typename T>
+static void merge_span_sums(const T* parts, const ColSpans& sp, int planes, int64_t Mp, T* out, int nth) {
+  const int64_t nc = (Mp + MERGE_CHUNK - 1) / MERGE_CHUNK;
+  Tasks tasks(nc);
+  run_team((int)std::min<int64_t>(nth, nc), [&](int tid) {
+    FpScope fp(tid);
+    for (int64_t c; tasks.next(c);) {
+      const int64_t u0 = c * MERGE_CHUNK, u1 = std::min(Mp, u0 + MERGE_CHUNK);
+      for (int p = 0; p < planes; ++p) std::fill(out + p * Mp + u0, out + p * Mp + u1, (T)0);
+      for (int64_t g = 0; g < sp.G; ++g) {
+        const int64_t a = std::max(u0, sp.lo[g]), b = std::min(u1, sp.hi[g]), w = sp.hi[g] - sp.lo[g];
+        for (int p = 0; p < planes; ++p) {
+          const T* src = parts + planes * sp.off[g] + p * w - sp.lo[g];
+          T* dst = out + p * Mp;
+          for (int64_t u = a; u < b; ++u) dst[u] += src[u];
+        }
+      }
+    }
+  });
+}
+
+// col_group_pass for a banded pattern (ColSpans): body(g, cacc, scratch, ld) adds group g's tasks into cacc,
+// where cacc[p * ld + j] is column j of plane p for j in [lo[g], hi[g]) (the pointer is shifted by lo[g]; only
+// those columns are addressed); scratch (per thread, for sums to discard) is shifted alike, or null without
+// `scratch`.  The buffers are then merged into csum (planes rows of Mp) by merge_span_sums.
+template <typename T, typename F>
+static void col_span_pass(const ColSpans& sp, int planes, int64_t Mp, bool scratch, T* csum, int nth, F&& body) {
+  std::unique_ptr<T[]> parts(new T[(size_t)std::max<int64_t>(1, planes * sp.off[sp.G])]);
+  Tasks tasks(sp.G);
+  run_team(nth, [&](int tid) {
+    FpScope fp(tid);
+    std::vector<T> sbuf(scratch ? (size_t)(planes * sp.wmax) : 0);
+    for (int64_t g; tasks.next(g);) {
+      const int64_t w = sp.hi[g] - sp.lo[g];
+      T* buf = parts.get() + planes * sp.off[g];
+      std::fill(buf, buf + planes * w, (T)0);
+      body(g, buf - sp.lo[g], scratch ? sbuf.data() - sp.lo[g] : nullptr, w);
+    }
+  });
+  merge_span_sums(parts.get(), sp, planes, Mp, csum, nth);
+}
+
+// Column sums in a fixed order by either scheme: body(t0, t1, ts, cacc, scratch, ld) adds the tasks t0, t0 + ts,
+// ... < t1 into cacc (planes of stride ld; scratch alike, for sums to discard, when `scratch`): banded,
+// col_span_pass over ColSpans(nt, span); else col_group_pass (task t -> group t % G, planes rows of Mp).
+template <typename T, typename S, typename F>
+static void col_pass(bool banded, int64_t nt, S&& span, int planes, int64_t Mp, bool scratch, T* csum, int nth,
+                     F&& body) {
+  if (banded) {
+    const ColSpans sp(nt, span);
+    col_span_pass<T>(sp, planes, Mp, scratch, csum, nth,
+                     [&](int64_t g, T* cacc, T* s, int64_t ld) { body(sp.t0[g], sp.t0[g + 1], 1, cacc, s, ld); });
+    return;
+  }
+  const int64_t per = planes * Mp, G = col_groups(nt, per * (int64_t)sizeof(T));
+  col_group_pass<T>(G, (size_t)per, scratch ? (size_t)per : 0, csum, nth,
+                    [&](int64_t g, T* cacc, T* s) { body(g, nt, G, cacc, s, Mp); });
+}
+
 // Running column LSE states (base 2, lazy maximum as in cols_lse) += rows r < nr of P (costs,
 // row stride ldp) with row log-weights w[r]: score w_r - k P[r, j], j < M.
 template <typename T>

@@ -158,7 +158,7 @@ template <typename V> static inline V vclamp(V a, V lo, V hi) {
 #else
 #define FL_EXP_TABLE 0
 #endif
-template <int G> static inline void vexp2_n(VT<float>::v (&a)[G]) {
+template <int G> __attribute__((always_inline)) static inline void vexp2_n(VT<float>::v (&a)[G]) {
   typedef VT<float>::v v;
   typedef VT<float>::vi vi;
   v n[G], r[G], p[G];
@@ -218,7 +218,7 @@ static inline VT<float>::v vexp2(VT<float>::v a) {
 
 // double: 2^a, a = n + r; Taylor polynomial of degree 12 for e^(r ln2) (4.4e-16 on |r| <= 1/2).  G vectors at
 // once, step by step as for float (vexp2_n above).
-template <int G> static inline void vexp2_n(VT<double>::v (&a)[G]) {
+template <int G> __attribute__((always_inline)) static inline void vexp2_n(VT<double>::v (&a)[G]) {
   typedef VT<double>::v v;
   static constexpr double C[13] = {2.5678435993488196e-11, 4.44553827187081e-10, 7.054911620801121e-09,
                                    1.0178086009239696e-07, 1.3215486790144305e-06, 1.5252733804059838e-05,
