@@ -28,13 +28,17 @@ from .driver import (  # noqa: F401  (OTResult ... EPS_SCALING_AUTO: their forme
     GRADS,
     METHODS,
     POT_METHODS,
+    LoopConfig,
     SolveOptions,
+    Strategy,
     check_equal_masses,
     check_init,
+    loop_config,
     make_result,
     pot_uniform,
     solve_measures,
     solve_options,
+    solve_problem,
 )
 from .implicit import ImplicitDiff
 from .measures import Measures
@@ -230,15 +234,7 @@ def solve_sample(
             eps_scaling=eps_scaling,
             exact_hint="POT's ot.solve_sample",
         )
-        is_np, X_a, X_b, a, b = _as_tensors(X_a, X_b, a, b)
-        if labels is not None or getattr(cost, "labelled", False):
-            X_a, X_b = _label_points(X_a, X_b, cost, labels, backend, group)
-        if shard == "points" and backend == "multiscale":
-            raise NotImplementedError(
-                "backend='multiscale' with shard='points': the clustering needs the whole "
-                "clouds on every rank; use shard='replicated' (the default: every rank passes "
-                "all the points)"
-            )
+        is_np, X_a, X_b, a, b = _clouds(X_a, X_b, a, b, cost, labels, backend, group, shard)
         if shard != "points":  # (points mode: points_solve builds this rank's slices inside its first collective)
             m, cluster_scale, truncate = _replicated_measures(
                 X_a, X_b, a, b, cost, backend, opts, cluster_scale, truncate, potentials_init
@@ -246,27 +242,44 @@ def solve_sample(
     if shard == "points":  # one problem whose points are split over the ranks (flashot.distributed)
         from .distributed import points_solve
 
-        return points_solve(
-            X_a,
-            X_b,
-            a,
-            b,
-            cost=cost,
-            backend=backend,
-            opts=opts,
-            group=group,
-            potentials_init=potentials_init,
-            numpy=is_np,
-        )
+        kw = {"cost": cost, "backend": backend, "group": group, "potentials_init": potentials_init, "numpy": is_np}
+        return points_solve(X_a, X_b, a, b, opts=opts, **kw)
+    opts, cfg, strategy = _loop_and_strategy(m, opts, backend, group, potentials_init, cluster_scale, truncate)
+    solved = solve_problem(m, cfg, strategy)  # the core's one solve (flashot.driver)
+    if solved.run is not None:  # coarse-to-fine: the result in the inputs' point order
+        return multiscale.pot_result(m, solved, opts, numpy=is_np)
+    return make_result(solved.m, solved.state, opts, is_np)
+
+
+def _loop_and_strategy(
+    m: Measures, opts: SolveOptions, backend: str, group, potentials_init, cluster_scale, truncate
+) -> tuple[SolveOptions, LoopConfig, Strategy | None]:
+    """``solve_sample``'s loop on the prepared pair ``m`` and the strategy that runs it: coarse-to-fine
+    (``backend="multiscale"``, :func:`flashot.multiscale.pot_problem`) or single scale (POT's eps-scaling head
+    and iterations at ``reg``, :func:`~flashot.driver.loop_config`), over a group's ranks in replicated mode
+    (the problem and the options checked across them first; the options returned are this rank's)."""
     if backend == "multiscale":  # the coarse-to-fine strategy (flashot.multiscale), replicated over a group's ranks
-        return multiscale.solve_measures(
-            m, opts, multiscale.MultiscaleConfig(cluster_scale, truncate), group=group, numpy=is_np
-        )
+        return multiscale.pot_problem(m, opts, multiscale.MultiscaleConfig(cluster_scale, truncate), group=group)
     if group is not None:  # one problem over the ranks of a torch.distributed group
         from .distributed import distribute_solve
 
         opts = distribute_solve(m, opts, group, potentials_init)
-    return solve_measures(m, opts, potentials_init, numpy=is_np)
+    return opts, loop_config(m, opts, potentials_init), None
+
+
+def _clouds(X_a, X_b, a, b, cost, labels, backend: str, group, shard: str):
+    """``(numpy?, X_a, X_b, a, b)``: the clouds and weights as tensors, the points augmented by their labels
+    for a :class:`~flashot.LabelCost`; ``backend="multiscale"`` refused with ``shard="points"``."""
+    is_np, X_a, X_b, a, b = _as_tensors(X_a, X_b, a, b)
+    if labels is not None or getattr(cost, "labelled", False):
+        X_a, X_b = _label_points(X_a, X_b, cost, labels, backend, group)
+    if shard == "points" and backend == "multiscale":
+        raise NotImplementedError(
+            "backend='multiscale' with shard='points': the clustering needs the whole "
+            "clouds on every rank; use shard='replicated' (the default: every rank passes "
+            "all the points)"
+        )
+    return is_np, X_a, X_b, a, b
 
 
 def _metric_cost(metric, cost):
