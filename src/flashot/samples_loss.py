@@ -31,9 +31,9 @@ from .loss_options import (
     check_multiscale,
     check_scaling,
 )
-from .matrix_cost import function_measures
+from .matrix_measures import function_measures
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
-from .ot_samples import rank_checks
+from .pot_samples import rank_checks
 from .ragged import is_ragged_call, ragged_samples_loss
 from .schedules import epsilon_scaling, max_diameter
 from .solver import SinkhornState, final_step, final_values
@@ -592,8 +592,8 @@ class SamplesLoss(torch.nn.Module):
             ((20, 30), True)
         """
         from ._checks import check_int
-        from .ot_samples import solve_sample
         from .plan import plan_from_potentials
+        from .pot_samples import solve_sample
 
         if is_ragged_call(args):
             raise NotImplementedError(

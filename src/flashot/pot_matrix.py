@@ -4,7 +4,7 @@ r"""POT's matrix solvers on a precomputed cost: :func:`solve` (``ot.solve``), :f
 Solves :math:`\min_P \langle M, P\rangle + \varepsilon\, \mathrm{KL}(P \,|\, a \otimes b)` over
 couplings of ``a`` and ``b`` for a given cost matrix ``M`` (``reg`` :math:`= \varepsilon`), with
 the same solver, options and :class:`~flashot.OTResult` as :func:`~flashot.solve_sample`.  ``M``
-is dense (torch or numpy) or lazy (:mod:`flashot.matrix_cost`: e.g. a ``numpy.memmap`` larger
+is dense (torch or numpy) or lazy (:mod:`flashot.matrix_measures`: e.g. a ``numpy.memmap`` larger
 than memory, read one tile at a time by the ``tiled`` engine).
 
 Gradients with respect to a dense torch ``M``: ``value`` and ``value_dual`` have
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .driver import pot_uniform, solve_measures, solve_options
 from .implicit import conjugate_gradient
-from .matrix_cost import is_lazy_matrix, matrix_measures
+from .matrix_measures import is_lazy_matrix, matrix_measures
 from .results import OTResult
 
 __all__ = ["solve", "sinkhorn", "sinkhorn2"]
