@@ -117,6 +117,8 @@ class WarmStart:
 
     def __call__(self, m: Measures, cfg: LoopConfig) -> Solved:
         cache = getattr(self.owner, "_warm_cache", None)
+        # what a cached state must match: shapes (points-sharded: every rank's number of points, the same on all
+        # ranks), dtype, device, and the loss's p, blur, debias
         key = (m.shape, getattr(m, "counts", None), m.x.dtype, m.x.device, self.p, self.blur, cfg.debias)
         quiet = dataclasses.replace(cfg, verbose=False)
         if _cold(m, cache, key):
