@@ -23,9 +23,9 @@ from .gromov import (
     semirelaxed_gromov_wasserstein,
 )
 from .implicit import ImplicitDiff
-from .ot_matrix import sinkhorn, sinkhorn2, solve
-from .ot_samples import solve_sample
 from .plan import LazyPlan, plan_from_potentials
+from .pot_matrix import sinkhorn, sinkhorn2, solve
+from .pot_samples import solve_sample
 from .results import OTResult
 from .samples_loss import SamplesLoss
 

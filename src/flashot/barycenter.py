@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ._checks import FLOATS, check_bool, check_dtype, check_finite, check_int, check_positive, check_storage, to_tensor
 from .measures import MASS_RTOL
-from .ot_samples import solve_sample
+from .pot_samples import solve_sample
 from .results import OTResult
 
 __all__ = ["free_support_barycenter", "BarycenterResult"]

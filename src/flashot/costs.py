@@ -28,7 +28,7 @@ __all__ = ["Cost", "get_cost", "COSTS", "FeatureBilinearCost", "LabelCost"]
 class CostLike(Protocol):
     """What the engines and the core read of a cost (a type for the checker, nothing at run time).
 
-    :class:`Cost`, :class:`FeatureBilinearCost` and :class:`flashot.matrix_cost.MatrixCost` provide it.
+    :class:`Cost`, :class:`FeatureBilinearCost` and :class:`flashot.matrix_measures.MatrixCost` provide it.
     Structural, not a common base class: ``isinstance(cost, Cost)`` (:func:`get_cost`) keeps accepting
     only the translation-invariant costs.
     """

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ._checks import check_pair, check_points, check_positive, to_tensor
 from .costs import LabelCost, check_labels
-from .ot_samples import solve_sample
+from .pot_samples import solve_sample
 from .ragged.measures import BACKENDS as RAGGED_BACKENDS
 from .results import OTResult
 

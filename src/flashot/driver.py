@@ -1,15 +1,24 @@
-r"""The core solve on prepared :class:`~flashot.measures.Measures`: validated options, the eps-scaling head, the
-Sinkhorn loop and its :class:`~flashot.results.OTResult`.
+r"""The core solve on prepared :class:`~flashot.measures.Measures`: the one entry of every front end
+(:func:`solve_problem`), and POT's validated options, eps-scaling head and :class:`~flashot.results.OTResult`.
+
+:func:`solve_problem` takes the problem and a :class:`LoopConfig` (the schedule, the updates, debiasing, the
+marginal penalties, the stopping rule, the start) and returns a :class:`Solved` state.  A *strategy* (a callable
+``(m, config) -> Solved`` built by the front end: GeomLoss' coarse-to-fine
+:class:`flashot.multiscale.Multiscale`, the warm starts of :class:`flashot.warmstart.WarmStart`) is chosen there
+and runs the loop its own way; without one the loop runs once on ``m``.  The strategies are passed in, not
+imported: they may live in a higher layer (multiscale) and the core stays below them.
+:class:`~flashot.SamplesLoss` and :func:`~flashot.solve_sample` differ only in how they build the problem and the
+config, and in how they read the state out.
 
 Shared by the front ends (:func:`flashot.solve_sample`, :func:`flashot.solve`, the GW solvers) and the
 distributed strategy, which is why it lives below them.  Options take POT's names (``method``, ``reg_type``,
-...) and map them to the loop's (:func:`solve_options`).
+...) and map them to the loop's (:func:`solve_options`, :func:`loop_config`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +40,91 @@ from .acceleration import Anderson, Momentum, check_acceleration
 from .implicit import ImplicitDiff, check_implicit
 from .measures import Measures
 from .results import OTResult, make_result
-from .schedules import Schedule
+from .schedules import Schedule, continued
 from .solver import IterationRecord, SinkhornState, sinkhorn_loop
 from .unbalanced import parse_unbalanced
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """How :func:`solve_problem` runs the Sinkhorn loop on a prepared problem (the arguments of
+    :func:`~flashot.solver.sinkhorn_loop`, frozen).
+
+    ``schedule``: the temperatures, one iteration each (GeomLoss' epsilon-scaling, or POT's eps-scaling head and
+    ``max_iter`` iterations at ``reg``: a :class:`~flashot.schedules.Schedule`).  ``refine``: None, or at most this
+    many more iterations at the schedule's last temperature, until the error is below ``tol`` (GeomLoss' schedule
+    visits its last temperature once: ``SamplesLoss(tol=)`` continues there; a strategy may run them on other
+    measures, multiscale on its pruned points).  ``symmetric``: averaged (GeomLoss) or alternating (POT) updates
+    (with multiscale: those of the refinement; its schedule is GeomLoss').  ``debias``: also the self problems
+    ``OT(a, a)``, ``OT(b, b)``.  ``rho_x``, ``rho_y``: KL marginal penalties (None: strict).  ``init`` /
+    ``init_self``: warm starts of the cross / debiasing potentials.  The rest as in ``sinkhorn_loop``."""
+
+    schedule: Sequence[float]
+    symmetric: bool = True
+    debias: bool = False
+    rho_x: float | None = None
+    rho_y: float | None = None
+    tol: float | None = None
+    refine: int | None = None
+    init: tuple[Tensor, Tensor] | None = None
+    init_self: tuple[Tensor, Tensor] | None = None
+    callback: Callable[[IterationRecord], bool | None] | None = None
+    inner_iterations: int = 10
+    acceleration: Any = None
+    verbose: bool = False
+
+    @property
+    def temperatures(self) -> Sequence[float]:
+        """The schedule the single-scale loop runs: ``schedule``, then the ``refine`` iterations."""
+        return self.schedule if self.refine is None else continued(self.schedule, self.refine)
+
+
+@dataclass(frozen=True)
+class Solved:
+    """What :func:`solve_problem` returns: the measures the ``state`` belongs to (a strategy's own: multiscale's
+    sorted, pruned points), the iterations to report (``n_iter``: a strategy may count its schedule apart from
+    ``state.n_iter``) and the strategy's record (``run``: a :class:`~flashot.multiscale.MultiscaleRun`; None
+    without one)."""
+
+    m: Measures
+    state: SinkhornState
+    n_iter: int
+    run: Any = None
+
+
+Strategy = Callable[[Measures, LoopConfig], Solved]
+
+
+def run_loop(m: Measures, cfg: LoopConfig) -> SinkhornState:
+    """The Sinkhorn loop on ``m`` as ``cfg`` says (its :attr:`~LoopConfig.temperatures`): the single-scale
+    strategy, and the step the other strategies compose."""
+    return sinkhorn_loop(
+        m,
+        cfg.temperatures,
+        symmetric=cfg.symmetric,
+        debias=cfg.debias,
+        rho_x=cfg.rho_x,
+        rho_y=cfg.rho_y,
+        tol=cfg.tol,
+        init=cfg.init,
+        init_self=cfg.init_self,
+        callback=cfg.callback,
+        inner_iterations=cfg.inner_iterations,
+        acceleration=cfg.acceleration,
+        verbose=cfg.verbose,
+    )
+
+
+def solve_problem(m: Measures, cfg: LoopConfig, strategy: Strategy | None = None) -> Solved:
+    """The one solve of every front end: the prepared problem ``m``, the loop's ``cfg`` and the ``strategy`` the
+    front end chose (None: single scale, the loop once on ``m``; else ``strategy(m, cfg)``, e.g. coarse-to-fine
+    or warm-started).  Returns the :class:`Solved` state, which the front end reads out (values, potentials,
+    a result)."""
+    if strategy is not None:
+        return strategy(m, cfg)
+    st = run_loop(m, cfg)
+    return Solved(m, st, st.n_iter)
+
 
 METHODS = {"auto": False, "sinkhorn": False, "sinkhorn_log": False, "alternating": False, "symmetric": True}
 
@@ -121,8 +212,11 @@ def solve_options(
     )
 
 
-def solve_measures(m: Measures, o: SolveOptions, potentials_init: Any = None, *, numpy: bool = False) -> OTResult:
-    """Run the solver on prepared measures with validated options; the :class:`OTResult` of both front ends."""
+def loop_config(m: Measures, o: SolveOptions, potentials_init: Any = None) -> LoopConfig:
+    """POT's single-scale solve of ``m`` as a :class:`LoopConfig`: ``reg`` checked against the costs, equal
+    masses when balanced, ``potentials_init`` checked, the eps-scaling head (:func:`scaling_head`) and
+    ``max_iter`` iterations at ``reg`` in one :class:`~flashot.schedules.Schedule`, ``acceleration="auto"``
+    resolved."""
     reg = o.reg
     check_eps_scale("reg", reg, m.cmax, m.x.dtype)
     if not o.unbalanced:
@@ -130,20 +224,25 @@ def solve_measures(m: Measures, o: SolveOptions, potentials_init: Any = None, *,
     init = None if potentials_init is None else check_init(potentials_init, m)
     symmetric = METHODS[o.method]
     head = scaling_head(m, reg, o.eps_scaling, init, symmetric)
-    st: SinkhornState = sinkhorn_loop(
-        m,
+    return LoopConfig(
         Schedule(reg, o.max_iter, head),
         symmetric=symmetric,
+        rho_x=o.rho_a,
+        rho_y=o.rho_b,
         tol=o.tol,
         init=init,
         callback=o.callback,
-        rho_x=o.rho_a,
-        rho_y=o.rho_b,
         inner_iterations=o.inner_iterations,
         acceleration=auto_acceleration(m, reg, o.acceleration, symmetric),
         verbose=o.verbose,
     )
-    return make_result(m, st, o, numpy)
+
+
+def solve_measures(m: Measures, o: SolveOptions, potentials_init: Any = None, *, numpy: bool = False) -> OTResult:
+    """POT's single-scale solve on prepared measures with validated options (:func:`loop_config`, then
+    :func:`solve_problem`); the :class:`OTResult` of :func:`flashot.solve`, the GW solvers and the points-sharded
+    :func:`flashot.solve_sample`."""
+    return make_result(m, solve_problem(m, loop_config(m, o, potentials_init)).state, o, numpy)
 
 
 # POT's method names (ot.solve_sample / ot.sinkhorn) -> ours; eps_scaling forced where the name says so

@@ -99,7 +99,7 @@ def kernel_matrix_loss(m: Measures, potentials: bool) -> Tensor | tuple[Tensor, 
     ``1/2 <a, K_xx a> + 1/2 <b, K_yy b> - <a, K_xy b>``, or its weight gradients
     ``(K_xx a - K_xy b, K_yy b - K_yx a)``."""
     K: dict[str, Tensor] | None = getattr(m.cost, "graph", None)  # a MatrixCost built from the user's function
-    assert K is not None, "kernel_matrix_loss needs a cost with its matrices (flashot.matrix_cost)"
+    assert K is not None, "kernel_matrix_loss needs a cost with its matrices (flashot.matrix_measures)"
     a, b = m.a, m.b
 
     def mv(side: str, w: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import multiscale as ms
 from ._checks import check_bool, check_eps_scale, check_int, check_positive, check_power
+from .driver import LoopConfig, Solved, Strategy, solve_problem
 from .implicit import check_implicit
 from .kernel_losses import KERNELS, hausdorff_loss, kernel_loss, kernel_matrix_loss
 from .loss_options import (
@@ -30,12 +31,12 @@ from .loss_options import (
     check_multiscale,
     check_scaling,
 )
-from .matrix_cost import function_measures
+from .matrix_measures import function_measures
 from .measures import MASS_RTOL, Measures  # noqa: F401  (MASS_RTOL: the warning's threshold)
-from .ot_samples import rank_checks
+from .pot_samples import rank_checks
 from .ragged import is_ragged_call, ragged_samples_loss
-from .schedules import continued, epsilon_scaling, max_diameter
-from .solver import SinkhornState, final_step, final_values, sinkhorn_loop
+from .schedules import epsilon_scaling, max_diameter
+from .solver import SinkhornState, final_step, final_values
 from .unbalanced import (
     debiased_dual_value,
     debiased_dual_value_two_sided,
@@ -45,7 +46,7 @@ from .unbalanced import (
     warn_on_second_order,
 )
 from .values import sinkhorn_value
-from .warmstart import check_warm_start, warm_loop
+from .warmstart import WarmStart, check_warm_start
 
 AUTO_MULTISCALE_PAIRS = 10_000**2  # GeomLoss' threshold; multiscale is faster from here (BENCHMARKS.md)
 
@@ -94,6 +95,26 @@ def auto_multiscale(m: Measures, p: int, blur: float, diameter: float) -> bool:
         and not getattr(m.cost, "labelled", False)
     )
 
+
+# The options every rank of a group checks (:mod:`flashot.distributed`): replicated, and points-sharded.
+_REPLICATED_OPTIONS = (
+    "p",
+    "blur",
+    "reach",
+    "reach_x",
+    "reach_y",
+    "diameter",
+    "scaling",
+    "debias",
+    "potentials",
+    "backend",
+    "warm_start",
+    "cluster_scale",
+    "truncate",
+    "tol",
+    "max_iter",
+)
+_POINTS_OPTIONS = (*_REPLICATED_OPTIONS[:11], "tol", "max_iter", "implicit")
 
 _GEOMLOSS_BACKENDS = {"tensorized": "dense", "online": "auto", "auto": "auto", "multiscale": "auto"}
 _P_COSTS = {1: "euclidean", 2: "half_sqeuclidean"}
@@ -386,62 +407,69 @@ class SamplesLoss(torch.nn.Module):
         self.last_multiscale = None
         if self.loss != "sinkhorn":
             return self._other_loss(a_in, x, b_in, y)
-        if self.cost is not None:  # a user's cost function (GeomLoss' tensorized ``cost``)
+        m = self._problem(m, x, y, a_in, b_in)
+        cfg, strategy = self._config(m, x, y, a_in, b_in)
+        solved = solve_problem(m, cfg, strategy)  # the core's one solve (flashot.driver)
+        self.last_n_iter, self.last_multiscale = solved.n_iter, solved.run
+        return self._read_out(solved, a_in, b_in)
+
+    def _problem(self, m: Measures | None, x, y, a_in, b_in) -> Measures:
+        """The problem of a ``loss="sinkhorn"`` call: on a user's cost function (GeomLoss' tensorized ``cost``),
+        on this process's points (or this rank's slices with ``shard="points"``), or ``m`` (replicated over the
+        group's ranks) checked and sharded across them."""
+        if self.cost is not None:
             sides = ("xy", "yx", "xx", "yy") if self.debias else ("xy", "yx")
-            m = function_measures(
+            return function_measures(
                 self.cost, x, y, a_in, b_in, sides=sides, detach_second=True, names=("α", "x", "β", "y")
             )
-        elif not replicated:  # one process, or this rank's slices (shard="points": checked across the ranks)
-            m = self._measures(x, y, a_in, b_in, _P_COSTS[self.p])
-        else:
-            from .distributed import distribute_measures
+        if m is None:  # one process, or this rank's slices (shard="points": checked across the ranks)
+            return self._measures(x, y, a_in, b_in, _P_COSTS[self.p])
+        from .distributed import distribute_measures
 
-            distribute_measures(
-                m,
-                self.group,
-                {
-                    k: repr(getattr(self, k))
-                    for k in (
-                        "p",
-                        "blur",
-                        "reach",
-                        "reach_x",
-                        "reach_y",
-                        "diameter",
-                        "scaling",
-                        "debias",
-                        "potentials",
-                        "backend",
-                        "warm_start",
-                        "cluster_scale",
-                        "truncate",
-                        "tol",
-                        "max_iter",
-                    )
-                },
-            )
+        distribute_measures(m, self.group, self._option_reprs(_REPLICATED_OPTIONS))
+        return m
+
+    def _option_reprs(self, names: tuple[str, ...]) -> dict[str, str]:
+        """The options every rank of a group must pass the same (name -> repr)."""
+        return {k: repr(getattr(self, k)) for k in names}
+
+    def _config(self, m: Measures, x, y, a_in, b_in) -> tuple[LoopConfig, Strategy | None]:
+        """GeomLoss' loop on ``m`` and the strategy that runs it: the epsilon-scaling from the diameter (given, or
+        of the clouds' joint bounding box over all batches, un-centred, as GeomLoss) to ``blur^p``, symmetric
+        updates, continued at ``blur^p`` until ``tol`` when given; coarse-to-fine (``backend="multiscale"``, or
+        ``"auto"`` where :func:`auto_multiscale` picks it), warm-started (``warm_start``) or single scale."""
         check_eps_scale("blur", self.blur**self.p, m.cmax, m.x.dtype)
-        # the diameter is taken over all batches together, on the un-centred clouds (as GeomLoss)
         diameter = (
             self.diameter
             if self.diameter is not None
             else (max_diameter(x, y) if self.cost is not None else m.bbox_diameter())
         )
         diameter = max(diameter, self.blur)
-        eps_list = epsilon_scaling(self.p, diameter, self.blur, self.scaling)
-        rx, ry = self.rho_x, self.rho_y
-        if rx is None and ry is None and (a_in is not None or b_in is not None):  # uniform: mass 1, no sync
-            _warn_unequal_masses(m)
-        run = None  # the multiscale strategy's run (None: the core loop ran)
+        cfg = LoopConfig(
+            epsilon_scaling(self.p, diameter, self.blur, self.scaling),
+            symmetric=True,
+            debias=self.debias,
+            rho_x=self.rho_x,
+            rho_y=self.rho_y,
+            tol=self.tol,
+            refine=None if self.tol is None else self.max_iter,
+            verbose=self.verbose,
+        )
+        if self.rho_x is None and self.rho_y is None and (a_in is not None or b_in is not None):
+            _warn_unequal_masses(m)  # (uniform weights: mass 1, no sync)
         if self.backend == "multiscale" or (self.backend == "auto" and self._auto_multiscale(m, diameter)):
-            run = self._multiscale(m, eps_list, diameter, rho=(rx, ry))
-            m, st = run.m, run.state
-        elif self.warm_start is not None:  # (balanced only)
-            st = warm_loop(self, m, eps_list)
-        else:
-            st = self._loop(m, eps_list, rx, ry)
-        if rx is not None or ry is not None:
-            return self._unbalanced(m, st, rx, ry, a_in, b_in, run)
+            config = ms.MultiscaleConfig(self.cluster_scale, self.truncate)
+            return cfg, ms.Multiscale(config, self.p, diameter, labels=self._labels, group=self.group)
+        if self.warm_start is not None:  # (balanced only)
+            return cfg, WarmStart(self, self.warm_start, self.p, self.blur)
+        return cfg, None
+
+    def _read_out(self, solved: Solved, a_in, b_in):
+        """The value (debiased or not) or the potentials of the ``solved`` state, on its measures (multiscale:
+        the sorted points, potentials given back in the inputs' order)."""
+        m, st, run = solved.m, solved.state, solved.run
+        if self.rho_x is not None or self.rho_y is not None:
+            return self._unbalanced(m, st, self.rho_x, self.rho_y, a_in, b_in, run)
         if not self.potentials and self.cost is None:  # barycentres: envelope gradients without plan products
             f, g, f_aa, g_bb, bary = final_values(m, st)
             return m.restore(sinkhorn_value(m, st, f, g, f_aa, g_bb, implicit=self.implicit, bary=bary))
@@ -461,51 +489,6 @@ class SamplesLoss(torch.nn.Module):
             return False  # two-sided self problems: single-scale only
         return auto_multiscale(m, self.p, self.blur, diameter)
 
-    def _loop(
-        self, m: Measures, eps_list, rx: float | None = None, ry: float | None = None, init=None, init_self=None
-    ) -> SinkhornState:
-        """GeomLoss' symmetric iterations over ``eps_list``; with ``tol``, continued at its last temperature
-        until the error (every potential's, self problems included) is below ``tol`` (at most ``max_iter``
-        more iterations)."""
-        sched = eps_list if self.tol is None else continued(eps_list, self.max_iter)
-        st = sinkhorn_loop(
-            m,
-            sched,
-            symmetric=True,
-            debias=self.debias,
-            rho_x=rx,
-            rho_y=ry,
-            tol=self.tol,
-            init=init,
-            init_self=init_self,
-            verbose=self.verbose,
-        )
-        self.last_n_iter = st.n_iter
-        return st
-
-    def _multiscale(self, m: Measures, eps_list, diameter: float, rho: tuple = (None, None)) -> ms.MultiscaleRun:
-        """GeomLoss' coarse-to-fine schedule (marginal penalties ``rho``), then with ``tol`` the iterations at the
-        last temperature on the pruned points: the multiscale strategy's one path (:func:`flashot.multiscale.solve`);
-        ``L.last_multiscale`` keeps the run (clusters, kept fractions of the pairs)."""
-        ms.check_pair(m)
-        refine = None if self.tol is None else ms.Refinement(self.tol, self.max_iter)
-        run = ms.solve(
-            m,
-            eps_list,
-            ms.MultiscaleConfig(self.cluster_scale, self.truncate),
-            p=self.p,
-            diameter=diameter,
-            debias=self.debias,
-            rho=rho,
-            labels=self._labels,
-            refine=refine,
-            verbose=self.verbose,
-            group=self.group,
-        )
-        self.last_multiscale = run
-        self.last_n_iter = len(eps_list) + (0 if refine is None else run.state.n_iter)
-        return run
-
     def _measures(self, x, y, a_in, b_in, cost: str) -> Measures:
         """The validated, centred pair on the engine this loss's ``backend`` names (GeomLoss' names mapped);
         this rank's slices of one problem with ``shard="points"`` (:func:`flashot.distributed.points_measures`)."""
@@ -521,27 +504,15 @@ class SamplesLoss(torch.nn.Module):
             return build(x, y, a_in, b_in)
         from .distributed import points_measures
 
-        opts = {
-            k: repr(getattr(self, k))
-            for k in (
-                "p",
-                "blur",
-                "reach",
-                "reach_x",
-                "reach_y",
-                "diameter",
-                "scaling",
-                "debias",
-                "potentials",
-                "backend",
-                "warm_start",
-                "tol",
-                "max_iter",
-                "implicit",
-            )
-        }
         return points_measures(
-            x, y, a_in, b_in, group=self.group, build=build, options=opts, names=("x", "y", "α", "β")
+            x,
+            y,
+            a_in,
+            b_in,
+            group=self.group,
+            build=build,
+            options=self._option_reprs(_POINTS_OPTIONS),
+            names=("x", "y", "α", "β"),
         )
 
     def _other_loss(self, a_in, x, b_in, y):
@@ -621,8 +592,8 @@ class SamplesLoss(torch.nn.Module):
             ((20, 30), True)
         """
         from ._checks import check_int
-        from .ot_samples import solve_sample
         from .plan import plan_from_potentials
+        from .pot_samples import solve_sample
 
         if is_ragged_call(args):
             raise NotImplementedError(

@@ -44,13 +44,14 @@ the same tail and the result is the single process's up to float reassociation.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .driver import LoopConfig, Solved, run_loop
 from .measures import Measures
-from .schedules import continued
-from .solver import SinkhornState, sinkhorn_loop
+from .solver import SinkhornState
 
 DEFAULT_WARM_SCALE = 8.0
 
@@ -64,12 +65,6 @@ def check_warm_start(v: object) -> float | None:
     if isinstance(v, (int, float)) and v >= 1 and v == v and v != float("inf"):
         return float(v)
     raise ValueError(f"warm_start: expected a bool or a number >= 1 (the starting blur multiple), got {v!r}")
-
-
-def _key(module, m):
-    """What a cached state must match: shapes (and, points-sharded, the number of points of every rank,
-    the same on all ranks), dtype, device and the loss's ``p``, ``blur``, ``debias``."""
-    return (m.shape, getattr(m, "counts", None), m.x.dtype, m.x.device, module.p, module.blur, module.debias)
 
 
 def _cold(m, cache, key) -> bool:
@@ -106,46 +101,57 @@ def _self_measures(m, side: str):
     return dataclasses.replace(m, x=pts, y=pts, a=w, b=w, a_log=wl, b_log=wl, **extra)
 
 
-def warm_loop(module: Any, m: Measures, eps_list: list[float]) -> SinkhornState:
-    """The Sinkhorn loop of ``module`` (a SamplesLoss), warm-started from its cache when valid."""
-    cache = getattr(module, "_warm_cache", None)
-    key = _key(module, m)
-    tol = module.tol
+@dataclass(frozen=True)
+class WarmStart:
+    """The warm-start strategy of ``SamplesLoss(warm_start=)`` (a :data:`~flashot.driver.Strategy` of
+    :func:`~flashot.driver.solve_problem`): the config's loop, cold (the whole schedule, refilling the cache) or
+    warm (the tail from ``max(scale * blur, 4 delta)^p``, cross and self problems as separate loops started from
+    the cache), balanced only, without a progress bar.  ``owner`` keeps the cache between calls (its
+    ``_warm_cache`` attribute: a :class:`~flashot.SamplesLoss`); ``p``, ``blur`` and the config's ``debias`` key
+    it."""
 
-    def extended(sched):  # with tol: continued at the last temperature until the error is below tol
-        return sched if tol is None else continued(sched, module.max_iter)
+    owner: Any
+    scale: float
+    p: int
+    blur: float
 
-    if _cold(m, cache, key):
-        st = sinkhorn_loop(m, extended(eps_list), symmetric=True, debias=module.debias, tol=tol)
-        n_iter = st.n_iter
-    else:
-        assert cache is not None  # _cold is False only with a cache
-        moved = _moved(m, cache)  # how far did the points move since the cached call?
-        start = max(module.warm_start * module.blur, 4.0 * moved) ** module.p
+    def __call__(self, m: Measures, cfg: LoopConfig) -> Solved:
+        cache = getattr(self.owner, "_warm_cache", None)
+        # what a cached state must match: shapes (points-sharded: every rank's number of points, the same on all
+        # ranks), dtype, device, and the loss's p, blur, debias
+        key = (m.shape, getattr(m, "counts", None), m.x.dtype, m.x.device, self.p, self.blur, cfg.debias)
+        quiet = dataclasses.replace(cfg, verbose=False)
+        if _cold(m, cache, key):
+            st = run_loop(m, quiet)
+        else:
+            assert cache is not None  # _cold is False only with a cache
+            st = self._warm(m, quiet, cache)
+        with torch.no_grad():
+            self.owner._warm_cache = {
+                "key": key,
+                "x": (m.x.detach() + m.center).clone(),
+                "y": (m.y.detach() + m.center).clone(),
+                "f": st.f.detach(),
+                "g": st.g.detach(),
+                "f_aa": None if st.f_aa is None else st.f_aa.detach(),
+                "g_bb": None if st.g_bb is None else st.g_bb.detach(),
+            }
+        return Solved(m, st, st.n_iter)
+
+    def _warm(self, m: Measures, cfg: LoopConfig, cache: dict) -> SinkhornState:
+        """The tail of the schedule from the cached potentials: how far the points moved since the cached call
+        sets where it starts (always at least one step at the final eps plus the extrapolation)."""
+        eps_list = cfg.schedule
+        start = max(self.scale * self.blur, 4.0 * _moved(m, cache)) ** self.p
         tail = [e for e in eps_list if e <= start * (1 + 1e-12)]
-        if len(tail) < 2:  # always at least one step at the final eps plus the extrapolation
-            tail = eps_list[-2:]
-        st = sinkhorn_loop(m, extended(tail), symmetric=True, init=(cache["f"], cache["g"]), tol=tol)
-        n_iter = st.n_iter
-        if module.debias:
-            f_aa, g_bb = None, None
-            for side in ("x", "y"):
-                h0 = cache["f_aa"] if side == "x" else cache["g_bb"]
-                ss = sinkhorn_loop(_self_measures(m, side), extended(tail), symmetric=True, init=(h0, h0), tol=tol)
-                if side == "x":
-                    f_aa = 0.5 * (ss.f + ss.g)
-                else:
-                    g_bb = 0.5 * (ss.f + ss.g)
-            st = dataclasses.replace(st, f_aa=f_aa, g_bb=g_bb)
-    with torch.no_grad():
-        module._warm_cache = {
-            "key": key,
-            "x": (m.x.detach() + m.center).clone(),
-            "y": (m.y.detach() + m.center).clone(),
-            "f": st.f.detach(),
-            "g": st.g.detach(),
-            "f_aa": None if st.f_aa is None else st.f_aa.detach(),
-            "g_bb": None if st.g_bb is None else st.g_bb.detach(),
-        }
-    module.last_n_iter = n_iter
-    return st
+        if len(tail) < 2:
+            tail = list(eps_list[-2:])
+        cross = dataclasses.replace(cfg, schedule=tail, debias=False)
+        st = run_loop(m, dataclasses.replace(cross, init=(cache["f"], cache["g"])))
+        if not cfg.debias:
+            return st
+        selfs = []
+        for side, h0 in (("x", cache["f_aa"]), ("y", cache["g_bb"])):
+            ss = run_loop(_self_measures(m, side), dataclasses.replace(cross, init=(h0, h0)))
+            selfs.append(0.5 * (ss.f + ss.g))
+        return dataclasses.replace(st, f_aa=selfs[0], g_bb=selfs[1])

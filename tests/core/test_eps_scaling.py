@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flashot
-from flashot.ot_samples import EPS_SCALING_AUTO, EPS_SCALING_STEPS
+from flashot.pot_samples import EPS_SCALING_AUTO, EPS_SCALING_STEPS
 from flashot.schedules import Schedule
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import flashot
-from flashot.ot_samples import OTResult
+from flashot.pot_samples import OTResult
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

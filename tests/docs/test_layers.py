@@ -45,7 +45,8 @@ LAYERS: dict[str, int] = {
     "flashot.warmstart": 1,
     "flashot.results": 1,
     "flashot.driver": 1,
-    "flashot.matrix_cost": 1,  # a Measures built on a cost matrix or a cost function: the problem, not a front end
+    "flashot.matrix_measures": 1,  # a Measures built on a cost matrix or a cost function: the problem, not a front end
+    "flashot.matrix_cost": 1,  # deprecated alias of flashot.matrix_measures
     # 2 strategies: ways of running the core loop (coarse-to-fine multiscale, sharded over ranks).
     "flashot.clusters": 2,
     "flashot.multiscale": 2,
@@ -57,7 +58,9 @@ LAYERS: dict[str, int] = {
     "flashot.samples_loss": 3,
     "flashot.loss_options": 3,
     "flashot.kernel_losses": 3,
-    "flashot.ot_samples": 3,
+    "flashot.pot_samples": 3,
+    "flashot.pot_matrix": 3,
+    "flashot.ot_samples": 3,  # deprecated aliases of flashot.pot_samples and flashot.pot_matrix
     "flashot.ot_matrix": 3,
     "flashot.dataset_distance": 3,
     "flashot.gromov": 3,

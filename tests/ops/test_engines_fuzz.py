@@ -1065,7 +1065,7 @@ def test_solve_matrix(p, form, backend, hot, log_reg, blocks):
     float64 reference (tolerances above)."""
     import tempfile
 
-    from flashot import matrix_cost, values
+    from flashot import matrix_measures, values
     from flashot.ops import tiled
 
     C, a, b, n, m = p["C"], p["a"], p["b"], p["n"], p["m"]
@@ -1080,7 +1080,7 @@ def test_solve_matrix(p, form, backend, hot, log_reg, blocks):
         tempfile.TemporaryDirectory() as tmp,
         _patched(
             (tiled, "COL_BLOCK", blocks[0]),
-            (matrix_cost, "SCAN_ROWS", blocks[1]),
+            (matrix_measures, "SCAN_ROWS", blocks[1]),
             (values, "HOT_VALUE_BLOCK", blocks[2]),
         ),
     ):

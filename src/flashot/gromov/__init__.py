@@ -20,7 +20,7 @@ so ``C(T)`` is a :class:`~flashot.costs.FeatureBilinearCost` (biases ``2 (D^x)^{
 ``2 (D^y)^{\circ 2} b`` from moments of the clouds, matrix ``-4 R_x A R_y``) and ``A`` is one plan
 product ``T @ E_y``.  The ``cpu`` and ``triton`` engines run it as a squared-Euclidean cost between
 low-dimensional points plus per-point offsets (:mod:`flashot.ops.bilinear`).  The inner problems run
-through :func:`~flashot.ot_samples.solve_measures` (the one solver), warm-started from the previous potentials.  The same plan product gives the GW
+through :func:`~flashot.driver.solve_measures` (the one solver), warm-started from the previous potentials.  The same plan product gives the GW
 loss of each iterate (POT's ``gwloss``)
 
 .. math::

@@ -52,7 +52,7 @@ left behind), :mod:`.scales` (schedule, cluster scales, jump), :mod:`.linear` an
 ingredients of the bounds), :mod:`.bounds` (block pruning), :mod:`.extrapolation` (the coarse stage's
 problem and its potentials on the points), :mod:`.fine` (the fine stage's sorted measures and block-sparse
 engines), :mod:`.coarse_to_fine` (the loop), :mod:`.ordering` (the inputs' point order) and
-:mod:`.strategy` (:func:`solve`, the one entry of the front ends).  The tuning constants re-exported here
+:mod:`.strategy` (:class:`Multiscale`, the strategy the front ends hand to the core's one solve).  The tuning constants re-exported here
 are copies: set them in their modules (e.g. ``flashot.multiscale.fine.TILE_PRUNING``).
 """
 
@@ -70,7 +70,7 @@ from .hierarchies import COARSE_BLOCKS, Hierarchy, hierarchy
 from .linear import FIT_CHUNK, LinearModel, linear_model
 from .ordering import InputOrderEngine, in_input_order, unsort
 from .scales import COARSE_MIN_GAIN, coarse_pays, jump_index, schedule
-from .strategy import Refinement, check_pair, solve, solve_measures
+from .strategy import Multiscale, Refinement, check_pair, pot_problem, pot_result, solve, solve_measures
 
 __all__ = [
     "BlockBounds",
@@ -85,6 +85,7 @@ __all__ = [
     "Hierarchy",
     "InputOrderEngine",
     "LinearModel",
+    "Multiscale",
     "MultiscaleConfig",
     "MultiscaleRun",
     "PRUNE_CHUNK",
@@ -100,6 +101,8 @@ __all__ = [
     "jump_index",
     "linear_model",
     "multiscale_loop",
+    "pot_problem",
+    "pot_result",
     "prune",
     "schedule",
     "solve",

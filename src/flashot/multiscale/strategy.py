@@ -1,11 +1,13 @@
-"""Multiscale as a strategy of the one solve: the entry points of the front ends.
+"""Multiscale as a strategy of the one solve (:func:`flashot.driver.solve_problem`).
 
-:func:`solve` is the one coarse-to-fine path of :class:`~flashot.SamplesLoss` and
-:func:`~flashot.solve_sample` (their ``backend="multiscale"``): GeomLoss' schedule coarse-to-fine
+:class:`Multiscale` is the strategy object that :class:`~flashot.SamplesLoss` and :func:`~flashot.solve_sample`
+build for ``backend="multiscale"`` and hand to the core's one entry, with their :class:`~flashot.driver.LoopConfig`;
+it runs :func:`solve`: GeomLoss' schedule coarse-to-fine
 (:func:`~flashot.multiscale.coarse_to_fine.multiscale_loop`), then, when asked, the ordinary iterations at
 its last temperature on the pruned points (:func:`~flashot.multiscale.coarse_to_fine.continue_fine`).
-:func:`solve_measures` is ``solve_sample``'s: the counterpart of :func:`flashot.driver.solve_measures`,
-returning an :class:`~flashot.results.OTResult` in the inputs' point order.
+:func:`pot_problem` builds ``solve_sample``'s config and strategy; :func:`solve_measures` runs them and returns
+an :class:`~flashot.results.OTResult` in the inputs' point order (the counterpart of
+:func:`flashot.driver.solve_measures`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..driver import METHODS, SolveOptions, make_result
+from ..driver import METHODS, LoopConfig, Solved, SolveOptions, make_result, solve_problem
 from ..measures import Measures
 from ..results import OTResult
 from ..schedules import Schedule
@@ -106,14 +108,61 @@ def solve(
     return continue_fine(run, loop)
 
 
-def solve_measures(
-    m: Measures, o: SolveOptions, cfg: MultiscaleConfig, *, group: Any = None, numpy: bool = False
-) -> OTResult:
-    """``solve_sample(backend="multiscale")`` on its checked pair ``m``: GeomLoss' coarse-to-fine schedule
-    down to ``o.reg`` (:func:`~flashot.multiscale.scales.schedule`), then the ordinary loop (``o``'s updates,
-    ``tol``, ``max_iter``, callback) on the pruned points, through :func:`solve`; the result in the inputs'
-    point order, its ``multiscale`` the run.  With ``group`` (replicated mode) the problem and the options are
-    first checked across the ranks."""
+@dataclass(frozen=True)
+class Multiscale:
+    """The coarse-to-fine strategy of :func:`~flashot.driver.solve_problem` (one pair of clouds, B = 1): calling
+    it with ``(m, cfg)`` runs :func:`solve` on ``cfg.schedule`` (GeomLoss' decreasing temperatures), with
+    ``cfg``'s debiasing, marginal penalties and progress bar, then, with ``cfg.refine``, that many iterations at
+    most on the pruned points (:class:`Refinement`: ``cfg``'s updates, ``tol``, callback, ``inner_iterations``)
+    at ``eps`` (None: the schedule's last temperature).  ``config``: clusters and pruning; ``p``: the exponent of
+    the cost's schedule; ``labels``: GeomLoss' cluster labels; ``group``: replicated over its ranks.  The
+    :class:`~flashot.driver.Solved` state holds the sorted fine measures, the run, and ``n_iter`` = the schedule's
+    length plus the refinement's iterations."""
+
+    config: MultiscaleConfig
+    p: int
+    diameter: float
+    labels: tuple[Tensor | None, Tensor | None] = (None, None)
+    group: Any = None
+    eps: float | None = None
+
+    def __call__(self, m: Measures, cfg: LoopConfig) -> Solved:
+        check_pair(m)
+        refine = None
+        if cfg.refine is not None:
+            refine = Refinement(
+                cfg.tol,
+                cfg.refine,
+                eps=self.eps,
+                symmetric=cfg.symmetric,
+                callback=cfg.callback,
+                inner_iterations=cfg.inner_iterations,
+            )
+        eps_list = list(cfg.schedule)
+        run = solve(
+            m,
+            eps_list,
+            self.config,
+            p=self.p,
+            diameter=self.diameter,
+            debias=cfg.debias,
+            rho=(cfg.rho_x, cfg.rho_y),
+            labels=self.labels,
+            refine=refine,
+            verbose=cfg.verbose,
+            group=self.group,
+        )
+        return Solved(run.m, run.state, len(eps_list) + (0 if refine is None else run.state.n_iter), run)
+
+
+def pot_problem(
+    m: Measures, o: SolveOptions, cfg: MultiscaleConfig, *, group: Any = None
+) -> tuple[SolveOptions, LoopConfig, Multiscale]:
+    """``solve_sample(backend="multiscale")``'s config and strategy on its checked pair ``m``: GeomLoss'
+    coarse-to-fine schedule down to ``o.reg`` (:func:`~flashot.multiscale.scales.schedule`), then the ordinary
+    loop (``o``'s updates, ``tol``, ``max_iter``, callback) at ``o.reg`` on the pruned points.  With ``group``
+    (replicated mode) the problem and the options are first checked across the ranks (the options returned are
+    this rank's)."""
     if group is not None:
         from ..distributed import distribute_solve
 
@@ -121,26 +170,33 @@ def solve_measures(
             m, o, group, options={"backend": "multiscale", "cluster_scale": cfg.cluster_scale, "truncate": cfg.truncate}
         )
     diameter = m.bbox_diameter()
-    refine = Refinement(
-        o.tol,
-        o.max_iter,
-        eps=o.reg,
+    loop = LoopConfig(
+        schedule(m.cost, diameter, o.reg),
         symmetric=METHODS[o.method],
+        rho_x=o.rho_a,
+        rho_y=o.rho_b,
+        tol=o.tol,
+        refine=o.max_iter,
         callback=o.callback,
         inner_iterations=o.inner_iterations,
-    )
-    run = solve(
-        m,
-        schedule(m.cost, diameter, o.reg),
-        cfg,
-        p=2 if m.cost.is_dot else 1,
-        diameter=diameter,
-        rho=(o.rho_a, o.rho_b),
-        refine=refine,
         verbose=o.verbose,
-        group=group,
     )
-    mo, st = in_input_order(m, run)
+    return o, loop, Multiscale(cfg, 2 if m.cost.is_dot else 1, diameter, group=group, eps=o.reg)
+
+
+def pot_result(m: Measures, solved: Solved, o: SolveOptions, numpy: bool = False) -> OTResult:
+    """The :class:`~flashot.results.OTResult` of a multiscale ``solved`` state of the pair ``m``: in the inputs'
+    point order, its ``multiscale`` the run."""
+    mo, st = in_input_order(m, solved.run)
     res = make_result(mo, st, o, numpy)
-    res.multiscale = run
+    res.multiscale = solved.run
     return res
+
+
+def solve_measures(
+    m: Measures, o: SolveOptions, cfg: MultiscaleConfig, *, group: Any = None, numpy: bool = False
+) -> OTResult:
+    """``solve_sample(backend="multiscale")`` on its checked pair ``m``: :func:`pot_problem`, the one solve
+    (:func:`~flashot.driver.solve_problem`) and :func:`pot_result`."""
+    o, loop, strategy = pot_problem(m, o, cfg, group=group)
+    return pot_result(m, solve_problem(m, loop, strategy), o, numpy)

@@ -316,7 +316,7 @@ def test_cost_matrix_passed_as_cost_is_pointed_to_solve():
 def test_public_functions_are_callable():
     """flashot.solve / sinkhorn / sinkhorn2 are functions (no longer submodules)."""
     for f in (flashot.solve, flashot.sinkhorn, flashot.sinkhorn2):
-        assert callable(f) and f.__module__ == "flashot.ot_matrix"
+        assert callable(f) and f.__module__ == "flashot.pot_matrix"
 
 
 def test_barycentric_map_refused_for_a_cost_matrix():
