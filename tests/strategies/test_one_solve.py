@@ -1,8 +1,8 @@
 """One pipeline: every front end builds a problem and calls the core's one solve, :func:`flashot.driver.solve_problem`.
 
 ``SamplesLoss`` and ``solve_sample`` (and ``solve``) reach the Sinkhorn loop only through that entry, whatever the
-strategy (single scale, coarse-to-fine, warm-started): checked by replacing the loop, in every module that holds
-it, by one that looks for the entry's frame on the stack.  Then the strategies called directly through the entry
+strategy (single scale, coarse-to-fine, warm-started, a ragged batch): checked by replacing the loop, in every
+module that holds it, by one that looks for the entry's frame on the stack.  Then the strategies called directly through the entry
 give the front ends' numbers, bitwise.
 """
 
@@ -58,6 +58,8 @@ CALLS = {
     "solve_sample, eps-scaling": lambda x, y: flashot.solve_sample(x, y, reg=0.01),
     "solve_sample multiscale": lambda x, y: flashot.solve_sample(x, y, reg=0.1, backend="multiscale"),
     "solve": lambda x, y: flashot.solve(torch.cdist(x, y) ** 2, reg=0.1),
+    "ragged SamplesLoss": lambda x, y: flashot.SamplesLoss(blur=0.3, tol=1e-6)([x, x[:50]], [y, y[:70]]),
+    "ragged solve_sample": lambda x, y: flashot.solve_sample([x, x[:50]], [y, y[:70]], reg=0.1),
 }
 
 

@@ -27,11 +27,11 @@ import torch
 from torch import Tensor
 
 from .._checks import check_eps_scale
-from ..driver import METHODS, auto_acceleration, pot_uniform, scaling_head, solve_options
+from ..driver import METHODS, LoopConfig, auto_acceleration, pot_uniform, scaling_head, solve_options, solve_problem
 from ..measures import MASS_RTOL, Measures
 from ..plan import LazyPlan
-from ..schedules import Schedule, continued, epsilon_scaling
-from ..solver import SinkhornState, final_step, sinkhorn_loop
+from ..schedules import Schedule, epsilon_scaling
+from ..solver import SinkhornState, final_step
 from ..unbalanced import (
     debiased_dual_value,
     debiased_dual_value_two_sided,
@@ -134,8 +134,9 @@ def ragged_samples_loss(L, args: tuple, x_batch=None, y_batch=None, *, implicit_
     rx, ry = L.rho_x, L.rho_y
     if rx is None and ry is None and (inp.a is not None or inp.b is not None):
         _warn_masses(m)
-    sched = eps_list if L.tol is None else continued(eps_list, L.max_iter)
-    st = sinkhorn_loop(m, sched, symmetric=True, debias=L.debias, rho_x=rx, rho_y=ry, tol=L.tol, verbose=L.verbose)
+    refine = None if L.tol is None else L.max_iter  # GeomLoss' schedule, continued at its last temperature
+    cfg = LoopConfig(eps_list, debias=L.debias, rho_x=rx, rho_y=ry, tol=L.tol, refine=refine, verbose=L.verbose)
+    st = solve_problem(m, cfg).state
     L.last_n_iter, L.last_multiscale = st.n_iter, None
     out = _loss_value(m, st, L.debias, L.potentials, rx, ry)
     if not L.potentials:
@@ -289,8 +290,7 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
     if not o.unbalanced:
         _check_masses(m)
     symmetric = METHODS[o.method]
-    st = sinkhorn_loop(
-        m,
+    cfg = LoopConfig(
         Schedule(o.reg, o.max_iter, scaling_head(m, o.reg, o.eps_scaling, None, symmetric)),
         symmetric=symmetric,
         tol=o.tol,
@@ -301,6 +301,7 @@ def ragged_solve_sample(X_a, X_b, a=None, b=None, metric=None, reg=None, **kw) -
         acceleration=auto_acceleration(m, o.reg, o.acceleration, symmetric),
         verbose=o.verbose,
     )
+    st = solve_problem(m, cfg).state
     return _result(inp, m, st, o, cost, backend, numpy)
 
 
