@@ -44,6 +44,22 @@ def pytest_sessionstart(session):
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _reference_cache(tmp_path_factory):
+    """Where tests/references.py keeps its dense float64 references for this run (``FLASHOT_TEST_REFERENCE_CACHE``):
+    the run's temporary directory, shared by the pytest-xdist workers (each has its own below it)."""
+    from references import REFERENCE_CACHE
+
+    if os.environ.get(REFERENCE_CACHE):
+        yield
+        return
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ[REFERENCE_CACHE] = str(root / "references")
+    yield
+    os.environ.pop(REFERENCE_CACHE, None)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -24,7 +24,10 @@ maximised by the fixed point of ``f = -lam_x eps log sum_j b_j exp((g_j - C_ij) 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +188,46 @@ def log_sinkhorn(
     raise AssertionError("reference Sinkhorn did not converge")
 
 
+REFERENCE_CACHE = "FLASHOT_TEST_REFERENCE_CACHE"
+
+
+def _kept_on_disk(fn):
+    """``fn(x, y, h, mask, eps, cost)`` with its result kept in the directory ``$FLASHOT_TEST_REFERENCE_CACHE``
+    when that is set (off otherwise), keyed by a hash of the arguments' bytes.
+
+    tests/conftest.py sets it to a directory of the test run (shared by the pytest-xdist workers and passed on
+    to tests/ops/test_isa_matrix.py's runs of the kernel tests under other instruction sets): these dense
+    float64 references are PyTorch's, a pure function of their inputs, so a test that needs one another test
+    (or another instruction set's run) computed reads it (at 3,000 x 2,500 points they are most of those
+    tests' time).  A file lock per key: two processes asking at once compute it once."""
+
+    @functools.wraps(fn)
+    def wrapped(x: Tensor, y: Tensor, h: Tensor, mask: Tensor, eps: float, cost) -> Tensor:
+        root = os.environ.get(REFERENCE_CACHE)
+        described = repr(cost)
+        if not root or not described.startswith("Cost("):  # no cache, or not a built-in cost (fully described)
+            return fn(x, y, h, mask, eps, cost)
+        key = hashlib.sha256(f"{fn.__name__} {float(eps)!r} {described}".encode())
+        for t in (x, y, h, mask):
+            t = t.detach().cpu().contiguous()
+            key.update(f"{t.dtype} {tuple(t.shape)}".encode())
+            key.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
+        from filelock import FileLock  # a dependency of torch
+
+        os.makedirs(root, exist_ok=True)
+        path = os.path.join(root, key.hexdigest() + ".pt")
+        with FileLock(path + ".lock"):
+            if os.path.exists(path):
+                return torch.load(path)
+            out = fn(x, y, h, mask, eps, cost)
+            torch.save(out, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        return out
+
+    return wrapped
+
+
+@_kept_on_disk
 def masked_softmin(x: Tensor, y: Tensor, h: Tensor, mask: Tensor, eps: float, cost) -> Tensor:
     """Float64 softmin ``-eps log sum_{j: mask_ij} exp(h_j - C_ij / eps)`` of one batch entry (``x``, ``y``
     and ``h`` carry a batch axis of size 1; ``cost.matrix`` builds ``C``): the reference of the
@@ -194,6 +237,7 @@ def masked_softmin(x: Tensor, y: Tensor, h: Tensor, mask: Tensor, eps: float, co
     return -eps * torch.logsumexp(S, -1)
 
 
+@_kept_on_disk
 def masked_bary(x: Tensor, y: Tensor, h: Tensor, mask: Tensor, eps: float, cost) -> Tensor:
     """Float64 soft-argmin barycentres ``sum_j w_ij y_j`` of :func:`masked_softmin` (rows sum to 1)."""
     C = cost.matrix(x.double(), y.double())[0]

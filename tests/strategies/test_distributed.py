@@ -1,18 +1,20 @@
 """Distributed Sinkhorn (flashot.distributed, replicated and points-sharded modes) on 2 and 3 gloo processes.
 
-Each test starts its ranks as subprocesses running this file (``python tests/strategies/test_distributed.py
-<mode> <rank> <world> <init> <dir>``, file:// rendezvous: no port to pick), which write their
-results to ``<dir>``; the parent compares them with the same calls made in one process
+The ranks run this file's jobs (``rank_job``: compare, mismatch) in the process groups the distributed
+test modules share (distributed_ranks.py: one spawn per group of jobs, file:// rendezvous), and write their
+results to the job's directory; the parent compares them with the same calls made in one process
 (``group=None``): values, potentials, marginals and gradients w.r.t. points and weights to 1e-10
 relative in float64 (measured: at most ~1e-13), and checks that every rank holds bit-identical results
 (replicated mode) or that the ranks' slices, put back together, are the single-process result (points
 mode, uneven slices).  Also: one DistributedDataParallel SGD step against the same step in one process,
 the mismatch checks, a rank that dies mid-solve, a rank that stays alive but stops calling (the
-process-group timeout), and the torchrun example.
+process-group timeout; these two start their own ranks: ``python tests/strategies/test_distributed.py
+<mode> <rank> <world> <init> <dir>``), and the torchrun example.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -22,6 +24,9 @@ from datetime import timedelta
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distributed_ranks import job_results, launch
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository
@@ -210,12 +215,8 @@ Y_SIDE = {"g", "rb", "gy", "gb", "G"}
 # -- the ranks ------------------------------------------------------------------------------------------
 
 
-def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=STUCK_TIMEOUT if mode in ("dead", "stuck") else 60)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
-    pg = dist.group.WORLD
+def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
+    """This rank's part of a job of the shared spawns (distributed_ranks.py): compare, mismatch."""
     if mode == "compare":
         res = {"rep": {}, "ring": {}}
         for kind, names, part in (("rep", RUN[world], None), ("ring", RING[world], (rank, world))):
@@ -325,7 +326,18 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
         msgs["after_ring"] = float(solve_sample(xl, yl, reg=0.1, backend="cpu", group=pg, shard="points").value)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
             json.dump(msgs, fh)
-    elif mode in ("dead", "stuck"):
+    else:
+        raise ValueError(f"unknown job {mode!r}")
+
+
+def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
+    """A rank of the failure tests (its own processes: one of them dies or stalls)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=STUCK_TIMEOUT)
+    )
+    if mode in ("dead", "stuck"):
         from flashot import solve_sample
 
         x, y, _, _ = _data(0, 200, 180)
@@ -340,53 +352,20 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
 
         t0 = time.perf_counter()
         try:
-            solve_sample(x, y, reg=0.05, tol=None, max_iter=400, backend="cpu", callback=cb, group=pg)
+            solve_sample(x, y, reg=0.05, tol=None, max_iter=400, backend="cpu", callback=cb, group=dist.group.WORLD)
             msg = None
         except Exception as e:  # noqa: BLE001 - what the surviving rank sees
             msg = f"{type(e).__name__}: {e}"
         with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
             json.dump({"error": msg, "elapsed": time.perf_counter() - t0}, fh)
         os._exit(0)  # do not wait for the dead / stuck peer in the process group's teardown
-    dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
-    # torch 2.13's gloo aborts ~8% of clean interpreter exits ("terminate called without an active
-    # exception", SIGABRT, with or without destroy_process_group; pytorch/pytorch#190489; reproduced
-    # without flashot): our results are written, so leave without the interpreter's teardown.
-    sys.stdout.flush()
-    os._exit(0)
+    raise ValueError(f"unknown mode {mode!r}")
 
 
-def _launch(mode: str, world: int, tmp, timeout: float = 120.0, wait_for=None, script: str = HERE):
-    """Run the ranks (``script``'s ``_worker``); wait for those in ``wait_for`` (all by default), then kill
-    the others."""
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]),
-    )
-    init = f"file://{tmp}/rendezvous"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, mode, str(r), str(world), init, str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    t0 = time.perf_counter()
-    outs = []
-    try:
-        for r, p in enumerate(procs):
-            if wait_for is None or r in wait_for:
-                outs.append(p.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [p.returncode for p in procs], outs, time.perf_counter() - t0
+def _launch(mode: str, world: int, tmp, timeout: float = 120.0, wait_for=None):
+    """Run this file's ranks (the failure tests); wait for those in ``wait_for`` (all by default), then
+    kill the others."""
+    return launch([mode, str(world), f"file://{tmp}/rendezvous", str(tmp)], world, tmp, timeout, wait_for, HERE)
 
 
 # -- the tests ------------------------------------------------------------------------------------------
@@ -411,15 +390,20 @@ def _check(name: str, ref: dict, got: dict, worst: dict) -> None:
         assert r <= RTOL, (name, k, r)
 
 
+@functools.cache
+def _reference(name: str) -> dict:
+    """``name``'s call in one process (``group=None``), computed once for both worlds."""
+    return CASES[name](None, None)
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_matches_single_process(world, tmp_path):
+def test_matches_single_process(world, tmp_path_factory):
     """Replicated mode (every rank holds bit-identical results) and points-sharded mode (every rank's slices,
     put back together, and the values) against the same calls in one process."""
-    rcs, outs, _ = _launch("compare", world, tmp_path)
-    assert rcs == [0] * world, "\n".join(outs)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    out = job_results(tmp_path_factory, "test_distributed:compare", world)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     worst: dict = {}
-    refs = {name: CASES[name](None, None) for name in dict.fromkeys(RUN[world] + RING[world])}  # one process
+    refs = {name: _reference(name) for name in dict.fromkeys(RUN[world] + RING[world])}  # one process
     for name in RUN[world]:
         got = ranks[0]["rep"][name]
         _check(name, refs[name], got, worst)
@@ -442,10 +426,9 @@ def test_matches_single_process(world, tmp_path):
     print(f"world={world}: worst relative difference {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
 
 
-def test_mismatch_is_detected(tmp_path):
-    rcs, outs, _ = _launch("mismatch", 2, tmp_path)
-    assert rcs == [0, 0], "\n".join(outs)
-    msgs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_mismatch_is_detected(tmp_path_factory):
+    out = job_results(tmp_path_factory, "test_distributed:mismatch", 2)
+    msgs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     expect = {
         "reg": "reg:",
         "shape": "X_a (shape, dtype)",

@@ -1,8 +1,7 @@
 """The multiscale solver in a distributed solve (replicated mode) on 2 and 3 gloo processes.
 
-Each test starts its ranks as subprocesses running this file (``python
-tests/strategies/test_distributed_multiscale.py <mode> <rank> <world> <init> <dir>``, file:// rendezvous),
-which write their results to ``<dir>``; the parent makes the same calls in one process (``group=None``) and
+The ranks run this file's jobs (``rank_job``: compare, errors) in the process groups the distributed test
+modules share (distributed_ranks.py), and write their results to the job's directory; the parent makes the same calls in one process (``group=None``) and
 compares: ``SamplesLoss(backend="multiscale")`` values, potentials and gradients w.r.t. points and weights,
 ``solve_sample(backend="multiscale")`` values, potentials, marginals, ``plan @ V`` and gradients, the six-argument call with
 cluster labels and one DistributedDataParallel SGD step (gradients and parameters), to 1e-10 relative
@@ -18,18 +17,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 
 import flashot.multiscale as MS
 
-HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distributed_ranks import job_results
+
 RTOL = 1e-10
 F64 = torch.float64
 
@@ -221,11 +219,8 @@ def _errors(rank: int, pg) -> dict:
     return msgs
 
 
-def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    pg = dist.group.WORLD
+def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
+    """This rank's part of a job of the shared spawns (distributed_ranks.py): compare, errors."""
     if mode == "compare":
         res = {}
         for name in RUN[world]:
@@ -238,40 +233,8 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
         msgs["after"] = float(_solve(pg)["value"]) if world == 2 else None  # the group is still usable
         with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
             json.dump(msgs, fh)
-    dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo may abort a clean interpreter exit (see test_distributed.py)
-
-
-def _launch(mode: str, world: int, tmp, timeout: float = 300.0):
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]),
-    )
-    init = f"file://{tmp}/rendezvous"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, HERE, mode, str(r), str(world), init, str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    t0 = time.perf_counter()
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [p.returncode for p in procs], outs
+    else:
+        raise ValueError(f"unknown job {mode!r}")
 
 
 # -- the tests ------------------------------------------------------------------------------------------
@@ -283,10 +246,9 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_multiscale_matches_single_process(world, tmp_path):
-    rcs, outs = _launch("compare", world, tmp_path)
-    assert rcs == [0] * world, "\n".join(outs)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+def test_multiscale_matches_single_process(world, tmp_path_factory):
+    out = job_results(tmp_path_factory, "test_distributed_multiscale:compare", world)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks' thread count (the same reductions in the pruning bounds)
     # the sharded engines run the block-sparse softmins, not the fused steps, so not their sub-tile pruning
@@ -316,10 +278,9 @@ def test_multiscale_matches_single_process(world, tmp_path):
     print(f"world={world}: worst relative difference {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
 
 
-def test_refusals_and_mismatches(tmp_path):
-    rcs, outs = _launch("errors", 2, tmp_path)
-    assert rcs == [0, 0], "\n".join(outs)
-    msgs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_refusals_and_mismatches(tmp_path_factory):
+    out = job_results(tmp_path_factory, "test_distributed_multiscale:errors", 2)
+    msgs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     expect = {
         "loss_points": ("NotImplementedError", "shard='points'", "shard='replicated'"),
         "solve_points": ("NotImplementedError", "shard='points'", "shard='replicated'"),
@@ -391,7 +352,3 @@ def test_row_ranges_are_whole_clusters_and_match_the_full_calls():
     k = int(cx.sizes.argmax())  # a cluster of several points: a range that starts inside it is refused
     with pytest.raises(ValueError, match="whole row clusters"):
         eng.softmin(xs, ys, h, 0.1, cost, rows=(int(cx.offsets[k]) + 1, int(cx.offsets[k + 1])))
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -1,7 +1,7 @@
 """Distributed solves against the mathematics, not only against one process (flashot.distributed).
 
-Two gloo ranks run this file (``python tests/strategies/test_distributed_oracle.py oracle <rank> 2 <init> <dir>``,
-test_distributed's launcher) and compute, in replicated mode and in points-sharded mode (uneven slices),
+Two gloo ranks run this file's job (``rank_job``, in a process group the distributed test modules share:
+distributed_ranks.py) and compute, in replicated mode and in points-sharded mode (uneven slices),
 ``solve_sample``'s value (cost ``|x - y|^2``, ``eps = reg``) and ``SamplesLoss``' Sinkhorn divergence (cost
 ``|x - y|^2 / 2``, ``eps = blur^2``), balanced and unbalanced, with their gradients w.r.t. the points.  The
 parent checks them against the dense float64 oracle (tests/references.py, run to 1e-13):
@@ -20,14 +20,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/: the shared references
-from test_distributed import _launch, _part  # noqa: E402
+from distributed_ranks import job_results  # noqa: E402
+from test_distributed import _part  # noqa: E402
 
 import references as ref  # noqa: E402
 
@@ -76,11 +76,8 @@ def _run(name: str, group, part) -> dict:
     return {"value": float(v.detach()), "gx": gx, "gy": gy}
 
 
-def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    pg = dist.group.WORLD
+def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
+    """This rank's part of the oracle job of the shared spawns (distributed_ranks.py)."""
     res = {}
     for shard, part in (("replicated", None), ("points", (rank, world))):
         for name in CASES:
@@ -88,10 +85,6 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
             res[f"{shard} {name}"] = _run(name, pg, part)
             print(f"rank {rank} {shard} {name}: {time.perf_counter() - t0:.2f} s", flush=True)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # as test_distributed's workers: skip gloo's interpreter teardown
 
 
 def _oracle(kind: str, rho, x, y, a, b):
@@ -116,10 +109,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-def test_distributed_values_and_gradients_match_the_oracle(tmp_path):
-    rcs, outs, _ = _launch("oracle", 2, tmp_path, timeout=240, script=HERE)
-    assert rcs == [0, 0], "\n".join(outs)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+def test_distributed_values_and_gradients_match_the_oracle(tmp_path_factory):
+    out = job_results(tmp_path_factory, "test_distributed_oracle:oracle", 2)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     worst: dict = {}
     for key in ranks[0]:
         shard, name = key.split(" ")
@@ -151,7 +143,3 @@ def test_distributed_values_and_gradients_match_the_oracle(tmp_path):
         assert errs["value"] < 1e-9 and max(errs["gx"], errs["gy"]) < 1e-7, (key, errs)
         assert errs["fd"] < 1e-6, (key, errs)
     print("\n".join(f"{k}: " + ", ".join(f"{n} {e:.1e}" for n, e in v.items()) for k, v in worst.items()))
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -3,8 +3,8 @@ SamplesLoss warm starts over a sequence of calls (one case in replicated mode to
 the gradient of ``value_linear`` (implicit differentiation: ring plan products, all-reduced inner products),
 ``acceleration`` and the plan's rows (``to_dense``, ``topk``), on 2 and 3 gloo processes.
 
-The ranks run this file (``python tests/strategies/test_distributed_points.py compare <rank> <world> <init> <dir>``,
-test_distributed's launcher) with uneven slices of the points (test_distributed._cuts), write their
+The ranks run this file's job (``rank_job``, in the process groups the distributed test modules share:
+distributed_ranks.py) with uneven slices of the points (test_distributed._cuts), write their
 results, and the parent compares them with the same calls in one process (``group=None``): every
 per-point quantity put back together in rank order, every whole-problem quantity on every rank,
 iteration counts equal, 1e-10 relative in float64 (measured: at most ~1e-12), plan column indices equal.
@@ -23,9 +23,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_distributed import F64, RTOL, _data, _launch, _leaves, _part, _rel, _slices
-
-HERE = os.path.abspath(__file__)
+from distributed_ranks import job_results
+from test_distributed import F64, RTOL, _data, _leaves, _part, _rel, _slices
 
 
 def _moved(t: torch.Tensor, step: int, last_only: bool = False) -> torch.Tensor:
@@ -108,9 +107,9 @@ def _linear(group, part, *, cost="sqeuclidean", B=None, method="auto"):
 def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
     """``solve_sample(acceleration=...)`` to ``tol``: Momentum's safeguard and Anderson's Gram matrix and
     right-hand side (inner products over all the potentials: all-reduced) decide the same steps on every
-    rank as in one process; values, potentials, gradients, iterations.  tol = 1e-6: every step costs a few
-    collectives, and 1e-9 ran ~1.5 times the steps (e.g. 310 instead of 194) with the same Anderson
-    restarts (4 alternating, 17 symmetric; measured)."""
+    rank as in one process; values, potentials, gradients, iterations.  tol = 1e-4: every step costs a few
+    collectives, and the steps Anderson rejects (its restarts: 3 alternating, 8 symmetric) all come before
+    it; a smaller tol adds only plain converging steps (1e-6: 1.3 to 1.7 times as many)."""
     from flashot import Anderson, Momentum, solve_sample
 
     x, y, a, b = _leaves(*_slices(part, *_data(8, 80, 70)))
@@ -122,7 +121,7 @@ def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
         a,
         b,
         reg=reg,
-        tol=1e-6,
+        tol=1e-4,
         max_iter=2000,
         backend="cpu",
         method=method,
@@ -148,13 +147,13 @@ def _accel(group, part, acc: str, *, method="auto", unbalanced=None, reg=0.05):
 
 def _rows(group, part, *, backend="cpu", B=None, k=3):
     """This rank's rows of the plan (``to_dense``, ``topk``) and of its transpose (ring passes of the other
-    side's blocks), against the single process's rows of the same points (of the same potentials: tol = 1e-6
-    stops both after 140 steps, 1e-10 after 240)."""
+    side's blocks), against the single process's rows of the same points (of the same potentials: tol = 1e-4
+    stops both after 80 steps; the rows need the same potentials on both sides, not converged ones)."""
     from flashot import solve_sample
 
     x, y, a, b = _slices(part, *_data(9, 40, 33, B=B))
     kw = {} if part is None else {"shard": "points"}
-    P = solve_sample(x, y, a, b, reg=0.3, tol=1e-6, max_iter=1000, backend=backend, group=group, **kw).plan
+    P = solve_sample(x, y, a, b, reg=0.3, tol=1e-4, max_iter=1000, backend=backend, group=group, **kw).plan
     out = {}
     for name, Q in (("", P), ("T", P.T)):
         out["dense" + name] = Q.to_dense()
@@ -291,19 +290,12 @@ def _axis(key: str) -> int | None:
     return None
 
 
-def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    pg = dist.group.WORLD
+def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
+    """This rank's part of the compare job of the shared spawns (distributed_ranks.py)."""
     res = {name: CASES[name](pg, (rank, world)) for name in RUN[world]}
     res["_refusals"] = _refusals(pg, (rank, world))
     res["_bad"] = _bad_arguments(pg, (rank, world))
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo can abort a clean interpreter exit (pytorch/pytorch#190489)
 
 
 @functools.cache
@@ -313,10 +305,9 @@ def _reference(name: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_points_mode_matches_single_process(world, tmp_path):
-    rcs, outs, _ = _launch("compare", world, tmp_path, timeout=240, script=HERE)
-    assert rcs == [0] * world, "\n".join(outs)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+def test_points_mode_matches_single_process(world, tmp_path_factory):
+    out = job_results(tmp_path_factory, "test_distributed_points:compare", world)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     worst = {}
     for name in RUN[world]:
         ref = _reference(name)
@@ -350,7 +341,3 @@ def test_points_mode_matches_single_process(world, tmp_path):
     per_case = {n: max(v for k, v in worst.items() if k.startswith(n + ".")) for n in RUN[world]}
     shown = ", ".join(f"{n} {v:.1e}" for n, v in per_case.items())
     print(f"world={world}: worst relative difference per case: {shown}")
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

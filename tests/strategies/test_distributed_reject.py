@@ -1,7 +1,7 @@
 """A rank that rejects its input makes every rank raise the same clear error at once (flashot.distributed).
 
-Two gloo ranks run this file (``python tests/strategies/test_distributed_reject.py reject <rank> 2 <init> <dir>``,
-test_distributed's launcher) with a process-group timeout of ``PG_TIMEOUT`` seconds.  In each case rank 1
+Two gloo ranks run this file's job (``rank_job``, in a process group the distributed test modules share:
+distributed_ranks.py), each case on a fresh group with a timeout of ``PG_TIMEOUT`` seconds.  In each case rank 1
 passes a bad argument (an invalid ``reg`` or ``blur``, NaN / Inf in points or weights, a dimension or a dtype
 that its own other argument does not match, a wrong number of arguments) and rank 0 a valid one, in
 replicated and points-sharded mode, through ``solve_sample`` and ``SamplesLoss``.  Every rank must raise the
@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_distributed import _data, _launch, _slices
+from distributed_ranks import job_results
+from test_distributed import _data, _slices
 
-HERE = os.path.abspath(__file__)
 PG_TIMEOUT = 20  # seconds: a rank left waiting fails here, far later than FAST
 FAST = 5.0  # seconds: every rank must have raised by then (measured: well under 1 s)
 NAN = float("nan")
@@ -58,22 +57,19 @@ def _cases(pg, rank: int) -> dict:
     }
 
 
-def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
-    """Each case runs on a fresh group with the short timeout; the default group (a longer timeout) only
-    lines the ranks up between cases, so that a rank left waiting in one case cannot pair its collective
-    with the next case's."""
+def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
+    """This rank's part of the reject job of the shared spawns (distributed_ranks.py).  Each case runs on a
+    fresh group with the short timeout; the shared group (a longer timeout) only lines the ranks up between
+    cases, so that a rank left waiting in one case cannot pair its collective with the next case's."""
     import torch.distributed as dist
 
     from flashot import solve_sample
 
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=3 * PG_TIMEOUT)
-    )
     got: dict = {}
     path = os.path.join(out, f"rank{rank}.json")
     for name in _cases(None, rank):
-        pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT))
-        _, call = _cases(pg, rank)[name]
+        case_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT))
+        _, call = _cases(case_pg, rank)[name]
         t0 = time.perf_counter()
         try:
             call()
@@ -83,29 +79,19 @@ def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
         got[name]["elapsed"] = time.perf_counter() - t0
         with open(path, "w") as fh:  # after every case: what a hung run reached stays readable
             json.dump(got, fh)
-        dist.barrier()
-    pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT))
+        dist.barrier(group=pg)
+    case_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT))
     x, y, a, b = _data(0, 12, 10)
-    got["after"] = float(solve_sample(x, y, reg=0.1, backend="cpu", group=pg).value)
+    got["after"] = float(solve_sample(x, y, reg=0.1, backend="cpu", group=case_pg).value)
     xl, yl, _, _ = _slices((rank, 2), x, y, a, b)
-    got["after_points"] = float(solve_sample(xl, yl, reg=0.1, backend="cpu", group=pg, shard="points").value)
+    got["after_points"] = float(solve_sample(xl, yl, reg=0.1, backend="cpu", group=case_pg, shard="points").value)
     with open(path, "w") as fh:
         json.dump(got, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # as test_distributed's workers: skip gloo's interpreter teardown
 
 
-def test_rejected_input_raises_on_every_rank_at_once(tmp_path):
-    try:
-        rcs, outs = _launch("reject", 2, tmp_path, timeout=3 * PG_TIMEOUT, script=HERE)[:2]
-    except subprocess.TimeoutExpired as e:  # a rank hung (its cases so far are in its file); the ranks are killed
-        rcs, outs = None, [str(e)]
-    ranks = [
-        json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists() else {}
-        for r in range(2)
-    ]
+def test_rejected_input_raises_on_every_rank_at_once(tmp_path_factory):
+    out = job_results(tmp_path_factory, "test_distributed_reject:reject", 2)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     names = {k: arg for k, (arg, _) in _cases(None, 0).items()}
     report = "\n".join(f"{k}: " + " | ".join(str(rk.get(k)) for rk in ranks) for k in names)
     for name, arg in names.items():
@@ -115,10 +101,5 @@ def test_rejected_input_raises_on_every_rank_at_once(tmp_path):
             assert r["error"] is not None and r["elapsed"] < FAST, f"{name}: {r}\n{report}"
         assert (r0["type"], r0["error"]) == (r1["type"], r1["error"]), f"{name}: the ranks raised differently\n{report}"
         assert "rank 1" in r0["error"] and arg in r0["error"], f"{name}: {r0['error']}"
-    assert rcs == [0, 0], "\n".join(outs)
     assert ranks[0]["after"] == ranks[1]["after"] and ranks[0]["after_points"] == ranks[1]["after_points"]
     print(report)
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
