@@ -25,12 +25,13 @@ from flashot.ops.cpu import build
 from references import REFERENCE_CACHE
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
-# multiscale and tile_rule: the block-sparse kernels and their tile pruning; GeomLoss' online parity: float32
+# multiscale and tile_rule: the block-sparse kernels and their tile pruning; ragged_kernels: their banded sums; GeomLoss' online parity: float32
 # gradients through the plan product, whose rounding differs per instruction set (test_online states the figures)
 MODULES = [
     "ops/test_cpu_engine.py",
     "ops/test_cpu_fpenv.py",
     "strategies/test_multiscale.py",
+    "strategies/test_ragged_kernels.py",
     "ops/test_tile_rule.py",
     "frontends/test_geomloss_parity.py::test_online",
 ]
