@@ -9,7 +9,8 @@ the new source once each (for instance with ``FLASHOT_CPU_MARCH=x86-64-v3 flasho
     python benchmarks/kernel_ab.py OLD.so NEW.so --d 3 --threads 1 --rounds 6
 
 Each process times ``CpuEngine(lib, mode="stream").softmin`` (or ``--call plan_product`` with 4 columns,
-``pair``: ``softmin_pair``, ``sym``: ``softmin_sym``) on two ``torch.randn(n, d)`` clouds (``--dtype``, float32
+``pair``: ``softmin_pair``, ``sym``: ``softmin_sym``, ``alt``: ``softmin_alt``, ``softmin_T``: the softmin onto y;
+``--mode cache`` keeps the cost matrix, which makes ``softmin_T`` the cached column pass) on two ``torch.randn(n, d)`` clouds (``--dtype``, float32
 by default; eps = 0.1, median of ``--repeats`` calls after a warm-up; pairs counted as n^2 for every call).
 Name the CPU beside the table.
 """
@@ -31,7 +32,7 @@ a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
 lib = ctypes.CDLL(a["lib"])
 build._bind(lib)
-eng = CpuEngine(lib, mode="stream")
+eng = CpuEngine(lib, mode=a["mode"])
 c = get_cost("sqeuclidean")
 g = torch.Generator().manual_seed(0)
 n, d, dt = a["n"], a["d"], getattr(torch, a["dtype"])
@@ -42,7 +43,9 @@ f = eng.softmin(x, y, h, 0.1, c)
 calls = {"softmin": lambda: eng.softmin(x, y, h, 0.1, c),
          "plan_product": lambda: eng.plan_product(x, y, f, h, 0.1, V, c, "plan"),
          "pair": lambda: eng.softmin_pair(x, y, h, h, 0.1, c),
-         "sym": lambda: eng.softmin_sym(x, h, 0.1, c)}
+         "sym": lambda: eng.softmin_sym(x, h, 0.1, c),
+         "alt": lambda: eng.softmin_alt(x, y, h, h, 0.1, c, 0.7),
+         "softmin_T": lambda: eng.softmin(y, x, h, 0.1, c)}
 call = calls[a["call"]]
 call()
 ts = []
@@ -56,7 +59,16 @@ print(json.dumps(n * n / statistics.median(ts) / 1e9))
 
 def rate(lib: str, a) -> float:
     arg = json.dumps(
-        {"lib": lib, "n": a.n, "d": a.d, "threads": a.threads, "repeats": a.repeats, "dtype": a.dtype, "call": a.call}
+        {
+            "lib": lib,
+            "n": a.n,
+            "d": a.d,
+            "threads": a.threads,
+            "repeats": a.repeats,
+            "dtype": a.dtype,
+            "call": a.call,
+            "mode": a.mode,
+        }
     )
     r = subprocess.run([sys.executable, "-c", WORKER, arg], capture_output=True, text=True, check=True)
     return float(r.stdout.strip().splitlines()[-1])
@@ -74,14 +86,21 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument(
         "--call",
-        choices=("softmin", "plan_product", "pair", "sym"),
+        choices=("softmin", "plan_product", "pair", "sym", "alt", "softmin_T"),
         default="softmin",
         help="the engine call timed: softmin, plan_product (plan times 4 columns), the fused "
-        "pair step softmin_pair, or softmin_sym (default softmin)",
+        "pair step softmin_pair, softmin_sym, the alternating step softmin_alt, or softmin_T (the softmin "
+        "onto y: with --mode cache, the column pass over the cached matrix) (default softmin)",
+    )
+    ap.add_argument(
+        "--mode",
+        choices=("stream", "cache"),
+        default="stream",
+        help="the engine's mode: stream (costs recomputed) or cache (the cost matrix kept; small problems)",
     )
     a = ap.parse_args()
     print(
-        f"{a.call}, {a.dtype}, n = m = {a.n:,}, d = {a.d}, {a.threads} thread(s); G pairs / s, median of "
+        f"{a.call} ({a.mode}), {a.dtype}, n = m = {a.n:,}, d = {a.d}, {a.threads} thread(s); G pairs / s, median of "
         f"{a.repeats} calls\n"
     )
     print("| round | A | B | B / A |")

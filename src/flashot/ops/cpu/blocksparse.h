@@ -340,6 +340,122 @@ static inline bool tile_kept(const TileBounds<T>& tb, const double* p, const dou
   return !(tile_below<T, KIND>(tb, po, q, D, a) && tile_below<T, KIND>(tb, p, qo, D, a));
 }
 
+// pair_bs_impl's helpers are always inlined, so that their loops are compiled as if written in its body.
+#define FL_INLINE static inline __attribute__((always_inline))
+
+// pair_bs_impl's inputs and outputs, fixed for one call
+template <typename T>
+struct PairBs {
+  const T *x, *yT, *yy, *hs, *hx;
+  T *rsum, *rb;
+  int64_t Mp;
+  const int64_t *tasks, *cptr, *cr, *coff;
+  const Args& a;
+  const TileBounds<T>& tb;
+  bool sym, tiles;
+};
+
+// The shape of one instantiation and a worker's scratch: the panel's tile terms from fx and fxo, its
+// folded origin o and terms u, A (dot costs at a static d <= 3: panel_local, in a frame centred on each
+// row panel), the folded columns' terms z (DL rows) and H.
+template <typename T, int R, int NV, int KIND, int DS, int MODE>
+struct PairBsWork {
+  static constexpr int RB = R * FL_TILE_MULT;               // rows per panel: the tiles' height
+  static constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;  // sum vectors per row
+  // sym: panels split their diagonal block at their own rows where RB is a whole number of column steps
+  static constexpr bool TRI = RB % (VT<T>::L * NV) == 0;
+  static constexpr bool LOCAL = KIND == KIND_DOT && DS > 0 && NV == 1;
+  static constexpr int DL = DS > 0 ? DS : 1;
+  double ball[TILE_STRIDE], ball_o[TILE_STRIDE];
+  T o[DL], u[LOCAL ? RB * DL : 1], A[LOCAL ? RB : 1];
+  std::vector<T> zbuf;
+};
+
+// Columns [lo, hi) of a panel through eval(c0, c1): the kept chunks' runs when pruning tiles, else at once.
+template <typename T, int KIND, typename E>
+FL_INLINE void pair_bs_stream(const PairBs<T>& P, const double* ball, const double* ball_o, int64_t lo, int64_t hi,
+                              E&& eval) {
+  if (!P.tiles) {
+    eval(lo, hi);
+    return;
+  }
+  int64_t run = -1;
+  for (int64_t ch = lo / TILE_COLS; ch * TILE_COLS < hi; ++ch) {
+    const int64_t c0 = std::max(lo, ch * TILE_COLS), c1 = std::min(hi, (ch + 1) * TILE_COLS);
+    const bool keep = tile_kept<T, KIND>(P.tb, ball, ball_o, ch, P.a.D, P.a);
+    if (keep && run < 0) run = c0;
+    if (run >= 0 && (!keep || c1 == hi)) {
+      eval(run, keep ? c1 : c0);
+      run = -1;
+    }
+  }
+}
+
+// One row panel [i0, i0 + nr) of task (r0, i1, k): row sums (and barycentre numerators) into rsum (rb), its
+// column sums into cacc (planes of stride ld) and its own diagonal square's (sym) into scratch.
+// Returns the pairs evaluated.
+template <typename T, int R, int NV, int KIND, int DS, int MODE>
+FL_INLINE int64_t pair_bs_panel(const PairBs<T> P, PairBsWork<T, R, NV, KIND, DS, MODE>& W, int64_t r0,
+                                int64_t i0, int64_t i1, int64_t k, T* cacc, T* scratch, int64_t ld) {
+  typedef PairBsWork<T, R, NV, KIND, DS, MODE> S;
+  typedef typename VT<T>::v v;
+  const int D = P.a.D;
+  const int nr = (int)std::min<int64_t>(S::RB, i1 - i0);
+  const int64_t d0 = P.sym ? P.coff[k] : 0, d1 = P.sym ? P.coff[k + 1] : 0;
+  // sym: the panel's own square [p0, p1) of the diagonal block (row r of the cluster is its padded column
+  // d0 + r) for the rows only, the block's columns right of it for rows and columns, none left of it
+  const int64_t p0 = S::TRI ? d0 + (i0 - r0) : d0, p1 = S::TRI && i0 + nr < i1 ? d0 + (i0 + nr - r0) : d1;
+  T m[S::RB];
+  v sum[S::RB * S::SV];
+  for (int r = 0; r < nr; ++r) {
+    m[r] = P.hx[i0 + r];
+    for (int u = 0; u < S::SV; ++u) sum[r * S::SV + u] = v{};
+  }
+  const T* xb = P.x + i0 * D;
+  if constexpr (S::LOCAL) local_rows<T, S::DL>(xb, m, nr, P.a.kcoef, W.o, W.u, W.A);
+  int64_t done = 0;
+  T* cols = cacc;
+  auto eval = [&](int64_t c0, int64_t c1) {  // the panel's rows over columns [c0, c1) into cols
+    if constexpr (S::LOCAL) {
+      const int64_t w = c1 - c0;
+      if ((int64_t)W.zbuf.size() < (S::DL + 1) * w) W.zbuf.resize((size_t)((S::DL + 1) * w));
+      T* z = W.zbuf.data();
+      local_cols<T, S::DL>(P.yT, P.hs, P.Mp, c0, c1, W.o, (T)P.a.kcoef, z, w, z + S::DL * w);
+      panel_local_rows<T, R, S::DL, MODE>(nr, xb, W.u, W.A, z, z + S::DL * w, w, c0, c0, c1, sum, cols, ld);
+    } else {
+      panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, P.yT, P.yy, P.hs, c0, c1, P.a, m, sum, cols, 0);
+    }
+    done += (int64_t)nr * (c1 - c0);
+  };
+  if (P.tiles) {
+    tile_terms(nr, D, [&](int i, int d) { return (double)xb[i * D + d]; },
+               [&](int i) { return (double)P.tb.fx[i0 + i]; }, P.a.kcoef, P.tb.linear, W.ball);
+    tile_terms(nr, D, [&](int i, int d) { return (double)xb[i * D + d]; },
+               [&](int i) { return (double)P.tb.fxo[i0 + i]; }, P.a.kcoef, P.tb.linear, W.ball_o);
+  }
+  for (int64_t q = P.cptr[k]; q < P.cptr[k + 1]; ++q) {
+    int64_t lo = P.cr[2 * q];
+    const int64_t hi = P.cr[2 * q + 1];
+    if (P.sym) {  // the panel's square for the rows only; nothing left of it
+      if (hi <= p0) continue;
+      const int64_t dlo = std::max(lo, p0), dhi = std::min(hi, p1);
+      cols = scratch;
+      if (dlo < dhi) pair_bs_stream<T, KIND>(P, W.ball, W.ball_o, dlo, dhi, eval);
+      cols = cacc;
+      lo = std::max(lo, p1);
+      if (lo >= hi) continue;
+    }
+    pair_bs_stream<T, KIND>(P, W.ball, W.ball_o, lo, hi, eval);
+  }
+  for (int r = 0; r < nr; ++r) {
+    P.rsum[i0 + r] = hsum(sum[r * S::SV]);
+    if (MODE != MODE_PAIR)  // folded: the numerators are about o
+      for (int d = 0; d < DS; ++d)
+        P.rb[(i0 + r) * DS + d] = hsum(sum[r * S::SV + 1 + d]) + (S::LOCAL ? W.o[d] * P.rsum[i0 + r] : (T)0);
+  }
+  return done;
+}
+
 // Block-sparse symmetric step (pair_impl over softmin_bs_impl's kept ranges, B = 1): rsum[i] = sum_j E_ij
 // over row i's kept columns and csum[j] (padded layout) = sum_i E_ij, E_ij = 2^(hx_i + hs_j - k c_ij), one
 // exponential per pair.  Column partials per group of row clusters (cluster t -> group t % G; banded: runs of
@@ -357,96 +473,17 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
                          int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr, const int64_t* cr,
                          const int64_t* coff, const Args& a, const TileBounds<T>& tb, int64_t* evaluated, bool sym,
                          bool banded, int nth) {
-  typedef typename VT<T>::v v;
-  const int D = a.D;
-  constexpr int RB = R * FL_TILE_MULT;  // rows per panel: the tiles' height
-  constexpr int SV = MODE == MODE_PAIR ? 1 : 1 + DS;  // sum vectors per row
+  const PairBs<T> P{x, yT, yy, hs, hx, rsum, rb, Mp, tasks, cptr, cr, coff, a, tb, sym, tb.fx != nullptr && a.D <= 3};
   constexpr int planes = MODE == MODE_PAIRBC ? 1 + DS : 1;  // column sums, then the columns' numerators
-  // sym: panels split their diagonal block at their own rows where RB is a whole number of column steps
-  constexpr bool TRI = RB % (VT<T>::L * NV) == 0;
-  const bool tiles = tb.fx != nullptr && D <= 3;
-  // dot costs at a static d <= 3: the folded panels (panel_local), in a frame centred on each row panel
-  constexpr bool LOCAL = KIND == KIND_DOT && DS > 0 && NV == 1;
-  constexpr int DL = DS > 0 ? DS : 1;
-  const T kc = (T)a.kcoef;
   std::atomic<int64_t> count{0};
   // tasks tb0, tb0 + ts, ... < te into cacc (planes of stride ld); scratch: column sums of diagonal blocks, discarded
   auto body = [&](int64_t tb0, int64_t te, int64_t ts, T* cacc, T* scratch, int64_t ld) {
+    PairBsWork<T, R, NV, KIND, DS, MODE> W;
     int64_t done = 0;
-    double ball[TILE_STRIDE], ball_o[TILE_STRIDE];  // the panel's terms from fx and fxo (sub-tile pruning)
-    T o[DL], u[LOCAL ? RB * DL : 1], A[LOCAL ? RB : 1];  // the row panel's origin and folded terms
-    std::vector<T> zbuf;                                 // the folded columns' terms: z (DL rows), H
     for (int64_t t = tb0; t < te; t += ts) {
       const int64_t r0 = tasks[3 * t], i1 = tasks[3 * t + 1], k = tasks[3 * t + 2];
-      const int64_t d0 = sym ? coff[k] : 0, d1 = sym ? coff[k + 1] : 0;
-      for (int64_t i0 = r0; i0 < i1; i0 += RB) {
-        const int nr = (int)std::min<int64_t>(RB, i1 - i0);
-        // sym: the panel's own square [p0, p1) of the diagonal block (row r of the cluster is its padded column
-        // d0 + r) for the rows only, the block's columns right of it for rows and columns, none left of it
-        const int64_t p0 = TRI ? d0 + (i0 - r0) : d0, p1 = TRI && i0 + nr < i1 ? d0 + (i0 + nr - r0) : d1;
-        T m[RB];
-        v sum[RB * SV];
-        for (int r = 0; r < nr; ++r) {
-          m[r] = hx[i0 + r];
-          for (int u = 0; u < SV; ++u) sum[r * SV + u] = v{};
-        }
-        const T* xb = x + i0 * D;
-        if constexpr (LOCAL) local_rows<T, DL>(xb, m, nr, a.kcoef, o, u, A);
-        // the panel's rows over columns [c0, c1)
-        auto eval = [&](int64_t c0, int64_t c1, T* cols) {
-          if constexpr (LOCAL) {
-            const int64_t w = c1 - c0;
-            if ((int64_t)zbuf.size() < (DL + 1) * w) zbuf.resize((size_t)((DL + 1) * w));
-            local_cols<T, DL>(yT, hs, Mp, c0, c1, o, kc, zbuf.data(), w, zbuf.data() + DL * w);
-            panel_local_rows<T, R, DL, MODE>(nr, xb, u, A, zbuf.data(), zbuf.data() + DL * w, w, c0, c0, c1, sum,
-                                              cols, ld);
-          } else {
-            panel_rows<T, R, NV, KIND, DS, MODE, W_ONE>(nr, xb, yT, yy, hs, c0, c1, a, m, sum, cols, 0);
-          }
-          done += (int64_t)nr * (c1 - c0);
-        };
-        if (tiles) {
-          tile_terms(nr, D, [&](int i, int d) { return (double)xb[i * D + d]; },
-                     [&](int i) { return (double)tb.fx[i0 + i]; }, a.kcoef, tb.linear, ball);
-          tile_terms(nr, D, [&](int i, int d) { return (double)xb[i * D + d]; },
-                     [&](int i) { return (double)tb.fxo[i0 + i]; }, a.kcoef, tb.linear, ball_o);
-        }
-        // columns [lo, hi) into cols: the kept chunks' runs when pruning tiles, else at once
-        auto stream = [&](int64_t lo, int64_t hi, T* cols) {
-          if (!tiles) {
-            eval(lo, hi, cols);
-            return;
-          }
-          int64_t run = -1;
-          for (int64_t ch = lo / TILE_COLS; ch * TILE_COLS < hi; ++ch) {
-            const int64_t c0 = std::max(lo, ch * TILE_COLS), c1 = std::min(hi, (ch + 1) * TILE_COLS);
-            const bool keep = tile_kept<T, KIND>(tb, ball, ball_o, ch, D, a);
-            if (keep && run < 0) run = c0;
-            if (run >= 0 && (!keep || c1 == hi)) {
-              eval(run, keep ? c1 : c0, cols);
-              run = -1;
-            }
-          }
-        };
-        for (int64_t q = cptr[k]; q < cptr[k + 1]; ++q) {
-          int64_t lo = cr[2 * q];
-          const int64_t hi = cr[2 * q + 1];
-          if (sym) {  // the panel's square for the rows only; nothing left of it
-            if (hi <= p0) continue;
-            const int64_t dlo = std::max(lo, p0), dhi = std::min(hi, p1);
-            if (dlo < dhi) stream(dlo, dhi, scratch);
-            lo = std::max(lo, p1);
-            if (lo >= hi) continue;
-          }
-          stream(lo, hi, cacc);
-        }
-        for (int r = 0; r < nr; ++r) {
-          rsum[i0 + r] = hsum(sum[r * SV]);
-          if (MODE != MODE_PAIR)  // folded: the numerators are about o
-            for (int d = 0; d < DS; ++d)
-              rb[(i0 + r) * DS + d] = hsum(sum[r * SV + 1 + d]) + (LOCAL ? o[d] * rsum[i0 + r] : (T)0);
-        }
-      }
+      for (int64_t i0 = r0; i0 < i1; i0 += W.RB)
+        done += pair_bs_panel<T, R, NV, KIND, DS, MODE>(P, W, r0, i0, i1, k, cacc, scratch, ld);
     }
     count += done;
   };

@@ -49,10 +49,75 @@ static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
   });
 }
 
+// out[j] = oscale * LSE2_i (h_i - C_ij / eps) for the stripe of w columns at C (rows of stride M):
+// nv vector states then a scalar tail of w - nv L columns.  Rows go two per sweep: half the state traffic.
+// Always inlined into cols_lse's task loop, the loop it was written in: a call boundary there changes the
+// generated loop (slower).
+template <typename T>
+static inline __attribute__((always_inline)) void cols_lse_stripe(const T* C, const T* hb, T* out, int64_t N,
+                                                                  int64_t M, int64_t w, T inv_eps, T oscale) {
+  typedef typename VT<T>::v v;
+  constexpr int L = VT<T>::L;
+  const int64_t nv = w / L;
+  std::vector<v> mvec(nv + 1), svec(nv + 1);
+  v* __restrict mv = mvec.data();
+  v* __restrict sv = svec.data();
+  T ms[16], ss[16];
+  for (int64_t q = 0; q < nv; ++q) { mv[q] = vset<v>(Consts<T>::SENT); sv[q] = v{}; }
+  for (int64_t q = nv * L; q < w; ++q) { ms[q - nv * L] = Consts<T>::SENT; ss[q - nv * L] = 0; }
+  int64_t i = 0;
+  for (; i + 2 <= N; i += 2) {
+    const T* c0 = C + i * M;
+    const T* c1 = c0 + M;
+    const T h0 = hb[i], h1 = hb[i + 1];
+    for (int64_t q = 0; q < nv; ++q) {
+      v a0 = h0 - vload<v>(c0 + q * L) * inv_eps;
+      v a1 = h1 - vload<v>(c1 + q * L) * inv_eps;
+      v mq = mv[q];
+      v amax = a0 > a1 ? a0 : a1;
+      if (__builtin_expect(any_gt(amax, mq + Consts<T>::TH), 0)) {
+        v up = amax + Consts<T>::H;  // raise every lane that trails the block by H
+        v nm = up > mq ? up : mq;
+        sv[q] *= vexp2(mq - nm);
+        mv[q] = mq = nm;
+      }
+      sv[q] += vexp2(a0 - mq) + vexp2(a1 - mq);
+    }
+    for (int64_t q = nv * L; q < w; ++q) {
+      col_push(ms[q - nv * L], ss[q - nv * L], h0 - c0[q] * inv_eps);
+      col_push(ms[q - nv * L], ss[q - nv * L], h1 - c1[q] * inv_eps);
+    }
+  }
+  for (; i < N; ++i) {
+    const T* c = C + i * M;
+    const T hi = hb[i];
+    for (int64_t q = 0; q < nv; ++q) {
+      v a = hi - vload<v>(c + q * L) * inv_eps;
+      if (__builtin_expect(any_gt(a, mv[q] + Consts<T>::TH), 0)) {
+        v up = a + Consts<T>::H;
+        v nm = up > mv[q] ? up : mv[q];
+        sv[q] *= vexp2(mv[q] - nm);
+        mv[q] = nm;
+      }
+      sv[q] += vexp2(a - mv[q]);
+    }
+    for (int64_t q = nv * L; q < w; ++q) col_push(ms[q - nv * L], ss[q - nv * L], hi - c[q] * inv_eps);
+  }
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (int64_t q = 0; q < nv; ++q)
+    for (int l = 0; l < L; ++l) {
+      const T mm = mv[q][l];
+      out[q * L + l] = oscale * (mm == Consts<T>::SENT ? ninf : mm + std::log2(sv[q][l]));
+    }
+  for (int64_t q = nv * L; q < w; ++q) {
+    const int64_t u = q - nv * L;
+    out[q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log2(ss[u]));
+  }
+}
+
 // Column-wise (the transposed problem): out[b,j] = oscale * LSE_i (h_i - C_ij / eps)
 template <typename T>
 static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M, T inv_eps, T oscale, int nth) {
-  typedef typename VT<T>::v v;
   constexpr int L = VT<T>::L;
   // Each task owns a wide stripe of columns (long contiguous reads of every
   // row, friendly to the prefetchers); per-column state lives in L1/L2.
@@ -64,72 +129,7 @@ static void cols_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
     FpScope fp(tid);
     for (int64_t t; tasks.next(t);) {
       const int64_t b = t / nb, j0 = (t % nb) * CB, w = std::min(CB, M - j0);
-      const int64_t nv = w / L;
-      std::vector<v> mvec(nv + 1), svec(nv + 1);
-      v* __restrict mv = mvec.data();
-      v* __restrict sv = svec.data();
-      T ms[16], ss[16];
-      for (int64_t q = 0; q < nv; ++q) { mv[q] = vset<v>(Consts<T>::SENT); sv[q] = v{}; }
-      for (int64_t q = nv * L; q < w; ++q) { ms[q - nv * L] = Consts<T>::SENT; ss[q - nv * L] = 0; }
-      const T* hb = h + b * N;
-      int64_t i = 0;
-      for (; i + 2 <= N; i += 2) {  // two rows per sweep: half the state traffic
-        const T* c0 = C + (b * N + i) * M + j0;
-        const T* c1 = c0 + M;
-        const T h0 = hb[i], h1 = hb[i + 1];
-        for (int64_t q = 0; q < nv; ++q) {
-          v a0 = h0 - vload<v>(c0 + q * L) * inv_eps;
-          v a1 = h1 - vload<v>(c1 + q * L) * inv_eps;
-          v mq = mv[q];
-          v amax = a0 > a1 ? a0 : a1;
-          if (__builtin_expect(any_gt(amax, mq + Consts<T>::TH), 0)) {
-            v up = amax + Consts<T>::H;  // raise every lane that trails the block by H
-            v nm = up > mq ? up : mq;
-            sv[q] *= vexp2(mq - nm);
-            mv[q] = mq = nm;
-          }
-          sv[q] += vexp2(a0 - mq) + vexp2(a1 - mq);
-        }
-        for (int64_t q = nv * L; q < w; ++q) {
-          const int64_t u = q - nv * L;
-          for (int k = 0; k < 2; ++k) {
-            T a = (k ? h1 : h0) - (k ? c1 : c0)[q] * inv_eps;
-            if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - (a + Consts<T>::H)); ms[u] = a + Consts<T>::H; }
-            if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
-          }
-        }
-      }
-      for (; i < N; ++i) {
-        const T* c = C + (b * N + i) * M + j0;
-        const T hi = hb[i];
-        for (int64_t q = 0; q < nv; ++q) {
-          v a = hi - vload<v>(c + q * L) * inv_eps;
-          v thr = mv[q] + Consts<T>::TH;
-          if (__builtin_expect(any_gt(a, thr), 0)) {
-            v up = a + Consts<T>::H;
-            v nm = up > mv[q] ? up : mv[q];
-            sv[q] *= vexp2(mv[q] - nm);
-            mv[q] = nm;
-          }
-          sv[q] += vexp2(a - mv[q]);
-        }
-        for (int64_t q = nv * L; q < w; ++q) {
-          const int64_t u = q - nv * L;
-          T a = hi - c[q] * inv_eps;
-          if (a > ms[u] + Consts<T>::TH) { ss[u] *= std::exp2(ms[u] - (a + Consts<T>::H)); ms[u] = a + Consts<T>::H; }
-          if (a - ms[u] > Consts<T>::LO) ss[u] += std::exp2(a - ms[u]);
-        }
-      }
-      const T ninf = -std::numeric_limits<T>::infinity();
-      for (int64_t q = 0; q < nv; ++q)
-        for (int l = 0; l < L; ++l) {
-          T mm = mv[q][l];
-          out[b * M + j0 + q * L + l] = oscale * (mm == Consts<T>::SENT ? ninf : mm + std::log2(sv[q][l]));
-        }
-      for (int64_t q = nv * L; q < w; ++q) {
-        const int64_t u = q - nv * L;
-        out[b * M + j0 + q] = oscale * (ms[u] == Consts<T>::SENT ? ninf : ms[u] + std::log2(ss[u]));
-      }
+      cols_lse_stripe(C + b * N * M + j0, h + b * N, out + b * M + j0, N, M, w, inv_eps, oscale);
     }
   });
 }

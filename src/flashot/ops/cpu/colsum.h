@@ -157,6 +157,13 @@ static void col_pass(bool banded, int64_t nt, S&& span, int planes, int64_t Mp, 
                     [&](int64_t g, T* cacc, T* s) { body(g, nt, G, cacc, s, Mp); });
 }
 
+// One scalar column state (running maximum ms, scaled sum ss) takes the score a.
+template <typename T>
+static inline void col_push(T& ms, T& ss, T a) {
+  if (a > ms + Consts<T>::TH) { ss *= std::exp2(ms - (a + Consts<T>::H)); ms = a + Consts<T>::H; }
+  if (a - ms > Consts<T>::LO) ss += std::exp2(a - ms);
+}
+
 // Running column LSE states (base 2, lazy maximum as in cols_lse) += rows r < nr of P (costs,
 // row stride ldp) with row log-weights w[r]: score w_r - k P[r, j], j < M.
 template <typename T>
@@ -180,11 +187,7 @@ static inline void col_states(const T* P, int64_t ldp, int nr, const T* w, T k, 
     vstore(cs + j, sq);
   }
   for (; j < M; ++j)
-    for (int r = 0; r < nr; ++r) {
-      const T sc = w[r] - P[(int64_t)r * ldp + j] * k;
-      if (sc > cm[j] + Consts<T>::TH) { cs[j] *= std::exp2(cm[j] - (sc + Consts<T>::H)); cm[j] = sc + Consts<T>::H; }
-      if (sc - cm[j] > Consts<T>::LO) cs[j] += std::exp2(sc - cm[j]);
-    }
+    for (int r = 0; r < nr; ++r) col_push(cm[j], cs[j], w[r] - P[(int64_t)r * ldp + j] * k);
 }
 
 // clse[u] = LSE2 over the groups' column states (G copies of `per` values each, combined in group

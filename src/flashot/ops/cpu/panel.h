@@ -45,6 +45,12 @@ struct Args {
 // the columns' numerators: P[(1 + d) Mp + j] += sum_r E x_rd (P then spans (1 + DS) Mp values).
 // MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
 // exp(s - m[r]) * W  (m[r] = normalising LSE of the row, given).
+//
+// Why one long function: a panel's state (R rows of maxima and sums, the R x NV costs and scores) must
+// live in registers, and GCC keeps such arrays there only while their address is never taken.  Moving
+// the modes or the cost block into helpers, even always inlined ones taking the arrays by reference or
+// by value, changed the generated code and made the streamed softmin and plan product slower
+// (BENCHMARKS.md, "Why panel is one function"), so the modes stay in one body, each a marked block.
 template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK, bool CK = true>
 static inline void panel(const T* __restrict x, const T* __restrict yT, const T* __restrict yy,
                          const T* __restrict hs, int64_t j0, int64_t j1, const Args& a,
@@ -87,8 +93,8 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
     // 1/eps).  For d <= 3 acc starts at |x_r|^2 + |y_j|^2 (no extra add in the exp-bound
     // kernels); for larger d it accumulates -2<x, y> from zero and the norms come last:
     // starting at the norms puts each of the d roundings at the scale |x|^2 + |y|^2
-    // instead of that of the partial dot products (measured at d = 64, float32: softmin
-    // error 8.5e-5 -> 3.7e-5, barycentres 3.4x closer to float64; neutral at d <= 3).
+    // instead of that of the partial dot products (at large d in float32 that halves the softmin's
+    // error; at d <= 3 it makes no difference).
     const bool norms_first = KIND == KIND_DOT && (DS > 0 || D <= 3);
     v acc[R][NV];
 #pragma GCC unroll 8
@@ -135,8 +141,8 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
         v vk[PV_K];
 #pragma GCC unroll 4
         for (int kk = 0; kk < PV_K; ++kk) vk[kk] = kk < a.K ? vload<v>(P + (int64_t)kk * Mp + j + q * L) : zero;
-        // the exponentials of G rows at a time interleaved (vexp2_n): all R rows for double (0.72-0.74x with
-        // AVX2); one by one for float, where interleaving them cost ~5% (the K accumulators a row spill)
+        // the exponentials of G rows at a time interleaved (vexp2_n, independent chains hide their latency):
+        // all R rows for double; one by one for float, where interleaving would spill the rows' K accumulators
         constexpr int G = sizeof(T) == 8 ? R : 1;
 #pragma GCC unroll 16
         for (int r0 = 0; r0 < R; r0 += G) {
@@ -214,7 +220,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
     if (MODE == MODE_LSE) {
       // s - m for the whole R x NV block first, then ONE check of its maximum
       // against TH (one compare and one mask test per block instead of per
-      // vector: 13% of the d = 3 kernel's time), then the exponentials.
+      // vector: a sizeable share of the d = 3 kernel's time), then the exponentials.
       v am[R][NV];
       v mx = vset<v>(Consts<T>::SENT);  // unused (optimised away) when !CK
 #pragma GCC unroll 8
@@ -270,7 +276,7 @@ static inline void panel(const T* __restrict x, const T* __restrict yT, const T*
       }
 #pragma GCC unroll 8
       for (int q = 0; q < NV; ++q) {
-        v e[R];  // the rows' exponentials interleaved (vexp2_n; float64 AVX2 softmin at d = 3: 0.71x)
+        v e[R];  // the rows' exponentials interleaved (vexp2_n: independent chains hide their latency)
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) e[r] = am[r][q];
         vexp2_n<R>(e);
