@@ -81,6 +81,9 @@ def _check_against_geomloss(out, ref, kw, tol, potentials=False):
         assert _rel(u, v) < tol, name
 
 
+# GeomLoss' online backend JIT-compiles a KeOps formula in every fresh environment (about 12 s each on 2
+# cores, most of these tests' time): a second opinion, so in the slow run
+@pytest.mark.slow
 @pytest.mark.parametrize("debias", [False, True])
 def test_reach_p1_matches_geomloss(debias):
     """Against GeomLoss' online (KeOps) backend: its tensorized one clamps |x - y|^2 at 1e-8 (a distance of
@@ -93,6 +96,7 @@ def test_reach_p1_matches_geomloss(debias):
     _check_against_geomloss(out, ref, kw, 1e-6)
 
 
+@pytest.mark.slow  # KeOps JIT (above)
 def test_reach_online_matches_geomloss_online():
     pytest.importorskip("pykeops")
     x, y, a, b = _clouds(n=60, m=70, dtype=torch.float32, seed=1)

@@ -1,7 +1,8 @@
 """The documentation site builds (offline, warnings as errors) and renders in a real browser.
 
-The module builds the site once, as ``make docs`` does (``sphinx -W``, the gallery at reduced
-size: ``FLASHOT_EXAMPLE_SMALL=1``), into a temporary folder, serves it on 127.0.0.1 and opens
+The site is built once per run, as ``make docs`` does (``sphinx -W``, the gallery at reduced
+size: ``FLASHOT_EXAMPLE_SMALL=1``; tests/docs/site_build.py), into a temporary folder; this module serves it
+on 127.0.0.1 and opens
 the home page, the API page and a gallery page in headless Chromium (Debian's ``chromium``,
 driven by Playwright; Playwright never downloads a browser here).  On each page: no console
 errors, no failed requests, every image loaded (non-zero ``naturalWidth``), every internal
@@ -21,14 +22,13 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 
 import pytest
+from site_build import docs_build_fixture  # noqa: F401 - the fixture docs_build, one build per run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = ["index.html", "api.html", "auto_examples/plot_colour_transfer.html"]
@@ -42,38 +42,9 @@ def _chromium() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """Build the site as `make docs` does, with the gallery at reduced size."""
-    try:
-        import sphinx  # noqa: F401
-        import sphinx_gallery  # noqa: F401
-    except ImportError as e:
-        pytest.fail(f"the docs requirements are missing ({e}): pip install -r docs/requirements.txt")
-    out = tmp_path_factory.mktemp("docs")
-    env = dict(os.environ, FLASHOT_EXAMPLE_SMALL="1", MPLBACKEND="Agg")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sphinx",
-            "-b",
-            "html",
-            "-W",
-            "--keep-going",
-            "-q",
-            "-d",
-            str(out / "doctrees"),
-            str(ROOT / "docs"),
-            str(out / "html"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"sphinx -W failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return out / "html"
+def site(docs_build):
+    """The site built once for the run (tests/docs/site_build.py): its html folder."""
+    return docs_build.html
 
 
 def test_site_builds_offline_with_every_page(site):
