@@ -59,9 +59,19 @@ def _compare(kw, dtype, batched, backend, tol=None, ref64=False, ref_backend=Non
     assert rel_err(Ff, Fg) < tol and rel_err(Gf, Gg) < tol
 
 
+# The cases whose reference is GeomLoss' online backend are in the slow run: KeOps JIT-compiles each formula
+# in every fresh environment (about 11 s each on 2 cores), for a second opinion.
+KEOPS = pytest.mark.slow
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
-    "kw", [dict(p=2, blur=0.05), dict(p=2, blur=0.3, scaling=0.8, debias=False), dict(p=1, blur=0.1)]
+    "kw",
+    [
+        dict(p=2, blur=0.05),
+        dict(p=2, blur=0.3, scaling=0.8, debias=False),
+        pytest.param(dict(p=1, blur=0.1), marks=KEOPS),
+    ],
 )
 def test_tensorized(kw, dtype):
     # GeomLoss' tensorized p=1 cost is sqrt(max(|x|^2 + |y|^2 - 2<x,y>, 1e-8)): the clamp moves the self
@@ -75,7 +85,7 @@ def test_tensorized(kw, dtype):
     _compare(kw, dtype, batched=True, backend="tensorized")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float64, marks=KEOPS)])
 @pytest.mark.parametrize("kw", [dict(p=2, blur=0.05), dict(p=1, blur=0.1, debias=False)])
 def test_online(kw, dtype):
     if dtype == torch.float32:
