@@ -9,8 +9,13 @@
 # network, an apt failure) it prints one line "SKIPPED: ..." naming what is missing and exits 0.
 # Otherwise it exits with the driver's status (0: every check passed).
 #
+# The cross-compiled driver is cached in ~/.cache/flashot/arm64-<key> (FLASHOT_CACHE_DIR when set), the key
+# a hash of the kernel sources, the driver, the flags and the cross compiler's version: the cross-compile
+# runs once per change of any of them, and a run with the same key only runs the checks under qemu.
+#
 # Environment: FLASHOT_ARM64_KEEP=DIR keeps the build in DIR (default: a temporary directory,
-# removed at exit); FLASHOT_ARM64_TIMEOUT (seconds, default 600) bounds the emulated run.
+# removed at exit); FLASHOT_ARM64_TIMEOUT (seconds, default 600) bounds the emulated run;
+# FLASHOT_ARM64_FRESH=1 compiles even when the cache holds the build.
 set -uo pipefail
 
 cd "$(dirname "$0")/../.." || exit 2
@@ -53,6 +58,17 @@ fi
 QEMU=$(find_qemu)
 echo "arm64: $("$CXX" --version | head -n 1); $("$QEMU" --version | head -n 1)"
 
+# ---- the checks under qemu (a function: a cached driver runs the same way) -------------------
+run_checks() {
+  local t0 rc
+  t0=$(now)
+  OMP_NUM_THREADS=2 timeout "${FLASHOT_ARM64_TIMEOUT:-600}" "$QEMU" "${QEMU_ARGS[@]}" "$1"
+  rc=$?
+  echo "arm64: qemu run took $(since "$t0") s (exit status $rc)"
+  [ $rc -eq 124 ] && echo "arm64: the emulated run timed out"
+  exit $rc
+}
+
 # ---- 2. cross-compile ---------------------------------------------------------------------
 if [ -n "${FLASHOT_ARM64_KEEP:-}" ]; then
   WORK=$FLASHOT_ARM64_KEEP
@@ -60,6 +76,15 @@ if [ -n "${FLASHOT_ARM64_KEEP:-}" ]; then
 else
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/flashot-arm64.XXXXXX") || exit 2
   trap 'rm -rf "$WORK"' EXIT
+fi
+
+KEY=$( { cat "$SRC"/*.h "$SRC"/*.cpp "$DRIVER"; echo "${FLAGS[*]}"; "$CXX" --version; } | sha256sum | cut -c1-16)
+CACHE="${FLASHOT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/flashot}/arm64-$KEY"
+if [ -z "${FLASHOT_ARM64_FRESH:-}" ] && [ -x "$CACHE/kernel_check" ]; then
+  QEMU_ARGS=()
+  [ -f "$CACHE/dynamic" ] && QEMU_ARGS=(-L "$SYSROOT")
+  echo "arm64: the cross-compiled driver of these sources is cached: $CACHE"
+  run_checks "$CACHE/kernel_check"
 fi
 
 t0=$(now)
@@ -105,10 +130,8 @@ if ! "$CXX" -static -pthread -o "$WORK/kernel_check" "$WORK/kernel_check.o" "$WO
 fi
 echo "arm64: cross-compiled (${#PARTS[@]} units + driver, -march=armv8-a, threads) in $(since "$t0") s"
 
-# ---- 3. run under qemu ----------------------------------------------------------------------
-t0=$(now)
-OMP_NUM_THREADS=2 timeout "${FLASHOT_ARM64_TIMEOUT:-600}" "$QEMU" "${QEMU_ARGS[@]}" "$WORK/kernel_check"
-rc=$?
-echo "arm64: qemu run took $(since "$t0") s (exit status $rc)"
-[ $rc -eq 124 ] && echo "arm64: the emulated run timed out"
-exit $rc
+# keep the driver for later runs (written beside, then renamed: a concurrent run never sees half of it)
+mkdir -p "$(dirname "$CACHE")" && tmp=$(mktemp -d "$CACHE.XXXXXX") &&
+  cp "$WORK/kernel_check" "$tmp/" && { [ ${#QEMU_ARGS[@]} -eq 0 ] || touch "$tmp/dynamic"; } &&
+  { mv -T "$tmp" "$CACHE" 2>/dev/null || rm -rf "$tmp"; }
+run_checks "$WORK/kernel_check"
