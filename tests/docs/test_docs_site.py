@@ -1,9 +1,9 @@
 """The documentation site builds (offline, warnings as errors) and renders in a real browser.
 
 The site is built once per run, as ``make docs`` does (``sphinx -W``, the gallery at reduced
-size: ``FLASHOT_EXAMPLE_SMALL=1``; tests/docs/site_build.py), into a temporary folder; this module serves it
-on 127.0.0.1 and opens
-the home page, the API page and a gallery page in headless Chromium (Debian's ``chromium``,
+size: ``FLASHOT_EXAMPLE_SMALL=1``; tests/docs/site_build.py), into a temporary folder; this module
+serves it on 127.0.0.1 and opens the home page, the API page and a gallery page in headless
+Chromium (Debian's ``chromium``,
 driven by Playwright; Playwright never downloads a browser here).  On each page: no console
 errors, no failed requests, every image loaded (non-zero ``naturalWidth``), every internal
 link answers HTTP 200.
