@@ -13,6 +13,10 @@ Each process times ``CpuEngine(lib, mode="stream").softmin`` (or ``--call plan_p
 ``--mode cache`` keeps the cost matrix, which makes ``softmin_T`` the cached column pass) on two ``torch.randn(n, d)`` clouds (``--dtype``, float32
 by default; eps = 0.1, median of ``--repeats`` calls after a warm-up; pairs counted as n^2 for every call).
 Name the CPU beside the table.
+
+``--same-process`` loads both libraries into one process instead and alternates their calls (A B, then
+B A, ``--repeats`` times each): the process-to-process spread (whole processes here run 10-30% apart)
+drops out, and it prints the B / A ratio of the fastest calls and the median of the per-pair ratios.
 """
 
 from __future__ import annotations
@@ -23,44 +27,67 @@ import statistics
 import subprocess
 import sys
 
-WORKER = r"""
+SETUP = r"""
 import ctypes, json, statistics, sys, time, torch
 from flashot.costs import get_cost
 from flashot.ops.cpu import build
 from flashot.ops.cpu.engine import CpuEngine
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
-lib = ctypes.CDLL(a["lib"])
-build._bind(lib)
-eng = CpuEngine(lib, mode=a["mode"])
 c = get_cost("sqeuclidean")
 g = torch.Generator().manual_seed(0)
 n, d, dt = a["n"], a["d"], getattr(torch, a["dtype"])
 x, y = torch.randn(1, n, d, generator=g, dtype=dt), torch.randn(1, n, d, generator=g, dtype=dt)
 h = torch.zeros(1, n, dtype=dt)
 V = torch.randn(1, n, 4, generator=g, dtype=dt)
-f = eng.softmin(x, y, h, 0.1, c)
-calls = {"softmin": lambda: eng.softmin(x, y, h, 0.1, c),
-         "plan_product": lambda: eng.plan_product(x, y, f, h, 0.1, V, c, "plan"),
-         "pair": lambda: eng.softmin_pair(x, y, h, h, 0.1, c),
-         "sym": lambda: eng.softmin_sym(x, h, 0.1, c),
-         "alt": lambda: eng.softmin_alt(x, y, h, h, 0.1, c, 0.7),
-         "softmin_T": lambda: eng.softmin(y, x, h, 0.1, c)}
-call = calls[a["call"]]
-call()
-ts = []
-for _ in range(a["repeats"]):
+
+def the_call(path):
+    lib = ctypes.CDLL(path)
+    build._bind(lib)
+    eng = CpuEngine(lib, mode=a["mode"])
+    f = eng.softmin(x, y, h, 0.1, c)
+    calls = {"softmin": lambda: eng.softmin(x, y, h, 0.1, c),
+             "plan_product": lambda: eng.plan_product(x, y, f, h, 0.1, V, c, "plan"),
+             "pair": lambda: eng.softmin_pair(x, y, h, h, 0.1, c),
+             "sym": lambda: eng.softmin_sym(x, h, 0.1, c),
+             "alt": lambda: eng.softmin_alt(x, y, h, h, 0.1, c, 0.7),
+             "softmin_T": lambda: eng.softmin(y, x, h, 0.1, c)}
+    call = calls[a["call"]]
+    call()
+    return call
+
+def timed(call):
     t0 = time.perf_counter()
     call()
-    ts.append(time.perf_counter() - t0)
+    return time.perf_counter() - t0
+"""
+WORKER = (
+    SETUP
+    + r"""
+call = the_call(a["lib"])
+ts = [timed(call) for _ in range(a["repeats"])]
 print(json.dumps(n * n / statistics.median(ts) / 1e9))
 """
+)
+SAME_PROCESS = (
+    SETUP
+    + r"""
+calls = [the_call(a["lib"]), the_call(a["lib_b"])]
+ts = [[], []]
+for k in range(a["repeats"]):
+    for i in ((0, 1) if k % 2 == 0 else (1, 0)):
+        ts[i].append(timed(calls[i]))
+pairs = [ta / tb for ta, tb in zip(ts[0], ts[1])]
+print(json.dumps([min(ts[0]) / min(ts[1]), statistics.median(pairs)]))
+"""
+)
 
 
-def rate(lib: str, a) -> float:
+def rate(lib: str, a, script: str = WORKER, lib_b: str = "") -> float:
     arg = json.dumps(
         {
             "lib": lib,
+            "lib_b": lib_b,
             "n": a.n,
             "d": a.d,
             "threads": a.threads,
@@ -70,8 +97,8 @@ def rate(lib: str, a) -> float:
             "mode": a.mode,
         }
     )
-    r = subprocess.run([sys.executable, "-c", WORKER, arg], capture_output=True, text=True, check=True)
-    return float(r.stdout.strip().splitlines()[-1])
+    r = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -98,7 +125,20 @@ def main() -> None:
         default="stream",
         help="the engine's mode: stream (costs recomputed) or cache (the cost matrix kept; small problems)",
     )
+    ap.add_argument(
+        "--same-process",
+        action="store_true",
+        help="both libraries in one process, their calls alternated (--repeats each): prints the B / A "
+        "throughput ratio of the fastest calls and the median per-pair ratio",
+    )
     a = ap.parse_args()
+    if a.same_process:
+        best, pair = rate(a.a, a, SAME_PROCESS, a.b)
+        print(
+            f"{a.call} ({a.mode}), {a.dtype}, n = m = {a.n:,}, d = {a.d}, {a.threads} thread(s), one process, "
+            f"{a.repeats} calls each: B / A throughput {best:.3f} (fastest calls), {pair:.3f} (median per pair)"
+        )
+        return
     print(
         f"{a.call} ({a.mode}), {a.dtype}, n = m = {a.n:,}, d = {a.d}, {a.threads} thread(s); G pairs / s, median of "
         f"{a.repeats} calls\n"

@@ -33,7 +33,8 @@ struct Args {
   int K = 0;         // MODE_PV: number of columns of V (<= PV_K)
 };
 
-// One panel of R rows (x: R consecutive rows, row stride D) over columns [j0, j1).
+// One panel of R rows (x: R consecutive rows, row stride D) over columns [j0, j1), NV vectors of columns
+// per step: the R x NV block of costs (FL_PANEL_COSTS), then the mode's step.
 // MODE_PV: m[r] is the row's base-2 shift; sum holds R * (PV_K + 1) vectors: sum[r * (PV_K + 1) + k]
 // += 2^(hs_j - k c - m[r]) W_rj VT[k, j] (VT: K rows of stride Mp, passed as P), vectorised over j,
 // and sum[r * (PV_K + 1) + PV_K] += 2^(hs_j - k c - m[r]) (the row's plan mass, before W).
@@ -46,287 +47,329 @@ struct Args {
 // MODE_LSE: updates (m[r], sum[r]).  MODE_P: writes P[r*ldp + (j - j0)] =
 // exp(s - m[r]) * W  (m[r] = normalising LSE of the row, given).
 //
-// Why one long function: a panel's state (R rows of maxima and sums, the R x NV costs and scores) must
-// live in registers, and GCC keeps such arrays there only while their address is never taken.  Moving
-// the modes or the cost block into helpers, even always inlined ones taking the arrays by reference or
-// by value, changed the generated code and made the streamed softmin and plan product slower
-// (BENCHMARKS.md, "Why panel is one function"), so the modes stay in one body, each a marked block.
+// Why the steps are macros: a panel's state (R rows of maxima and sums, the R x NV costs and scores) must
+// live in registers, and GCC keeps such arrays there only while their address is never taken.  Written as
+// helper functions, even always inlined ones taking the arrays by reference or by value, or as one function
+// per mode, the steps compiled to different register allocations and made the streamed softmin or the plan
+// product slower (BENCHMARKS.md, "C++ function length against kernel speed").  As macros expanded in the
+// one body of panel (below), they give exactly the code of that body written out, while each reads on its
+// own.  Each step sees the panel's template parameters and arguments, the set-up's names and the column j.
+
+// The panel's set-up: the constants, the rows' squared norms xx (dot costs), their maxima or shifts mr
+// (from m), their sums sm and, for the barycentre and narrow-V modes, their extra accumulators pb, pa.
+#define FL_PANEL_SETUP()                                                                                      \
+  typedef typename VT<T>::v v;                                                                                \
+  constexpr int L = VT<T>::L;                                                                                 \
+  const int D = DS > 0 ? DS : a.D;                                                                            \
+  const int64_t Mp = a.Mp;                                                                                    \
+  const T k = (T)a.kcoef;                                                                                     \
+  const v minsq = vset<v>((T)a.minsq);                                                                        \
+  const v wthr = vset<v>((T)(a.minsq > 0 ? 1.001 * std::sqrt(a.minsq) : 0.0));                                \
+  const v zero = {};                                                                                          \
+  T xx[R];                                                                                                    \
+  v sm[R];                                                                                                    \
+  T mr[R];                                                                                                    \
+  constexpr bool BARY = MODE == MODE_PAIRB || MODE == MODE_PAIRBC;                                            \
+  constexpr int DB = DS > 0 ? DS : 1;  /* MODE_PAIRB(C): coordinates per point (static) */                    \
+  constexpr int SV = 1 + DB;  /* and sum vectors per row */                                                   \
+  v pa[MODE == MODE_PV ? R : 1][PV_K];                                                                        \
+  v pb[BARY ? R : 1][DB];                                                                                     \
+  if (BARY)                                                                                                   \
+    for (int r = 0; r < R; ++r)                                                                               \
+      for (int d = 0; d < DB; ++d) pb[r][d] = sum[r * SV + 1 + d];                                            \
+  if (MODE == MODE_PV)                                                                                        \
+    for (int r = 0; r < R; ++r)                                                                               \
+      for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] = sum[r * (PV_K + 1) + kk];                                 \
+  _Pragma("GCC unroll 16")                                                                                    \
+  for (int r = 0; r < R; ++r) {                                                                               \
+    T s = 0;                                                                                                  \
+    if (KIND == KIND_DOT) for (int d = 0; d < D; ++d) s += x[r * D + d] * x[r * D + d];                       \
+    xx[r] = s;                                                                                                \
+    mr[r] = m[r];                                                                                             \
+    if (MODE == MODE_LSE || MODE == MODE_PAIR) sm[r] = sum[r];                                                \
+    if (MODE == MODE_P) sm[r] = sum ? sum[r] : zero;                                                          \
+    if (MODE == MODE_PV) sm[r] = sum[r * (PV_K + 1) + PV_K];                                                  \
+    if (BARY) sm[r] = sum[r * SV];                                                                            \
+  }
+
+// The R x NV block of costs at column j, as acc[r][q].
+// dot costs: acc ends as |x|^2 + |y|^2 - 2<x, y> (the explicit cost, formed before
+// 1/eps).  For d <= 3 acc starts at |x_r|^2 + |y_j|^2 (no extra add in the exp-bound
+// kernels); for larger d it accumulates -2<x, y> from zero and the norms come last:
+// starting at the norms puts each of the d roundings at the scale |x|^2 + |y|^2
+// instead of that of the partial dot products (at large d in float32 that halves the softmin's
+// error; at d <= 3 it makes no difference).
+#define FL_PANEL_COSTS()                                                                                      \
+  const bool norms_first = KIND == KIND_DOT && (DS > 0 || D <= 3);                                            \
+  v acc[R][NV];                                                                                               \
+  _Pragma("GCC unroll 8")                                                                                     \
+  for (int q = 0; q < NV; ++q) {                                                                              \
+    v init = zero;                                                                                            \
+    if (norms_first) init = vload<v>(yy + j + q * L);                                                         \
+    _Pragma("GCC unroll 16")                                                                                  \
+    for (int r = 0; r < R; ++r) acc[r][q] = norms_first ? init + xx[r] : zero;                                \
+  }                                                                                                           \
+  const T* yp = yT + j;                                                                                       \
+  _Pragma("GCC unroll 4")                                                                                     \
+  for (int d = 0; d < D; ++d) {                                                                               \
+    v yv[NV];                                                                                                 \
+    _Pragma("GCC unroll 8")                                                                                   \
+    for (int q = 0; q < NV; ++q) yv[q] = vload<v>(yp + (int64_t)d * Mp + q * L);                              \
+    _Pragma("GCC unroll 16")                                                                                  \
+    for (int r = 0; r < R; ++r) {                                                                             \
+      const T xs = KIND == KIND_DOT ? (T)-2 * x[r * D + d] : x[r * D + d];                                    \
+      _Pragma("GCC unroll 8")                                                                                 \
+      for (int q = 0; q < NV; ++q) {                                                                          \
+        if (KIND == KIND_DOT) {                                                                               \
+          acc[r][q] += xs * yv[q];                                                                            \
+        } else {                                                                                              \
+          v df = yv[q] - xs;                                                                                  \
+          acc[r][q] += df * df;                                                                               \
+        }                                                                                                     \
+      }                                                                                                       \
+    }                                                                                                         \
+  }                                                                                                           \
+  if (KIND == KIND_DOT && !norms_first) {                                                                     \
+    _Pragma("GCC unroll 8")                                                                                   \
+    for (int q = 0; q < NV; ++q) {                                                                            \
+      const v yq = vload<v>(yy + j + q * L);                                                                  \
+      _Pragma("GCC unroll 16")                                                                                \
+      for (int r = 0; r < R; ++r) acc[r][q] += yq + xx[r];                                                    \
+    }                                                                                                         \
+  }
+
+// MODE_PV: plan times a narrow V (K <= 4): vectorised over 16 columns, K FMAs per 16 pairs
+// (the general path broadcasts one weight per pair over the K lanes of V)
+#define FL_PANEL_PV_STEP()                                                                                    \
+  if (MODE == MODE_PV) {                                                                                      \
+    _Pragma("GCC unroll 8")                                                                                   \
+    for (int q = 0; q < NV; ++q) {                                                                            \
+      const v hq = vload<v>(hs + j + q * L);                                                                  \
+      v vk[PV_K];                                                                                             \
+      _Pragma("GCC unroll 4")                                                                                 \
+      for (int kk = 0; kk < PV_K; ++kk) vk[kk] = kk < a.K ? vload<v>(P + (int64_t)kk * Mp + j + q * L) : zero; \
+      /* the exponentials of G rows at a time interleaved (vexp2_n, independent chains hide their latency):   \
+         all R rows for double; one by one for float, where interleaving would spill the rows' K accumulators */ \
+      constexpr int G = sizeof(T) == 8 ? R : 1;                                                               \
+      _Pragma("GCC unroll 16")                                                                                \
+      for (int r0 = 0; r0 < R; r0 += G) {                                                                     \
+        v e[G];                                                                                               \
+        _Pragma("GCC unroll 16")                                                                              \
+        for (int g = 0; g < G; ++g) {                                                                         \
+          v c = acc[r0 + g][q];                                                                               \
+          if (KIND == KIND_DOT) {                                                                             \
+            c = c < zero ? zero : c;  /* c is a weight here */                                                \
+          } else {                                                                                            \
+            c = c < minsq ? minsq : c;                                                                        \
+            c = vsqrt(c);                                                                                     \
+          }                                                                                                   \
+          acc[r0 + g][q] = c;                                                                                 \
+          e[g] = (hq - mr[r0 + g]) - c * k;                                                                   \
+        }                                                                                                     \
+        vexp2_n<G>(e);                                                                                        \
+        _Pragma("GCC unroll 16")                                                                              \
+        for (int g = 0; g < G; ++g) {                                                                         \
+          const int r = r0 + g;                                                                               \
+          const v c = acc[r][q];                                                                              \
+          v p = e[g];                                                                                         \
+          sm[r] += p;                                                                                         \
+          if (WK == W_COST) p *= c;                                                                           \
+          if (WK == W_INV) p = c > wthr ? p / c : zero;                                                       \
+          _Pragma("GCC unroll 4")                                                                             \
+          for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] += p * vk[kk];                                          \
+        }                                                                                                     \
+      }                                                                                                       \
+    }                                                                                                         \
+    continue;                                                                                                 \
+  }
+
+// MODE_PAIR(B, BC): one exponential per pair feeds both the row and the column sum (no max: the caller
+// checks the sums and recomputes rows / columns that under- or overflowed); MODE_PAIRB(C) also weight the
+// other side's coordinates with it (DS FMAs per side)
+#define FL_PANEL_PAIR_STEP()                                                                                  \
+  if (MODE == MODE_PAIR || BARY) {                                                                            \
+    constexpr int NB = BARY ? DB : 0;                                                                         \
+    _Pragma("GCC unroll 8")                                                                                   \
+    for (int q = 0; q < NV; ++q) {                                                                            \
+      const v hq = vload<v>(hs + j + q * L);                                                                  \
+      v yq[DB], colc[DB];                                                                                     \
+      _Pragma("GCC unroll 4")                                                                                 \
+      for (int d = 0; d < NB; ++d) {                                                                          \
+        yq[d] = vload<v>(yT + (int64_t)d * Mp + j + q * L);                                                   \
+        colc[d] = zero;                                                                                       \
+      }                                                                                                       \
+      v colv = zero;                                                                                          \
+      _Pragma("GCC unroll 16")                                                                                \
+      for (int r = 0; r < R; ++r) {                                                                           \
+        v c = acc[r][q];                                                                                      \
+        if (KIND == KIND_DIRECT) {                                                                            \
+          c = c < minsq ? minsq : c;                                                                          \
+          c = vsqrt(c);                                                                                       \
+        }                                                                                                     \
+        const v e = vexp2((hq + mr[r]) - c * k);                                                              \
+        sm[r] += e;                                                                                           \
+        _Pragma("GCC unroll 4")                                                                               \
+        for (int d = 0; d < NB; ++d) pb[r][d] += e * yq[d];                                                   \
+        colv += e;                                                                                            \
+        if (MODE == MODE_PAIRBC)                                                                              \
+          _Pragma("GCC unroll 4")                                                                             \
+          for (int d = 0; d < NB; ++d) colc[d] += e * x[r * DB + d];                                          \
+      }                                                                                                       \
+      vstore(P + j + q * L, vload<v>(P + j + q * L) + colv);                                                  \
+      if (MODE == MODE_PAIRBC) {                                                                              \
+        _Pragma("GCC unroll 4")                                                                               \
+        for (int d = 0; d < NB; ++d) {                                                                        \
+          T* pc = P + (int64_t)(1 + d) * Mp + j + q * L;                                                      \
+          vstore(pc, vload<v>(pc) + colc[d]);                                                                 \
+        }                                                                                                     \
+      }                                                                                                       \
+    }                                                                                                         \
+    continue;                                                                                                 \
+  }
+
+// MODE_LSE, rare (O(log M) times per row): raise the running max of the rows that
+// need it, from the absolute scores s = h - k c (m may still be the sentinel).  Then
+// s - m is recomputed as (h - m) - k c (more accurate: h - m is exact for h near m),
+// unless that disagrees with the maximum by more than rounding: when h and k c are so
+// large that their ulp exceeds the headroom (float32 with |h| ~ 1e9, e.g. eps ~ 1e-10),
+// it could exceed TH (exp2 overflow: inf, then NaN) or fall far below (every term 0,
+// +inf out) where dense is finite; the row then uses s - m from the same s as the max.
+#define FL_PANEL_LSE_RAISE()                                                                                  \
+  if (CK && __builtin_expect(any_gt(mx, vset<v>(Consts<T>::TH)), 0)) {                                        \
+    _Pragma("GCC unroll 16")                                                                                  \
+    for (int r = 0; r < R; ++r) {                                                                             \
+      v sc[NV];                                                                                               \
+      T nm = Consts<T>::SENT;                                                                                 \
+      for (int q = 0; q < NV; ++q) {                                                                          \
+        sc[q] = vload<v>(hs + j + q * L) - acc[r][q] * k;                                                     \
+        nm = std::max(nm, hmax(sc[q]));                                                                       \
+      }                                                                                                       \
+      if (nm > mr[r] + Consts<T>::TH) {                                                                       \
+        sm[r] *= (T)std::exp2(mr[r] - (nm + Consts<T>::H));                                                   \
+        mr[r] = nm + Consts<T>::H;                                                                            \
+      }                                                                                                       \
+      T amax = Consts<T>::SENT;                                                                               \
+      for (int q = 0; q < NV; ++q) {                                                                          \
+        am[r][q] = (vload<v>(hs + j + q * L) - mr[r]) - acc[r][q] * k;                                        \
+        amax = std::max(amax, hmax(am[r][q]));                                                                \
+      }                                                                                                       \
+      if (!(amax <= Consts<T>::TH && amax >= (nm - mr[r]) - 1))                                               \
+        for (int q = 0; q < NV; ++q) am[r][q] = sc[q] - mr[r];                                                \
+    }                                                                                                         \
+  }
+
+// MODE_LSE: s - m for the whole R x NV block first, then ONE check of its maximum
+// against TH (one compare and one mask test per block instead of per
+// vector: a sizeable share of the d = 3 kernel's time), then the exponentials.
+#define FL_PANEL_LSE_STEP()                                                                                   \
+  if (MODE == MODE_LSE) {                                                                                     \
+    v am[R][NV];                                                                                              \
+    v mx = vset<v>(Consts<T>::SENT);  /* unused (optimised away) when !CK */                                  \
+    _Pragma("GCC unroll 8")                                                                                   \
+    for (int q = 0; q < NV; ++q) {                                                                            \
+      const v hq = vload<v>(hs + j + q * L);                                                                  \
+      _Pragma("GCC unroll 16")                                                                                \
+      for (int r = 0; r < R; ++r) {                                                                           \
+        /* dot costs: a rounding-level negative c changes s by k * O(ulp(|x|^2)),                             \
+           like the rounding itself, so no clamp in the exponent */                                           \
+        if (KIND == KIND_DIRECT) {                                                                            \
+          v c = acc[r][q];                                                                                    \
+          c = c < minsq ? minsq : c;                                                                          \
+          acc[r][q] = vsqrt(c);                                                                               \
+        }                                                                                                     \
+        am[r][q] = (hq - mr[r]) - acc[r][q] * k;  /* s - m: one sub + one fnmadd */                           \
+        if (CK) mx = am[r][q] > mx ? am[r][q] : mx;                                                           \
+      }                                                                                                       \
+    }                                                                                                         \
+    if (P) {  /* fused alternating step: keep the costs for the column pass (alt_impl) */                     \
+      _Pragma("GCC unroll 8")                                                                                 \
+      for (int q = 0; q < NV; ++q)                                                                            \
+        _Pragma("GCC unroll 16")                                                                              \
+        for (int r = 0; r < R; ++r) vstore(P + r * ldp + (j - j0) + q * L, acc[r][q]);                        \
+    }                                                                                                         \
+    FL_PANEL_LSE_RAISE()                                                                                      \
+    _Pragma("GCC unroll 8")                                                                                   \
+    for (int q = 0; q < NV; ++q) {                                                                            \
+      v e[R];  /* the rows' exponentials interleaved (vexp2_n: independent chains hide their latency) */      \
+      _Pragma("GCC unroll 16")                                                                                \
+      for (int r = 0; r < R; ++r) e[r] = am[r][q];                                                            \
+      vexp2_n<R>(e);                                                                                          \
+      _Pragma("GCC unroll 16")                                                                                \
+      for (int r = 0; r < R; ++r) sm[r] += e[r];                                                              \
+    }                                                                                                         \
+    continue;                                                                                                 \
+  }
+
+// MODE_P (the step the other modes skip: each of theirs ends with continue): the plan's entries times W,
+// row after row into P.
+#define FL_PANEL_PLAN_STEP()                                                                                  \
+  _Pragma("GCC unroll 8")                                                                                     \
+  for (int q = 0; q < NV; ++q) {                                                                              \
+    const v hq = vload<v>(hs + j + q * L);                                                                    \
+    _Pragma("GCC unroll 16")                                                                                  \
+    for (int r = 0; r < R; ++r) {                                                                             \
+      v c;                                                                                                    \
+      if (KIND == KIND_DOT) {                                                                                 \
+        c = acc[r][q];                                                                                        \
+        c = c < zero ? zero : c;  /* c is a weight here */                                                    \
+      } else {                                                                                                \
+        c = acc[r][q];                                                                                        \
+        c = c < minsq ? minsq : c;                                                                            \
+        c = vsqrt(c);                                                                                         \
+      }                                                                                                       \
+      v s = hq - c * k;                                                                                       \
+      v p = vexp2(s - mr[r]);                                                                                 \
+      sm[r] += p;                                                                                             \
+      if (WK == W_COST) p *= c;                                                                               \
+      /* dcost of |x - y|: 1/C, zero where C = 0 or where the clamp sqrt(minsq)                               \
+         is active (the clamp kills the gradient; 1.001 absorbs float rounding) */                            \
+      if (WK == W_INV) p = c > wthr ? p / c : zero;                                                           \
+      vstore(P + r * ldp + (j - j0) + q * L, p);                                                              \
+    }                                                                                                         \
+  }
+
+// The rows' state written back (m, sum and the extra accumulators, per mode).
+#define FL_PANEL_STORE()                                                                                      \
+  if (MODE == MODE_LSE || MODE == MODE_PAIR) {                                                                \
+    _Pragma("GCC unroll 16")                                                                                  \
+    for (int r = 0; r < R; ++r) { m[r] = mr[r]; sum[r] = sm[r]; }                                             \
+  }                                                                                                           \
+  if (MODE == MODE_P && sum)                                                                                  \
+    for (int r = 0; r < R; ++r) sum[r] = sm[r];                                                               \
+  if (BARY)                                                                                                   \
+    for (int r = 0; r < R; ++r) {                                                                             \
+      sum[r * SV] = sm[r];                                                                                    \
+      for (int d = 0; d < DB; ++d) sum[r * SV + 1 + d] = pb[r][d];                                            \
+    }                                                                                                         \
+  if (MODE == MODE_PV)                                                                                        \
+    for (int r = 0; r < R; ++r) {                                                                             \
+      for (int kk = 0; kk < PV_K; ++kk) sum[r * (PV_K + 1) + kk] = pa[r][kk];                                 \
+      sum[r * (PV_K + 1) + PV_K] = sm[r];                                                                     \
+    }
+
+// One panel (see the top of this section).
 template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK, bool CK = true>
 static inline void panel(const T* __restrict x, const T* __restrict yT, const T* __restrict yy,
                          const T* __restrict hs, int64_t j0, int64_t j1, const Args& a,
                          T* __restrict m, typename VT<T>::v* __restrict sum, T* __restrict P, int64_t ldp) {
-  typedef typename VT<T>::v v;
-  constexpr int L = VT<T>::L;
-  const int D = DS > 0 ? DS : a.D;
-  const int64_t Mp = a.Mp;
-  const T k = (T)a.kcoef;
-  const v minsq = vset<v>((T)a.minsq);
-  const v wthr = vset<v>((T)(a.minsq > 0 ? 1.001 * std::sqrt(a.minsq) : 0.0));
-  const v zero = {};
-  T xx[R];
-  v sm[R];
-  T mr[R];
-  constexpr bool BARY = MODE == MODE_PAIRB || MODE == MODE_PAIRBC;
-  constexpr int DB = DS > 0 ? DS : 1;  // MODE_PAIRB(C): coordinates per point (static)
-  constexpr int SV = 1 + DB;           // and sum vectors per row
-  v pa[MODE == MODE_PV ? R : 1][PV_K];
-  v pb[BARY ? R : 1][DB];
-  if (BARY)
-    for (int r = 0; r < R; ++r)
-      for (int d = 0; d < DB; ++d) pb[r][d] = sum[r * SV + 1 + d];
-  if (MODE == MODE_PV)
-    for (int r = 0; r < R; ++r)
-      for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] = sum[r * (PV_K + 1) + kk];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    T s = 0;
-    if (KIND == KIND_DOT) for (int d = 0; d < D; ++d) s += x[r * D + d] * x[r * D + d];
-    xx[r] = s;
-    mr[r] = m[r];
-    if (MODE == MODE_LSE || MODE == MODE_PAIR) sm[r] = sum[r];
-    if (MODE == MODE_P) sm[r] = sum ? sum[r] : zero;
-    if (MODE == MODE_PV) sm[r] = sum[r * (PV_K + 1) + PV_K];
-    if (BARY) sm[r] = sum[r * SV];
-  }
+  FL_PANEL_SETUP()
   for (int64_t j = j0; j < j1; j += L * NV) {
-    // dot costs: acc ends as |x|^2 + |y|^2 - 2<x, y> (the explicit cost, formed before
-    // 1/eps).  For d <= 3 acc starts at |x_r|^2 + |y_j|^2 (no extra add in the exp-bound
-    // kernels); for larger d it accumulates -2<x, y> from zero and the norms come last:
-    // starting at the norms puts each of the d roundings at the scale |x|^2 + |y|^2
-    // instead of that of the partial dot products (at large d in float32 that halves the softmin's
-    // error; at d <= 3 it makes no difference).
-    const bool norms_first = KIND == KIND_DOT && (DS > 0 || D <= 3);
-    v acc[R][NV];
-#pragma GCC unroll 8
-    for (int q = 0; q < NV; ++q) {
-      v init = zero;
-      if (norms_first) init = vload<v>(yy + j + q * L);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[r][q] = norms_first ? init + xx[r] : zero;
-    }
-    const T* yp = yT + j;
-#pragma GCC unroll 4
-    for (int d = 0; d < D; ++d) {
-      v yv[NV];
-#pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) yv[q] = vload<v>(yp + (int64_t)d * Mp + q * L);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const T xs = KIND == KIND_DOT ? (T)-2 * x[r * D + d] : x[r * D + d];
-#pragma GCC unroll 8
-        for (int q = 0; q < NV; ++q) {
-          if (KIND == KIND_DOT) {
-            acc[r][q] += xs * yv[q];
-          } else {
-            v df = yv[q] - xs;
-            acc[r][q] += df * df;
-          }
-        }
-      }
-    }
-    if (KIND == KIND_DOT && !norms_first) {
-#pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) {
-        const v yq = vload<v>(yy + j + q * L);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r][q] += yq + xx[r];
-      }
-    }
-    if (MODE == MODE_PV) {
-      // plan times a narrow V (K <= 4): vectorised over 16 columns, K FMAs per 16 pairs
-      // (the general path broadcasts one weight per pair over the K lanes of V)
-#pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) {
-        const v hq = vload<v>(hs + j + q * L);
-        v vk[PV_K];
-#pragma GCC unroll 4
-        for (int kk = 0; kk < PV_K; ++kk) vk[kk] = kk < a.K ? vload<v>(P + (int64_t)kk * Mp + j + q * L) : zero;
-        // the exponentials of G rows at a time interleaved (vexp2_n, independent chains hide their latency):
-        // all R rows for double; one by one for float, where interleaving would spill the rows' K accumulators
-        constexpr int G = sizeof(T) == 8 ? R : 1;
-#pragma GCC unroll 16
-        for (int r0 = 0; r0 < R; r0 += G) {
-          v e[G];
-#pragma GCC unroll 16
-          for (int g = 0; g < G; ++g) {
-            v c = acc[r0 + g][q];
-            if (KIND == KIND_DOT) {
-              c = c < zero ? zero : c;  // c is a weight here
-            } else {
-              c = c < minsq ? minsq : c;
-              c = vsqrt(c);
-            }
-            acc[r0 + g][q] = c;
-            e[g] = (hq - mr[r0 + g]) - c * k;
-          }
-          vexp2_n<G>(e);
-#pragma GCC unroll 16
-          for (int g = 0; g < G; ++g) {
-            const int r = r0 + g;
-            const v c = acc[r][q];
-            v p = e[g];
-            sm[r] += p;
-            if (WK == W_COST) p *= c;
-            if (WK == W_INV) p = c > wthr ? p / c : zero;
-#pragma GCC unroll 4
-            for (int kk = 0; kk < PV_K; ++kk) pa[r][kk] += p * vk[kk];
-          }
-        }
-      }
-      continue;
-    }
-    if (MODE == MODE_PAIR || BARY) {
-      // one exponential per pair feeds both the row and the column sum (no max: the caller checks the sums
-      // and recomputes rows / columns that under- or overflowed); MODE_PAIRB(C) also weight the other side's
-      // coordinates with it (DS FMAs per side)
-      constexpr int NB = BARY ? DB : 0;
-#pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) {
-        const v hq = vload<v>(hs + j + q * L);
-        v yq[DB], colc[DB];
-#pragma GCC unroll 4
-        for (int d = 0; d < NB; ++d) {
-          yq[d] = vload<v>(yT + (int64_t)d * Mp + j + q * L);
-          colc[d] = zero;
-        }
-        v colv = zero;
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          v c = acc[r][q];
-          if (KIND == KIND_DIRECT) {
-            c = c < minsq ? minsq : c;
-            c = vsqrt(c);
-          }
-          const v e = vexp2((hq + mr[r]) - c * k);
-          sm[r] += e;
-#pragma GCC unroll 4
-          for (int d = 0; d < NB; ++d) pb[r][d] += e * yq[d];
-          colv += e;
-          if (MODE == MODE_PAIRBC)
-#pragma GCC unroll 4
-            for (int d = 0; d < NB; ++d) colc[d] += e * x[r * DB + d];
-        }
-        vstore(P + j + q * L, vload<v>(P + j + q * L) + colv);
-        if (MODE == MODE_PAIRBC) {
-#pragma GCC unroll 4
-          for (int d = 0; d < NB; ++d) {
-            T* pc = P + (int64_t)(1 + d) * Mp + j + q * L;
-            vstore(pc, vload<v>(pc) + colc[d]);
-          }
-        }
-      }
-      continue;
-    }
-    if (MODE == MODE_LSE) {
-      // s - m for the whole R x NV block first, then ONE check of its maximum
-      // against TH (one compare and one mask test per block instead of per
-      // vector: a sizeable share of the d = 3 kernel's time), then the exponentials.
-      v am[R][NV];
-      v mx = vset<v>(Consts<T>::SENT);  // unused (optimised away) when !CK
-#pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) {
-        const v hq = vload<v>(hs + j + q * L);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          // dot costs: a rounding-level negative c changes s by k * O(ulp(|x|^2)),
-          // like the rounding itself, so no clamp in the exponent
-          if (KIND == KIND_DIRECT) {
-            v c = acc[r][q];
-            c = c < minsq ? minsq : c;
-            acc[r][q] = vsqrt(c);
-          }
-          am[r][q] = (hq - mr[r]) - acc[r][q] * k;  // s - m: one sub + one fnmadd
-          if (CK) mx = am[r][q] > mx ? am[r][q] : mx;
-        }
-      }
-      if (P) {  // fused alternating step: keep the costs for the column pass (alt_impl)
-#pragma GCC unroll 8
-        for (int q = 0; q < NV; ++q)
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) vstore(P + r * ldp + (j - j0) + q * L, acc[r][q]);
-      }
-      if (CK && __builtin_expect(any_gt(mx, vset<v>(Consts<T>::TH)), 0)) {
-        // rare (O(log M) times per row): raise the running max of the rows that
-        // need it, from the absolute scores s = h - k c (m may still be the sentinel).  Then
-        // s - m is recomputed as (h - m) - k c (more accurate: h - m is exact for h near m),
-        // unless that disagrees with the maximum by more than rounding: when h and k c are so
-        // large that their ulp exceeds the headroom (float32 with |h| ~ 1e9, e.g. eps ~ 1e-10),
-        // it could exceed TH (exp2 overflow: inf, then NaN) or fall far below (every term 0,
-        // +inf out) where dense is finite; the row then uses s - m from the same s as the max.
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          v sc[NV];
-          T nm = Consts<T>::SENT;
-          for (int q = 0; q < NV; ++q) {
-            sc[q] = vload<v>(hs + j + q * L) - acc[r][q] * k;
-            nm = std::max(nm, hmax(sc[q]));
-          }
-          if (nm > mr[r] + Consts<T>::TH) {
-            sm[r] *= (T)std::exp2(mr[r] - (nm + Consts<T>::H));
-            mr[r] = nm + Consts<T>::H;
-          }
-          T amax = Consts<T>::SENT;
-          for (int q = 0; q < NV; ++q) {
-            am[r][q] = (vload<v>(hs + j + q * L) - mr[r]) - acc[r][q] * k;
-            amax = std::max(amax, hmax(am[r][q]));
-          }
-          if (!(amax <= Consts<T>::TH && amax >= (nm - mr[r]) - 1))
-            for (int q = 0; q < NV; ++q) am[r][q] = sc[q] - mr[r];
-        }
-      }
-#pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) {
-        v e[R];  // the rows' exponentials interleaved (vexp2_n: independent chains hide their latency)
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) e[r] = am[r][q];
-        vexp2_n<R>(e);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) sm[r] += e[r];
-      }
-      continue;
-    }
-#pragma GCC unroll 8
-    for (int q = 0; q < NV; ++q) {
-      const v hq = vload<v>(hs + j + q * L);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        v c;
-        if (KIND == KIND_DOT) {
-          c = acc[r][q];
-          c = c < zero ? zero : c;  // c is a weight here
-        } else {
-          c = acc[r][q];
-          c = c < minsq ? minsq : c;
-          c = vsqrt(c);
-        }
-        v s = hq - c * k;
-        v p = vexp2(s - mr[r]);
-        sm[r] += p;
-        if (WK == W_COST) p *= c;
-        // dcost of |x - y|: 1/C, zero where C = 0 or where the clamp sqrt(minsq)
-        // is active (the clamp kills the gradient; 1.001 absorbs float rounding)
-        if (WK == W_INV) p = c > wthr ? p / c : zero;
-        vstore(P + r * ldp + (j - j0) + q * L, p);
-      }
-    }
+    FL_PANEL_COSTS()
+    FL_PANEL_PV_STEP()
+    FL_PANEL_PAIR_STEP()
+    FL_PANEL_LSE_STEP()
+    FL_PANEL_PLAN_STEP()
   }
-  if (MODE == MODE_LSE || MODE == MODE_PAIR) {
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) { m[r] = mr[r]; sum[r] = sm[r]; }
-  }
-  if (MODE == MODE_P && sum)
-    for (int r = 0; r < R; ++r) sum[r] = sm[r];
-  if (BARY)
-    for (int r = 0; r < R; ++r) {
-      sum[r * SV] = sm[r];
-      for (int d = 0; d < DB; ++d) sum[r * SV + 1 + d] = pb[r][d];
-    }
-  if (MODE == MODE_PV)
-    for (int r = 0; r < R; ++r) {
-      for (int kk = 0; kk < PV_K; ++kk) sum[r * (PV_K + 1) + kk] = pa[r][kk];
-      sum[r * (PV_K + 1) + PV_K] = sm[r];
-    }
+  FL_PANEL_STORE()
 }
+#undef FL_PANEL_SETUP
+#undef FL_PANEL_COSTS
+#undef FL_PANEL_PV_STEP
+#undef FL_PANEL_PAIR_STEP
+#undef FL_PANEL_LSE_RAISE
+#undef FL_PANEL_LSE_STEP
+#undef FL_PANEL_PLAN_STEP
+#undef FL_PANEL_STORE
 
 template <typename T, int R, int NV, int KIND, int DS, int MODE, int WK>
 static void panel_rows(int nrows, const T* x, const T* yT, const T* yy, const T* hs, int64_t j0, int64_t j1,
