@@ -340,8 +340,8 @@ static inline bool tile_kept(const TileBounds<T>& tb, const double* p, const dou
   return !(tile_below<T, KIND>(tb, po, q, D, a) && tile_below<T, KIND>(tb, p, qo, D, a));
 }
 
-// pair_bs_impl's helpers are always inlined, so that their loops are compiled as if written in its body.
-#define FL_INLINE static inline __attribute__((always_inline))
+// pair_bs_impl's helpers are always inlined (FL_INLINE), so that their loops are compiled as if written in
+// its body.
 
 // pair_bs_impl's inputs and outputs, fixed for one call
 template <typename T>

@@ -54,8 +54,8 @@ static void rows_lse(const T* C, const T* h, T* out, int B, int64_t N, int64_t M
 // Always inlined into cols_lse's task loop, the loop it was written in: a call boundary there changes the
 // generated loop (slower).
 template <typename T>
-static inline __attribute__((always_inline)) void cols_lse_stripe(const T* C, const T* hb, T* out, int64_t N,
-                                                                  int64_t M, int64_t w, T inv_eps, T oscale) {
+FL_INLINE void cols_lse_stripe(const T* C, const T* hb, T* out, int64_t N, int64_t M, int64_t w, T inv_eps,
+                               T oscale) {
   typedef typename VT<T>::v v;
   constexpr int L = VT<T>::L;
   const int64_t nv = w / L;

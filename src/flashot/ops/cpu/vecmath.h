@@ -35,7 +35,7 @@
 
 // Vector width: the widest the target has natively (AVX-512: 64 bytes, AVX / AVX2: 32, SSE2,
 // NEON and anything else: 16).  Wider vectors than the target's registers (e.g. 512-bit
-// vectors on AVX2, split by the compiler) spill and ran 9-23x slower.  The register count picks
+// vectors on AVX2, split by the compiler) spill and run several times slower.  The register count picks
 // the micro-kernel shapes (struct Shape).
 #if defined(__AVX512F__)
 #define FL_VBYTES 64
@@ -49,6 +49,10 @@
 #else
 #define FL_NREGS 16
 #endif
+
+// A helper compiled as if written in its caller's body (kernels' inner pieces: a call boundary in a hot loop
+// changes the generated loop).
+#define FL_INLINE static inline __attribute__((always_inline))
 
 namespace {
 
