@@ -3,8 +3,9 @@
 Kernel changes are small against this machine's drift (the same call varies by 10-30% between
 processes here), so each round runs A then B (odd rounds B then A), each in a fresh process, and the
 table gives the per-round ratio B / A of their throughputs and the median ratio.  The libraries are
-``.so`` files of the build cache (``~/.cache/flashot``, or ``FLASHOT_CACHE_DIR``): build the old and
-the new source once each (for instance with ``FLASHOT_CPU_MARCH=x86-64-v3 flashot build``), then
+``.so`` files of the build cache (``~/.cache/flashot``, or ``FLASHOT_CACHE_DIR``), the core library of the
+dtype timed (``flashot_cpu_f32_*.so`` for float32, ``flashot_cpu_f64_*.so`` for ``--dtype float64``): build the
+old and the new source once each (for instance with ``FLASHOT_CPU_MARCH=x86-64-v3 flashot build``), then
 
     python benchmarks/kernel_ab.py OLD.so NEW.so --d 3 --threads 1 --rounds 6
 
@@ -42,9 +43,10 @@ h = torch.zeros(1, n, dtype=dt)
 V = torch.randn(1, n, 4, generator=g, dtype=dt)
 
 def the_call(path):
-    lib = ctypes.CDLL(path)
-    build._bind(lib)
-    eng = CpuEngine(lib, mode=a["mode"])
+    lib = ctypes.CDLL(path)  # the core library of a["dtype"] (core_f32 or core_f64)
+    dt = build.dtype_suffix(a["dtype"])
+    build._bind(lib, f"core_{dt}")
+    eng = CpuEngine(build.Kernels("core", parts={dt: lib}), mode=a["mode"])
     f = eng.softmin(x, y, h, 0.1, c)
     calls = {"softmin": lambda: eng.softmin(x, y, h, 0.1, c),
              "plan_product": lambda: eng.plan_product(x, y, f, h, 0.1, V, c, "plan"),

@@ -9,7 +9,7 @@ then runs each captured call ``--rounds`` times on two kernel libraries loaded s
 goes first.  It prints the pairs each evaluated, their median times, the median of the per-round ratios B / A
 and the largest relative difference of their outputs (entry by entry: large where an entry is near 0, as the
 barycentre numerators can be; `benchmarks/` has no float64 reference for them).  Build the libraries first, for instance with
-``FLASHOT_CPU_MARCH=x86-64-v3 flashot build`` on the old and on the new source (``.so`` files of
+``FLASHOT_CPU_MARCH=x86-64-v3 flashot build`` on the old and on the new source (float32 block-sparse ``.so`` files, ``flashot_cpu_bs_f32_*.so`` of
 ``~/.cache/flashot``), then::
 
     FLASHOT_CPU_MARCH=x86-64-v3 python benchmarks/multiscale_kernel_ab.py OLD.so NEW.so --n 1000000 --rounds 5
@@ -37,22 +37,25 @@ from flashot.ops import blocksparse
 from flashot.ops.cpu import build
 
 
-def capture(n: int) -> dict:
+def capture(n: int, power: int = 2, d: int = 3) -> dict:
     """The first tile-pruned fused call of each kind in a multiscale value + gradient at n = m."""
     orig = blocksparse.pair_cpu  # the name the engine calls
     calls: dict = {}
 
     def wrapped(lib, pat, x, y, hx, hy, eps, cost, sym, bary=0, tiles=None, tasks=None):
-        if tasks is None and tiles is not None:
+        if tasks is None and (tiles is not None or d > 3):  # sub-tile pruning is for d <= 3
             calls.setdefault(("sym" if sym else "pair") + str(bary), (pat, x, y, hx, hy, eps, cost, sym, bary, tiles))
         return orig(lib, pat, x, y, hx, hy, eps, cost, sym, bary, tiles, tasks)
 
     blocksparse.pair_cpu = wrapped
     try:
         x, y = surfaces(n)
+        if d > 3:  # the surfaces with d - 3 small extra coordinates (the generic-d kernels)
+            g = torch.Generator().manual_seed(0)
+            x, y = (torch.cat([t, 0.05 * torch.randn(n, d - 3, generator=g, dtype=t.dtype)], 1) for t in (x, y))
         pts = torch.cat([x, y])
         diam = float((pts.amax(0) - pts.amin(0)).norm())
-        loss = flashot.SamplesLoss(blur=0.01 * diam, backend="multiscale")
+        loss = flashot.SamplesLoss(p=power, blur=0.01 * diam, backend="multiscale")
         xg = x.clone().requires_grad_()
         torch.autograd.grad(loss(xg, y), xg)
     finally:
@@ -69,7 +72,8 @@ def run_ab(libs: list, args: tuple, rounds: int) -> dict:
         for k in (0, 1) if rnd % 2 == 0 else (1, 0):
             counter = [0]
             t0 = time.perf_counter()
-            outs[k] = blocksparse._pair_cpu(libs[k], *args[:-1], args[-1]._replace(counter=counter))
+            tiles = args[-1]._replace(counter=counter) if args[-1] is not None else None  # none for d > 3
+            outs[k] = blocksparse._pair_cpu(libs[k], *args[:-1], tiles)
             times[k].append(time.perf_counter() - t0)
             pairs[k] = counter[0]
     diff = max(
@@ -93,13 +97,15 @@ def main() -> None:
     p.add_argument("--n", type=int, default=1_000_000, help="points per cloud (default 10^6)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", default="", help="comma-separated subset of pair0,sym0,pair1,sym2")
+    p.add_argument("--d", type=int, default=3, help="dimension: > 3 appends small random coordinates")
+    p.add_argument("--p", type=int, default=2, help="the cost's power: 2 (dot-product kernels) or 1 (direct costs)")
     a = p.parse_args()
     libs = []
     for path in (a.old, a.new):
         lib = ctypes.CDLL(path)
-        build._bind(lib, "blocksparse")
+        build._bind(lib, "blocksparse_f32")  # the captured solve is float32
         libs.append(lib)
-    calls = capture(a.n)
+    calls = capture(a.n, a.p, a.d)
     keep = set(a.calls.split(",")) if a.calls else None
     print(f"n = m = {a.n:,}, {torch.get_num_threads()} threads; A = {a.old}, B = {a.new}")
     print("| call | pairs | A s | B s | B / A (median) | per round | max rel. diff |")

@@ -8,7 +8,7 @@ squared Euclidean cost, reported in G pairs / s.
 
 The prebuilt library: the installed wheel's (``build.prebuilt_status()``) when there is one, else the
 same file from the kernel cache (the wheel build copies it from there: same sources, flags and
-compiler, ``build.build_in_cache``); the native one: ``build.build_in_cache("core", "native", ...)``.
+compiler, ``build.build_in_cache``); the native one: ``build.build_in_cache("core_f32", "native", ...)`` (and ``core_f64``).
 
     python benchmarks/prebuilt_bench.py --n 10000 --dims 3,16,64 --threads 1 --repeats 15
 """
@@ -28,21 +28,26 @@ from flashot.ops.cpu import abi, build
 from flashot.ops.cpu.engine import CpuEngine
 
 
-def _library(variant: str) -> tuple[ctypes.CDLL, str]:
-    """-> (the loaded, checked library, where it came from)."""
+def _library(variant: str) -> tuple[build.Kernels, str]:
+    """-> (the loaded, checked core libraries of both dtypes, where they came from)."""
     st = build.prebuilt_status() if variant != "native" else {"shipped": []}
-    if variant in st["shipped"]:
-        path, how = os.path.join(st["dir"], variant, "core.so"), "installed wheel"
-    else:
-        cxx = build.find_compiler()
-        if cxx is None:
-            raise SystemExit(f"no prebuilt {variant} library installed and no compiler to build it")
-        path, how = build.build_in_cache("core", variant, cxx, quiet=False)[0], "kernel cache"
-    lib = ctypes.CDLL(path)
-    abi.bind(lib, "core")
-    abi.check_version(lib, "core", path)
-    abi.check_layout(lib, "core", path)
-    return lib, f"{how}: {path}"
+    parts, where = {}, []
+    for dt in build.DTYPES:
+        name = f"core_{dt}"
+        if variant in st["shipped"]:
+            path, how = os.path.join(st["dir"], variant, f"{name}.so"), "installed wheel"
+        else:
+            cxx = build.find_compiler()
+            if cxx is None:
+                raise SystemExit(f"no prebuilt {variant} library installed and no compiler to build it")
+            path, how = build.build_in_cache(name, variant, cxx, quiet=False)[0], "kernel cache"
+        lib = ctypes.CDLL(path)
+        abi.bind(lib, name)
+        abi.check_version(lib, name, path)
+        abi.check_layout(lib, name, path)
+        parts[dt] = lib
+        where.append(f"{how}: {path}")
+    return build.Kernels("core", parts=parts), "; ".join(where)
 
 
 def main(argv=None) -> int:

@@ -37,11 +37,15 @@ def _build(kind: str, out: str, kernels: str = "none", cache=None, timeout: int 
     return os.path.join(out, r.stdout.strip().splitlines()[-1])
 
 
-def _native_library(cache) -> str:
-    """The native library in the run's shared cache, as a process with no FLASHOT_* settings loads it."""
+def _native_library(cache, dtype: str = "float64") -> str:
+    """The native core library of ``dtype`` in the run's shared cache, as a process with no FLASHOT_* settings
+    loads it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHOT_", "PYTHONPATH"))}
     env["FLASHOT_CACHE_DIR"] = str(cache)
-    code = "from flashot.ops.cpu import build; build.load(quiet=True); print(build.BUILD_INFO['path'])"
+    code = (
+        f"from flashot.ops.cpu import build; build.load({dtype!r}, quiet=True); "
+        f"print(build.BUILD_INFO['libraries']['core_' + build.dtype_suffix({dtype!r})]['path'])"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.strip().splitlines()[-1]

@@ -113,9 +113,16 @@ fi
 [ $failed -eq 0 ] || exit 1
 cat "$WORK"/core_*.err "$WORK"/bs_*.err "$WORK/driver.err"  # warnings, if any
 
-# the two shared libraries exactly as build.py links them (core: core_*.o, blocksparse: bs_*.o)
-if ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu.so" "$WORK"/core_*.o 2>"$WORK/link.err" ||
-   ! "$CXX" -shared -fPIC -pthread -o "$WORK/libflashot_cpu_bs.so" "$WORK"/bs_*.o 2>>"$WORK/link.err"; then
+# the four shared libraries as build.py links them (LIBRARIES: per family and dtype, the dtype's kernel units
+# and the family's dtype-free ones), with -z defs so that a unit missing from a library fails here
+link_failed=0
+for t in f32 f64; do
+  "$CXX" -shared -fPIC -pthread -Wl,-z,defs -o "$WORK/libflashot_cpu_$t.so" "$WORK"/core_*_"$t".o \
+    "$WORK/core_vexp.o" "$WORK/core_abi.o" 2>>"$WORK/link.err" || link_failed=1
+  "$CXX" -shared -fPIC -pthread -Wl,-z,defs -o "$WORK/libflashot_cpu_bs_$t.so" "$WORK"/bs_*_"$t".o \
+    "$WORK/bs_prune.o" "$WORK/bs_abi.o" 2>>"$WORK/link.err" || link_failed=1
+done
+if [ $link_failed -ne 0 ]; then
   echo "arm64: FAILED to link the shared libraries:"; cat "$WORK/link.err"; exit 1
 fi
 # the driver: static when the cross toolchain has static libgomp / libc, else dynamic with the sysroot

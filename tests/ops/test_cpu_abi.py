@@ -32,7 +32,8 @@ def _swapped(cls: type[ctypes.Structure]) -> type[ctypes.Structure]:
 
 
 def test_libraries_report_the_layout_and_version_of_this_abi_h(lib, bs_lib):
-    for library, handle in (("core", lib), ("blocksparse", bs_lib)):
+    for library in build.LIBRARIES:  # both families, both dtypes
+        handle = build.load_library(library, quiet=True)
         abi.check_layout(handle, library)
         abi.check_version(handle, library)
     assert build.ABI_VERSION == abi.abi_version() == lib.flashot_abi_version() == bs_lib.flashot_bs_abi_version()
@@ -43,7 +44,7 @@ def test_libraries_report_the_layout_and_version_of_this_abi_h(lib, bs_lib):
 @pytest.mark.parametrize("name", ["flashot_plan_args", "flashot_stream", "flashot_prune_args"])
 def test_layout_check_catches_a_mismatched_mirror(lib, bs_lib, monkeypatch, name):
     monkeypatch.setitem(abi.STRUCTS, name, _swapped(abi.STRUCTS[name]))
-    for library, handle in (("core", lib), ("blocksparse", bs_lib)):
+    for library, handle in (("core_f32", lib.part("f32")), ("blocksparse_f64", bs_lib.part("f64"))):
         with pytest.raises(abi.AbiError, match=rf"{name}.*rebuild it"):
             abi.check_layout(handle, library, "the.so")
 
@@ -52,13 +53,13 @@ def test_layout_mismatch_at_load_is_a_build_error_telling_to_rebuild(monkeypatch
     """What a user sees: loading a library whose structs differ from the mirrors raises BuildError."""
     monkeypatch.setitem(abi.STRUCTS, "flashot_lse_args", _swapped(abi.LseArgs))
     with pytest.raises(build.BuildError, match="flashot_lse_args.*rebuild it"):
-        build._open("core", quiet=True)
+        build._open("core_f64", quiet=True)
 
 
 def test_version_mismatch_at_load_is_a_build_error(monkeypatch):
     monkeypatch.setattr(abi, "abi_version", lambda text=None: 12345)
     with pytest.raises(build.BuildError, match="ABI version .* 12345.*rebuild"):
-        build._open("blocksparse", quiet=True)
+        build._open("blocksparse_f32", quiet=True)
 
 
 def test_abi_version_and_cache_key_follow_abi_h():
@@ -74,8 +75,13 @@ def test_abi_version_and_cache_key_follow_abi_h():
     key = build._base_key(sources, "native")
     for name in ("abi.h", "panel.h", "core_lse_f32.cpp", "bs_pair_f64.cpp"):
         assert build._base_key({**sources, name: sources[name] + "\n"}, "native") != key, name
-    units = [u for us in build.LIBRARIES.values() for u in us]
-    assert len(units) == len(set(units)) and set(units) <= set(build.SOURCES)
+    for library, units in build.LIBRARIES.items():  # a library's units: its family's, its dtype's or no dtype's
+        assert len(units) == len(set(units)) and set(units) <= set(build.SOURCES), library
+        fam, dt = build.family(library), library[-3:]
+        assert all(u.startswith("core_" if fam == "core" else "bs_") for u in units), library
+        assert all(dt in u or not any(t in u for t in build.DTYPES) for u in units), library
+    kernel_units = [u for us in build.LIBRARIES.values() for u in us if any(t in u for t in build.DTYPES)]
+    assert len(kernel_units) == len(set(kernel_units))  # each kernel unit in one library only
 
 
 def test_entry_points_take_their_struct_only(lib):

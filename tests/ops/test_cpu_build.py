@@ -3,8 +3,8 @@ the private cache (planted libraries refused), concurrent and interrupted builds
 environment that cannot change what is compiled.
 
 Each build runs in a fresh subprocess (the library is loaded once per process); results are
-checked against the dense engine (float64, 1e-10).  One test compiles afresh (the compile
-itself under test: killed, concurrent, no OpenMP, planted headers); the others use the test
+checked against the dense engine (the float32 kernels against float64 dense, 1e-4).  One test compiles
+afresh (the compile itself under test: killed, concurrent, no OpenMP, planted headers); the others use the test
 run's shared cache (``shared_build_cache`` in conftest.py: one compile per instruction set per
 machine, shared with tests/cli/test_cli.py, test_native_driver.py and test_isa_matrix.py)."""
 
@@ -24,7 +24,8 @@ from flashot.ops.cpu import build
 
 pytestmark = pytest.mark.skipif(build._find_compiler() is None, reason="no C++ compiler on PATH")
 
-# Runs in the child: load the library, check one softmin against dense, print what was built.
+# Runs in the child: load the float32 library (the only one it compiles), check one softmin against dense
+# float64 (the float32 kernels' error is ~1e-6 here), print what was built.
 CHILD = textwrap.dedent("""
     import json, torch, warnings
     from flashot.ops.cpu import build
@@ -34,10 +35,11 @@ CHILD = textwrap.dedent("""
     lib = build.load()
     c = get_cost("sqeuclidean")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 57, 5, generator=g, dtype=torch.float64)
-    y = torch.randn(2, 43, 5, generator=g, dtype=torch.float64)
-    h = torch.randn(2, 43, generator=g, dtype=torch.float64)
-    err = (CpuEngine(lib, threads=2).softmin(x, y, h, 0.3, c) - DenseEngine().softmin(x, y, h, 0.3, c)).abs().max()
+    x = torch.randn(2, 57, 5, generator=g)
+    y = torch.randn(2, 43, 5, generator=g)
+    h = torch.randn(2, 43, generator=g)
+    ref = DenseEngine().softmin(x.double(), y.double(), h.double(), 0.3, c)
+    err = (CpuEngine(lib, threads=2).softmin(x, y, h, 0.3, c).double() - ref).abs().max()
     import ctypes
     lib.flashot_fp_probe(1)
     CpuEngine(lib, threads=2, mode="stream").softmin(x, y, h, 0.3, c)
@@ -82,7 +84,7 @@ def test_march_override_selects_the_isa(shared_build_cache, march, has, lacks, v
         pytest.skip(f"this CPU cannot run {march}")
     res = _result(_run(shared_build_cache, FLASHOT_CPU_MARCH=march))
     assert all(f in res["isa"] for f in has) and not any(f in res["isa"] for f in lacks), res
-    assert res["vbytes"] == vbytes and res["err"] < 1e-10
+    assert res["vbytes"] == vbytes and res["err"] < 1e-4
 
 
 @pytest.mark.slow  # needs two targets' libraries
@@ -97,6 +99,39 @@ def test_march_is_part_of_the_cache_key(shared_build_cache):
     assert a["path"] != b["path"] and b["cached"] in (True, False)
     again = _result(_run(shared_build_cache, FLASHOT_CPU_MARCH="x86-64-v2"))
     assert again["cached"] and again["path"] == a["path"]
+
+
+# Runs in the child: one solve of each kind asked for, then the libraries this process loaded.
+FIRST_USE = textwrap.dedent("""
+    import sys, torch, flashot
+    from flashot.ops.cpu import build
+    g = torch.Generator().manual_seed(0)
+    for what in sys.argv[1:]:
+        kind, dtype = what.split(":")
+        x = torch.randn(400, 3, generator=g, dtype=getattr(torch, dtype))
+        y = torch.randn(300, 3, generator=g, dtype=getattr(torch, dtype))
+        flashot.SamplesLoss(blur=0.1, backend=kind, scaling=0.5)(x, y)
+    print("LOADED", " ".join(sorted(build.BUILD_INFO["libraries"])))
+""")
+
+
+@pytest.mark.parametrize(
+    "calls,loaded",
+    [
+        (["cpu:float64"], "core_f64"),
+        (["cpu:float32"], "core_f32"),
+        (["multiscale:float32"], "blocksparse_f32 core_f32"),
+        (["cpu:float32", "multiscale:float64"], "blocksparse_f64 core_f32 core_f64"),
+    ],
+)
+def test_first_use_loads_the_kernels_of_its_dtype_only(shared_build_cache, calls, loaded):
+    """A first solve compiles (here: loads from the run's cache) only the libraries of its dtype and family:
+    build.Kernels loads each at its first use."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("FLASHOT_")}
+    e.update(FLASHOT_CACHE_DIR=str(shared_build_cache))
+    r = subprocess.run([sys.executable, "-c", FIRST_USE, *calls], capture_output=True, text=True, timeout=300, env=e)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("LOADED")] == [f"LOADED {loaded}"]
 
 
 def test_bad_march_values_are_refused(monkeypatch):
@@ -148,7 +183,8 @@ def test_world_writable_cache_dir_is_refused_and_engine_falls_back(tmp_path, mon
     monkeypatch.setattr(build, "_LIBS", {})
     # plant a library under the exact name the build would use
     sources = build._read_sources()
-    name = f"flashot_cpu_{build._base_key(sources, build.march())}_{build._compiler_key(build._find_compiler())}.so"
+    key = f"{build._base_key(sources, build.march())}_{build._compiler_key(build._find_compiler())}"
+    name = f"{build._FILE_PREFIX['core_f32']}{key}.so"
     src, mark = _plant(d)
     subprocess.run([build._find_compiler(), "-x", "c", "-shared", "-fPIC", "-o", str(d / name), str(src)], check=True)
     with pytest.raises(build.BuildError, match="writable by group or others"):
@@ -261,7 +297,7 @@ def test_fresh_build_killed_then_concurrent_without_openmp_compiles_once(tmp_pat
     outs = [p.communicate(timeout=900) for p in procs]
     results = [_result(subprocess.CompletedProcess([], p.returncode, o, e)) for p, (o, e) in zip(procs, outs)]
     assert len({r["path"] for r in results}) == 1
-    assert all(r["err"] < 1e-10 and r["threads"] == 2 for r in results), results
+    assert all(r["err"] < 1e-4 and r["threads"] == 2 for r in results), results
     announced = [e for _, e in outs if "compiling the CPU kernels once for this machine" in e]
     assert len(announced) == 1 and str(cache) in announced[0], [e[-500:] for _, e in outs]
     assert not any("warn" in e.lower() for _, e in outs)

@@ -665,10 +665,10 @@ def test_fallback_to_tiled_when_build_fails(monkeypatch):
     from flashot.ops import cpu as cpu_pkg
     from flashot.ops.cpu import build
 
-    def boom():
-        raise build.BuildError("g++ failed: simulated")
+    def boom(family="core", quiet=False):
+        raise build.BuildError("no C++ compiler found: simulated")
 
-    monkeypatch.setattr(build, "load", boom)
+    monkeypatch.setattr(build, "kernels", boom)
     with pytest.warns(RuntimeWarning, match="tiled"):
         eng = cpu_pkg.load_engine()
     assert eng.name == "tiled"
@@ -678,25 +678,24 @@ def test_fallback_to_tiled_when_build_fails(monkeypatch):
 
 
 def test_fallback_real_compiler_failure(monkeypatch, tmp_path):
-    """A compiler that fails for real: the loader warns (one line) and returns ``tiled``."""
-    from flashot.ops import cpu as cpu_pkg
+    """A compiler that fails for real, at the first use of a dtype's kernels: ``auto`` warns (one line) and
+    takes another engine; ``backend="cpu"`` raises, naming the alternative."""
     from flashot.ops import registry
     from flashot.ops.cpu import build
 
     monkeypatch.setattr(build, "_LIBS", {})
+    monkeypatch.setattr(registry, "_CACHE", {})
     monkeypatch.setenv("FLASHOT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    cpu, c = torch.device("cpu"), get_cost("euclidean")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        eng = cpu_pkg.load_engine()
+        eng = registry.get_engine("auto", device=cpu, dtype=torch.float32, cost=c, size=(1, 5000, 5000, 3))
     assert eng.name == "tiled"
     msgs = [str(m.message) for m in w if issubclass(m.category, RuntimeWarning)]
-    assert len(msgs) == 1 and "\n" not in msgs[0] and "tiled" in msgs[0]
-    # through the registry too
-    monkeypatch.setattr(registry, "_CACHE", {})
-    with pytest.warns(RuntimeWarning):
-        e2 = registry.get_engine("cpu", device=torch.device("cpu"), dtype=torch.float32, cost=get_cost("euclidean"))
-    assert e2.name == "tiled"
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "float32" in msgs[0] and "tiled" in msgs[0], msgs
+    with pytest.raises(ValueError, match="float32 kernels cannot be built.*backend='tiled'"):
+        registry.get_engine("cpu", device=cpu, dtype=torch.float32, cost=c)
 
 
 @pytest.mark.slow

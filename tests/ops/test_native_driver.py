@@ -58,7 +58,7 @@ class DriverBuild:
         self.flags = [opt if f == "-O3" else f for f in build.cxxflags(march)]  # as build.py
         self.exe = work / "kernel_check"
         self.procs = [self._compile(DRIVER, "kernel_check.o", "-Wall", "-Wextra", f"-I{KERNELS_DIR}")]
-        self.units = [u for units in build.LIBRARIES.values() for u in units]
+        self.units = list(build.UNITS)  # each unit once (the dtype-free ones are in both dtypes' libraries)
         if lib is None:
             self.procs += [self._compile(KERNELS_DIR / u, u[: -len(".cpp")] + ".o") for u in self.units]
         elif isinstance(lib, subprocess.Popen):

@@ -106,10 +106,10 @@ def _status(root, target=None, flags=HASWELL):
 
 def test_the_selected_variant_is_found_with_its_facts(tmp_path):
     root = _fake_install(tmp_path)
-    path, facts = _find("blocksparse", root)
-    assert path == str(root / "x86-64-v3" / "blocksparse.so")
+    path, facts = _find("blocksparse_f64", root)
+    assert path == str(root / "x86-64-v3" / "blocksparse_f64.so")
     assert facts == {"prebuilt": "x86-64-v3", "march": "x86-64-v3", "compiler": "g++ 12"}
-    assert _find("core", root, "native") is None  # FLASHOT_CPU_MARCH=native compiles
+    assert _find("core_f32", root, "native") is None  # FLASHOT_CPU_MARCH=native compiles
     st = _status(root, "x86-64-v2")
     assert st["selected"] is None and "not a prebuilt variant" in st["reason"]
 
@@ -118,7 +118,7 @@ def test_stale_or_unrunnable_prebuilt_kernels_are_not_used(tmp_path):
     root = _fake_install(tmp_path, key="0" * 16)  # built from other sources than this package's
     st = _status(root)
     assert st["selected"] is None and "other sources" in st["reason"]
-    assert _find("core", root) is None
+    assert _find("core_f32", root) is None
     root = _fake_install(tmp_path / "b")
     st = _status(root, flags=NEHALEM)
     assert st["selected"] is None and "runs none" in st["reason"] and st["shipped"] == ["x86-64-v3"]
@@ -131,18 +131,18 @@ def test_the_load_path_takes_the_prebuilt_library(tmp_path, monkeypatch):
 
     lib, *_ = build.build(quiet=True)
     root = _fake_install(tmp_path)
-    shutil.copyfile(lib, root / "x86-64-v3" / "core.so")
+    shutil.copyfile(lib, root / "x86-64-v3" / "core_f32.so")
     monkeypatch.setattr(prebuilt, "package_dir", lambda: str(root))
     real_flags = build._cpu_flags
     monkeypatch.setattr(build, "_cpu_flags", lambda: set(HASWELL))
     monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
     monkeypatch.delenv("FLASHOT_CPU_MARCH", raising=False)
-    _, info = build._open("core", quiet=True)
-    assert info["prebuilt"] == "x86-64-v3" and info["path"] == str(root / "x86-64-v3" / "core.so")
+    _, info = build._open("core_f32", quiet=True)
+    assert info["prebuilt"] == "x86-64-v3" and info["path"] == str(root / "x86-64-v3" / "core_f32.so")
     assert build.prebuilt_status()["selected"] == "x86-64-v3"
     monkeypatch.setenv("FLASHOT_CPU_MARCH", "native")
     monkeypatch.setattr(build, "_cpu_flags", real_flags)  # the native library's cache key: no new compile
-    _, info = build._open("core", quiet=True)
+    _, info = build._open("core_f32", quiet=True)
     assert info["prebuilt"] is None and info["march"] == "native"
 
 
@@ -172,16 +172,16 @@ def test_a_library_outside_the_package_dir_is_refused(tmp_path):
 
 def test_a_library_others_can_write_is_refused(tmp_path):
     root = _fake_install(tmp_path)
-    lib = root / "x86-64-v3" / "core.so"
+    lib = root / "x86-64-v3" / "core_f32.so"
     os.chmod(lib, 0o666)
     with pytest.raises(prebuilt.PrebuiltError, match="written by others"):
-        _find("core", root)
+        _find("core_f32", root)
     os.chmod(lib, 0o644)
     os.chmod(root / "x86-64-v3", 0o777)  # or its directory
     with pytest.raises(prebuilt.PrebuiltError, match="written by others"):
-        _find("core", root)
+        _find("core_f32", root)
     os.chmod(root / "x86-64-v3", 0o755)
-    assert _find("core", root)[0] == str(lib)
+    assert _find("core_f32", root)[0] == str(lib)
 
 
 def test_build_info_of_a_source_tree_says_compile_on_first_use():

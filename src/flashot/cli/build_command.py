@@ -57,8 +57,9 @@ def build_cmd(argv: list[str] | None = None) -> int:
     if args.info:
         return _build_info(build)
     try:
-        lib = build.load()
-        build.load_blocksparse()
+        lib = build.load_library("core_f32")
+        for name in build.LIBRARIES:  # both families, both dtypes
+            build.load_library(name)
     except build.BuildError as e:
         print(f"flashot build: {e}", file=sys.stderr)
         return 1
@@ -68,7 +69,7 @@ def build_cmd(argv: list[str] | None = None) -> int:
         f"CPU kernels for {cpu_model()}: {how}, {', '.join(info['isa'])}, "
         f"{lib.flashot_vector_bytes() * 8}-bit vectors, up to {torch_threads()} threads (torch.get_num_threads())"
     )
-    for name, facts in (("core", info), ("blocksparse", info["blocksparse"])):
+    for name, facts in info["libraries"].items():
         if facts.get("prebuilt"):
             how = f"prebuilt {facts['prebuilt']} (compiled by {facts['compiler']}), from the installed package"
         else:

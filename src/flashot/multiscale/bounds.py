@@ -117,9 +117,17 @@ class BlockBounds:
     (``prune.h``) where they load, else in PyTorch."""
 
     def __init__(
-        self, X: _Terms, Y: _Terms, cost: CostLike, s: float | None, coarse: Tensor | None, parents: Hierarchy | None
+        self,
+        X: _Terms,
+        Y: _Terms,
+        cost: CostLike,
+        s: float | None,
+        coarse: Tensor | None,
+        parents: Hierarchy | None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.X, self.Y, self.cost, self.s, self.coarse, self.parents = X, Y, cost, s, coarse, parents
+        self.dtype = dtype  # the problem's: the C++ pruning runs in the block-sparse library of that dtype
         self.Kx, self.Ky = X.c.shape[0], Y.c.shape[0]
 
     @classmethod
@@ -140,11 +148,11 @@ class BlockBounds:
         coarse = None
         if parents is not None:
             coarse = cls.compute(parents.cx, parents.cy, f, g, cost, x, y, margin=margin).keep(margin)
-        return cls(X, Y, cost, s, coarse, parents)
+        return cls(X, Y, cost, s, coarse, parents, f.dtype)
 
     def keep(self, margin: float) -> Tensor:
         """(Kx, Ky) kept blocks: bound <= ``margin``, plus each row's and each column's best block."""
-        lib = _cpu_lib() if self.X.c.device.type == "cpu" else None
+        lib = _cpu_lib(self.dtype) if self.X.c.device.type == "cpu" else None
         if lib is not None:
             return self._keep_native(lib, margin)
         if self.coarse is None or self.parents is None:  # both given or neither (compute)
@@ -242,14 +250,14 @@ class BlockBounds:
         return out if self.s is None else torch.maximum(out, _linear_pairs(X, Y, self.s, I, J))
 
 
-def _cpu_lib():
+def _cpu_lib(dtype: torch.dtype):
     """The compiled CPU kernels (block pruning), or None (then PyTorch prunes); FLASHOT_PRUNE=torch forces
     PyTorch (tests compare both)."""
     if os.environ.get("FLASHOT_PRUNE") == "torch":
         return None
     from ..ops.blocksparse_cpu import cpu_lib as load
 
-    return load()
+    return load(dtype)
 
 
 def _children(kept: Tensor, px: Tensor, py: Tensor) -> tuple[Tensor, Tensor]:

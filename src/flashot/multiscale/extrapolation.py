@@ -113,7 +113,7 @@ def _extrapolate_pruned(
         return None
     from ..ops.blocksparse_cpu import cpu_lib as load
 
-    if load() is None:
+    if load(pts.dtype) is None:
         return None
     grp = cluster(c0, torch.ones_like(h0), EXTRAPOLATION_GROUP * pr.scale)
     cs, hs = c0[grp.perm].contiguous(), h0[grp.perm].contiguous()

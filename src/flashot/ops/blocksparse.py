@@ -127,7 +127,7 @@ class BlockSparseEngine(Engine):
         native = _kernels_choice(native)
         on_cpu = all(u.device.type == "cpu" and u.dtype in (torch.float32, torch.float64) for u, _, _ in patterns)
         on_cuda = all(u.device.type == "cuda" for u, _, _ in patterns)
-        self._lib = cpu_lib() if native is True and on_cpu else None
+        self._lib = cpu_lib(patterns[0][0].dtype) if native is True and on_cpu and patterns else None
         self._triton = _triton_engine() if native == "triton" or (native is True and on_cuda) else None
         # fused C++ calls, the rows / columns whose potentials they recomputed and whose barycentres they redid
         self.stats = {"pair": 0, "sym": 0, "pair_bary": 0, "sym_bary": 0, "fixup": 0, "bary_fixup": 0}

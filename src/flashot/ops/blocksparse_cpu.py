@@ -35,15 +35,17 @@ class TileArgs(NamedTuple):
     counter: list
 
 
-def cpu_lib():
-    """The compiled block-sparse CPU kernels, or None where they cannot be built (the PyTorch path then
-    runs)."""
+def cpu_lib(dtype: torch.dtype = torch.float32):
+    """The compiled block-sparse CPU kernels with ``dtype``'s library loaded (:class:`.cpu.build.Kernels`), or
+    None where they cannot be built, or for another dtype (the PyTorch path then runs)."""
+    if dtype not in (torch.float32, torch.float64):
+        return None
     try:
         from .cpu.build import BuildError, load_blocksparse
     except ImportError:  # pragma: no cover
         return None
     try:
-        return load_blocksparse()
+        return load_blocksparse(dtype)
     except BuildError:
         return None
 

@@ -154,7 +154,7 @@ def ragged_engine(x: Tensor, y: Tensor, lay: RaggedLayout, backend: str, debias:
     module docstring); its ``name`` is ``ragged(<backend>)``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: a ragged batch runs on {sorted(BACKENDS)}, got {backend!r}")
-    if backend == "cpu" and (x.device.type != "cpu" or cpu_lib() is None):
+    if backend == "cpu" and (x.device.type != "cpu" or cpu_lib(x.dtype) is None):
         why = f"the points are on {x.device}" if x.device.type != "cpu" else "its C++ kernels did not build"
         raise ValueError(f"backend: 'cpu' cannot run this ragged batch ({why}); use backend='auto' or 'tiled'")
     dev = x.device

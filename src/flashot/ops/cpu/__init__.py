@@ -8,11 +8,13 @@ __all__ = ["load_engine"]
 
 
 def load_engine():
-    """The ``cpu`` engine, or the ``tiled`` engine with a warning when the kernels cannot be built."""
-    from .build import BuildError, load
+    """The ``cpu`` engine, or the ``tiled`` engine with a warning when the kernels cannot be built (no
+    compiler and nothing prebuilt or cached, an unsafe cache directory). Each dtype's kernels are compiled at
+    their first use (:class:`.build.Kernels`)."""
+    from .build import BuildError, kernels
 
     try:
-        lib = load()
+        lib = kernels("core")
     except (BuildError, OSError) as e:
         from ..tiled import TiledEngine
 

@@ -1,4 +1,4 @@
-// flashot CPU kernels: the C ABI of the two libraries (build.py: LIBRARIES), called through ctypes.
+// flashot CPU kernels: the C ABI of the libraries (build.py: LIBRARIES), called through ctypes.
 //
 // Every kernel entry point takes ONE pointer to an argument struct below and returns 0, or a negative
 // code for arguments it refuses (-1 unknown cfg, -2 unknown kind / weight, -3 inconsistent pointers or
@@ -200,7 +200,7 @@ typedef struct flashot_prune_args {
     FL_F(flashot_prune_args, margin) FL_F(flashot_prune_args, D) FL_F(flashot_prune_args, kind)                  \
     FL_F(flashot_prune_args, linear) FL_F(flashot_prune_args, nth)
 
-// ---- the core library (core_*.cpp) ----
+// ---- the core libraries (core_*.cpp; each dtype's entries in its own library, the others in both) ----
 int flashot_abi_version(void);
 const char* flashot_abi_layout(void);  // "name size field@offset ...;" per struct (FLASHOT_ABI_LAYOUT)
 int flashot_isa(void);           // 1 SSE4.2, 2 AVX, 4 AVX2, 8 FMA, 16 AVX-512F, 32 AArch64, 64 threads (always)
@@ -228,7 +228,7 @@ int flashot_cached_alt_f64(const flashot_cached_args* a);
 int flashot_cached_weights_f32(const flashot_weights_args* a);
 int flashot_cached_weights_f64(const flashot_weights_args* a);
 
-// ---- the blocksparse library (bs_*.cpp) ----
+// ---- the blocksparse libraries (bs_*.cpp; as the core ones) ----
 int flashot_bs_abi_version(void);
 const char* flashot_bs_abi_layout(void);
 int flashot_bs_vector_bytes(void);

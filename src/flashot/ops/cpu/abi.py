@@ -259,11 +259,17 @@ def layout_text(structs: dict[str, type[ctypes.Structure]] | None = None) -> str
     return ";".join(parts)
 
 
+def family(library: str) -> str:
+    """The family of a library name: ``core`` for ``core_f32`` / ``core_f64`` / ``core``, ``blocksparse`` for
+    the block-sparse ones."""
+    return library.split("_", 1)[0]
+
+
 def check_layout(
     lib: ctypes.CDLL, library: str, path: str = "", structs: dict[str, type[ctypes.Structure]] | None = None
 ) -> None:
     """Raise :class:`AbiError` unless ``lib``'s argument structs are laid out as the ctypes mirrors."""
-    fn = getattr(lib, _LAYOUT_FN[library])
+    fn = getattr(lib, _LAYOUT_FN[family(library)])
     fn.argtypes, fn.restype = [], ctypes.c_char_p
     theirs = fn().decode().split(";")
     ours = layout_text(structs).split(";")
@@ -281,7 +287,7 @@ def check_layout(
 
 def check_version(lib: ctypes.CDLL, library: str, path: str = "") -> None:
     """Raise :class:`AbiError` unless ``lib`` was compiled from this package's ``abi.h``."""
-    fn = getattr(lib, _VERSION_FN[library])
+    fn = getattr(lib, _VERSION_FN[family(library)])
     fn.argtypes, fn.restype = [], ctypes.c_int
     have, want = fn(), abi_version()
     if have != want:
@@ -292,13 +298,14 @@ def check_version(lib: ctypes.CDLL, library: str, path: str = "") -> None:
         )
 
 
-def bind(lib: ctypes.CDLL, library: str = "core") -> None:
-    """Set the argument and result types of ``library``'s entry points (``core`` or ``blocksparse``)."""
-    for name, cls in _KERNELS[library].items():
-        for fn in (name + "_f32", name + "_f64"):
-            f = getattr(lib, fn)
-            f.argtypes, f.restype = [ctypes.POINTER(cls)], ctypes.c_int
-    for name, args in _PLAIN[library].items():
+def bind(lib: ctypes.CDLL, library: str = "core_f32") -> None:
+    """Set the argument and result types of ``library``'s entry points (``core_f32``, ``core_f64``,
+    ``blocksparse_f32``, ``blocksparse_f64``: its family's kernels of its dtype, and the dtype-free ones)."""
+    fam, dt = family(library), library.rsplit("_", 1)[-1]
+    for name, cls in _KERNELS[fam].items():
+        f = getattr(lib, f"{name}_{dt}")
+        f.argtypes, f.restype = [ctypes.POINTER(cls)], ctypes.c_int
+    for name, args in _PLAIN[fam].items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, ctypes.c_int
 

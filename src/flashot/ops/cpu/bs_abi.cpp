@@ -1,6 +1,6 @@
-// flashot CPU kernels, blocksparse library: its ABI version, layout and vector width (build.py loads it apart
-// from the core library).  No kernel lives here: build.py compiles this unit at a lower optimisation level
-// (UNIT_FLAGS) and links it last.
+// flashot CPU kernels, blocksparse libraries (both dtypes): their ABI version, layout and vector width
+// (build.py loads them apart from the core libraries).  No kernel lives here: build.py compiles this unit at
+// a lower optimisation level (UNIT_FLAGS) and links it last.
 #include "abi.h"
 #include "vecmath.h"
 

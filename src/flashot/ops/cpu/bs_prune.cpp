@@ -1,5 +1,5 @@
-// flashot CPU kernels, blocksparse library: the multiscale block pruning (prune.h), apart from bs_abi.cpp so
-// that it is compiled at the kernels' optimisation level.
+// flashot CPU kernels, blocksparse libraries (both dtypes): the multiscale block pruning (prune.h), apart from
+// bs_abi.cpp so that it is compiled at the kernels' optimisation level.
 #include "abi.h"
 #include "prune.h"
 

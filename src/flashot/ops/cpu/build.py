@@ -5,11 +5,12 @@ package data; no torch headers), so ``g++`` builds them without ninja or a torch
 Headers by job (``vecmath.h`` vector maths, ``panel.h`` the streaming panels, ``colsum.h`` ordered column
 sums, ``dense.h`` / ``cached.h`` / ``blocksparse.h`` the kernels, ``abi.h`` the C ABI: one argument struct
 per entry point, mirrored by :mod:`.abi`); translation units by job and dtype instantiate them.  They make
-two libraries, each built when it is first needed (:data:`LIBRARIES`): ``core``, the dense and streamed
-kernels of the ``cpu`` engine (``core_*.cpp``), and ``blocksparse``, the kernels of multiscale
-(``bs_*.cpp``); a library's units are compiled in parallel, then linked.  Two libraries rather than one so
-that a first solve waits for the kernels it runs, not for the block-sparse ones (about 60% of the compile
-time).  Within a library the units are balanced by compile time: two cores finish together.
+four libraries, each built when it is first needed (:data:`LIBRARIES`): two families, ``core`` (the dense and
+streamed kernels of the ``cpu`` engine, ``core_*.cpp``) and ``blocksparse`` (multiscale's, ``bs_*.cpp``),
+each in a float32 and a float64 library.  Why split: a first solve waits for the kernels it runs, not for the
+block-sparse ones or the other dtype's (each family is about half float32, half float64).  :class:`Kernels`
+reads a family like one ctypes library and loads each dtype's library at its first use.  A library's units
+are compiled in parallel, then linked; they are balanced by compile time, so two cores finish together.
 
 Instruction set: ``-march=native`` unless ``FLASHOT_CPU_MARCH`` names another target
 (``x86-64-v2`` (SSE4.2), ``x86-64-v3`` (AVX2 + FMA), ``x86-64-v4`` (AVX-512), ``armv8-a``,
@@ -47,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from importlib import resources
 
@@ -58,6 +60,14 @@ __all__ = [
     "build",
     "load",
     "load_blocksparse",
+    "load_library",
+    "Kernels",
+    "kernels",
+    "family",
+    "dtype_suffix",
+    "FAMILIES",
+    "DTYPES",
+    "UNITS",
     "BUILD_INFO",
     "cxxflags",
     "march",
@@ -74,28 +84,33 @@ __all__ = [
     "source_key",
 ]
 
-# The libraries and their translation units, linked in this order.  All units of a library are compiled at
-# once, so the wall time is about max(total compiler CPU / cores, largest unit): the kernel units (by family
-# and dtype) keep the largest under half the total, and splitting them further would only add the ~1 s of
-# header parsing that every unit pays.
+# The libraries and their translation units, linked in this order: per family (core, blocksparse) one library
+# per dtype.  All units of a library are compiled at once, so the wall time is about max(total compiler CPU /
+# cores, largest unit): the kernel units (by job) keep the largest near half the total, and splitting them
+# further would only add the ~1 s of header parsing that every unit pays.  The dtype-free units (the ABI
+# facts, the exp2 helpers, the block pruning) are small and linked into both dtypes' libraries.
 LIBRARIES = {
-    "core": (
-        "core_lse_f32.cpp",
-        "core_lse_f64.cpp",
-        "core_pairplan_f32.cpp",
-        "core_pairplan_f64.cpp",
-        "core_vexp.cpp",
-        "core_abi.cpp",
-    ),
-    "blocksparse": (
+    "core_f32": ("core_lse_f32.cpp", "core_pairplan_f32.cpp", "core_vexp.cpp", "core_abi.cpp"),
+    "core_f64": ("core_lse_f64.cpp", "core_pairplan_f64.cpp", "core_vexp.cpp", "core_abi.cpp"),
+    "blocksparse_f32": (
         "bs_pair_f32.cpp",
-        "bs_pair_f64.cpp",
+        "bs_bary_f32.cpp",
         "bs_lseplan_f32.cpp",
+        "bs_pairx_f32.cpp",
+        "bs_prune.cpp",
+        "bs_abi.cpp",
+    ),
+    "blocksparse_f64": (
+        "bs_pair_f64.cpp",
+        "bs_bary_f64.cpp",
         "bs_lseplan_f64.cpp",
+        "bs_pairx_f64.cpp",
         "bs_prune.cpp",
         "bs_abi.cpp",
     ),
 }
+FAMILIES = ("core", "blocksparse")
+DTYPES = ("f32", "f64")
 # Flags added after cxxflags() for some units (a later -O wins).  The *_abi.cpp units hold no kernel (the
 # ABI's version and layout text, the build's facts, the floating-point probes; the exp2 helpers and the
 # block pruning have units of their own): -O1 about halves their compile time, most of it the layout
@@ -114,10 +129,11 @@ HEADERS = (
     "parallel.h",
     "prune.h",
 )
-SOURCES = (*HEADERS, *(u for units in LIBRARIES.values() for u in units))
+UNITS = tuple(dict.fromkeys(u for units in LIBRARIES.values() for u in units))  # each unit once
+SOURCES = (*HEADERS, *UNITS)
 BASE_FLAGS = ["-O3", "-fPIC", "-std=c++17", "-fno-math-errno", "-pthread"]
 ABI_VERSION = abi.abi_version()  # a hash of abi.h (the libraries report it; abi.py checks it at load)
-_FILE_PREFIX = {"core": "flashot_cpu_", "blocksparse": "flashot_cpu_bs_"}
+_FILE_PREFIX = {f"{f}_{t}": f"flashot_cpu_{'bs_' if f == 'blocksparse' else ''}{t}_" for f in FAMILIES for t in DTYPES}
 LOCK_TIMEOUT_S = 900
 # flashot_isa() bits
 ISA_BITS = {"sse4.2": 1, "avx": 2, "avx2": 4, "fma": 8, "avx512f": 16, "aarch64": 32, "threads": 64}
@@ -144,11 +160,12 @@ _BUILD_ENV = (
 )
 _MARCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 
-# Filled by :func:`load`: {"path", "seconds" (compile wall time, 0 when cached),
-# "cpu_seconds" (compiler CPU time, when compiled here), "cached", "compiler", "march", "isa"};
-# :func:`load_blocksparse` adds the same facts of its library under "blocksparse".
+# Filled as libraries load: the facts of the first ``core`` library loaded in this process, {"path", "seconds"
+# (compile wall time, 0 when cached), "cpu_seconds" (compiler CPU time, when compiled here), "cached",
+# "compiler", "march", "prebuilt", "isa"}, and under "libraries" the same facts of every library loaded, by name.
 BUILD_INFO: dict = {}
 _LIBS: dict[str, ctypes.CDLL] = {}
+_LOAD_LOCK = threading.RLock()  # one load (and compile) of a library at a time in this process
 _CPU_SECONDS: dict[str, float] = {}  # compiler CPU time of the libraries compiled by this process
 
 
@@ -345,20 +362,20 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, 
 # compiler CPU seconds of each library and of its largest unit, for the message's estimate: g++ 12.2
 # -march=native on an AVX-512 AMD EPYC with 2 vCPUs shared with other jobs, each unit compiled alone (the
 # larger side: a quiet AVX2 Zen 3 took about 0.7x as much, BENCHMARKS.md "First-use compile of the CPU kernels")
-_COMPILE_CPU_S = {"core": (40.0, 12.0), "blocksparse": (60.0, 20.0)}
+_COMPILE_CPU_S = {"core": (22.0, 11.0), "blocksparse": (40.0, 11.0)}
 
 
 def _estimate_seconds(library: str) -> int:
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    total, largest = _COMPILE_CPU_S[library]  # more cores than units wait for the largest unit
+    total, largest = _COMPILE_CPU_S[family(library)]  # more cores than units wait for the largest unit
     return int(round(max(total / max(1, min(n, len(LIBRARIES[library]))), largest))) + 1
 
 
-def build(*, quiet: bool = False, library: str = "core") -> tuple[str, float, bool, str]:
+def build(*, quiet: bool = False, library: str = "core_f32") -> tuple[str, float, bool, str]:
     """Compile (or find cached) one of :data:`LIBRARIES` -> (path, compile wall seconds, was cached,
     compiler).
 
-    The compiler's CPU time is reported by :func:`load` / :func:`load_blocksparse` in ``BUILD_INFO``.
+    The compiler's CPU time is reported by :func:`load_library` in ``BUILD_INFO``.
     """
     if library not in LIBRARIES:
         raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
@@ -411,7 +428,9 @@ def build_in_cache(
             return path, 0.0, True
         _remove_stale(d)
         if not quiet:
-            what = "" if library == "core" else "the block-sparse ones, for multiscale; "
+            what = ("the block-sparse ones, for multiscale, " if family(library) == "blocksparse" else "") + (
+                f"{'float32' if library.endswith('f32') else 'float64'}; "
+            )
             print(
                 f"flashot: compiling the CPU kernels once for this machine ({what}-march={target}, about "
                 f"{_estimate_seconds(library)} s) into {d}",
@@ -517,20 +536,106 @@ def _open(library: str, quiet: bool) -> tuple[ctypes.CDLL, dict]:
     return lib, info
 
 
-def load(*, quiet: bool = False) -> ctypes.CDLL:
-    """Build if needed and load the ``core`` library (once per process). Raises :class:`BuildError`."""
-    if "core" not in _LIBS:
-        lib, info = _open("core", quiet)
-        isa = lib.flashot_isa()
-        BUILD_INFO.update(info, isa=sorted(k for k, b in ISA_BITS.items() if isa & b and k != "threads"))
-        _LIBS["core"] = lib
-    return _LIBS["core"]
+def family(library: str) -> str:
+    """The family (``core`` or ``blocksparse``) of one of :data:`LIBRARIES`."""
+    return library.rsplit("_", 1)[0]
 
 
-def load_blocksparse(*, quiet: bool = False) -> ctypes.CDLL:
-    """Build if needed and load the ``blocksparse`` library (multiscale's kernels; once per process)."""
-    if "blocksparse" not in _LIBS:
-        lib, info = _open("blocksparse", quiet)
-        BUILD_INFO["blocksparse"] = info
-        _LIBS["blocksparse"] = lib
-    return _LIBS["blocksparse"]
+def dtype_suffix(dtype: object) -> str:
+    """``f32`` or ``f64`` for a float32 / float64 dtype (a torch dtype, ``"float32"``, ``"f64"``, ...)."""
+    name = str(dtype).removeprefix("torch.")
+    short = {"float32": "f32", "float": "f32", "float64": "f64", "double": "f64"}.get(name, name)
+    if short not in DTYPES:
+        raise ValueError(f"dtype: the CPU kernels run float32 and float64, got {dtype}")
+    return short
+
+
+def load_library(library: str, *, quiet: bool = False) -> ctypes.CDLL:
+    """Build if needed and load one of :data:`LIBRARIES` (once per process). Raises :class:`BuildError`."""
+    if library not in LIBRARIES:
+        raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
+    with _LOAD_LOCK:
+        if library not in _LIBS:
+            lib, info = _open(library, quiet)
+            if family(library) == "core":
+                isa = lib.flashot_isa()
+                info["isa"] = sorted(k for k, b in ISA_BITS.items() if isa & b and k != "threads")
+                if "path" not in BUILD_INFO:
+                    BUILD_INFO.update(info)
+            BUILD_INFO.setdefault("libraries", {})[library] = info
+            _LIBS[library] = lib
+    return _LIBS[library]
+
+
+class Kernels:
+    """One family's compiled kernels (``core`` or ``blocksparse``), read like one ctypes library.
+
+    Each dtype's library is loaded (compiled first if needed) at the first use of one of its entry points:
+    ``kernels.flashot_softmin_f64`` loads the float64 library.  The dtype-free entry points (the ABI facts,
+    the floating-point probes, the vector width: the same in both) come from a library already loaded, the
+    float32 one if none is.  Why lazily: a first solve then compiles only its own dtype's kernels.
+    ``parts`` ({"f32": library, "f64": library}, bound with :func:`.abi.bind`): given libraries instead of
+    this package's (benchmarks comparing two builds); a dtype it lacks cannot be used.
+    """
+
+    def __init__(self, family: str, *, quiet: bool = False, parts: dict[str, ctypes.CDLL] | None = None):
+        if family not in FAMILIES:
+            raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+        self.family, self.quiet, self._parts = family, quiet, parts
+
+    def part(self, dtype: object) -> ctypes.CDLL:
+        """The library of ``dtype`` (float32 or float64), loaded (and compiled) if needed."""
+        dt = dtype_suffix(dtype)
+        if self._parts is None:
+            return load_library(f"{self.family}_{dt}", quiet=self.quiet)
+        if dt not in self._parts:
+            raise BuildError(f"no {dt} library was given to these kernels (they have {sorted(self._parts)})")
+        return self._parts[dt]
+
+    def loaded(self) -> tuple[str, ...]:
+        """The dtypes (``f32``, ``f64``) whose library is loaded."""
+        have = self._parts if self._parts is not None else {t for t in DTYPES if f"{self.family}_{t}" in _LIBS}
+        return tuple(t for t in DTYPES if t in have)
+
+    def __getattr__(self, name: str):
+        if not name.startswith("flashot_"):
+            raise AttributeError(name)
+        tail = name.rsplit("_", 1)[-1]
+        fn = getattr(self.part(tail if tail in DTYPES else (self.loaded() or DTYPES)[0]), name)
+        self.__dict__[name] = fn  # later reads are plain attribute reads
+        return fn
+
+
+def kernels(family: str = "core", *, quiet: bool = False) -> Kernels:
+    """``family``'s kernels, checked loadable without compiling anything yet: a prebuilt library for this
+    CPU, or a private cache directory and a compiler (or a library cached there). Raises :class:`BuildError`."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+    library = f"{family}_{DTYPES[0]}"
+    if library not in _LIBS and _prebuilt(library) is None:
+        target = march()
+        _check_cpu_runs(target)
+        try:
+            d = private_cache_dir()
+        except OSError as e:
+            raise BuildError(str(e)) from e
+        if _find_compiler() is None and not glob.glob(
+            os.path.join(d, f"flashot_cpu_*{_base_key(_read_sources(), target)}_*.so")
+        ):
+            raise BuildError("no C++ compiler found (set CXX or install g++) and no cached library for this machine")
+    return Kernels(family, quiet=quiet)
+
+
+def load(dtype: object = "float32", *, quiet: bool = False) -> Kernels:
+    """The ``core`` kernels with ``dtype``'s library loaded (built if needed); the other dtype's loads at its
+    first use. Raises :class:`BuildError`."""
+    k = Kernels("core", quiet=quiet)
+    k.part(dtype)
+    return k
+
+
+def load_blocksparse(dtype: object = "float32", *, quiet: bool = False) -> Kernels:
+    """The ``blocksparse`` kernels (multiscale's) with ``dtype``'s library loaded (built if needed)."""
+    k = Kernels("blocksparse", quiet=quiet)
+    k.part(dtype)
+    return k

@@ -1,5 +1,5 @@
-// flashot CPU kernels, core library: the ABI's version and layout, the build's facts (vector width,
-// instruction set) and the floating-point environment probes.  No kernel lives here: build.py compiles this
+// flashot CPU kernels, core libraries (both dtypes): the ABI's version and layout, the build's facts (vector
+// width, instruction set) and the floating-point environment probes.  No kernel lives here: build.py compiles this
 // unit at a lower optimisation level (UNIT_FLAGS) and links it last.
 #include "abi.h"
 #include "fpenv.h"

@@ -1,5 +1,5 @@
-// flashot CPU kernels, core library: the raw vectorised exp2 throughput helpers (flashot bench's limits), apart
-// from core_abi.cpp so that they are compiled at the kernels' optimisation level.
+// flashot CPU kernels, core libraries (both dtypes): the raw vectorised exp2 throughput helpers (flashot bench's
+// limits), apart from core_abi.cpp so that they are compiled at the kernels' optimisation level.
 #include "abi.h"
 #include "fpenv.h"
 #include "parallel.h"

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -148,10 +149,11 @@ class CpuEngine(StreamedCalls, CachedCalls, Engine):
         max_entries: int = 3,
     ):
         if lib is None:
-            from .build import load
+            from .build import kernels
 
-            lib = load()
-        self.lib = lib
+            lib = kernels("core")
+        self._ready: dict = {}  # dtype -> "" (its kernels are loaded) or why they cannot be
+        self.lib = lib  # build.Kernels (each dtype's library loaded at first use), or one ctypes library
         mode = mode if mode is not None else (os.environ.get("FLASHOT_CPU_MODE") or "auto")
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -188,7 +190,25 @@ class CpuEngine(StreamedCalls, CachedCalls, Engine):
             return "the cpu engine has no kernels for feature-bilinear costs (Gromov-Wasserstein); use backend='tiled'"
         if not (cost.is_dot or (cost.scale is None and cost.power == 1)):
             return f"the cpu engine does not support cost {cost.name!r}; use backend='tiled'"
-        return None
+        return self._kernels_missing(dtype)
+
+    def _kernels_missing(self, dtype) -> str | None:
+        """Load ``dtype``'s kernels (compiled on their first use) -> why they cannot be, or None."""
+        from .build import BuildError, Kernels
+
+        if not isinstance(self.lib, Kernels) or self._ready.get(dtype) == "":
+            return None
+        if dtype not in self._ready:
+            try:
+                self.lib.part(dtype)
+                self._ready[dtype] = ""
+            except BuildError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self._ready[dtype] = (
+                    f"the cpu engine's {dtype} kernels cannot be built ({first[:300]}); use backend='tiled'"
+                )
+                warnings.warn(f"flashot: {self._ready[dtype]}", RuntimeWarning, stacklevel=3)
+        return self._ready[dtype] or None
 
     def clear_cache(self) -> None:
         """Drop every cached cost matrix (and the references to their x, y)."""

@@ -1,8 +1,8 @@
 """Prebuilt kernels: the libraries a platform wheel ships, one build per instruction-set level.
 
-A wheel built by ``setup.py`` (``python -m build --wheel``; the compiling side is :mod:`.wheel`) carries, beside the kernel sources,
-``prebuilt/<variant>/core.so`` and ``prebuilt/<variant>/blocksparse.so`` for each variant of its
-platform, and ``prebuilt/manifest.json``: per variant the source key (a hash of the sources, the
+A wheel built by ``setup.py`` (``python -m build --wheel``; the compiling side is :mod:`.wheel`) carries, beside
+the kernel sources, ``prebuilt/<variant>/<library>.so`` for each library of :data:`.build.LIBRARIES`
+(``core_f32.so``, ...) and each variant of its platform, and ``prebuilt/manifest.json``: per variant the source key (a hash of the sources, the
 compile flags and the library layout, so a package whose sources were edited after the build
 compiles instead of loading a stale binary) and the compiler.  The variants:
 
