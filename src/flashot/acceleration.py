@@ -48,7 +48,7 @@ Measured gains: ``benchmarks/ACCELERATION.md`` (``benchmarks/acceleration.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -213,9 +213,9 @@ def _finite_rows(t: Tensor) -> Tensor:
     return torch.isfinite(t).all(-1)
 
 
-def _local(t: Tensor, op: str = "sum") -> Tensor:
+def _local(items: Sequence[tuple[Tensor, str]]) -> list[Tensor]:
     """The identity: the potentials are all on this process."""
-    return t
+    return [t for t, _ in items]
 
 
 class Accelerator:
@@ -226,10 +226,13 @@ class Accelerator:
     and its plain image ``tz`` (Anderson; Momentum returns ``tz``).  ``err`` is the (B,)
     error of the current iterate, used by the safeguard (no host sync).
 
-    ``reduce(t, op)`` (``op`` ``"sum"`` / ``"max"``) completes over all processes what this one computed
-    over its entries of the potentials (points-sharded mode, :meth:`flashot.measures.Measures.reduce`):
-    Anderson's Gram matrix ``dR^T dR`` and right-hand side ``dR^T r`` are sums over all the potentials,
-    and a candidate is finite only if it is finite everywhere, so every process takes the same steps.
+    ``reduce_all([(t, op), ...])`` (``op`` ``"sum"`` / ``"max"``) completes over all processes what this one
+    computed over its entries of the potentials (points-sharded mode,
+    :meth:`flashot.measures.Measures.reduce_all`): Anderson's Gram matrix ``dR^T dR`` and right-hand side
+    ``dR^T r`` are sums over all the potentials, and a candidate is finite only if it is finite everywhere,
+    so every process takes the same steps.  Each reduction is split out (:meth:`nonfinite` / :meth:`guard`,
+    :meth:`anderson_sums` / :meth:`anderson_step`) so that the loop can reduce it together with the step's
+    error: one collective per step instead of one per quantity.
 
     ``batch`` is the number of problems.  Where the iterates' rows are the problems (a (B, n) batch) the
     methods take ``seg=None``; a ragged batch (:mod:`flashot.ragged`) is ONE (1, n) row holding every
@@ -245,10 +248,10 @@ class Accelerator:
         batch: int,
         device: torch.device | str,
         dtype: torch.dtype,
-        reduce: Callable[..., Tensor] = _local,
+        reduce_all: Callable[[Sequence[tuple[Tensor, str]]], list[Tensor]] = _local,
     ):
         self.cfg = cfg
-        self._reduce = reduce
+        self._reduce_all = reduce_all
         self.ref: Tensor | None = None  # smallest error seen since the last change of eps
         self.prev_acc = torch.zeros(batch, dtype=torch.bool, device=device)  # was the last step accelerated?
         self.eps: float | None = None
@@ -264,17 +267,22 @@ class Accelerator:
         self.T: list[Tensor] = []  # and their images
         self.count = 0  # iterates appended so far (global index of the next one)
         self.start: Tensor | None = None  # (B,) first global index of each problem's valid history
+        self._work: tuple | None = None  # Anderson: what anderson_sums leaves for anderson_step
 
     # -- safeguard ----------------------------------------------------------------
-    def _accept(self, err: Tensor, eps: float, factor: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
-        """(B,) masks ``(ok, worse)``: may this step be accelerated, and did the last
-        accelerated step overshoot?  Updates the safeguard state (no host sync)."""
+    def _at_eps(self, eps: float) -> None:
+        """A new eps clears the history and the safeguard's reference."""
         if self.eps is not None and eps != self.eps:
             self.X.clear()
             self.T.clear()
             self.ref = None
             self.start = None
         self.eps = eps
+
+    def _accept(self, err: Tensor, eps: float, factor: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+        """(B,) masks ``(ok, worse)``: may this step be accelerated, and did the last
+        accelerated step overshoot?  Updates the safeguard state (no host sync)."""
+        self._at_eps(eps)
         finite = torch.isfinite(err)
         if self.ref is None:
             worse = torch.zeros_like(finite)
@@ -355,18 +363,22 @@ class Accelerator:
             return t if t.dim() == 2 else t.unsqueeze(-1)
         return t.reshape(-1)[seg].unsqueeze(0)
 
-    def _finite(self, t: Tensor, seg: Tensor | None = None) -> Tensor:
-        """(B,) mask: problems whose entries of ``t`` hold no NaN / Inf on any process."""
+    def nonfinite(self, t: Tensor, seg: Tensor | None = None) -> Tensor:
+        """(B,) per problem, this process's count of NaN / Inf entries of ``t`` (in ``t``'s dtype); reduced over the
+        processes (sum or max), 0 means finite everywhere (:meth:`guard`)."""
         if seg is None:
-            bad = (~_finite_rows(t)).to(torch.float64)
-        else:
-            per = (~torch.isfinite(t[0])).to(torch.float64)
-            bad = torch.zeros(self.prev_acc.shape[0], dtype=torch.float64, device=t.device).index_add_(0, seg, per)
-        return self._reduce(bad, "max") == 0
+            return (~_finite_rows(t)).to(t.dtype)
+        per = (~torch.isfinite(t[0])).to(t.dtype)
+        return torch.zeros(self.prev_acc.shape[0], dtype=t.dtype, device=t.device).index_add_(0, seg, per)
+
+    def guard(self, cand: Tensor, plain: Tensor, bad: Tensor, seg: Tensor | None = None) -> Tensor:
+        """``cand`` for the problems whose reduced :meth:`nonfinite` count ``bad`` is 0, the plain step elsewhere."""
+        return torch.where(self.spread(bad == 0, seg), cand, plain)
 
     def momentum_guard(self, cand: Tensor, plain: Tensor, seg: Tensor | None = None) -> Tensor:
         """Replace the problems of an over-relaxed candidate that hold NaN / Inf by the plain step."""
-        return torch.where(self.spread(self._finite(cand, seg), seg), cand, plain)
+        (bad,) = self._reduce_all([(self.nonfinite(cand, seg), "max")])
+        return self.guard(cand, plain, bad, seg)
 
     def _gram(self, A: Tensor, C: Tensor, seg: Tensor | None) -> Tensor:
         """``A^T C`` per problem, (B, p, q), for (B, n, p) and (B, n, q) (ragged: sums over each problem's
@@ -384,15 +396,22 @@ class Accelerator:
         self, z: Tensor, tz: Tensor, err: Tensor, eps: float, weights: Tensor | None = None, seg: Tensor | None = None
     ) -> Tensor:
         """Anderson's next iterate from the current one ``z`` and its plain image ``tz`` (see :class:`Anderson`),
-        each problem's history masked from its last restart; ``seg``: see the class."""
+        each problem's history masked from its last restart; ``seg``: see the class.  :meth:`anderson_sums`, their
+        reduction, :meth:`anderson_step`."""
+        sums = self.anderson_sums(z, tz, eps, weights, seg)
+        return self.anderson_step(err, eps, self._reduce_all([(t, "sum") for t in sums]), seg)
+
+    def anderson_sums(
+        self, z: Tensor, tz: Tensor, eps: float, weights: Tensor | None = None, seg: Tensor | None = None
+    ) -> list[Tensor]:
+        """Anderson's first half: push ``(z, tz)`` to the history and return this process's ``[dR^T dR, dR^T r]``
+        over every column of the history (``[]`` with one iterate), for the caller to reduce (sums) and pass to
+        :meth:`anderson_step`.  Unmasked: the columns before a problem's last restart, which depends on this
+        step's error, are zeroed in :meth:`anderson_step`, so that the loop can reduce these sums together with
+        that error (one collective)."""
         assert isinstance(self.cfg, Anderson)
-        ok, worse = self._accept(err, eps)
-        if self.start is None or not self.X:
-            self.start = torch.full_like(err, self.count, dtype=torch.long)
-        # problems that overshot (or whose error is not finite) restart their history here,
-        # per problem and without a host sync: older columns are masked out below
-        self.start = torch.where(ok, self.start, torch.full_like(self.start, self.count))
-        idx = self.count
+        self._at_eps(eps)
+        fresh = self.start is None or not self.X
         self.X.append(z)
         self.T.append(tz)
         self.count += 1
@@ -401,31 +420,52 @@ class Accelerator:
             self.T.pop(0)
         k = len(self.X)
         if k < 2:
-            self.prev_acc = torch.zeros_like(ok)
-            return tz
+            self._work = (fresh, tz, None, None)
+            return []
         X = torch.stack(self.X, -1)  # (B, n, k)
         T = torch.stack(self.T, -1)
         R = T - X  # residuals of the fixed-point map
-        # column i of the differences pairs the entries with global indices (j - 1, j)
-        first = torch.arange(idx - k + 1, idx, device=z.device)  # (k-1,) index j - 1
-        valid = (first.unsqueeze(0) >= self.start.unsqueeze(-1)).to(z.dtype)  # (B, k-1)
-        vmask = valid.unsqueeze(1) if seg is None else valid[seg].unsqueeze(0)  # on the entries
-        dR = (R[..., 1:] - R[..., :-1]) * vmask
-        dT = (T[..., 1:] - T[..., :-1]) * vmask
+        dR = R[..., 1:] - R[..., :-1]
         r = R[..., -1:]
         if weights is not None:  # least squares in the norm the error uses: each potential by its weight
             sw = weights.sqrt().unsqueeze(-1)
             dR, r = dR * sw, r * sw
-        G = self._reduce(self._gram(dR, dR, seg))  # (B, k-1, k-1): inner products over all the potentials
+        self._work = (fresh, tz, T, k)
+        return [self._gram(dR, dR, seg), self._gram(dR, r, seg)]
+
+    def anderson_step(self, err: Tensor, eps: float, sums: Sequence[Tensor], seg: Tensor | None = None) -> Tensor:
+        """Anderson's second half: the safeguard on ``err`` (the error of the iterate pushed by
+        :meth:`anderson_sums`), and the next iterate from ``sums`` (its sums, reduced over the processes)."""
+        assert isinstance(self.cfg, Anderson) and self._work is not None
+        fresh, tz, T, k = self._work
+        self._work = None
+        ok, worse = self._accept(err, eps)
+        idx = self.count - 1  # the global index of the iterate pushed
+        if fresh:
+            self.start = torch.full_like(err, idx, dtype=torch.long)
+        assert self.start is not None
+        # problems that overshot (or whose error is not finite) restart their history here,
+        # per problem and without a host sync: older columns are masked out below
+        self.start = torch.where(ok, self.start, torch.full_like(self.start, idx))
+        if T is None:
+            self.prev_acc = torch.zeros_like(ok)
+            return tz
+        # column i of the differences pairs the entries with global indices (j - 1, j)
+        first = torch.arange(idx - k + 1, idx, device=tz.device)  # (k-1,) index j - 1
+        valid = (first.unsqueeze(0) >= self.start.unsqueeze(-1)).to(tz.dtype)  # (B, k-1)
+        vmask = valid.unsqueeze(1) if seg is None else valid[seg].unsqueeze(0)  # on the entries
+        dT = (T[..., 1:] - T[..., :-1]) * vmask
+        G = sums[0] * (valid.unsqueeze(-1) * valid.unsqueeze(-2))  # (B, k-1, k-1): over all the potentials
+        rhs = sums[1] * valid.unsqueeze(-1)
         scale = G.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(torch.finfo(G.dtype).tiny)
         lam = (self.cfg.reg + 1e-14) * scale
         G = G + torch.diag_embed(lam.unsqueeze(-1) + (1.0 - valid))  # masked columns: gamma = 0
-        rhs = self._reduce(self._gram(dR, r, seg))
         gamma, _ = torch.linalg.solve_ex(G, rhs)  # (B, k-1, 1); never raises
         if seg is None:
             cand = tz - (dT @ gamma)[..., 0]
         else:  # each entry mixed with its problem's coefficients
             cand = tz - (dT[0] * gamma[seg, :, 0]).sum(-1).unsqueeze(0)
-        good = ok & (valid.sum(-1) > 0) & self._finite(cand, seg) & torch.isfinite(gamma).all(-1).all(-1)
+        (bad,) = self._reduce_all([(self.nonfinite(cand, seg), "max")])
+        good = ok & (valid.sum(-1) > 0) & (bad == 0) & torch.isfinite(gamma).all(-1).all(-1)
         self.prev_acc = good
         return torch.where(self.spread(good, seg), cand, tz)

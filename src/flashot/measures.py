@@ -22,6 +22,7 @@ and the epsilon-scaling's first temperature, ``diameter^p``, is below the thresh
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol, cast
@@ -126,6 +127,12 @@ class Measures:
         """``t`` (already reduced over this process's points) combined over the ranks holding the other
         points (``op``: ``"sum"`` or ``"max"``); ``t`` itself on one process."""
         return t
+
+    def reduce_all(self, items: Sequence[tuple[Tensor, str]]) -> list[Tensor]:
+        """Each ``(t, op)`` of ``items`` as :meth:`reduce` gives it; in points-sharded mode one collective per
+        distinct ``op`` carries them all (the solver reduces an iteration's errors and acceleration sums together:
+        a collective costs far more than the few numbers it carries).  The tensors themselves here."""
+        return [t for t, _ in items]
 
     def per_problem_sum(self, t: Tensor, side: str) -> Tensor:
         """(B,) sums of the per-point values ``t`` ((B, N) on ``side`` ``"x"``, (B, M) on ``"y"``) over each
@@ -280,10 +287,13 @@ class Measures:
 
     def masses(self) -> tuple[Tensor, Tensor]:
         """``(sum a, sum b)`` per problem, (B,) each, in float64 (detached)."""
-        return (
-            self.reduce(self.per_problem_sum(self.a.detach().double(), "x")),
-            self.reduce(self.per_problem_sum(self.b.detach().double(), "y")),
+        ma, mb = self.reduce_all(
+            [
+                (self.per_problem_sum(self.a.detach().double(), "x"), "sum"),
+                (self.per_problem_sum(self.b.detach().double(), "y"), "sum"),
+            ]
         )
+        return ma, mb
 
     def unequal_masses(self) -> tuple[float, float] | None:
         """``(sum a, sum b)`` of the first problem whose total masses differ by more than

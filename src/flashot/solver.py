@@ -90,8 +90,9 @@ def damping(eps: float, rho: float | None) -> float:
     return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
 
 
-def _marginal_error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str) -> Tensor:
-    """L1 error of one marginal of the plan built from (f_old, g), read off the update f_new.
+def _marginal_part(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str) -> Tensor:
+    """This process's part of the L1 error of one marginal of the plan built from (f_old, g), read off the
+    update f_new (to be summed over the processes, :func:`_errors`).
 
     For the plan ``P = a b exp((f_old + g - C)/eps)``, the row sums are
     ``a_i exp((f_old_i - f_new_i)/eps)`` where ``f_new = softmin_x(log b + g/eps)``:
@@ -105,27 +106,36 @@ def _marginal_error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side:
     finite = torch.isfinite(f_old) & torch.isfinite(f_new)
     per_point = torch.where(finite, (w * r1).abs(), torch.full_like(w, math.inf))
     per_point = torch.where(w > 0, per_point, torch.zeros_like(w))
-    return _nan_as_inf(m.reduce(m.per_problem_sum(per_point, side)))
+    return m.per_problem_sum(per_point, side)
 
 
 def _nan_as_inf(err: Tensor) -> Tensor:
     return torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
 
 
-def _error(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str, balanced: bool) -> Tensor:
-    """(B,) error of one side, read off an update ``f_new`` computed from the current ``f_old``:
-    the L1 marginal violation (balanced) or ``max |f_new - f_old| / eps`` (unbalanced).
-    NaN / Inf potentials read as an infinite error."""
+def _error_part(m: Measures, f_old: Tensor, f_new: Tensor, eps: float, side: str, balanced: bool) -> tuple[Tensor, str]:
+    """This process's part of the (B,) error of one side, read off an update ``f_new`` computed from the current
+    ``f_old``, and the reduction over the processes that completes it: the L1 marginal violation (balanced, a
+    sum) or ``max |f_new - f_old| / eps`` (unbalanced, a max)."""
     if balanced:
-        return _marginal_error(m, f_old, f_new, eps, side)
-    return m.reduce(m.per_problem_max(_nan_as_inf((f_new - f_old).abs() / eps), side), "max")
+        return _marginal_part(m, f_old, f_new, eps, side), "sum"
+    return m.per_problem_max(_nan_as_inf((f_new - f_old).abs() / eps), side), "max"
 
 
-def _max_error(m: Measures, err: Tensor, balanced: bool, eps: float, *updates: tuple) -> Tensor:
-    """``err`` and the errors of the ``(old, new, side)`` updates, elementwise max, (B,)."""
-    for old, new, side in updates:
-        err = torch.maximum(err, _error(m, old, new, eps, side, balanced))
-    return err
+def _errors(
+    m: Measures, balanced: bool, eps: float, updates: Sequence[tuple], extra: Sequence[tuple[Tensor, str]] = ()
+) -> tuple[Tensor, list[Tensor]]:
+    """The elementwise max of the ``(old, new, side)`` updates' (B,) errors (NaN / Inf potentials read as an
+    infinite error), and the ``extra`` ``(tensor, op)`` reduced in the same call of
+    :meth:`~flashot.measures.Measures.reduce_all`: points-sharded, one collective per kind of reduction for a
+    whole step's errors and the acceleration's sums, each collective costing far more than its few numbers."""
+    red = m.reduce_all([_error_part(m, old, new, eps, side, balanced) for old, new, side in updates] + list(extra))
+    err = None
+    for e in red[: len(updates)]:
+        e = _nan_as_inf(e) if balanced else e
+        err = e if err is None else torch.maximum(err, e)
+    assert err is not None  # at least one update
+    return err, red[len(updates) :]
 
 
 # Above this floor the error of a check says nothing useful (1% of the mass): no convergence.
@@ -245,7 +255,7 @@ def _setup(
     seg: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
     if acceleration is not None:
         n_problems = m.per_problem_sum(m.a.detach(), "x").shape[0]  # a ragged batch: its problems, not its rows
-        acc = Accelerator(acceleration, n_problems, a_log.device, a_log.dtype, m.reduce)
+        acc = Accelerator(acceleration, n_problems, a_log.device, a_log.dtype, m.reduce_all)
         # Anderson's least squares weigh each potential by its point's weight (the error's norm)
         wb = m.b.detach().to(a_log.dtype)
         wz = torch.cat([m.a.detach().to(a_log.dtype), wb], -1)
@@ -293,9 +303,10 @@ def _initialise(
     return z
 
 
-def _self_step(s: _Setup, z: _Iterate, eps: float, err_t: Tensor | None, need_err: bool) -> Tensor | None:
-    """The debiasing potentials' averaged step (symmetric updates); their errors count in ``err_t``."""
-    m, balanced = s.m, s.balanced
+def _self_step(s: _Setup, z: _Iterate, eps: float) -> list[tuple[Tensor, Tensor, str]]:
+    """The debiasing potentials' averaged step (symmetric updates).  Returns their ``(old, new, side)`` updates:
+    the self problems must converge too, so their errors count in the step's (:func:`_symmetric_step`)."""
+    m = s.m
     lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
     if s.two_sided:
         assert z.f_aa is not None and z.g_aa is not None and z.f_bb is not None and z.g_bb is not None
@@ -303,100 +314,100 @@ def _self_step(s: _Setup, z: _Iterate, eps: float, err_t: Tensor | None, need_er
         gt_aa = ly * m.softmin_xx(m.h_a(z.f_aa, eps), eps)
         ft_bb = lx * m.softmin_yy(m.h_b(z.g_bb, eps), eps)
         gt_bb = ly * m.softmin_yy(m.h_b(z.f_bb, eps), eps)
-        if need_err:  # the self problems must converge too: their errors count
-            assert err_t is not None  # the cross potentials' error, computed first
-            err_t = _max_error(
-                m,
-                err_t,
-                balanced,
-                eps,
-                (z.f_aa, ft_aa, "x"),
-                (z.g_aa, gt_aa, "x"),
-                (z.f_bb, ft_bb, "y"),
-                (z.g_bb, gt_bb, "y"),
-            )
+        updates = [(z.f_aa, ft_aa, "x"), (z.g_aa, gt_aa, "x"), (z.f_bb, ft_bb, "y"), (z.g_bb, gt_bb, "y")]
         z.f_aa, z.g_aa = 0.5 * (z.f_aa + ft_aa), 0.5 * (z.g_aa + gt_aa)
         z.f_bb, z.g_bb = 0.5 * (z.f_bb + ft_bb), 0.5 * (z.g_bb + gt_bb)
-    elif s.debias:
+        return updates
+    if s.debias:
         assert z.f_aa is not None and z.g_bb is not None
         ft_aa = lx * m.softmin_xx(m.h_a(z.f_aa, eps), eps)
         gt_bb = ly * m.softmin_yy(m.h_b(z.g_bb, eps), eps)
-        if need_err:
-            assert err_t is not None
-            err_t = _max_error(m, err_t, balanced, eps, (z.f_aa, ft_aa, "x"), (z.g_bb, gt_bb, "y"))
+        updates = [(z.f_aa, ft_aa, "x"), (z.g_bb, gt_bb, "y")]
         z.f_aa, z.g_bb = 0.5 * (z.f_aa + ft_aa), 0.5 * (z.g_bb + gt_bb)
-    return err_t
+        return updates
+    return []
+
+
+def _flag_op(s: _Setup) -> str:
+    """The reduction of the acceleration's non-finite counts: the errors' (any reduction of counts tells whether
+    one is positive), so that both travel in one collective."""
+    return "sum" if s.balanced else "max"
 
 
 def _symmetric_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: bool) -> Tensor | None:
-    """GeomLoss' update: both potentials from the previous pair, averaged with it (then accelerated)."""
+    """GeomLoss' update: both potentials from the previous pair, averaged with it (then accelerated).  The
+    errors of the cross and self updates are reduced in one call (with Anderson's sums)."""
     m, acc = s.m, s.acc
     lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
-    err_t = None
     sx, sy = m.softmin_pair(m.h_a(z.f, eps), m.h_b(z.g, eps), eps)
     ft, gt = lx * sx, ly * sy
-    if need_err:
-        err_t = torch.maximum(_error(m, z.f, ft, eps, "x", s.balanced), _error(m, z.g, gt, eps, "y", s.balanced))
-    err_t = _self_step(s, z, eps, err_t, need_err)
+    updates = [(z.f, ft, "x"), (z.g, gt, "y"), *_self_step(s, z, eps)]
     fp, gp = 0.5 * (z.f + ft), 0.5 * (z.g + gt)
     if acc is None:
+        err_t = _errors(m, s.balanced, eps, updates)[0] if need_err else None
         z.f, z.g = fp, gp
         return err_t
-    assert err_t is not None  # an accelerated loop reads the error at every step
     if s.momentum:
+        err_t = _errors(m, s.balanced, eps, updates)[0]
         w = acc.omega(err_t, eps, _left_at(s.eps_list, it))
         seg_x, seg_y, _ = s.seg
-        z.f = acc.momentum_guard(z.f + acc.spread(w, seg_x) * (fp - z.f), fp, seg_x)
-        z.g = acc.momentum_guard(z.g + acc.spread(w, seg_y) * (gp - z.g), gp, seg_y)
-    else:
-        n = z.f.shape[-1]
-        zz = acc.extrapolate(torch.cat([z.f, z.g], -1), torch.cat([fp, gp], -1), err_t, eps, s.wz, s.seg[2])
-        z.f, z.g = zz[..., :n], zz[..., n:]
+        cf, cg = z.f + acc.spread(w, seg_x) * (fp - z.f), z.g + acc.spread(w, seg_y) * (gp - z.g)
+        bad = m.reduce_all([(acc.nonfinite(cf, seg_x), "max"), (acc.nonfinite(cg, seg_y), "max")])
+        z.f, z.g = acc.guard(cf, fp, bad[0], seg_x), acc.guard(cg, gp, bad[1], seg_y)
+        return err_t
+    n = z.f.shape[-1]
+    sums = acc.anderson_sums(torch.cat([z.f, z.g], -1), torch.cat([fp, gp], -1), eps, s.wz, s.seg[2])
+    err_t, red = _errors(m, s.balanced, eps, updates, [(t, "sum") for t in sums])
+    zz = acc.anderson_step(err_t, eps, red, s.seg[2])
+    z.f, z.g = zz[..., :n], zz[..., n:]
     return err_t
+
+
+def _relaxed_step(s: _Setup, z: _Iterate, eps: float, it: int) -> Tensor:
+    """Momentum's alternating update: each half-step relaxed, the safeguard comparing the row errors of (f, g)
+    before each relaxed step; ``g``'s error and its candidate's finiteness reduced in one call."""
+    m, acc, balanced = s.m, s.acc, s.balanced
+    assert acc is not None  # relaxed: Momentum, which reads the error at every step
+    lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
+    f, g = z.f, z.g
+    seg_x, seg_y = s.seg[0], s.seg[1]
+    fs = lx * m.softmin_x(m.h_b(g, eps), eps)
+    err_x, _ = _errors(m, balanced, eps, [(f, fs, "x")])
+    w = acc.omega(err_x, eps, _left_at(s.eps_list, it))
+    cf = f + acc.spread(w, seg_x) * (fs - f)
+    (bad_f,) = m.reduce_all([(acc.nonfinite(cf, seg_x), "max")])
+    fn = acc.guard(cf, fs, bad_f, seg_x)
+    gs = ly * m.softmin_y(m.h_a(fn, eps), eps)  # g's update needs the relaxed f
+    cg = g + acc.spread(w, seg_y) * (gs - g)
+    err_y, (bad_g,) = _errors(m, balanced, eps, [(g, gs, "y")], [(acc.nonfinite(cg, seg_y), _flag_op(s))])
+    z.f, z.g = fn, acc.guard(cg, gs, bad_g, seg_y)
+    return torch.maximum(err_x, err_y)
 
 
 def _alternating_step(s: _Setup, z: _Iterate, eps: float, it: int, need_err: bool) -> Tensor | None:
     """POT's update: ``f`` from ``g``, then ``g`` from the new ``f`` (each half-step relaxed under
-    Momentum; ``g`` extrapolated under Anderson, the plain one kept in ``z.g_plain``)."""
+    Momentum, :func:`_relaxed_step`; ``g`` extrapolated under Anderson, the plain one kept in ``z.g_plain``)."""
+    if s.momentum and it > 1:  # at it == 1 the initial f is not a potential yet: plain step
+        return _relaxed_step(s, z, eps, it)
     m, acc, balanced = s.m, s.acc, s.balanced
     lx, ly = damping(eps, s.rho_x), damping(eps, s.rho_y)
     f, g = z.f, z.g
-    err_t = err_x = None
-    relaxed = s.momentum and it > 1  # g's update then needs the relaxed f
-    if relaxed:
-        fs = lx * m.softmin_x(m.h_b(g, eps), eps)
-    else:  # both half-steps in one pass where the engine can (cpu: d >= 4)
-        sx, sy = m.softmin_alt(m.h_a(None, eps), m.h_b(g, eps), eps, lam=lx)
-        fs, gs = lx * sx, ly * sy
-    if need_err:
-        err_x = _error(m, f, fs, eps, "x", balanced)
-    if relaxed:
-        assert acc is not None and err_x is not None  # relaxed: Momentum, which reads the error at every step
-        # the safeguard compares the row errors of (f, g) before each relaxed step
-        # (at it == 1 the initial f is not a potential yet: plain step)
-        w = acc.omega(err_x, eps, _left_at(s.eps_list, it))
-        fn = acc.momentum_guard(f + acc.spread(w, s.seg[0]) * (fs - f), fs, s.seg[0])
-        gs = ly * m.softmin_y(m.h_a(fn, eps), eps)
-    else:
-        fn = fs
-    if need_err:
-        err_y = _error(m, g, gs, eps, "y", balanced)
-        # at it == 1 the initial f (zeros) is not a potential: use the g-side error only
-        # Anderson: f = S_x(g) with the extrapolated g, so (f, g) has exact rows and err_y
-        # is its whole error; err_x would compare the previous f with an extrapolated g
-        assert err_x is not None
-        err_t = err_y if it == 1 or s.anderson else torch.maximum(err_x, err_y)
-    if relaxed:
+    sx, sy = m.softmin_alt(m.h_a(None, eps), m.h_b(g, eps), eps, lam=lx)  # both half-steps in one pass where it can
+    fs, gs = lx * sx, ly * sy
+    if s.anderson:
         assert acc is not None
-        gn = acc.momentum_guard(g + acc.spread(w, s.seg[1]) * (gs - g), gs, s.seg[1])
-    elif s.anderson:
-        assert acc is not None
-        gn = acc.extrapolate(g, gs, err_y, eps, s.wb, s.seg[1])
-        z.g_plain = gs  # returned instead of gn: (fs, gs) is a plain, consistent pair
-    else:
-        gn = gs
-    z.f, z.g = fn, gn
-    return err_t
+        # f = S_x(g) with the extrapolated g, so (f, g) has exact rows and the g-side error is its whole error
+        # (f's would compare the previous f with an extrapolated g)
+        sums = acc.anderson_sums(g, gs, eps, s.wb, s.seg[1])
+        err_t, red = _errors(m, balanced, eps, [(g, gs, "y")], [(t, "sum") for t in sums])
+        z.f, z.g = fs, acc.anderson_step(err_t, eps, red, s.seg[1])
+        z.g_plain = gs  # returned instead of the extrapolated g: (fs, gs) is a plain, consistent pair
+        return err_t
+    z.f, z.g = fs, gs
+    if not need_err:
+        return None
+    # at it == 1 the initial f (zeros) is not a potential: the g-side error only
+    return _errors(m, balanced, eps, [(g, gs, "y")] if it == 1 else [(f, fs, "x"), (g, gs, "y")])[0]
 
 
 def _read_error(

@@ -20,7 +20,7 @@ from flashot import SamplesLoss, ops, solve_sample
 from flashot.measures import Measures
 from flashot.ops import register_engine, unregister_engine
 from flashot.ops.dense import DenseEngine
-from flashot.solver import _error
+from flashot.solver import _errors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,7 +41,7 @@ def test_error_reads_non_finite_potentials_as_infinite(side, bad, balanced):
     f_old = torch.zeros_like(m.a_log if side == "x" else m.b_log)
     f_new = f_old.clone()
     f_new[0, 3] = bad
-    err = _error(m, f_old, f_new, 0.1, side, balanced)
+    err = _errors(m, balanced, 0.1, [(f_old, f_new, side)])[0]
     assert bool(torch.isinf(err).all()) and bool((err > 0).all()), err
     if balanced:  # a zero weight hides its point: no marginal error there (0 * inf is not NaN)
         w = torch.ones(50 if side == "x" else 40, dtype=torch.float64)
@@ -51,7 +51,7 @@ def test_error_reads_non_finite_potentials_as_infinite(side, bad, balanced):
             x, y, w if side == "x" else None, w if side == "y" else None, cost="sqeuclidean", backend="dense"
         )
         f_new[0, 3] = -float("inf")  # exp((f_old - f_new) / eps) = inf at a zero weight
-        assert float(_error(mz, f_old, f_new, 0.1, side, True).max()) == 0.0
+        assert float(_errors(mz, True, 0.1, [(f_old, f_new, side)])[0].max()) == 0.0
 
 
 class _PoisonEngine(DenseEngine):

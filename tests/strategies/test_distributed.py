@@ -322,6 +322,7 @@ def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
             msgs["ring_diverged"] = None
         except RuntimeError as e:
             msgs["ring_diverged"] = str(e)
+        msgs.update(_ring_diverged_in_transfer(pg, rank, xl, yl))
         # still usable afterwards, and the same call on every rank agrees
         v = solve_sample(x, y, reg=0.1, backend="cpu", group=pg).value
         msgs["after"] = float(v)
@@ -330,6 +331,45 @@ def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
             json.dump(msgs, fh)
     else:
         raise ValueError(f"unknown job {mode!r}")
+
+
+def _ring_diverged_in_transfer(pg, rank: int, xl: torch.Tensor, yl: torch.Tensor) -> dict[str, str | None]:
+    """A points-sharded solve's ring engine (``counts`` given) checks the ranks' calls inside the block transfers
+    (no collective of its own): ranks at another operation of the same size, or at another engine's call
+    number, both raise "the ranks diverged" (2 ranks, the mismatch job's slices)."""
+    from flashot.costs import get_cost
+    from flashot.distributed import RingEngine
+    from flashot.ops import get_engine
+
+    cost = get_cost("sqeuclidean")
+    c = [_cuts(n, 2) for n in (50, 40)]  # the mismatch job's points per rank
+    counts = tuple([s[k + 1] - s[k] for k in range(2)] for s in c)
+
+    def engine():
+        return RingEngine(get_engine("cpu", device=xl.device, dtype=F64, cost=cost), pg, counts)
+
+    h = torch.zeros(1, yl.shape[0], dtype=F64)
+    msgs: dict[str, str | None] = {}
+    eng = engine()
+    attempts = {
+        # rank 1 runs a plan-rows pass of the same blocks (the same size) where rank 0 runs a softmin
+        "ring_in_transfer_op": lambda: (
+            eng.softmin(xl[None], yl[None], h, 0.1, cost)
+            if rank == 0
+            else eng.ring_visit("to_dense", [yl[None], h.unsqueeze(-1)], lambda src, yb, hb: yb.sum(), torch.add)
+        ),
+        # rank 1 runs its first call on a new engine where rank 0 runs its second
+        "ring_in_transfer_call": lambda: (eng if rank == 0 else engine()).softmin(xl[None], yl[None], h, 0.1, cost),
+    }
+    for k, fn in attempts.items():
+        try:
+            fn()
+            msgs[k] = None
+        except RuntimeError as e:
+            msgs[k] = str(e)
+        if k == "ring_in_transfer_op":  # the ranks' transfers stayed paired: the engine goes on (call 2 on both)
+            msgs["ring_in_transfer_after"] = str(eng.softmin(xl[None], yl[None], h, 0.1, cost).shape)
+    return msgs
 
 
 def _worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
@@ -449,6 +489,11 @@ def test_mismatch_is_detected(tmp_path_factory):
     for m in msgs:
         assert m["diverged"] is not None and "the ranks diverged" in m["diverged"], m["diverged"]
         assert m["ring_diverged"] is not None and "the ranks diverged" in m["ring_diverged"], m["ring_diverged"]
+    assert msgs[0]["ring_in_transfer_after"] == "torch.Size([1, 16])", msgs[0]["ring_in_transfer_after"]
+    in_transfer = {"ring_in_transfer_op": "rank 1: to_dense call 1", "ring_in_transfer_call": "rank 1: softmin call 1"}
+    for k, want in in_transfer.items():
+        assert msgs[0][k] == msgs[1][k], (k, msgs[0][k], msgs[1][k])  # the same error on every rank
+        assert msgs[0][k] is not None and "the ranks diverged" in msgs[0][k] and want in msgs[0][k], msgs[0][k]
     ring = {
         "ring_reg": ("reg: differs", "ranks [1]"),
         "ring_dim": ("(batch, dimension, dtype): differs", "ranks [1]"),

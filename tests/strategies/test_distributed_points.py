@@ -268,6 +268,78 @@ def _bad_arguments(group, part) -> dict[str, str | None]:
     return msgs
 
 
+COUNTED = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "isend", "irecv")
+
+
+def _collectives(group, part) -> dict[str, dict[str, float]]:
+    """torch.distributed calls per Sinkhorn iteration of points-sharded solves (balanced; alternating, symmetric,
+    Anderson, Momentum), counted over the ranks' solves of 10 and 20 iterations (the difference over 10): the
+    per-iteration cost of the loop in collectives, which the test pins so that a saving cannot silently
+    regress.  tol = 1e-30 with ``inner_iterations=1``: every iteration reads its error and rounding floor."""
+    import collections
+    import warnings
+
+    import torch.distributed as dist
+
+    from flashot import Anderson, Momentum, solve_sample
+
+    x, y, a, b = _slices(part, *_data(3, 60, 50))
+    cases = {
+        "alternating": {},
+        "symmetric": {"method": "symmetric"},
+        "anderson": {"acceleration": Anderson()},
+        "momentum": {"acceleration": Momentum(1.5)},
+    }
+    seen: collections.Counter = collections.Counter()
+    saved = {n: getattr(dist, n) for n in COUNTED}
+
+    def counting(name):
+        def call(*args, **kw):
+            seen[name] += 1
+            return saved[name](*args, **kw)
+
+        return call
+
+    out = {}
+    try:
+        for n in COUNTED:
+            setattr(dist, n, counting(n))
+        for name, kw in cases.items():
+            got = []
+            for max_iter in (10, 20):
+                seen.clear()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # tol is not reached, by design
+                    res = solve_sample(
+                        x, y, a, b, reg=0.5, tol=1e-30, max_iter=max_iter, inner_iterations=1, backend="cpu",
+                        group=group, shard="points", **kw,
+                    )  # fmt: skip
+                assert res.n_iter == max_iter, (name, res.n_iter)
+                got.append(dict(seen))
+            out[name] = {n: (got[1].get(n, 0) - got[0].get(n, 0)) / 10 for n in COUNTED}
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return out
+
+
+def _expected_collectives(world: int) -> dict[str, dict[str, float]]:
+    """The calls per iteration :func:`_collectives` must find on ``world`` ranks: a softmin's ring pass is W - 1
+    hops, a fused pair's W (each an ``isend`` and an ``irecv``, the ranks' calls checked inside the blocks, no
+    header collective); one all-reduce for the iteration's errors (with Anderson's Gram matrix and right-hand
+    side), one for the rounding floor, one for Anderson's finiteness check of its candidate, and under Momentum
+    one for the error of the f half-step and one for its candidate's finiteness (g's travels with g's error)."""
+    hops = {
+        "alternating": 2 * (world - 1),
+        "symmetric": world,
+        "anderson": 2 * (world - 1),
+        "momentum": 2 * (world - 1),
+    }
+    reduces = {"alternating": 2, "symmetric": 2, "anderson": 3, "momentum": 4}
+    zero = dict.fromkeys(COUNTED, 0.0)
+    return {k: {**zero, "all_reduce": float(reduces[k]), "isend": float(h), "irecv": float(h)} for k, h in hops.items()}
+
+
 def _axis(key: str) -> int | None:
     """The axis along which the ranks' slices of ``key`` are put back together in rank order: -1 for
     per-point vectors, -2 for per-point rows (point gradients, plan rows); None for the whole problem's
@@ -289,6 +361,7 @@ def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
         print(f"rank {rank} points {name}: {time.perf_counter() - t0:.2f} s", flush=True)
     res["_refusals"] = _refusals(pg, (rank, world))
     res["_bad"] = _bad_arguments(pg, (rank, world))
+    res["_collectives"] = _collectives(pg, (rank, world))
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -332,6 +405,9 @@ def test_points_mode_matches_single_process(world, tmp_path_factory):
         assert bad["topk_too_many"] is not None and "at most 20" in bad["topk_too_many"], bad["topk_too_many"]
         assert bad["topk_k_differs"] is not None and "k: differs" in bad["topk_k_differs"], bad["topk_k_differs"]
         assert bad["after"] > 0
+    for rk in ranks:  # calls per iteration on 2 ranks (alternating, symmetric, Anderson, Momentum): 6, 6, 7, 8;
+        # 9, 8, 12, 11 with a header all-gather per ring pass and one all-reduce per error / sum / check
+        assert rk["_collectives"] == _expected_collectives(world), rk["_collectives"]
     per_case = {n: max(v for k, v in worst.items() if k.startswith(n + ".")) for n in RUN[world]}
     shown = ", ".join(f"{n} {v:.1e}" for n, v in per_case.items())
     print(f"world={world}: worst relative difference per case: {shown}")

@@ -66,13 +66,15 @@ ALL the points and bounds the cost over all pairs (one all-reduce of the boundin
 engine in a :class:`RingEngine`: each softmin / plan product sends the other side's blocks (points
 plus potentials, or plus ``V``) around the ring of ranks and accumulates this rank's rows block by
 block with the ordinary engine (LogSumExp / sum), like ring attention; the transposed direction sends
-x blocks.  A rank holds its slices plus two blocks in flight (``O((n_r + 2 max m_r) D)`` memory) and
+x blocks.  Each block carries the header (operation, call number) that checks the ranks' calls: a pass
+costs no collective besides its hops.  A rank holds its slices plus two blocks in flight (``O((n_r + 2 max m_r) D)`` memory) and
 receives ``(W - 1) / W`` of the other cloud per primitive: ``(N + M)(D + 1)(W - 1) / W`` numbers per
 alternating iteration (versus ``N + W M`` in replicated mode).  A symmetric step (``softmin_pair``,
 GeomLoss' updates) is ONE ring pass: each y block travels with its partial column softmin, which every
 rank updates with its rows, and comes home complete after W hops (``M (D + 2)`` numbers received).  The potentials stay sliced: the solver's error,
-rounding floor, finiteness check and masses are all-reduced (:meth:`PointsMeasures.reduce`), so every
-rank takes the same stopping decision.  Balanced values are the ranks' partial sums ``<a_r, f_r> + <b_r,
+rounding floor, finiteness check and masses are all-reduced (:meth:`PointsMeasures.reduce`; an iteration's
+errors, with Anderson's sums or Momentum's finiteness check where they fall at the same point, in one
+all-reduce: :meth:`PointsMeasures.reduce_all`), so every rank takes the same stopping decision.  Balanced values are the ranks' partial sums ``<a_r, f_r> + <b_r,
 g_r>`` all-reduced (:func:`flashot.values.sinkhorn_value`), unbalanced ones are computed from
 all-gathered ``O(N + M)`` vectors (:meth:`PointsMeasures.full`, differentiable: each rank's backward gets
 its own slice); the same on every rank.  Potentials, marginals, ``plan @ V`` and the gradients w.r.t.

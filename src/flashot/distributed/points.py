@@ -4,7 +4,7 @@ of ONE problem over the ranks, built by :func:`points_measures` (see :mod:`flash
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -72,6 +72,22 @@ class PointsMeasures(Measures):
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
         return t
 
+    def reduce_all(self, items: Sequence[tuple[Tensor, str]]) -> list[Tensor]:
+        """One all-reduce per distinct op: that op's tensors flattened into one of their promoted dtype, then split
+        back (each in its own dtype and shape)."""
+        out: list[Tensor] = [t for t, _ in items]
+        for op in dict.fromkeys(o for _, o in items):
+            idx = [k for k, (_, o) in enumerate(items) if o == op]
+            ts = [items[k][0].detach() for k in idx]
+            dtype = ts[0].dtype
+            for t in ts[1:]:
+                dtype = torch.promote_types(dtype, t.dtype)
+            flat = torch.cat([t.reshape(-1).to(dtype) for t in ts])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+            for k, t, piece in zip(idx, ts, flat.split([t.numel() for t in ts])):
+                out[k] = piece.view(t.shape).to(t.dtype)
+        return out
+
     def full(self, sides: str, *ts: Tensor | None) -> tuple:
         keep = [k for k, t in enumerate(ts) if t is not None]
         got = _GatherFn.apply(self, "".join(sides[k] for k in keep), *(ts[k] for k in keep))
@@ -123,7 +139,7 @@ class PointsMeasures(Measures):
 
     def float64_engine(self) -> Engine:
         eng = super().float64_engine()
-        return eng if isinstance(eng, RingEngine) else RingEngine(eng, self.group)
+        return eng if isinstance(eng, RingEngine) else RingEngine(eng, self.group, self.counts)
 
 
 def _global_box(xb: Tensor, yb: Tensor, group) -> tuple[Tensor, Tensor]:
@@ -201,7 +217,7 @@ def _global_measures(m: Measures, x, y, a, b, group, counts) -> PointsMeasures:
     diameter = float((hi.amax(0) - lo.amin(0)).double().norm())
     fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(Measures)}
     fields.update(x=(xb - c).contiguous(), y=(yb - c).contiguous(), center=c, cmax=cmax)
-    fields["engine"] = RingEngine(m.engine, group)
+    fields["engine"] = RingEngine(m.engine, group, counts)
     for side, w, k in (("a", a, 0), ("b", b, 1)):
         if w is None:
             uni = torch.full_like(fields[side], 1.0 / sum(counts[k]))
