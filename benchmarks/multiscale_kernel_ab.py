@@ -37,7 +37,7 @@ from flashot.ops import blocksparse
 from flashot.ops.cpu import build
 
 
-def capture(n: int, power: int = 2, d: int = 3) -> dict:
+def capture(n: int, power: int = 2, d: int = 3, dtype: torch.dtype = torch.float32) -> dict:
     """The first tile-pruned fused call of each kind in a multiscale value + gradient at n = m."""
     orig = blocksparse.pair_cpu  # the name the engine calls
     calls: dict = {}
@@ -49,7 +49,7 @@ def capture(n: int, power: int = 2, d: int = 3) -> dict:
 
     blocksparse.pair_cpu = wrapped
     try:
-        x, y = surfaces(n)
+        x, y = (t.to(dtype) for t in surfaces(n))
         if d > 3:  # the surfaces with d - 3 small extra coordinates (the generic-d kernels)
             g = torch.Generator().manual_seed(0)
             x, y = (torch.cat([t, 0.05 * torch.randn(n, d - 3, generator=g, dtype=t.dtype)], 1) for t in (x, y))
@@ -97,15 +97,18 @@ def main() -> None:
     p.add_argument("--n", type=int, default=1_000_000, help="points per cloud (default 10^6)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", default="", help="comma-separated subset of pair0,sym0,pair1,sym2")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "float64"], help="the solve's (and library's) dtype"
+    )
     p.add_argument("--d", type=int, default=3, help="dimension: > 3 appends small random coordinates")
     p.add_argument("--p", type=int, default=2, help="the cost's power: 2 (dot-product kernels) or 1 (direct costs)")
     a = p.parse_args()
     libs = []
     for path in (a.old, a.new):
         lib = ctypes.CDLL(path)
-        build._bind(lib, "blocksparse_f32")  # the captured solve is float32
+        build._bind(lib, f"blocksparse_{build.dtype_suffix(a.dtype)}")  # the captured solve's dtype
         libs.append(lib)
-    calls = capture(a.n, a.p, a.d)
+    calls = capture(a.n, a.p, a.d, getattr(torch, a.dtype))
     keep = set(a.calls.split(",")) if a.calls else None
     print(f"n = m = {a.n:,}, {torch.get_num_threads()} threads; A = {a.old}, B = {a.new}")
     print("| call | pairs | A s | B s | B / A (median) | per round | max rel. diff |")
