@@ -119,9 +119,7 @@ FIRST_USE = textwrap.dedent("""
     "calls,loaded",
     [
         (["cpu:float64"], "core_f64"),
-        (["cpu:float32"], "core_f32"),
         (["multiscale:float32"], "blocksparse_f32 core_f32"),
-        (["cpu:float32", "multiscale:float64"], "blocksparse_f64 core_f32 core_f64"),
     ],
 )
 def test_first_use_loads_the_kernels_of_its_dtype_only(shared_build_cache, calls, loaded):

@@ -89,7 +89,7 @@ def test_solve_sample_multiscale_fuzz(prob):
         xs = x.clone().requires_grad_()
         r = flashot.solve_sample(xs, y, a, b, reg=reg, unbalanced=unbalanced, backend=backend, tol=TOL, max_iter=3000)
         assume(r.converged)  # (slow unbalanced solves at small reg: every engine alike)
-        out[backend] = (float(r.value), torch.autograd.grad(r.value, xs)[0], r)
+        out[backend] = (float(r.value.detach()), torch.autograd.grad(r.value, xs)[0], r)
     v, g, r = out["multiscale"]
     for backend in ("cpu", "dense"):
         v0, g0, _ = out[backend]
