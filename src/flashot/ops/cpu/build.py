@@ -380,21 +380,35 @@ def build(*, quiet: bool = False, library: str = "core_f32") -> tuple[str, float
     if library not in LIBRARIES:
         raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
     sources = _read_sources()
+    d, target = _cache_and_target()
+    cxx = _find_compiler()
+    if cxx is None:  # no compiler: any library built here for the same sources, flags and CPU
+        found = _cached(d, sources, target, _FILE_PREFIX[library])
+        if found is not None:
+            return found, 0.0, True, "(none: cached library)"
+        raise BuildError(_NO_COMPILER)
+    path, secs, cached = build_in_cache(library, target, cxx, sources, d, quiet=quiet)
+    return path, secs, cached, cxx
+
+
+_NO_COMPILER = "no C++ compiler found (set CXX or install g++) and no cached library for this machine"
+
+
+def _cache_and_target() -> tuple[str, str]:
+    """(the private cache directory, the -march target this CPU runs); raises :class:`BuildError`."""
     target = march()
     _check_cpu_runs(target)
     try:
-        d = private_cache_dir()
+        return private_cache_dir(), target
     except OSError as e:
         raise BuildError(str(e)) from e
-    cxx = _find_compiler()
-    if cxx is None:  # no compiler: any library built here for the same sources, flags and CPU
-        base = _base_key(sources, target)
-        found = sorted(glob.glob(os.path.join(d, f"{_FILE_PREFIX[library]}{base}_*.so")), key=os.path.getmtime)
-        if found:
-            return found[-1], 0.0, True, "(none: cached library)"
-        raise BuildError("no C++ compiler found (set CXX or install g++) and no cached library for this machine")
-    path, secs, cached = build_in_cache(library, target, cxx, sources, d, quiet=quiet)
-    return path, secs, cached, cxx
+
+
+def _cached(d: str, sources: dict[str, str], target: str, prefix: str) -> str | None:
+    """The newest library in ``d`` named ``prefix<key>_<compiler>.so`` for these sources, flags and CPU (any
+    compiler), or None."""
+    found = glob.glob(os.path.join(d, f"{prefix}{_base_key(sources, target)}_*.so"))
+    return max(found, key=os.path.getmtime) if found else None
 
 
 def build_in_cache(
@@ -613,16 +627,9 @@ def kernels(family: str = "core", *, quiet: bool = False) -> Kernels:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     library = f"{family}_{DTYPES[0]}"
     if library not in _LIBS and _prebuilt(library) is None:
-        target = march()
-        _check_cpu_runs(target)
-        try:
-            d = private_cache_dir()
-        except OSError as e:
-            raise BuildError(str(e)) from e
-        if _find_compiler() is None and not glob.glob(
-            os.path.join(d, f"flashot_cpu_*{_base_key(_read_sources(), target)}_*.so")
-        ):
-            raise BuildError("no C++ compiler found (set CXX or install g++) and no cached library for this machine")
+        d, target = _cache_and_target()
+        if _find_compiler() is None and _cached(d, _read_sources(), target, "flashot_cpu_*") is None:
+            raise BuildError(_NO_COMPILER)
     return Kernels(family, quiet=quiet)
 
 
