@@ -497,36 +497,22 @@ static void pair_bs_impl(const T* x, const T* yT, const T* yy, const T* hs, cons
   if (evaluated) *evaluated += count.load();
 }
 
-// The pair step's variants, by translation unit (build.py balances the units by compile time): PARTS, a mask of
-// these, names the ones a unit instantiates; the others return BS_ELSEWHERE (the exported entry, bs_pair_*.cpp,
-// sends each call to the unit of its part, bs_part).
-enum BsPart { BS_PAIRS_DOT = 1, BS_PAIRS_DIRECT = 2, BS_BARY = 4, BS_ALL = 7 };
-constexpr int BS_ELSEWHERE = -5;
-static inline int bs_part(const flashot_pair_bs_args* p) {
-  return p->rb != nullptr ? BS_BARY : p->a.s.kind == KIND_DIRECT ? BS_PAIRS_DIRECT : BS_PAIRS_DOT;
-}
-
 // sym is a run-time flag: it changes which column ranges a row panel visits, not the inner loop.
-template <typename T, int KIND, int PARTS>
+template <typename T, int KIND>
 static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb,
                             int cb, int64_t Mp, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
                             const int64_t* cr, const int64_t* coff, const Args& a, const TileBounds<T>& tb,
                             int64_t* evaluated, bool sym, bool banded, int cfg, int nth) {
-  constexpr int OWN = KIND == KIND_DOT ? BS_PAIRS_DOT : BS_PAIRS_DIRECT;
-  if (rb == nullptr && !(PARTS & OWN)) return BS_ELSEWHERE;
-  if (rb != nullptr && !(PARTS & BS_BARY)) return BS_ELSEWHERE;
-  if constexpr (PARTS & OWN) {
-    if (rb == nullptr)
-      return with_lse_shape(cfg, a.D, [&](auto s) {
-        using S = decltype(s);
-        pair_bs_impl<T, S::R, S::NV, KIND, S::DS, MODE_PAIR>(x, yT, yy, hs, hx, rs, cs, nullptr, Mp, tasks, ntasks,
-                                                             cptr, cr, coff, a, tb, evaluated, sym, banded, nth);
-      });
-  }
+  if (rb == nullptr)
+    return with_lse_shape(cfg, a.D, [&](auto s) {
+      using S = decltype(s);
+      pair_bs_impl<T, S::R, S::NV, KIND, S::DS, MODE_PAIR>(x, yT, yy, hs, hx, rs, cs, nullptr, Mp, tasks, ntasks,
+                                                           cptr, cr, coff, a, tb, evaluated, sym, banded, nth);
+    });
   // barycentres: dot costs (the only ones the engine asks them for), d <= 3, Shape::PV_R rows (their
   // accumulators: 1 + d vectors a row, as the narrow plan product's); sym with the columns' too (the entry
   // refuses the rest).  Only these variants are instantiated: the others would be compile time for nothing.
-  if constexpr (KIND != KIND_DOT || !(PARTS & BS_BARY)) {
+  if constexpr (KIND != KIND_DOT) {
     return -4;
   } else {
     constexpr int R = Shape::PV_R;
@@ -549,7 +535,7 @@ static int pair_bs_dispatch(const T* x, const T* yT, const T* yy, const T* hs, c
 // after its first Mp values (cs then holds (1 + D) Mp).  sym needs both (-3 otherwise).  fx, fxo (N,) and gy, gyo
 // (Mp,), all four or none: sub-tile pruning at the threshold thr (TileBounds; d <= 3); evaluated (or null) += pairs
 // computed.
-template <typename T, int PARTS>
+template <typename T>
 static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, const T* hx, T* rs, T* cs, T* rb, int cb,
                          const T* fx, const T* gy, const T* fxo, const T* gyo, double thr, int64_t* evaluated,
                          int64_t Mp, int D, const int64_t* tasks, int64_t ntasks, const int64_t* cptr,
@@ -569,7 +555,7 @@ static int pair_bs_entry(const T* x, const T* yT, const T* yy, const T* hs, cons
     tb.build(yT, gy, gyo, Mp, D, kcoef);
   }
 #define FL_PAIR_BS(KD) \
-  return pair_bs_dispatch<T, KD, PARTS>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
+  return pair_bs_dispatch<T, KD>(x, yT, yy, hs, hx, rs, cs, rb, cb, Mp, tasks, ntasks, cptr, cr, coff, a, tb, \
                                  evaluated, sym != 0, banded, cfg, nth)
   if (kind == KIND_DOT) FL_PAIR_BS(KIND_DOT);
   if (kind == KIND_DIRECT) FL_PAIR_BS(KIND_DIRECT);
@@ -646,13 +632,13 @@ static int softmin_bs_call(const flashot_lse_bs_args* p) {
                              s.minsq, s.kind, p->a.oscale, s.cfg, s.nth);
 }
 
-template <typename T, int PARTS>
+template <typename T>
 static int pair_bs_call(const flashot_pair_bs_args* p) {
   const flashot_rowcol_args& a = p->a;
   const flashot_stream& s = a.s;
   const flashot_blocks& b = p->b;
   const Cloud<T> c(s);
-  return pair_bs_entry<T, PARTS>(c.x, c.yT, c.yy, c.hs, (const T*)a.hx, (T*)a.rows, (T*)a.cols, (T*)p->rb, p->cb,
+  return pair_bs_entry<T>(c.x, c.yT, c.yy, c.hs, (const T*)a.hx, (T*)a.rows, (T*)a.cols, (T*)p->rb, p->cb,
                           (const T*)p->fx, (const T*)p->gy, (const T*)p->fxo, (const T*)p->gyo, p->thr, p->evaluated,
                           s.Mp, s.D, b.tasks, b.ntasks, b.cptr, b.cr, b.coff, s.kcoef, s.minsq, s.kind, s.cfg, a.sym,
                           b.banded != 0, s.nth);
@@ -670,14 +656,3 @@ static int plan_bs_call(const flashot_plan_bs_args* p) {
 }
 
 }  // namespace
-
-// The pair step's units other than bs_pair_*.cpp (its exported entry sends them their calls, by bs_part):
-// internal to the library.
-extern "C" {
-#define FL_BS_UNIT(name) __attribute__((visibility("hidden"))) int name(const flashot_pair_bs_args* a);
-FL_BS_UNIT(flashot_bs_pairx_f32)
-FL_BS_UNIT(flashot_bs_pairx_f64)
-FL_BS_UNIT(flashot_bs_bary_f32)
-FL_BS_UNIT(flashot_bs_bary_f64)
-#undef FL_BS_UNIT
-}

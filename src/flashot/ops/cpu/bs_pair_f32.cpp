@@ -1,16 +1,10 @@
-// flashot CPU kernels, blocksparse library, float: the block-sparse pair step's entry and its dot-cost pair
-// variants (the direct-cost ones: bs_pairx_f32.cpp; the barycentre ones: bs_bary_f32.cpp).
+// flashot CPU kernels, blocksparse library, float: the block-sparse pair step (its barycentre and
+// sub-tile pruning variants make it the largest unit).
 #include "abi.h"
 #include "blocksparse.h"
 
 extern "C" {
 
-int flashot_pair_bs_f32(const flashot_pair_bs_args* a) {
-  switch (bs_part(a)) {
-    case BS_BARY: return flashot_bs_bary_f32(a);
-    case BS_PAIRS_DIRECT: return flashot_bs_pairx_f32(a);
-    default: return pair_bs_call<float, BS_PAIRS_DOT>(a);
-  }
-}
+int flashot_pair_bs_f32(const flashot_pair_bs_args* a) { return pair_bs_call<float>(a); }
 
 }  // extern "C"

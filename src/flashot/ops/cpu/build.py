@@ -92,22 +92,8 @@ __all__ = [
 LIBRARIES = {
     "core_f32": ("core_lse_f32.cpp", "core_pairplan_f32.cpp", "core_vexp.cpp", "core_abi.cpp"),
     "core_f64": ("core_lse_f64.cpp", "core_pairplan_f64.cpp", "core_vexp.cpp", "core_abi.cpp"),
-    "blocksparse_f32": (
-        "bs_pair_f32.cpp",
-        "bs_bary_f32.cpp",
-        "bs_lseplan_f32.cpp",
-        "bs_pairx_f32.cpp",
-        "bs_prune.cpp",
-        "bs_abi.cpp",
-    ),
-    "blocksparse_f64": (
-        "bs_pair_f64.cpp",
-        "bs_bary_f64.cpp",
-        "bs_lseplan_f64.cpp",
-        "bs_pairx_f64.cpp",
-        "bs_prune.cpp",
-        "bs_abi.cpp",
-    ),
+    "blocksparse_f32": ("bs_pair_f32.cpp", "bs_lseplan_f32.cpp", "bs_prune.cpp", "bs_abi.cpp"),
+    "blocksparse_f64": ("bs_pair_f64.cpp", "bs_lseplan_f64.cpp", "bs_prune.cpp", "bs_abi.cpp"),
 }
 FAMILIES = ("core", "blocksparse")
 DTYPES = ("f32", "f64")
@@ -362,7 +348,7 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, 
 # compiler CPU seconds of each library and of its largest unit, for the message's estimate: g++ 12.2
 # -march=native on an AVX-512 AMD EPYC with 2 vCPUs shared with other jobs, each unit compiled alone (the
 # larger side: a quiet AVX2 Zen 3 took about 0.7x as much, BENCHMARKS.md "First-use compile of the CPU kernels")
-_COMPILE_CPU_S = {"core": (22.0, 11.0), "blocksparse": (40.0, 11.0)}
+_COMPILE_CPU_S = {"core": (22.0, 11.0), "blocksparse": (36.0, 24.0)}
 
 
 def _estimate_seconds(library: str) -> int:
