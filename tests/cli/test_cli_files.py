@@ -315,32 +315,19 @@ def test_not_converged_warns_in_one_line(tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("flashot solve: warning: ") and "tol" in lines[0]
 
 
-def test_progress_bar_on_long_solves_and_quiet(tmp_path):
+def test_progress_bar_on_long_solves_and_quiet(tmp_path, capsys):
     big = RNG.normal(size=(1000, 2))
     np.save(tmp_path / "x.npy", big)
     np.save(tmp_path / "y.npy", big + 1.0)
-    base = [
-        sys.executable,
-        "-m",
-        "flashot.cli",
-        "solve",
-        str(tmp_path / "x.npy"),
-        str(tmp_path / "y.npy"),
-        "--reg",
-        "1",
-        "--max-iter",
-        "30",
-        "--tol",
-        "1e-3",
-    ]
-    r = subprocess.run(base, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "sinkhorn" in r.stderr  # tqdm's bar, or the plain line printer without tqdm
-    q = subprocess.run(base + ["--quiet"], capture_output=True, text=True, timeout=300)
-    assert q.returncode == 0 and q.stderr == "" and "value = " in q.stdout
+    opts = ["--reg", "1", "--max-iter", "30", "--tol", "1e-3"]
+    assert flashot.cli.main(["solve", str(tmp_path / "x.npy"), str(tmp_path / "y.npy"), *opts]) == 0
+    assert "sinkhorn" in capsys.readouterr().err  # tqdm's bar, or the plain line printer without tqdm
+    assert flashot.cli.main(["solve", str(tmp_path / "x.npy"), str(tmp_path / "y.npy"), *opts, "--quiet"]) == 0
+    q = capsys.readouterr()
+    assert q.err == "" and "value = " in q.out
     np.save(tmp_path / "s.npy", big[:100])  # small problems: no bar
-    s = subprocess.run(base[:4] + [str(tmp_path / "s.npy")] * 2 + base[6:], capture_output=True, text=True, timeout=300)
-    assert s.returncode == 0 and "sinkhorn" not in s.stderr
+    assert flashot.cli.main(["solve", str(tmp_path / "s.npy"), str(tmp_path / "s.npy"), *opts]) == 0
+    assert "sinkhorn" not in capsys.readouterr().err
 
 
 def test_help(capsys):
@@ -612,22 +599,35 @@ def test_solver_errors_and_output_errors_are_one_line(tmp_path, capsys):
     assert rc == 1 and "is a directory" in err
 
 
-def test_no_traceback_in_a_real_process(tmp_path):
-    """The console script: stderr holds the one line and nothing else (no traceback)."""
+def test_no_traceback_in_a_real_process(tmp_path, capsys):
+    """The console script: stderr holds the one line and nothing else (no traceback); in a real process for
+    one input, in-process (the same entry point) for the others."""
     os.mkfifo(tmp_path / "pipe.csv")
     nan = X.copy()
     nan[0, 0] = np.nan
     np.save(tmp_path / "nan.npy", nan)
     np.save(tmp_path / "x.npy", X)
-    for src, frag in ((tmp_path / "pipe.csv", "is a FIFO"), (tmp_path / "nan.npy", "NaN"), ("/dev/zero", "device")):
-        r = subprocess.run(
-            [sys.executable, "-m", "flashot.cli", "solve", str(src), str(tmp_path / "x.npy"), "--reg", "1"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 1 and r.stdout == ""
-        assert r.stderr.count("\n") == 1 and frag in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashot.cli",
+            "solve",
+            str(tmp_path / "pipe.csv"),
+            str(tmp_path / "x.npy"),
+            "--reg",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "is a FIFO" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for src, frag in ((tmp_path / "nan.npy", "NaN"), ("/dev/zero", "device")):
+        assert flashot.cli.main(["solve", str(src), str(tmp_path / "x.npy"), "--reg", "1"]) == 1
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.count("\n") == 1 and frag in out.err and "Traceback" not in out.err, out.err
 
 
 def test_damaged_npy_header_gives_the_same_message_every_time(tmp_path):

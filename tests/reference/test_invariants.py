@@ -114,8 +114,8 @@ def _gaussian_ot(A, B, eps):
 
 def test_gaussian_closed_form_approached_by_samples():
     """OT_eps between n-sample empirical measures of two Gaussians tends to the closed form with error
-    O(n^-1/2) (the sample complexity of entropic OT); averaged over seeds, 16x the samples should
-    divide the error by ~4 (accepted: 2.5 to 6.5)."""
+    O(n^-1/2) (the sample complexity of entropic OT); averaged over 24 seeds, 16x the samples should
+    divide the error by ~4 (accepted: 2.5 to 6.5; other groups of 24 seeds gave 3.7 to 5.0)."""
     A = torch.tensor([[1.0, 0.3], [0.3, 0.5]], dtype=torch.float64)
     B = torch.tensor([[0.6, -0.2], [-0.2, 0.8]], dtype=torch.float64)
     eps = 0.5
@@ -123,13 +123,13 @@ def test_gaussian_closed_form_approached_by_samples():
     LA, LB = torch.linalg.cholesky(A), torch.linalg.cholesky(B)
     L = flashot.SamplesLoss("sinkhorn", blur=math.sqrt(eps), debias=False, tol=1e-9, max_iter=10_000)
     errs = {}
-    for n in (250, 4000):
+    for n in (64, 1024):
         e = []
-        for seed in range(6):
+        for seed in range(24):
             g = torch.Generator().manual_seed(seed)
             x = torch.randn(n, 2, generator=g, dtype=torch.float64) @ LA.T
             y = torch.randn(n, 2, generator=g, dtype=torch.float64) @ LB.T
             e.append((float(L(x, y)) - want) ** 2)
         errs[n] = math.sqrt(sum(e) / len(e))
-    ratio = errs[250] / errs[4000]
+    ratio = errs[64] / errs[1024]
     assert 2.5 < ratio < 6.5, (errs, ratio)

@@ -359,7 +359,7 @@ def test_cluster_sub_levels_sort_points_inside_their_cells():
 
 @pytest.mark.parametrize("sym", [False, True])
 def test_tile_pruning_inside_kept_blocks(sym):
-    """:class:`TilePruning`: one kept block of 3,000 x 2,500 points (Morton-sorted), potentials near a Sinkhorn
+    """:class:`TilePruning`: one kept block of 2,400 x 2,000 points (Morton-sorted), potentials near a Sinkhorn
     fixed point at a small eps.  Without a reachable threshold the fused steps equal the masked-dense float64
     softmins; at ``truncate`` 5 they skip tiles (fewer pairs evaluated) and each row's sum loses at most the
     dropped entries, each below ``e^-5 a_i b_j``: ``|delta f_i| <= eps B_i / R_i`` (``R_i`` the row's exact sum,
@@ -367,7 +367,7 @@ def test_tile_pruning_inside_kept_blocks(sym):
     pairs evaluated are at least those above the rule."""
     from flashot.ops.blocksparse import TilePruning
 
-    x, y = torus(3000, 1), torus(2500, 2, shift=(0.1, 0.0, 0.05))
+    x, y = torus(2400, 1), torus(2000, 2, shift=(0.1, 0.0, 0.05))
     if sym:
         y = x
     cx, cy = (
@@ -622,7 +622,7 @@ def test_coarsen_nests_the_grid(d):
         assert int(runs_of.numel()) == c.n_clusters and bool((runs_of[1:] >= runs_of[:-1]).all())
 
 
-def _pruning_case(cost_name, n=6000, scale=0.08):
+def _pruning_case(cost_name, n=4000, scale=0.08):
     x, y = torus(n, 0), torus(n, 1, (0.3, 0.1, 0.0))
     a = torch.full((n,), 1 / n, dtype=F64)
     cost = get_cost(cost_name)
