@@ -311,3 +311,35 @@ def test_cached_library_is_used_without_a_compiler(shared_build_cache, tmp_path)
     assert res["cached"] and res["path"] == first["path"]
     r = _run(tmp_path / "empty", PATH="/nonexistent", CXX="")
     assert r.returncode != 0 and "no C++ compiler" in r.stderr
+
+
+def test_units_compile_largest_first_one_per_core(tmp_path, monkeypatch):
+    """_compile_parts runs the units in the order given, at most one per core at once (a unit waits for a
+    free core), and returns the error output of each unit that failed."""
+    log = tmp_path / "log"
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(
+        textwrap.dedent(f"""\
+            #!/bin/sh
+            for a in "$@"; do case "$a" in *.cpp) u="$a";; esac; done
+            echo "start $u" >> {log}
+            case "$u" in big.cpp) sleep 1.2;; *) sleep 0.3;; esac
+            echo "end $u" >> {log}
+            [ "$u" = "bad.cpp" ] && {{ echo "bad.cpp:1: error: no" >&2; exit 1; }}
+            exit 0
+            """)
+    )
+    cxx.chmod(0o755)
+    monkeypatch.setattr(build, "_cores", lambda: 2)
+    errs = build._compile_parts(str(cxx), [], str(tmp_path), ("big.cpp", "mid.cpp", "bad.cpp", "small.cpp"), {})
+    assert errs == ["bad.cpp:1: error: no"]
+    events = log.read_text().split("\n")[:-1]
+    starts = [e.split()[1] for e in events if e.startswith("start")]
+    assert set(starts[:2]) == {"big.cpp", "mid.cpp"} and starts[2:] == ["bad.cpp", "small.cpp"]  # the first two race
+    live = peak = 0
+    for e in events:
+        live += 1 if e.startswith("start") else -1
+        peak = max(peak, live)
+    # big (1.2 s) keeps its core; mid's core then takes bad, then small
+    assert peak == 2 and events.index("end mid.cpp") < events.index("start bad.cpp") < events.index("end bad.cpp")
+    assert events.index("end bad.cpp") < events.index("start small.cpp") < events.index("end big.cpp")

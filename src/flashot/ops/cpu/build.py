@@ -85,9 +85,10 @@ __all__ = [
 ]
 
 # The libraries and their translation units, linked in this order: per family (core, blocksparse) one library
-# per dtype.  All units of a library are compiled at once, so the wall time is about max(total compiler CPU /
-# cores, largest unit): the kernel units (by job) keep the largest near half the total, and splitting them
-# further would only add the ~1 s of header parsing that every unit pays.  The dtype-free units (the ABI
+# per dtype, each listed largest unit first.  A library's units are compiled largest first, one per core
+# (_compile_parts), so the wall time is about max(total compiler CPU / cores, largest unit): the kernel units
+# (by job) keep the largest near half the total, and splitting them further would only add the ~1 s of
+# header parsing that every unit pays (and changes GCC's inlining and register allocation: BENCHMARKS.md).  The dtype-free units (the ABI
 # facts, the exp2 helpers, the block pruning) are small and linked into both dtypes' libraries.
 LIBRARIES = {
     "core_f32": ("core_lse_f32.cpp", "core_pairplan_f32.cpp", "core_vexp.cpp", "core_abi.cpp"),
@@ -293,30 +294,49 @@ def _object(unit: str) -> str:
     return unit[: -len(".cpp")] + ".o"
 
 
+def _cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[str, ...], env: dict) -> list[str]:
-    """Compile the units ``parts`` in ``work``, all at once (the OS shares the cores; the wall time is about
-    max(total CPU / cores, largest unit)) -> the compiler's error output of each unit that failed."""
-    procs = [
-        subprocess.Popen(
-            [cxx, *flags, *UNIT_FLAGS.get(unit, ()), "-c", unit, "-o", _object(unit)],
-            cwd=work,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for unit in parts
-    ]
-    errs = []
-    for pr in procs:
-        try:
-            _, err = pr.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
+    """Compile the units ``parts`` in ``work``, at most one per core at a time, in the order given (largest
+    first: :data:`LIBRARIES`) -> the compiler's error output of each unit that failed.
+
+    Longest first on one job per core: the largest unit has a core to itself from the start and the others
+    queue on the rest, so the wall time is about max(largest unit, total CPU / cores).  Started all at once,
+    the small units would share the largest one's core while they run and delay it by about half their CPU
+    time (a library's first use waits for its largest unit).  An exception here (an interrupt) kills the
+    running compilers and starts no more."""
+    pending, running, errs = list(parts), {}, []
+    jobs = max(1, min(_cores(), len(parts)))
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                unit = pending.pop(0)
+                log = tempfile.TemporaryFile(mode="w+", dir=work)  # a file: no pipe to drain meanwhile
+                cmd = [cxx, *flags, *UNIT_FLAGS.get(unit, ()), "-c", unit, "-o", _object(unit)]
+                pr = subprocess.Popen(cmd, cwd=work, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
+                running[unit] = (pr, log, time.monotonic())
+            time.sleep(0.02)
+            for unit, (pr, log, t0) in list(running.items()):
+                rc = pr.poll()
+                late = rc is None and time.monotonic() - t0 > 900
+                if late:
+                    pr.kill()
+                    rc = pr.wait()
+                if rc is None:
+                    continue
+                del running[unit]
+                log.seek(0)
+                if rc != 0:
+                    errs.append(("timed out after 900 s. " if late else "") + log.read().strip())
+                log.close()
+    finally:
+        for pr, log, _ in running.values():  # only after an exception
             pr.kill()
-            _, err = pr.communicate()
-            err = "timed out after 900 s. " + (err or "")
-        if pr.returncode != 0:
-            errs.append((err or "").strip())
+            pr.wait()
+            log.close()
     return errs
 
 
@@ -352,7 +372,7 @@ _COMPILE_CPU_S = {"core": (22.0, 11.0), "blocksparse": (36.0, 24.0)}
 
 
 def _estimate_seconds(library: str) -> int:
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = _cores()
     total, largest = _COMPILE_CPU_S[family(library)]  # more cores than units wait for the largest unit
     return int(round(max(total / max(1, min(n, len(LIBRARIES[library]))), largest))) + 1
 
