@@ -325,14 +325,15 @@ def test_units_compile_largest_first_one_per_core(tmp_path, monkeypatch):
             echo "start $u" >> {log}
             case "$u" in big.cpp) sleep 1.2;; *) sleep 0.3;; esac
             echo "end $u" >> {log}
-            [ "$u" = "bad.cpp" ] && {{ echo "bad.cpp:1: error: no" >&2; exit 1; }}
+            [ "$u" = "bad.cpp" ] && {{ echo "bad.cpp:1: error: ‘no’" >&2; exit 1; }}
             exit 0
-            """)
+            """),
+        encoding="utf-8",
     )
     cxx.chmod(0o755)
     monkeypatch.setattr(build, "_cores", lambda: 2)
     errs = build._compile_parts(str(cxx), [], str(tmp_path), ("big.cpp", "mid.cpp", "bad.cpp", "small.cpp"), {})
-    assert errs == ["bad.cpp:1: error: no"]
+    assert errs == ["bad.cpp:1: error: ‘no’"]  # GCC's UTF-8 quotes, whatever the locale
     events = log.read_text().split("\n")[:-1]
     starts = [e.split()[1] for e in events if e.startswith("start")]
     assert set(starts[:2]) == {"big.cpp", "mid.cpp"} and starts[2:] == ["bad.cpp", "small.cpp"]  # the first two race

@@ -314,7 +314,7 @@ def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[str, ...]
         while pending or running:
             while pending and len(running) < jobs:
                 unit = pending.pop(0)
-                log = tempfile.TemporaryFile(mode="w+", dir=work)  # a file: no pipe to drain meanwhile
+                log = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace", dir=work)  # no pipe to drain
                 cmd = [cxx, *flags, *UNIT_FLAGS.get(unit, ()), "-c", unit, "-o", _object(unit)]
                 pr = subprocess.Popen(cmd, cwd=work, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
                 running[unit] = (pr, log, time.monotonic())
