@@ -33,7 +33,7 @@ def pytest_sessionstart(session):
         return
     t0 = time.perf_counter()
     try:
-        built = [build.build(quiet=True, library=lib) for lib in build.LIBRARIES]
+        built = list(build.build_all(quiet=True).values())  # compiled together where missing
     except build.BuildError as e:  # the engine tests skip with the reason
         print(f"\nflashot tests: the cpu engine's kernels could not be built: {str(e)[:200]}")
         return

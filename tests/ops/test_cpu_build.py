@@ -331,9 +331,14 @@ def test_units_compile_largest_first_one_per_core(tmp_path, monkeypatch):
         encoding="utf-8",
     )
     cxx.chmod(0o755)
-    monkeypatch.setattr(build, "_cores", lambda: 2)
-    errs = build._compile_parts(str(cxx), [], str(tmp_path), ("big.cpp", "mid.cpp", "bad.cpp", "small.cpp"), {})
+    from flashot.ops.cpu import compile_units
+
+    monkeypatch.setattr(compile_units, "cores", lambda: 2)
+    errs, cpu = compile_units.compile_parts(
+        str(cxx), [], str(tmp_path), ("big.cpp", "mid.cpp", "bad.cpp", "small.cpp"), {}
+    )
     assert errs == ["bad.cpp:1: error: ‘no’"]  # GCC's UTF-8 quotes, whatever the locale
+    assert sorted(cpu) == ["bad.cpp", "big.cpp", "mid.cpp", "small.cpp"] and all(t >= 0 for t in cpu.values())
     events = log.read_text().split("\n")[:-1]
     starts = [e.split()[1] for e in events if e.startswith("start")]
     assert set(starts[:2]) == {"big.cpp", "mid.cpp"} and starts[2:] == ["bad.cpp", "small.cpp"]  # the first two race
@@ -344,3 +349,12 @@ def test_units_compile_largest_first_one_per_core(tmp_path, monkeypatch):
     # big (1.2 s) keeps its core; mid's core then takes bad, then small
     assert peak == 2 and events.index("end mid.cpp") < events.index("start bad.cpp") < events.index("end bad.cpp")
     assert events.index("end bad.cpp") < events.index("start small.cpp") < events.index("end big.cpp")
+
+
+def test_libraries_compiled_together_share_their_dtype_free_units():
+    """build_many_in_cache's order: the libraries' largest units first, each unit once."""
+    from flashot.ops.cpu.compile_units import units_of
+
+    units = units_of([build.LIBRARIES[lib] for lib in build.LIBRARIES])
+    assert sorted(units) == sorted(build.UNITS)
+    assert units[:4] == ("core_lse_f32.cpp", "core_lse_f64.cpp", "bs_pair_f32.cpp", "bs_pair_f64.cpp")

@@ -43,7 +43,6 @@ import hashlib
 import os
 import platform
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -54,10 +53,12 @@ from importlib import resources
 
 from . import abi, prebuilt
 from .cachedir import CacheDirError, cache_dir, check_private_file, private_cache_dir
+from .compile_units import compile_parts, cores, object_name, units_of
 
 __all__ = [
     "BuildError",
     "build",
+    "build_all",
     "load",
     "load_blocksparse",
     "load_library",
@@ -77,6 +78,7 @@ __all__ = [
     "UNIT_FLAGS",
     "cache_dir",
     "build_in_cache",
+    "build_many_in_cache",
     "cpu_flags",
     "find_compiler",
     "prebuilt_status",
@@ -86,10 +88,11 @@ __all__ = [
 
 # The libraries and their translation units, linked in this order: per family (core, blocksparse) one library
 # per dtype, each listed largest unit first.  A library's units are compiled largest first, one per core
-# (_compile_parts), so the wall time is about max(total compiler CPU / cores, largest unit): the kernel units
-# (by job) keep the largest near half the total, and splitting them further would only add the ~1 s of
-# header parsing that every unit pays (and changes GCC's inlining and register allocation: BENCHMARKS.md).  The dtype-free units (the ABI
-# facts, the exp2 helpers, the block pruning) are small and linked into both dtypes' libraries.
+# (compile_units.compile_parts), so the wall time is about max(total compiler CPU / cores, largest unit): the
+# kernel units (by job) keep the largest near half the total, and splitting them further would only add the
+# ~1 s of header parsing that every unit pays (and changes GCC's inlining and register allocation:
+# BENCHMARKS.md).  The dtype-free units (the ABI facts, the exp2 helpers, the block pruning) are small and
+# linked into both dtypes' libraries; compiled together (build_many_in_cache), the libraries share them.
 LIBRARIES = {
     "core_f32": ("core_lse_f32.cpp", "core_pairplan_f32.cpp", "core_vexp.cpp", "core_abi.cpp"),
     "core_f64": ("core_lse_f64.cpp", "core_pairplan_f64.cpp", "core_vexp.cpp", "core_abi.cpp"),
@@ -290,75 +293,30 @@ def _remove_stale(d: str) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _object(unit: str) -> str:
-    return unit[: -len(".cpp")] + ".o"
-
-
-def _cores() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _compile_parts(cxx: str, flags: list[str], work: str, parts: tuple[str, ...], env: dict) -> list[str]:
-    """Compile the units ``parts`` in ``work``, at most one per core at a time, in the order given (largest
-    first: :data:`LIBRARIES`) -> the compiler's error output of each unit that failed.
-
-    Longest first on one job per core: the largest unit has a core to itself from the start and the others
-    queue on the rest, so the wall time is about max(largest unit, total CPU / cores).  Started all at once,
-    the small units would share the largest one's core while they run and delay it by about half their CPU
-    time (a library's first use waits for its largest unit).  An exception here (an interrupt) kills the
-    running compilers and starts no more."""
-    pending, running, errs = list(parts), {}, []
-    jobs = max(1, min(_cores(), len(parts)))
-    try:
-        while pending or running:
-            while pending and len(running) < jobs:
-                unit = pending.pop(0)
-                log = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace", dir=work)  # no pipe to drain
-                cmd = [cxx, *flags, *UNIT_FLAGS.get(unit, ()), "-c", unit, "-o", _object(unit)]
-                pr = subprocess.Popen(cmd, cwd=work, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
-                running[unit] = (pr, log, time.monotonic())
-            time.sleep(0.02)
-            for unit, (pr, log, t0) in list(running.items()):
-                rc = pr.poll()
-                late = rc is None and time.monotonic() - t0 > 900
-                if late:
-                    pr.kill()
-                    rc = pr.wait()
-                if rc is None:
-                    continue
-                del running[unit]
-                log.seek(0)
-                if rc != 0:
-                    errs.append(("timed out after 900 s. " if late else "") + log.read().strip())
-                log.close()
-    finally:
-        for pr, log, _ in running.values():  # only after an exception
-            pr.kill()
-            pr.wait()
-            log.close()
-    return errs
-
-
-def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, parts: tuple[str, ...]) -> None:
-    """Build the library of translation units ``parts`` at ``path``."""
+def _compile(cxx: str, sources: dict[str, str], target: str, paths: dict[str, str], d: str) -> dict[str, float]:
+    """Build each library of ``paths`` (library -> where it goes) from one compile of their units -> each
+    library's compiler CPU seconds (those of its units; the dtype-free ones are compiled once, counted in each)."""
     env = _clean_env()
     work = tempfile.mkdtemp(prefix=".tmp-build-", dir=d)
     try:
         for name, text in sources.items():  # compile exactly the text that was hashed
             with open(os.path.join(work, name), "w", encoding="utf-8") as f:
                 f.write(text)
-        objs = [_object(unit) for unit in parts]
-        errs = _compile_parts(cxx, cxxflags(target), work, parts, env)
+        errs, cpu = compile_parts(
+            cxx, cxxflags(target), work, units_of([LIBRARIES[lib] for lib in paths]), env, UNIT_FLAGS
+        )
         if errs:
             here = os.path.dirname(os.path.abspath(__file__))
             raise BuildError(f"{os.path.basename(cxx)} failed: " + errs[0].replace(work, here)[-3000:])
-        link = [cxx, "-shared", "-fPIC", "-pthread", "-o", "lib.so", *objs]
-        r = subprocess.run(link, cwd=work, capture_output=True, text=True, timeout=300, env=env)
-        if r.returncode != 0:
-            raise BuildError(f"{os.path.basename(cxx)} (link) failed: {r.stderr.strip()[-2000:]}")
-        os.chmod(os.path.join(work, "lib.so"), 0o700)
-        os.replace(os.path.join(work, "lib.so"), path)
+        for library, path in paths.items():
+            objs = [object_name(unit) for unit in LIBRARIES[library]]
+            link = [cxx, "-shared", "-fPIC", "-pthread", "-o", "lib.so", *objs]
+            r = subprocess.run(link, cwd=work, capture_output=True, text=True, timeout=300, env=env)
+            if r.returncode != 0:
+                raise BuildError(f"{os.path.basename(cxx)} (link) failed: {r.stderr.strip()[-2000:]}")
+            os.chmod(os.path.join(work, "lib.so"), 0o700)
+            os.replace(os.path.join(work, "lib.so"), path)
+        return {lib: sum(cpu.get(u, 0.0) for u in LIBRARIES[lib]) for lib in paths}
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"compiling the CPU kernels failed: {e}") from e
     finally:
@@ -371,10 +329,11 @@ def _compile(cxx: str, sources: dict[str, str], target: str, path: str, d: str, 
 _COMPILE_CPU_S = {"core": (22.0, 11.0), "blocksparse": (36.0, 24.0)}
 
 
-def _estimate_seconds(library: str) -> int:
-    n = _cores()
-    total, largest = _COMPILE_CPU_S[family(library)]  # more cores than units wait for the largest unit
-    return int(round(max(total / max(1, min(n, len(LIBRARIES[library]))), largest))) + 1
+def _estimate_seconds(libraries: list[str]) -> int:
+    n = cores()
+    total = sum(_COMPILE_CPU_S[family(lib)][0] for lib in libraries)
+    largest = max(_COMPILE_CPU_S[family(lib)][1] for lib in libraries)
+    return int(round(max(total / max(1, n), largest))) + 1
 
 
 def build(*, quiet: bool = False, library: str = "core_f32") -> tuple[str, float, bool, str]:
@@ -383,18 +342,30 @@ def build(*, quiet: bool = False, library: str = "core_f32") -> tuple[str, float
 
     The compiler's CPU time is reported by :func:`load_library` in ``BUILD_INFO``.
     """
-    if library not in LIBRARIES:
-        raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
+    return build_all(quiet=quiet, libraries=(library,))[library]
+
+
+def build_all(
+    *, quiet: bool = False, libraries: tuple[str, ...] = tuple(LIBRARIES)
+) -> dict[str, tuple[str, float, bool, str]]:
+    """:func:`build` for several :data:`LIBRARIES` (default: all), the missing ones compiled together
+    (:func:`build_many_in_cache`) -> library -> (path, compile wall seconds, was cached, compiler)."""
+    for library in libraries:
+        if library not in LIBRARIES:
+            raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
     sources = _read_sources()
     d, target = _cache_and_target()
     cxx = _find_compiler()
     if cxx is None:  # no compiler: any library built here for the same sources, flags and CPU
-        found = _cached(d, sources, target, _FILE_PREFIX[library])
-        if found is not None:
-            return found, 0.0, True, "(none: cached library)"
-        raise BuildError(_NO_COMPILER)
-    path, secs, cached = build_in_cache(library, target, cxx, sources, d, quiet=quiet)
-    return path, secs, cached, cxx
+        out = {}
+        for library in libraries:
+            found = _cached(d, sources, target, _FILE_PREFIX[library])
+            if found is None:
+                raise BuildError(_NO_COMPILER)
+            out[library] = (found, 0.0, True, "(none: cached library)")
+        return out
+    built = build_many_in_cache(libraries, target, cxx, sources, d, quiet=quiet)
+    return {library: (*r, cxx) for library, r in built.items()}
 
 
 _NO_COMPILER = "no C++ compiler found (set CXX or install g++) and no cached library for this machine"
@@ -433,39 +404,62 @@ def build_in_cache(
     AArch64 with a cross compiler) on one machine; the cache key is the one :func:`build` uses, so a level
     the test suite or a user compiled already is reused, and the other way round.
     """
+    return build_many_in_cache((library,), target, cxx, sources, d, quiet=quiet)[library]
+
+
+def build_many_in_cache(
+    libraries: tuple[str, ...],
+    target: str,
+    cxx: str,
+    sources: dict[str, str] | None = None,
+    d: str | None = None,
+    *,
+    quiet: bool = True,
+) -> dict[str, tuple[str, float, bool]]:
+    """:func:`build_in_cache` for several libraries at once -> library -> (path, compile wall seconds of the
+    batch, was cached).  The missing ones are compiled together, one pool of compilers for all their units
+    (each unit once): one after the other, a core would idle while each library's largest unit finishes."""
     sources = _read_sources() if sources is None else sources
     if d is None:
         try:
             d = private_cache_dir()
         except OSError as e:
             raise BuildError(str(e)) from e
-    prefix, parts = _FILE_PREFIX[library], LIBRARIES[library]
-    path = os.path.join(d, f"{prefix}{_base_key(sources, target)}_{_compiler_key(cxx)}.so")
-    if os.path.exists(path):
-        return path, 0.0, True
+    paths = {
+        lib: os.path.join(d, f"{_FILE_PREFIX[lib]}{_base_key(sources, target)}_{_compiler_key(cxx)}.so")
+        for lib in libraries
+    }
+    out = {lib: (path, 0.0, True) for lib, path in paths.items()}
+    if all(os.path.exists(p) for p in paths.values()):
+        return out
     with _DirLock(d):
-        if os.path.exists(path):  # another process built it while we waited
-            return path, 0.0, True
+        todo = {lib: p for lib, p in paths.items() if not os.path.exists(p)}  # another process built the rest
+        if not todo:
+            return out
         _remove_stale(d)
         if not quiet:
-            what = ("the block-sparse ones, for multiscale, " if family(library) == "blocksparse" else "") + (
-                f"{'float32' if library.endswith('f32') else 'float64'}; "
-            )
             print(
-                f"flashot: compiling the CPU kernels once for this machine ({what}-march={target}, about "
-                f"{_estimate_seconds(library)} s) into {d}",
+                f"flashot: compiling the CPU kernels once for this machine ({_describe(list(todo))}; -march={target}, "
+                f"about {_estimate_seconds(list(todo))} s) into {d}",
                 file=sys.stderr,
                 flush=True,
             )
         t0 = time.perf_counter()
-        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        _compile(cxx, sources, target, path, d, parts)
-        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        _CPU_SECONDS[library] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        _CPU_SECONDS.update(_compile(cxx, sources, target, todo, d))
         secs = time.perf_counter() - t0
         if not quiet:
             print(f"flashot: compiled in {secs:.1f} s (cached for later runs)", file=sys.stderr, flush=True)
-    return path, secs, False
+    out.update({lib: (p, secs, False) for lib, p in todo.items()})
+    return out
+
+
+def _describe(libraries: list[str]) -> str:
+    """What a float32 or float64 user is waiting for, in words."""
+    if len(libraries) > 1:
+        return ", ".join(libraries)
+    (library,) = libraries
+    what = "the block-sparse ones, for multiscale, " if family(library) == "blocksparse" else ""
+    return what + ("float32" if library.endswith("f32") else "float64")
 
 
 def _bind(lib: ctypes.CDLL, library: str = "core") -> None:

@@ -1,7 +1,7 @@
 """The wheel build's side of the prebuilt kernels (called by ``setup.py``; the loading side is
 :mod:`.prebuilt`): which variants a wheel for a platform carries, and compiling them.
 
-The libraries are compiled by :func:`.build.build_in_cache`, the recipe and the cache of first use,
+The libraries are compiled by :func:`.build.build_many_in_cache`, the recipe and the cache of first use,
 so a variant already compiled there (the same sources, flags and compiler: the test suite's
 ``FLASHOT_CPU_MARCH=x86-64-v3`` runs, a previous wheel build) is copied, not rebuilt.  This module
 imports nothing but the standard library and its siblings: ``setup.py`` loads it without torch.
@@ -85,8 +85,8 @@ def build_variants(out: str, variants: list[str], log=print) -> dict[str, dict]:
     entries = {}
     for v, cxx in compilers.items():
         os.makedirs(os.path.join(out, v))
-        for library in build.LIBRARIES:
-            path, secs, cached = build.build_in_cache(library, v, cxx, sources, quiet=True)
+        built = build.build_many_in_cache(tuple(build.LIBRARIES), v, cxx, sources, quiet=True)  # compiled together
+        for library, (path, secs, cached) in built.items():
             dest = os.path.join(out, v, f"{library}.so")
             shutil.copyfile(path, dest)
             os.chmod(dest, 0o755)
