@@ -314,7 +314,7 @@ def test_cached_library_is_used_without_a_compiler(shared_build_cache, tmp_path)
 
 
 def test_units_compile_largest_first_one_per_core(tmp_path, monkeypatch):
-    """_compile_parts runs the units in the order given, at most one per core at once (a unit waits for a
+    """compile_parts runs the units in the order given, at most one per core at once (a unit waits for a
     free core), and returns the error output of each unit that failed."""
     log = tmp_path / "log"
     cxx = tmp_path / "fake-cxx"

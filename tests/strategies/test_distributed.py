@@ -217,6 +217,15 @@ Y_SIDE = {"g", "rb", "gy", "gb", "G"}
 # -- the ranks ------------------------------------------------------------------------------------------
 
 
+def _raised(fn, errors: type[BaseException] | tuple = ValueError) -> str | None:
+    """The message of the ``errors`` that ``fn()`` raised, or None when it returned."""
+    try:
+        fn()
+    except errors as e:
+        return str(e)
+    return None
+
+
 def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
     """This rank's part of a job of the shared spawns (distributed_ranks.py): compare, mismatch."""
     if mode == "compare":
@@ -243,12 +252,7 @@ def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
             "blur": lambda: SamplesLoss(blur=0.1 if rank == 0 else 0.05, backend="cpu", group=pg)(x, y),
             "weights": lambda: SamplesLoss(blur=0.1, backend="cpu", group=pg)(a if rank == 0 else a.flip(0), x, b, y),
         }
-        for k, fn in attempts.items():
-            try:
-                fn()
-                msgs[k] = None
-            except ValueError as e:
-                msgs[k] = str(e)
+        msgs.update({k: _raised(fn) for k, fn in attempts.items()})
         # ranks whose calls diverge later (here: different inputs to the same primitive) are caught by the
         # header of the next collective
         from flashot.costs import get_cost
@@ -297,12 +301,7 @@ def rank_job(mode: str, rank: int, world: int, pg, out: str) -> None:
                 xl, yl
             ),
         }
-        for k, fn in ring.items():
-            try:
-                fn()
-                msgs[k] = None
-            except ValueError as e:
-                msgs[k] = str(e)
+        msgs.update({k: _raised(fn) for k, fn in ring.items()})
         from flashot.distributed import RingEngine
 
         reng = RingEngine(get_engine("cpu", device=x.device, dtype=F64, cost=cost), pg)
@@ -362,11 +361,7 @@ def _ring_diverged_in_transfer(pg, rank: int, xl: torch.Tensor, yl: torch.Tensor
         "ring_in_transfer_call": lambda: (eng if rank == 0 else engine()).softmin(xl[None], yl[None], h, 0.1, cost),
     }
     for k, fn in attempts.items():
-        try:
-            fn()
-            msgs[k] = None
-        except RuntimeError as e:
-            msgs[k] = str(e)
+        msgs[k] = _raised(fn, RuntimeError)
         if k == "ring_in_transfer_op":  # the ranks' transfers stayed paired: the engine goes on (call 2 on both)
             msgs["ring_in_transfer_after"] = str(eng.softmin(xl[None], yl[None], h, 0.1, cost).shape)
     return msgs

@@ -350,9 +350,7 @@ def build_all(
 ) -> dict[str, tuple[str, float, bool, str]]:
     """:func:`build` for several :data:`LIBRARIES` (default: all), the missing ones compiled together
     (:func:`build_many_in_cache`) -> library -> (path, compile wall seconds, was cached, compiler)."""
-    for library in libraries:
-        if library not in LIBRARIES:
-            raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
+    _check_libraries(libraries)
     sources = _read_sources()
     d, target = _cache_and_target()
     cxx = _find_compiler()
@@ -419,6 +417,7 @@ def build_many_in_cache(
     """:func:`build_in_cache` for several libraries at once -> library -> (path, compile wall seconds of the
     batch, was cached).  The missing ones are compiled together, one pool of compilers for all their units
     (each unit once): one after the other, a core would idle while each library's largest unit finishes."""
+    _check_libraries(libraries)
     sources = _read_sources() if sources is None else sources
     if d is None:
         try:
@@ -451,6 +450,12 @@ def build_many_in_cache(
             print(f"flashot: compiled in {secs:.1f} s (cached for later runs)", file=sys.stderr, flush=True)
     out.update({lib: (p, secs, False) for lib, p in todo.items()})
     return out
+
+
+def _check_libraries(libraries: tuple[str, ...]) -> None:
+    for library in libraries:
+        if library not in LIBRARIES:
+            raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
 
 
 def _describe(libraries: list[str]) -> str:
@@ -566,8 +571,7 @@ def dtype_suffix(dtype: object) -> str:
 
 def load_library(library: str, *, quiet: bool = False) -> ctypes.CDLL:
     """Build if needed and load one of :data:`LIBRARIES` (once per process). Raises :class:`BuildError`."""
-    if library not in LIBRARIES:
-        raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
+    _check_libraries((library,))
     with _LOAD_LOCK:
         if library not in _LIBS:
             lib, info = _open(library, quiet)
