@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -68,9 +69,42 @@ def test_wheel_variants_follow_the_platform_and_the_setting(monkeypatch):
     assert wheel.wheel_variants("linux_x86_64", "x86-64-v3, x86-64-v2")[0] == ["x86-64-v3", "x86-64-v2"]
     with pytest.raises(build.BuildError, match="armv8-a not a variant of linux_x86_64"):
         wheel.wheel_variants("linux_x86_64", "armv8-a")
+    monkeypatch.setattr(wheel, "compiler_for", lambda v: "c++")  # a compiler for each: every level
+    assert wheel.wheel_variants("linux_x86_64", None) == (list(ALL), [])
+    assert wheel.wheel_variants("linux_x86_64", "auto") == (list(ALL), [])
     monkeypatch.setattr(wheel, "compiler_for", lambda v: None)  # no compiler: a source-only wheel
     got, notes = wheel.wheel_variants("linux_x86_64", None)
     assert got == [] and len(notes) == 3
+
+
+def _predefined(cxx: str, march: str) -> set[str]:
+    out = subprocess.run(
+        [cxx, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True, timeout=60
+    ).stdout
+    return {ln.split()[1] for ln in out.splitlines() if ln.startswith("#define ")}
+
+
+def test_native_compiles_the_code_paths_of_the_x86_64_v4_level():
+    """The kernels choose their code paths by instruction-set macros that x86-64-v4 defines, never by one that
+    only -march=native defines on this CPU (an AVX-512 CPU defines many more: VNNI, BF16, VBMI, ...).  So on an
+    AVX-512 CPU the default run's native build compiles the v4 level's code paths (the tuning differs, not the
+    code), and the wheel test need not compile that level a second time (tests/docs/test_packaging.py)."""
+    import platform
+
+    cxx = build.find_compiler()
+    if cxx is None or prebuilt.arch(platform.machine()) != "x86_64":
+        pytest.skip("needs a C++ compiler on an x86-64 machine")
+    src = os.path.dirname(build.__file__)
+    used = set()
+    for name in build.SOURCES:
+        with open(os.path.join(src, name)) as f:
+            for line in f:
+                if re.match(r"\s*#\s*(if|elif)", line):
+                    used |= set(re.findall(r"\b(__[A-Za-z0-9_]+__)\b", line))
+    baseline, v4, native = (_predefined(cxx, m) for m in ("x86-64", "x86-64-v4", "native"))
+    assert "__AVX512F__" in used and "__AVX512F__" in v4  # the test sees the sources' macros
+    only_native = sorted(m for m in used & (native - baseline) if m not in v4)
+    assert not only_native, f"kernel code paths chosen by macros x86-64-v4 does not define: {only_native}"
 
 
 # ---- loading: only from the package directory --------------------------------------------------

@@ -1,0 +1,54 @@
+"""Compile the ``cpu`` engine's libraries for this machine into the kernel cache, with any Python 3 and no torch.
+
+tests/ci.sh runs it while pip installs the environment (pip keeps one core busy, the compilers take the
+other), so the default run's first-use compile (tests/conftest.py) finds the libraries cached.  It compiles
+what a process with the same environment compiles at first use: the same sources, ``FLASHOT_CPU_MARCH``
+(native when unset), compiler and cache directory (``FLASHOT_CACHE_DIR`` or ``~/.cache/flashot``), through
+the same function (``flashot.ops.cpu.build.build_all``).  ``flashot.ops.cpu`` imports nothing but the
+standard library; it is loaded from the source tree under a private name, as setup.py loads it.
+
+Exit status 0 when the libraries are cached or built, or when there is no C++ compiler (nothing to do: the
+test run then reports the cpu engine's fallback); 1 when the build fails (the message is printed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import time
+
+CPU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "flashot", "ops", "cpu")
+
+
+def _build_module():
+    name = "_flashot_cpu_prebuild"
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(CPU, "__init__.py"), submodule_search_locations=[CPU]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return importlib.import_module(name + ".build")
+
+
+def main() -> int:
+    build = _build_module()
+    if build.find_compiler() is None:
+        print("flashot kernels: no C++ compiler on PATH: nothing built")
+        return 0
+    t0 = time.perf_counter()
+    try:
+        built = build.build_all(quiet=True)
+    except build.BuildError as e:
+        print(f"flashot kernels: the build failed: {str(e)[:2000]}")
+        return 1
+    fresh = [lib for lib, (_, _, cached, _) in built.items() if not cached]
+    what = f"compiled {', '.join(fresh)}" if fresh else "all cached"
+    print(f"flashot kernels ({build.march()}): {what} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
