@@ -3,8 +3,9 @@
 #   1. set up: Debian's chromium for the docs site's browser test (as root; where it cannot be installed,
 #      tests/docs/test_docs_site.py skips its browser checks with a message), then .venv (CPU build of torch,
 #      the package editable, the test extras, the docs requirements).  While pip installs (it keeps one core
-#      busy), the kernels compile on the other: the AArch64 cross-compile of step 2 and the native libraries
-#      of the default run (tests/native/build_kernels.py, into the kernel cache; cached ones are reused)
+#      busy), the kernels compile on the other: the native libraries of the default run
+#      (tests/native/build_kernels.py, into the kernel cache; cached ones are reused), then the AArch64
+#      cross-compile of step 2
 #   2. AArch64: the kernels cross-compiled and checked under qemu-user (skipped, with a message,
 #      where the Debian packages cannot be installed); its output is shown once pip is done
 #   3. the default run: everything but the slow tests (two pytest-xdist workers, one torch thread
@@ -26,22 +27,26 @@ if ! command -v chromium >/dev/null 2>&1; then  # before run_arm64.sh below: one
   fi
 fi
 start=$(date +%s)
-echo "== set-up: .venv (pip), with the AArch64 cross-compile and the native kernels compiling beside it"
-arm_log=$(mktemp)
-bash tests/native/run_arm64.sh >"$arm_log" 2>&1 &
-arm_pid=$!
-python3 tests/native/build_kernels.py &
+echo "== set-up: .venv (pip), with the native kernels and the AArch64 cross-compile compiling beside it"
+logs=$(mktemp -d)
+# one job after the other, niced: pip keeps its core, the compilers take the rest (one per core each)
+# (a failed native build is the default run's to report: its first-use compile tries again and says why)
+{ nice -n 10 python3 tests/native/build_kernels.py >"$logs/native" 2>&1 || true
+  rc=0
+  nice -n 10 bash tests/native/run_arm64.sh >"$logs/arm64" 2>&1 || rc=$?
+  echo "$rc" >"$logs/arm64.rc"; } &
 kernels_pid=$!
-trap 'kill "$arm_pid" "$kernels_pid" 2>/dev/null; rm -f "$arm_log"' EXIT  # a failed pip install stops them
+trap 'kill "$kernels_pid" 2>/dev/null; rm -rf "$logs"' EXIT  # a failed pip install stops them
 python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 -e ".[test]" -r docs/requirements.txt
-wait "$kernels_pid" || echo "   (the native kernels' build failed: the default run reports why)"
-arm_rc=0
-wait "$arm_pid" || arm_rc=$?
+echo "   pip done after $(( $(date +%s) - start )) s"
+wait "$kernels_pid"
 trap - EXIT
+sed 's/^/   /' "$logs/native"
+arm_rc=$(cat "$logs/arm64.rc" 2>/dev/null || echo 1)
 echo "== AArch64 kernels under qemu-user (after $(( $(date +%s) - start )) s)"
-cat "$arm_log"
-rm -f "$arm_log"
+cat "$logs/arm64"
+rm -rf "$logs"
 [ "$arm_rc" -eq 0 ] || echo "== the AArch64 check FAILED (exit status $arm_rc): the run goes on, and fails at the end"
 echo "== default run: pytest -q -n 2 (after $(( $(date +%s) - start )) s; two pytest-xdist workers; the 20 slowest tests listed at the end)"
 .venv/bin/python -m pytest -q -n 2 --durations=20
