@@ -7,8 +7,13 @@ what a process with the same environment compiles at first use: the same sources
 the same function (``flashot.ops.cpu.build.build_all``).  ``flashot.ops.cpu`` imports nothing but the
 standard library; it is loaded from the source tree under a private name, as setup.py loads it.
 
+With arguments (``build_kernels.py x86-64-v3 x86-64-v2``) it compiles those ``-march`` levels instead, the
+ones the slow tests rebuild the engine for (tests/ops/test_isa_matrix.py, test_cpu_build.py, the wheel of
+tests/docs/test_packaging.py), under the key those tests' builds use (``build.build_many_in_cache``); a
+level this CPU cannot run is skipped with a message, as those tests skip it.
+
 Exit status 0 when the libraries are cached or built, or when there is no C++ compiler (nothing to do: the
-test run then reports the cpu engine's fallback); 1 when the build fails (the message is printed).
+test run then reports the cpu engine's fallback); 1 when a build fails (the message is printed).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import platform
 import sys
 import time
 
@@ -33,22 +39,33 @@ def _build_module():
     return importlib.import_module(name + ".build")
 
 
-def main() -> int:
+def main(levels: list[str]) -> int:
     build = _build_module()
-    if build.find_compiler() is None:
+    cxx = build.find_compiler()
+    if cxx is None:
         print("flashot kernels: no C++ compiler on PATH: nothing built")
         return 0
-    t0 = time.perf_counter()
-    try:
-        built = build.build_all(quiet=True)
-    except build.BuildError as e:
-        print(f"flashot kernels: the build failed: {str(e)[:2000]}")
-        return 1
-    fresh = [lib for lib, (_, _, cached, _) in built.items() if not cached]
-    what = f"compiled {', '.join(fresh)}" if fresh else "all cached"
-    print(f"flashot kernels ({build.march()}): {what} in {time.perf_counter() - t0:.1f} s")
-    return 0
+    prebuilt = importlib.import_module(build.__package__ + ".prebuilt")
+    status = 0
+    for level in levels or [None]:
+        if level is not None and not prebuilt.runs_on(level, build.cpu_flags(), platform.machine()):
+            print(f"flashot kernels ({level}): skipped, this CPU does not run it")
+            continue
+        t0 = time.perf_counter()
+        try:
+            if level is None:  # what a first use compiles
+                built = {lib: r[:3] for lib, r in build.build_all(quiet=True).items()}
+            else:
+                built = build.build_many_in_cache(tuple(build.LIBRARIES), level, cxx)
+        except build.BuildError as e:
+            print(f"flashot kernels ({level or build.march()}): the build failed: {str(e)[:2000]}")
+            status = 1
+            continue
+        fresh = [lib for lib, (_, _, cached) in built.items() if not cached]
+        what = f"compiled {', '.join(fresh)}" if fresh else "all cached"
+        print(f"flashot kernels ({level or build.march()}): {what} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
