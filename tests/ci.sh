@@ -52,7 +52,7 @@ python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 -e ".[test]" -r docs/requirements.txt
 echo "   pip done after $(( $(date +%s) - start )) s"
 while [ ! -e "$logs/native.done" ] && kill -0 "$kernels_pid" 2>/dev/null; do sleep 1; done
-sed 's/^/   /' "$logs/native"
+[ ! -s "$logs/native" ] || sed 's/^/   /' "$logs/native"
 echo "== default run: pytest -q -n 2 (after $(( $(date +%s) - start )) s; two pytest-xdist workers; the 20 slowest tests listed at the end)"
 .venv/bin/python -m pytest -q -n 2 --durations=20
 echo "== slow tests: pytest -q -m slow (after $(( $(date +%s) - start )) s)"
