@@ -6,7 +6,7 @@
 #      busy) a chain of kernel jobs starts at the lowest priority and runs through the whole script, taking
 #      only the CPU the rest leaves idle: the native libraries of the default run (tests/native/build_kernels.py,
 #      into the kernel cache; the default run waits for them), then the x86-64-v3 and v2 libraries the slow
-#      tests rebuild the engine for (a slow test that needs one first waits for it, or compiles it), then the
+#      tests rebuild the engine for (skipped where the CPU cannot run them) (a slow test that needs one first waits for it, or compiles it), then the
 #      AArch64 check of step 4
 #   2. the default run: everything but the slow tests (two pytest-xdist workers, one torch thread
 #      each: most tests are small, so two workers keep both cores busy where one test would not)
@@ -31,7 +31,6 @@ fi
 start=$(date +%s)
 echo "== set-up: .venv (pip); the kernel jobs start beside it at the lowest priority (nice 19)"
 logs=$(mktemp -d)
-case "$(uname -m)" in x86_64|amd64) levels="x86-64-v3 x86-64-v2" ;; *) levels="" ;; esac
 # (a failed native build is the default run's to report: its first-use compile tries again and says why)
 # (monitor mode gives them their own process group, to stop them as one; not setsid: a new session is
 # a new scheduler autogroup where the kernel enables those, and an autogroup gets its own share of the
@@ -40,10 +39,10 @@ set -m
 bash -c '
   nice -n 19 python3 tests/native/build_kernels.py >"$1/native" 2>&1 || true
   touch "$1/native.done"
-  [ -z "$2" ] || nice -n 19 python3 tests/native/build_kernels.py $2 >"$1/levels" 2>&1 || true
+  nice -n 19 python3 tests/native/build_kernels.py x86-64-v3 x86-64-v2 >"$1/levels" 2>&1 || true
   rc=0
   nice -n 19 bash tests/native/run_arm64.sh >"$1/arm64" 2>&1 || rc=$?
-  echo "$rc" >"$1/arm64.rc"' kernel-jobs "$logs" "$levels" &
+  echo "$rc" >"$1/arm64.rc"' kernel-jobs "$logs" &
 kernels_pid=$!
 set +m
 # a failed step stops the kernel jobs, compilers included (their own process group)

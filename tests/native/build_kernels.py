@@ -10,7 +10,8 @@ standard library; it is loaded from the source tree under a private name, as set
 With arguments (``build_kernels.py x86-64-v3 x86-64-v2``) it compiles those ``-march`` levels instead, the
 ones the slow tests rebuild the engine for (tests/ops/test_isa_matrix.py, test_cpu_build.py, the wheel of
 tests/docs/test_packaging.py), under the key those tests' builds use (``build.build_many_in_cache``); a
-level this CPU cannot run is skipped with a message, as those tests skip it.
+level this CPU cannot run (any x86-64 level on another architecture) is skipped with a message, as those
+tests skip it.
 
 Exit status 0 when the libraries are cached or built, or when there is no C++ compiler (nothing to do: the
 test run then reports the cpu engine's fallback); 1 when a build fails (the message is printed).
@@ -51,19 +52,19 @@ def main(levels: list[str]) -> int:
         if level is not None and not prebuilt.runs_on(level, build.cpu_flags(), platform.machine()):
             print(f"flashot kernels ({level}): skipped, this CPU does not run it")
             continue
-        t0 = time.perf_counter()
+        name, t0 = level or build.march(), time.perf_counter()
         try:
             if level is None:  # what a first use compiles
                 built = {lib: r[:3] for lib, r in build.build_all(quiet=True).items()}
             else:
                 built = build.build_many_in_cache(tuple(build.LIBRARIES), level, cxx)
         except build.BuildError as e:
-            print(f"flashot kernels ({level or build.march()}): the build failed: {str(e)[:2000]}")
+            print(f"flashot kernels ({name}): the build failed: {str(e)[:2000]}")
             status = 1
             continue
         fresh = [lib for lib, (_, _, cached) in built.items() if not cached]
         what = f"compiled {', '.join(fresh)}" if fresh else "all cached"
-        print(f"flashot kernels ({level or build.march()}): {what} in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"flashot kernels ({name}): {what} in {time.perf_counter() - t0:.1f} s", flush=True)
     return status
 
 
