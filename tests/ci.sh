@@ -74,7 +74,9 @@ pip_cfg() {  # pip's setting $1 as pip applies it (its environment variable over
 reqs=(torch==2.13.0 -e ".[test]" -r docs/requirements.txt)
 installed=
 if .venv/bin/pip install -q uv >"$logs/uv" 2>&1; then
-  uv_args=(--python .venv/bin/python --index-strategy unsafe-best-match)  # pip's rule: the best version of any index
+  # pip's rules: the best version of any index, and every module compiled to bytecode at install (a venv
+  # without it compiles torch's sources in every process that imports it where PYTHONDONTWRITEBYTECODE is set)
+  uv_args=(--python .venv/bin/python --index-strategy unsafe-best-match --compile-bytecode)
   v=$(pip_cfg index-url); [ -z "$v" ] || uv_args+=(--index-url "$v")
   for v in $(pip_cfg extra-index-url); do uv_args+=(--extra-index-url "$v"); done
   for v in $(pip_cfg find-links); do uv_args+=(--find-links "$v"); done
