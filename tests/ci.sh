@@ -81,8 +81,9 @@ if .venv/bin/pip install -q uv >"$logs/uv" 2>&1; then
   for v in $(pip_cfg extra-index-url); do uv_args+=(--extra-index-url "$v"); done
   for v in $(pip_cfg find-links); do uv_args+=(--find-links "$v"); done
   v=$(pip_cfg constraint); [ -z "$v" ] || uv_args+=(--constraint "$v")
-  cert=$(pip_cfg cert)
-  if SSL_CERT_FILE="${cert:-${SSL_CERT_FILE:-}}" .venv/bin/uv pip install -q "${uv_args[@]}" "${reqs[@]}" >>"$logs/uv" 2>&1; then
+  cert=$(pip_cfg cert) uv_env=()
+  [ -z "$cert" ] || uv_env=(SSL_CERT_FILE="$cert")  # pip's certificate bundle, where it has one
+  if env "${uv_env[@]}" .venv/bin/uv pip install -q "${uv_args[@]}" "${reqs[@]}" >>"$logs/uv" 2>&1; then
     installed=uv
   else
     echo "   uv failed ($(tail -n 1 "$logs/uv")): pip installs instead"
