@@ -20,6 +20,10 @@
 #      Debian packages cannot be installed); its output is shown at the end, and its failure fails the run
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python's default: bytecode cached at first import.  Where PYTHONDONTWRITEBYTECODE is set, every process
+# of the run (pytest's workers, the subprocess tests, the distributed ranks) would compile torch's sources
+# anew: several seconds of CPU each.
+unset PYTHONDONTWRITEBYTECODE
 start=$(date +%s)
 logs=$(mktemp -d)
 since() { echo "$(( $(date +%s) - start )) s"; }
@@ -74,9 +78,9 @@ pip_cfg() {  # pip's setting $1 as pip applies it (its environment variable over
 reqs=(torch==2.13.0 -e ".[test]" -r docs/requirements.txt)
 installed=
 if .venv/bin/pip install -q uv >"$logs/uv" 2>&1; then
-  # pip's rules: the best version of any index, and every module compiled to bytecode at install (a venv
-  # without it compiles torch's sources in every process that imports it where PYTHONDONTWRITEBYTECODE is set)
-  uv_args=(--python .venv/bin/python --index-strategy unsafe-best-match --compile-bytecode)
+  # pip's rule: the best version of any index.  (Unlike pip, uv compiles no bytecode at install: Python
+  # writes it at first import instead, for the modules the run imports; see PYTHONDONTWRITEBYTECODE above)
+  uv_args=(--python .venv/bin/python --index-strategy unsafe-best-match)
   v=$(pip_cfg index-url); [ -z "$v" ] || uv_args+=(--index-url "$v")
   for v in $(pip_cfg extra-index-url); do uv_args+=(--extra-index-url "$v"); done
   for v in $(pip_cfg find-links); do uv_args+=(--find-links "$v"); done
