@@ -15,7 +15,8 @@
 #        that is left then is needed before the end
 #   2. the default run: everything but the slow tests (two pytest-xdist workers, one torch thread
 #      each: most tests are small, so two workers keep both cores busy where one test would not)
-#   3. the slow tests: large sizes, and the engine suites rebuilt for x86-64-v3 and x86-64-v2
+#   3. the slow tests: large sizes, and the engine suites rebuilt for x86-64-v3 and x86-64-v2 (v3's skipped where
+#      the native build compiles the same kernel paths: AVX2 without AVX-512)
 #   4. AArch64: the kernels cross-compiled and checked under qemu-user (skipped, with a message, where the
 #      Debian packages cannot be installed); its output is shown at the end, and its failure fails the run
 set -euo pipefail
