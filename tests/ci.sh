@@ -9,8 +9,9 @@
 #        pip's own index settings, so it takes the packages pip would; pip itself where uv cannot be had or fails
 #      - at the lowest priority, a chain of kernel jobs that runs through the whole script: the native
 #        libraries of the default run (tests/native/build_kernels.py, into the kernel cache; the default run
-#        waits for them), the x86-64-v3 and v2 libraries the slow tests rebuild the engine for (skipped where
-#        the CPU cannot run them; a slow test that needs one first waits for it, or compiles it), then the
+#        waits for them), the x86-64-v2 and v3 libraries the slow tests rebuild the engine for (v2 first: its
+#        engine suite is the longest slow test; skipped where the CPU cannot run them; a slow test that needs
+#        one first waits for it, or compiles it), then the
 #        AArch64 check of step 4.  The chain returns to normal priority when the slow tests start: all
 #        that is left then is needed before the end
 #   2. the default run: everything but the slow tests (two pytest-xdist workers, one torch thread
@@ -61,7 +62,7 @@ set -m
 nice -n 19 bash -c '
   python3 tests/native/build_kernels.py >"$1/native" 2>&1 || true
   touch "$1/native.done"
-  python3 tests/native/build_kernels.py x86-64-v3 x86-64-v2 >"$1/levels" 2>&1 || true
+  python3 tests/native/build_kernels.py x86-64-v2 x86-64-v3 >"$1/levels" 2>&1 || true
   while [ ! -e "$1/apt.done" ]; do sleep 1; done  # run_arm64.sh would install what is missing: one apt-get at a time
   rc=0
   bash tests/native/run_arm64.sh >"$1/arm64" 2>&1 || rc=$?

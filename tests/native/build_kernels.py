@@ -7,7 +7,7 @@ what a process with the same environment compiles at first use: the same sources
 the same function (``flashot.ops.cpu.build.build_all``).  ``flashot.ops.cpu`` imports nothing but the
 standard library; it is loaded from the source tree under a private name, as setup.py loads it.
 
-With arguments (``build_kernels.py x86-64-v3 x86-64-v2``) it compiles those ``-march`` levels instead, the
+With arguments (``build_kernels.py x86-64-v2 x86-64-v3``) it compiles those ``-march`` levels instead, the
 ones the slow tests rebuild the engine for (tests/ops/test_isa_matrix.py, test_cpu_build.py, the wheel of
 tests/docs/test_packaging.py), under the key those tests' builds use (``build.build_many_in_cache``); a
 level this CPU cannot run (any x86-64 level on another architecture) is skipped with a message, as those
