@@ -27,13 +27,8 @@ def test_divergence_symmetric_zero_on_diagonal_nonnegative(kw):
     """S(a, b) = S(b, a), S(a, a) = 0 and S >= 0 on four pairs of clouds, given as one batch of four (each
     entry its own problem: the values equal one call per pair to 4e-15, measured, in a third of the time)."""
     L = flashot.SamplesLoss("sinkhorn", blur=0.3, tol=1e-12, max_iter=20_000, **kw)
-    (x, a), (y, b) = (
-        [torch.stack(t) for t in zip(*clouds)]
-        for clouds in (
-            [_cloud(12, seed) for seed in range(4)],
-            [_cloud(15, seed + 100, shift=0.2 * seed) for seed in range(4)],
-        )
-    )
+    x, a = (torch.stack(t) for t in zip(*[_cloud(12, seed) for seed in range(4)]))
+    y, b = (torch.stack(t) for t in zip(*[_cloud(15, seed + 100, shift=0.2 * seed) for seed in range(4)]))
     sab, sba, saa = L(a, x, b, y), L(b, y, a, x), L(a, x, a, x)
     assert sab.shape == (4,)
     for i in range(4):
